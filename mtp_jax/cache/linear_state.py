@@ -1,0 +1,43 @@
+"""Gated DeltaNet state pool: one recurrent state and one conv window per slot and GDN layer.
+
+recurrent: ``[slots, Hv, Dk, Dv]`` float32 per layer.
+conv:      ``[slots, conv_dim, K-1]`` per layer, the last K-1 raw (pre-conv) inputs, model dtype.
+Slot 0 is the trash slot used by padding rows; requests get slots 1..slots-1.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+TRASH_SLOT = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class LinearState:
+    recurrent: tuple[jax.Array, ...]
+    conv: tuple[jax.Array, ...]
+
+    @classmethod
+    def zeros(cls, num_layers: int, slots: int, hv: int, dk: int, dv: int, conv_dim: int,
+              kernel: int, dtype) -> "LinearState":
+        return cls(
+            recurrent=tuple(jnp.zeros((slots, hv, dk, dv), jnp.float32) for _ in range(num_layers)),
+            conv=tuple(jnp.zeros((slots, conv_dim, kernel - 1), dtype) for _ in range(num_layers)))
+
+    def gather(self, slots: jax.Array) -> "LinearState":
+        """The states of ``slots [B]`` (a batch view, ``[B, ...]`` per layer)."""
+        return LinearState(tuple(r[slots] for r in self.recurrent), tuple(c[slots] for c in self.conv))
+
+    def scatter(self, slots: jax.Array, batch: "LinearState") -> "LinearState":
+        """Write a batch view back at ``slots [B]``."""
+        return LinearState(
+            tuple(r.at[slots].set(b) for r, b in zip(self.recurrent, batch.recurrent)),
+            tuple(c.at[slots].set(b.astype(c.dtype)) for c, b in zip(self.conv, batch.conv)))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in self.recurrent + self.conv)

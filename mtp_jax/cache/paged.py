@@ -1,0 +1,73 @@
+"""Paged KV pool and the per-forward metadata that addresses it.
+
+Layout: one ``[num_pages, page_size, num_kv_heads, head_dim]`` array per attention layer for K
+and for V. Position ``p`` of a request lives at ``page_table[row, p // page_size]``, offset
+``p % page_size``. Page 0 is never given to a request: rows that must not write anything a live
+request can read (padding rows of a bucket, padding tokens of a prefill) write there.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+TRASH_PAGE = 0
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class PagedKV:
+    """K and V pages, a tuple with one array per attention layer, each
+    ``[num_pages, page_size, Hkv, D]``."""
+
+    k: tuple[jax.Array, ...]
+    v: tuple[jax.Array, ...]
+
+    @classmethod
+    def zeros(cls, num_layers: int, num_pages: int, page_size: int, num_kv_heads: int,
+              head_dim: int, dtype) -> "PagedKV":
+        shape = (num_pages, page_size, num_kv_heads, head_dim)
+        return cls(k=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)),
+                   v=tuple(jnp.zeros(shape, dtype) for _ in range(num_layers)))
+
+    @property
+    def page_size(self) -> int:
+        return self.k[0].shape[1] if self.k else 0
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in self.k + self.v)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class AttentionBatch:
+    """Where the rows of one forward sit in the paged pools.
+
+    positions:  ``[B, T]`` int32, absolute position of each row.
+    valid:      ``[B, T]`` bool, rows whose K/V (and recurrent updates) are real; invalid rows
+                write to the trash page and leave every state unchanged.
+    page_table: ``[B, max_pages]`` int32, pages of each request (trash page for padding rows).
+    """
+
+    positions: jax.Array
+    valid: jax.Array
+    page_table: jax.Array
+
+
+def write_kv(pages: jax.Array, new: jax.Array, batch: AttentionBatch) -> jax.Array:
+    """Scatter ``new [B, T, Hkv, D]`` into ``pages [P, page_size, Hkv, D]`` at the rows' positions.
+
+    Invalid rows go to the trash page. Returns the updated pages (donate the input to update in
+    place).
+    """
+    num_pages, page_size = pages.shape[:2]
+    page_idx = jnp.clip(batch.positions // page_size, 0, batch.page_table.shape[1] - 1)
+    page = jnp.take_along_axis(batch.page_table, page_idx, axis=1)
+    slot = page * page_size + batch.positions % page_size
+    slot = jnp.where(batch.valid, slot, TRASH_PAGE * page_size)
+    flat = pages.reshape(num_pages * page_size, *pages.shape[2:])
+    flat = flat.at[slot.reshape(-1)].set(new.reshape(-1, *new.shape[2:]).astype(pages.dtype))
+    return flat.reshape(pages.shape)

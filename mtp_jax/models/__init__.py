@@ -1,0 +1,1 @@
+"""Model families and the registry mapping an architecture to its modules."""

@@ -1,0 +1,56 @@
+"""Gated full attention of the Qwen3.5 family over the paged KV pool.
+
+    q, gate = split_per_head(q_proj x)        # per head [query(D) | gate(D)]
+    q = rope(q_norm(q)); k = rope(k_norm(k_proj x)); v = v_proj x
+    out = o_proj(attention(q, k, v) * sigmoid(gate))
+
+Partial NeoX rotary on the first ``head_dim * partial_rotary_factor`` dims; GQA.
+Source: HF transformers ``qwen3_5`` (``Qwen3_5Attention``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.cache.paged import AttentionBatch, write_kv
+from mtp_jax.config import ModelConfig
+from mtp_jax.models.layers.basic import Linear, RMSNorm
+from mtp_jax.models.layers.rotary import apply_rotary
+from pallas_kernels.paged_attention import paged_attention
+
+
+class GatedAttention(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
+                                                            cfg.num_key_value_heads, d)
+        self.rotary_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
+        self.q_proj = Linear(h, 2 * self.num_heads * d, dtype)
+        self.k_proj = Linear(h, self.num_kv_heads * d, dtype)
+        self.v_proj = Linear(h, self.num_kv_heads * d, dtype)
+        self.o_proj = Linear(self.num_heads * d, h, dtype)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+
+    def __call__(self, x: jax.Array, batch: AttentionBatch, kv: tuple[jax.Array, jax.Array]):
+        """``x [B, T, H]``; ``kv`` = this layer's ``(k_pages, v_pages)``.
+
+        Writes the rows' K/V at their positions, then attends causally over the pages.
+        Returns ``(out [B, T, H], (k_pages, v_pages))``.
+        """
+        b, t, _ = x.shape
+        d = self.head_dim
+        qg = self.q_proj(x).reshape(b, t, self.num_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:]
+        q = apply_rotary(self.q_norm(q), batch.positions, self.rotary_dim, self.rope_theta)
+        k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d))
+        k = apply_rotary(k, batch.positions, self.rotary_dim, self.rope_theta)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
+        k_pages, v_pages = write_kv(kv[0], k, batch), write_kv(kv[1], v, batch)
+        o = paged_attention(q, k_pages, v_pages, batch.page_table, batch.positions,
+                            scale=d ** -0.5)
+        o = o.reshape(b, t, self.num_heads * d) * jax.nn.sigmoid(
+            gate.reshape(b, t, -1).astype(jnp.float32)).astype(o.dtype)
+        return self.o_proj(o), (k_pages, v_pages)

@@ -1,0 +1,146 @@
+"""Gated DeltaNet (``linear_attention`` layers) of the Qwen3.5 family.
+
+    qkv = conv_silu(in_proj_qkv x)            # causal depthwise conv, kernel K, state = K-1 raw rows
+    q, k = l2norm(q), l2norm(k); q *= Dk**-0.5; q, k heads repeated (interleaved) to Hv
+    beta = sigmoid(in_proj_b x);  g = -exp(A_log) * softplus(in_proj_a x + dt_bias)
+    o = gated_delta_rule(q, k, v, g, beta)    # pallas_kernels.gdn.reference
+    out = out_proj(norm(o) * w * silu(in_proj_z x))
+
+Three uses: ``prefill`` (chunked form, writes the state), ``verify`` (step form, leaves the live
+state untouched and returns the per-row inputs) and :func:`commit` (replays the accepted rows
+of a verify onto the live state with the step form, so the result equals decoding them one by
+one). Source: HF transformers ``qwen3_5`` (``Qwen3_5GatedDeltaNet``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.config import ModelConfig
+from mtp_jax.models.layers.basic import Linear, rms_normalize
+from pallas_kernels.gdn.reference import gdn_chunked_reference, gdn_recurrent_reference
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GDNRows:
+    """Per-row recurrence inputs of a verify window, kept for the commit.
+
+    q, k: ``[B, T, Hv, Dk]`` f32; v: ``[B, T, Hv, Dv]`` f32; g, beta: ``[B, T, Hv]`` f32;
+    qkv: ``[B, T, conv_dim]`` raw conv inputs (model dtype).
+    """
+
+    q: jax.Array
+    k: jax.Array
+    v: jax.Array
+    g: jax.Array
+    beta: jax.Array
+    qkv: jax.Array
+
+
+def conv_window(conv_state: jax.Array, qkv: jax.Array, length: jax.Array) -> jax.Array:
+    """New conv window after consuming the first ``length [B]`` rows of ``qkv [B, T, C]``.
+
+    ``conv_state [B, C, K-1]`` holds the last K-1 raw inputs; the result holds the K-1 raw
+    inputs ending at row ``length - 1`` (unchanged when ``length`` is 0).
+    """
+    km1 = conv_state.shape[-1]
+    ext = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2), qkv.astype(conv_state.dtype)], axis=1)
+    take = lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, km1, axis=0)
+    return jnp.swapaxes(jax.vmap(take)(ext, length), 1, 2)
+
+
+def commit(state: tuple[jax.Array, jax.Array], rows: GDNRows, length: jax.Array):
+    """Apply the first ``length [B]`` rows of a verify window to ``(recurrent, conv)``.
+
+    Rows at or past ``length`` get ``g = 0, beta = 0`` and so leave the state unchanged exactly.
+    """
+    recurrent, conv = state
+    keep = jnp.arange(rows.g.shape[1])[None, :] < length[:, None]
+    g = jnp.where(keep[..., None], rows.g, 0.0)
+    beta = jnp.where(keep[..., None], rows.beta, 0.0)
+    _, recurrent = gdn_recurrent_reference(rows.q, rows.k, rows.v, g, beta, recurrent)
+    return recurrent, conv_window(conv, rows.qkv, length)
+
+
+class GatedDeltaNet(nnx.Module):
+    def __init__(self, cfg: ModelConfig, dtype):
+        h = cfg.hidden_size
+        self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
+        self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
+        self.kernel, self.eps = cfg.linear_conv_kernel_dim, cfg.rms_norm_eps
+        conv_dim = cfg.linear_conv_dim
+        self.in_proj_qkv = Linear(h, conv_dim, dtype)
+        self.in_proj_z = Linear(h, self.hv * self.dv, dtype)
+        self.in_proj_b = Linear(h, self.hv, dtype)
+        self.in_proj_a = Linear(h, self.hv, dtype)
+        self.conv1d = _Conv(conv_dim, self.kernel, dtype)
+        self.A_log = nnx.Param(jnp.zeros((self.hv,), jnp.float32))
+        self.dt_bias = nnx.Param(jnp.zeros((self.hv,), jnp.float32))
+        self.norm = _GatedNormWeight(self.dv, dtype)
+        self.out_proj = Linear(self.hv * self.dv, h, dtype)
+
+    def _rows(self, x: jax.Array, conv_state: jax.Array, valid: jax.Array) -> GDNRows:
+        b, t, _ = x.shape
+        qkv = self.in_proj_qkv(x)
+        w = self.conv1d.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
+        ext = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(jnp.float32),
+                               qkv.astype(jnp.float32)], axis=1)  # [B, K-1+T, C]
+        conv = sum(ext[:, j:j + t] * w[:, j] for j in range(self.kernel))
+        conv = jax.nn.silu(conv).astype(x.dtype).astype(jnp.float32)
+        kd = self.hk * self.dk
+        q = conv[..., :kd].reshape(b, t, self.hk, self.dk)
+        k = conv[..., kd:2 * kd].reshape(b, t, self.hk, self.dk)
+        v = conv[..., 2 * kd:].reshape(b, t, self.hv, self.dv)
+        l2 = lambda a: a * jax.lax.rsqrt(jnp.sum(a * a, axis=-1, keepdims=True) + 1e-6)
+        rep = self.hv // self.hk
+        q = jnp.repeat(l2(q), rep, axis=2) * (self.dk ** -0.5)
+        k = jnp.repeat(l2(k), rep, axis=2)
+        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
+        a = self.in_proj_a(x).astype(jnp.float32)
+        g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
+            a + self.dt_bias[...].astype(jnp.float32))
+        g = jnp.where(valid[..., None], g, 0.0)
+        beta = jnp.where(valid[..., None], beta, 0.0)
+        return GDNRows(q=q, k=k, v=v, g=g, beta=beta, qkv=qkv)
+
+    def _output(self, o: jax.Array, x: jax.Array) -> jax.Array:
+        b, t, _ = x.shape
+        z = self.in_proj_z(x).reshape(b, t, self.hv, self.dv).astype(jnp.float32)
+        y = rms_normalize(o, self.eps).astype(x.dtype) * self.norm.weight[...]
+        y = (y.astype(jnp.float32) * jax.nn.silu(z)).astype(x.dtype)
+        return self.out_proj(y.reshape(b, t, self.hv * self.dv))
+
+    def prefill(self, x, state, valid):
+        """Chunked form over ``x [B, T, H]``; rows where ``valid [B, T]`` is False (a padded
+        tail) change nothing. ``state = (recurrent [B,Hv,Dk,Dv], conv [B,C,K-1])``.
+        Returns ``(out [B, T, H], new state)``."""
+        recurrent, conv = state
+        rows = self._rows(x, conv, valid)
+        o, recurrent = gdn_chunked_reference(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent)
+        length = jnp.sum(valid, axis=1).astype(jnp.int32)
+        return self._output(o, x), (recurrent, conv_window(conv, rows.qkv, length))
+
+    def verify(self, x, state, valid):
+        """Step form over the rows of a verify window from the live state, which it does not
+        change. Returns ``(out [B, T, H], GDNRows)`` for :func:`commit`."""
+        recurrent, conv = state
+        rows = self._rows(x, conv, valid)
+        o, _ = gdn_recurrent_reference(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent)
+        return self._output(o, x), rows
+
+
+class _Conv(nnx.Module):
+    def __init__(self, channels: int, kernel: int, dtype):
+        self.weight = nnx.Param(jnp.zeros((channels, 1, kernel), dtype))
+
+
+class _GatedNormWeight(nnx.Module):
+    """The GDN output norm's plain (not zero-centred) weight ``[Dv]``."""
+
+    def __init__(self, dim: int, dtype):
+        self.weight = nnx.Param(jnp.ones((dim,), dtype))

@@ -1,0 +1,198 @@
+"""Build a model, fill it from a checkpoint folder (or random weights), and the research API.
+
+``load_model(path, dtype)`` returns a :class:`LoadedModel` whose ``forward`` and
+``mtp_forward`` are jit-able functions of token ids and hidden states (no cache to manage).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+from flax import nnx
+
+from mtp_jax.cache.linear_state import LinearState
+from mtp_jax.cache.paged import AttentionBatch, PagedKV
+from mtp_jax.config import ConfigError, ModelConfig
+from mtp_jax.models.registry import model_spec
+from mtp_jax.weights import names
+from mtp_jax.weights.safetensors_reader import load_tensors
+
+DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
+_NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
+
+
+def resolve_dtype(dtype: str | None) -> str:
+    """``None``/``"auto"``: bfloat16 on an accelerator, float32 on CPU."""
+    if dtype in (None, "auto"):
+        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
+    name = getattr(jnp.dtype(dtype), "name", str(dtype)) if not isinstance(dtype, str) else dtype
+    if name not in DTYPES:
+        raise ConfigError(f"dtype {dtype!r} is not supported; use bfloat16, float16 or float32.")
+    return name
+
+
+def param_name(path) -> str:
+    return ".".join(str(p) for p in path)
+
+
+def abstract_model(cfg: ModelConfig, dtype: str, with_mtp: bool):
+    """``(graphdef, abstract state)`` of the model, no memory allocated."""
+    spec = model_spec(cfg)
+    module = nnx.eval_shape(lambda: spec.build(cfg, DTYPES[dtype], with_mtp))
+    return nnx.split(module)
+
+
+def expected_tensors(abstract_state) -> dict[str, tuple[tuple[int, ...], object]]:
+    """Canonical name -> (shape, dtype) of every parameter."""
+    return {param_name(p): (tuple(v.shape), v.dtype)
+            for p, v in nnx.to_flat_state(abstract_state)}
+
+
+def fill_state(abstract_state, arrays: dict[str, jax.Array]):
+    """Replace every abstract parameter by ``arrays[name]``."""
+    flat = [(p, v.replace(arrays[param_name(p)])) for p, v in nnx.to_flat_state(abstract_state)]
+    return nnx.from_flat_state(flat)
+
+
+def random_arrays(expected, seed: int = 0) -> dict[str, jax.Array]:
+    """Random weights (``--dummy-weight``): normal*0.02 matrices, zero-centred norms ~0,
+    GDN decay parameters in their usual ranges."""
+    rng = np.random.default_rng(seed)
+    out = {}
+    for name, (shape, dtype) in expected.items():
+        if name.endswith("A_log"):
+            a = np.log(rng.uniform(1, 16, shape))
+        elif name.endswith("dt_bias"):
+            a = rng.uniform(-1, 1, shape) * 0.5
+        elif name.endswith("linear_attn.norm.weight"):
+            a = np.ones(shape)
+        elif len(shape) == 1:
+            a = rng.normal(0, 0.02, shape)
+        else:
+            a = rng.normal(0, 0.02, shape) * (5.0 if "embed_tokens" in name else 1.0)
+        out[name] = jnp.asarray(a, dtype)
+    return out
+
+
+@dataclasses.dataclass
+class LoadedModel:
+    """A model with its parameters.
+
+    Attributes:
+      cfg: the :class:`ModelConfig`.
+      dtype: ``"float32" | "bfloat16" | "float16"``.
+      graphdef, params: the split nnx model; programs take ``params`` and merge inside jit.
+      has_mtp: whether the ``mtp.*`` draft was loaded.
+    """
+
+    cfg: ModelConfig
+    dtype: str
+    graphdef: object
+    params: object
+    has_mtp: bool
+
+    def module(self, params=None):
+        return nnx.merge(self.graphdef, self.params if params is None else params)
+
+    @functools.cached_property
+    def _forward(self):
+        return jax.jit(_forward_fn, static_argnums=(0,))
+
+    @functools.cached_property
+    def _mtp_forward(self):
+        return jax.jit(_mtp_forward_fn, static_argnums=(0,))
+
+    def forward(self, input_ids):
+        """Full forward without a cache.
+
+        Args: ``input_ids [B, T]`` int.
+        Returns: ``(logits [B, T, V] float32, hidden_states [B, T, H])``, hidden after the final
+        norm (what the LM head reads), in the model dtype.
+        """
+        return self._forward(self.graphdef, self.params, jnp.asarray(input_ids, jnp.int32))
+
+    def mtp_forward(self, hidden_states, next_token_ids):
+        """Teacher-forced MTP draft rows at positions ``0..T-1``.
+
+        Args: ``hidden_states [B, T, H]`` (target hidden after the final norm, or a previous
+        ``mtp_hidden`` row for a chained step), ``next_token_ids [B, T]`` (token t+1 per row).
+        Returns: ``(logits [B, T, V] float32, mtp_hidden [B, T, H])`` (``mtp_hidden`` after
+        ``mtp.norm``). Raises ``ValueError`` when the model was loaded without its draft.
+        """
+        if not self.has_mtp:
+            raise ValueError("this model was loaded without its mtp.* draft; use "
+                             "load_model(path, with_mtp=True).")
+        return self._mtp_forward(self.graphdef, self.params, jnp.asarray(hidden_states),
+                                 jnp.asarray(next_token_ids, jnp.int32))
+
+
+def _scratch_batch(b: int, t: int, page_size: int = 16):
+    """Pages 1.. for each row (page 0 is the trash page) and positions 0..T-1."""
+    per_row = -(-t // page_size)
+    table = 1 + jnp.arange(b * per_row, dtype=jnp.int32).reshape(b, per_row)
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    return AttentionBatch(pos, jnp.ones((b, t), bool), table), 1 + b * per_row
+
+
+def _forward_fn(graphdef, params, ids):
+    model = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    b, t = ids.shape
+    batch, num_pages = _scratch_batch(b, t)
+    dtype = model.embed_tokens.weight.dtype
+    kv = PagedKV.zeros(len(cfg.full_layer_ids), num_pages, 16, cfg.num_key_value_heads,
+                       cfg.head_dim, dtype)
+    gdn = LinearState.zeros(len(cfg.linear_layer_ids), b, cfg.linear_num_value_heads,
+                            cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                            cfg.linear_conv_dim, cfg.linear_conv_kernel_dim, dtype)
+    hidden, _, _ = model(ids, batch, kv, gdn, "prefill")
+    return model.logits(hidden), hidden
+
+
+def _mtp_forward_fn(graphdef, params, hidden, next_ids):
+    model = nnx.merge(graphdef, params)
+    cfg = model.cfg
+    b, t = next_ids.shape
+    batch, num_pages = _scratch_batch(b, t)
+    dtype = model.embed_tokens.weight.dtype
+    kv = PagedKV.zeros(cfg.mtp_num_hidden_layers, num_pages, 16, cfg.num_key_value_heads,
+                       cfg.head_dim, dtype)
+    z, _ = model.mtp(model.embed_tokens, hidden, next_ids, batch, kv)
+    return model.logits(z), z
+
+
+def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp: bool = True,
+               dummy_weight: bool = False, seed: int = 0, cfg: ModelConfig | None = None,
+               device=None) -> LoadedModel:
+    """Load a Qwen3.5-family checkpoint folder.
+
+    Args:
+      path: HF checkpoint folder (``config.json`` + ``*.safetensors``).
+      dtype: ``"auto"`` (bf16 on GPU, f32 on CPU), ``"bfloat16"``, ``"float16"``, ``"float32"``.
+      with_mtp: also load the ``mtp.*`` draft (only when the config declares an MTP layer).
+      dummy_weight: random weights instead of the checkpoint's (for benchmarks/tests).
+    Raises:
+      ConfigError: bad config (before any tensor is read); CheckpointError: bad files or
+      missing/unexpected tensors.
+    """
+    cfg = cfg or ModelConfig.from_folder(path)
+    dtype = resolve_dtype(dtype)
+    with_mtp = with_mtp and cfg.has_mtp
+    graphdef, abstract = abstract_model(cfg, dtype, with_mtp)
+    expected = expected_tensors(abstract)
+    if dummy_weight:
+        arrays = random_arrays(expected, seed)
+    else:
+        shapes = {n: s for n, (s, _) in expected.items()}
+        arrays = load_tensors(path, cfg, shapes, dtype=_NP_DTYPES[dtype],
+                              put=lambda a: jax.device_put(a, device), include_mtp=with_mtp)
+        # A few parameters (GDN A_log, dt_bias) are float32 whatever the model dtype.
+        arrays = {n: a if a.dtype == expected[n][1] else a.astype(expected[n][1])
+                  for n, a in arrays.items()}
+    params = fill_state(abstract, arrays)
+    return LoadedModel(cfg=cfg, dtype=dtype, graphdef=graphdef, params=params, has_mtp=with_mtp)

@@ -1,0 +1,122 @@
+"""The Qwen3.5-family target model as Flax (nnx) modules.
+
+Parameter paths equal the canonical tensor names of :mod:`mtp_jax.weights.names`
+(``layers.3.self_attn.q_proj.weight`` ...), so a checkpoint fills the model name for name.
+
+The model is pure over explicit state: a forward takes the paged KV of its attention layers and
+the batch view of its GDN states and returns their new values; nothing is stored on the module.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.cache.linear_state import LinearState
+from mtp_jax.cache.paged import AttentionBatch, PagedKV
+from mtp_jax.config import ModelConfig
+from mtp_jax.models.layers.attention import GatedAttention
+from mtp_jax.models.layers.basic import Embed, Linear, RMSNorm
+from mtp_jax.models.layers.gdn import GatedDeltaNet, GDNRows, commit
+from mtp_jax.models.layers.mlp import MLP, SparseMoE
+
+
+class DecoderLayer(nnx.Module):
+    """``h = x + mixer(input_layernorm(x)); y = h + mlp(post_attention_layernorm(h))``."""
+
+    def __init__(self, cfg: ModelConfig, layer_type: str, dtype, cache_index: int):
+        h = cfg.hidden_size
+        self.layer_type = layer_type
+        self.cache_index = cache_index  # index into the KV tuple or the GDN tuple
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        if layer_type == "full_attention":
+            self.self_attn = GatedAttention(cfg, dtype)
+        else:
+            self.linear_attn = GatedDeltaNet(cfg, dtype)
+        self.mlp = SparseMoE(cfg, dtype) if cfg.is_moe else MLP(h, cfg.intermediate_size, dtype)
+
+    def mix(self, x, batch: AttentionBatch, kv, gdn, gdn_mode: str):
+        """Run the token mixer. ``kv``: this layer's ``(k_pages, v_pages)`` (attention layers);
+        ``gdn``: its ``(recurrent, conv)`` batch view (GDN layers). Returns
+        ``(out, new kv or None, new gdn state or GDNRows or None)``."""
+        hn = self.input_layernorm(x)
+        if self.layer_type == "full_attention":
+            out, kv = self.self_attn(hn, batch, kv)
+            return out, kv, None
+        if gdn_mode == "prefill":
+            out, gdn = self.linear_attn.prefill(hn, gdn, batch.valid)
+        else:
+            out, gdn = self.linear_attn.verify(hn, gdn, batch.valid)
+        return out, None, gdn
+
+    def __call__(self, x, batch, kv=None, gdn=None, gdn_mode="prefill"):
+        out, kv, gdn = self.mix(x, batch, kv, gdn, gdn_mode)
+        h = x + out
+        return h + self.mlp(self.post_attention_layernorm(h)), kv, gdn
+
+
+class Qwen35Model(nnx.Module):
+    """Embedding, decoder layers, final norm, LM head and (optionally) the ``mtp`` draft."""
+
+    def __init__(self, cfg: ModelConfig, dtype, with_mtp: bool = False):
+        from mtp_jax.models.qwen3_5.mtp import MTPDraft
+
+        self.cfg = cfg
+        self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype)
+        layers, n_attn, n_gdn = [], 0, 0
+        for t in cfg.layer_types:
+            idx = n_attn if t == "full_attention" else n_gdn
+            layers.append(DecoderLayer(cfg, t, dtype, idx))
+            n_attn += t == "full_attention"
+            n_gdn += t != "full_attention"
+        self.layers = nnx.List(layers)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size,
+                                                                    cfg.vocab_size, dtype)
+        self.mtp = MTPDraft(cfg, dtype) if with_mtp else None
+
+    def logits(self, hidden: jax.Array) -> jax.Array:
+        """``hidden [..., H]`` (after the final norm) -> ``logits [..., V]`` float32."""
+        if self.lm_head is None:
+            return self.embed_tokens.attend(hidden).astype(jnp.float32)
+        return self.lm_head(hidden).astype(jnp.float32)
+
+    def __call__(self, input_ids: jax.Array, batch: AttentionBatch, kv: PagedKV,
+                 gdn: LinearState, gdn_mode: str = "prefill"):
+        """Target forward.
+
+        Args:
+          input_ids: ``[B, T]`` int32.
+          batch: row positions / validity / page tables.
+          kv: the target's paged KV (all attention layers).
+          gdn: GDN state batch view ``[B, ...]`` per layer.
+          gdn_mode: ``"prefill"`` (chunked form, returns the new states) or ``"verify"``
+            (step form, states untouched, returns ``GDNRows`` per GDN layer for :meth:`commit`).
+        Returns:
+          ``(hidden [B, T, H] after the final norm, new kv, new LinearState | tuple[GDNRows])``.
+        """
+        x = self.embed_tokens(input_ids)
+        ks, vs = list(kv.k), list(kv.v)
+        rec, conv = list(gdn.recurrent), list(gdn.conv)
+        rows: list[GDNRows] = [None] * len(rec)
+        for layer in self.layers:
+            i = layer.cache_index
+            if layer.layer_type == "full_attention":
+                x, (ks[i], vs[i]), _ = layer(x, batch, kv=(ks[i], vs[i]))
+            else:
+                x, _, out = layer(x, batch, gdn=(rec[i], conv[i]), gdn_mode=gdn_mode)
+                if gdn_mode == "prefill":
+                    rec[i], conv[i] = out
+                else:
+                    rows[i] = out
+        new_kv = PagedKV(tuple(ks), tuple(vs))
+        new_gdn = LinearState(tuple(rec), tuple(conv)) if gdn_mode == "prefill" else tuple(rows)
+        return self.norm(x), new_kv, new_gdn
+
+    @staticmethod
+    def commit(gdn: LinearState, rows: tuple[GDNRows, ...], length: jax.Array) -> LinearState:
+        """Apply the first ``length [B]`` verify rows of every GDN layer to the batch view."""
+        out = [commit((r, c), w, length) for r, c, w in zip(gdn.recurrent, gdn.conv, rows)]
+        return LinearState(tuple(o[0] for o in out), tuple(o[1] for o in out))

@@ -1,0 +1,583 @@
+"""Read an HF safetensors checkpoint folder into canonical, converted arrays.
+
+The reader parses the safetensors format itself: an 8-byte little-endian header length, a JSON
+header (``name -> {dtype, shape, data_offsets}`` plus an optional ``__metadata__``), then the raw
+little-endian data. Tensor bytes are reached through a read-only ``mmap`` of each file and
+converted with ``astype`` one tensor at a time, so the host holds about one converted tensor (or
+one expert stack being assembled) beyond what ``put`` keeps. Parsing the header ourselves gives
+bfloat16 support through ``ml_dtypes`` on every ``safetensors`` version (its numpy framework does
+not handle BF16 reliably) and lets a truncated or corrupt file fail with a message naming it.
+
+Everything that can be checked from the headers (missing, duplicate, unexpected tensors, shapes,
+stored dtypes, incomplete expert sets) is checked before any tensor data is read.
+
+Stored layouts accepted (see ``mtp_jax.weights.names`` for the canonical names):
+
+* prefixes ``model.language_model.`` (composite) and ``model.`` (text-only); ``model.visual.*``
+  and other towers are skipped, as are ``*.rotary_emb.inv_freq`` buffers and an ``lm_head.weight``
+  stored by a checkpoint whose config ties embeddings;
+* MoE experts fused (``mlp.experts.gate_up_proj [E, 2I, H]``, ``mlp.experts.down_proj
+  [E, H, I]``; the same names with a ``.weight`` suffix are accepted too, as some re-exports add
+  it) or per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``), stacked here into the fused
+  form with gate rows first; layouts may differ between layers of one checkpoint;
+* stored dtypes F16, BF16, F32 (and F64). Quantized formats (FP8, NVFP4, int) are refused with a
+  message naming the tensor.
+"""
+
+from __future__ import annotations
+
+import glob
+import json
+import math
+import mmap
+import os
+import re
+from dataclasses import dataclass
+from typing import Any, Callable, Iterable
+
+import ml_dtypes
+import numpy as np
+from tqdm import tqdm
+
+from mtp_jax.config import ModelConfig
+from mtp_jax.weights import names as _names
+
+__all__ = ["CheckpointError", "TensorInfo", "load_tensors", "list_tensor_names",
+           "read_header", "checkpoint_files"]
+
+INDEX_FILE = "model.safetensors.index.json"
+SINGLE_FILE = "model.safetensors"
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # the limit the safetensors format itself sets
+_LIST_LIMIT = 20
+
+# Stored dtypes this reader converts (little-endian, as the format prescribes).
+_FLOAT_DTYPES: dict[str, np.dtype] = {
+    "F16": np.dtype("<f2"),
+    "BF16": np.dtype(ml_dtypes.bfloat16),
+    "F32": np.dtype("<f4"),
+    "F64": np.dtype("<f8"),
+}
+# Byte sizes of other known dtypes, used only to validate headers.
+_OTHER_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
+                   "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8, "C64": 8}
+
+_EXPERT_RE = re.compile(
+    r"^(?P<p>.*)mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)\.weight$")
+_FUSED_SUFFIXES = ("mlp.experts.gate_up_proj", "mlp.experts.down_proj")
+_QUANT_AUX_SUFFIXES = (".weight_scale_inv", ".weight_scale", ".weight_scale_2", ".input_scale",
+                       ".weight_packed", ".weight_global_scale", ".qweight", ".scales",
+                       ".qzeros", ".g_idx")
+
+
+class CheckpointError(ValueError):
+    """A checkpoint folder that cannot be loaded; the message names the file(s) and tensor(s)."""
+
+
+@dataclass(frozen=True)
+class TensorInfo:
+    """One tensor's header entry. ``start``/``end`` are absolute byte offsets in ``file``."""
+
+    name: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    start: int
+    end: int
+
+
+# --------------------------------------------------------------------------------------------
+# Files and headers
+# --------------------------------------------------------------------------------------------
+
+def _no_duplicate_keys(pairs):
+    out = {}
+    for k, v in pairs:
+        if k in out:
+            raise CheckpointError(f"duplicate key {k!r}")
+        out[k] = v
+    return out
+
+
+def read_header(path: str) -> dict[str, TensorInfo]:
+    """Parse and validate the header of one ``.safetensors`` file (no tensor data is read).
+
+    Raises :class:`CheckpointError` naming the file if it is short, truncated, or its header is
+    not valid safetensors JSON.
+    """
+    def bad(why: str) -> CheckpointError:
+        return CheckpointError(f"{path}: {why}. The file is truncated or corrupt (an incomplete "
+                               "download?); fetch it again.")
+
+    try:
+        size = os.path.getsize(path)
+        with open(path, "rb") as f:
+            head = f.read(8)
+            if len(head) < 8:
+                raise bad(f"only {size} bytes long, too short for a safetensors header")
+            hlen = int.from_bytes(head, "little")
+            if hlen > size - 8:
+                raise bad(f"header length field says {hlen} bytes but only {size - 8} bytes "
+                          "follow it")
+            if hlen > _MAX_HEADER_BYTES:
+                raise bad(f"header length {hlen} exceeds the format's {_MAX_HEADER_BYTES}-byte "
+                          "limit")
+            raw = f.read(hlen)
+    except OSError as e:
+        raise CheckpointError(f"cannot read {path}: {e}") from e
+    try:
+        header = json.loads(raw.decode("utf-8"), object_pairs_hook=_no_duplicate_keys)
+    except CheckpointError as e:
+        raise bad(f"header JSON has a {e}") from None
+    except (UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise bad(f"header is not valid JSON ({e})") from None
+    if not isinstance(header, dict):
+        raise bad("header is not a JSON object")
+
+    data_start = 8 + hlen
+    data_len = size - data_start
+    out: dict[str, TensorInfo] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(meta, dict):
+            raise bad(f"header entry {name!r} is not an object")
+        dtype, shape, offs = meta.get("dtype"), meta.get("shape"), meta.get("data_offsets")
+        if not isinstance(dtype, str):
+            raise bad(f"tensor {name!r} has no dtype string")
+        if (not isinstance(shape, list)
+                or not all(isinstance(d, int) and not isinstance(d, bool) and d >= 0
+                           for d in shape)):
+            raise bad(f"tensor {name!r} has invalid shape {shape!r}")
+        if (not isinstance(offs, list) or len(offs) != 2
+                or not all(isinstance(o, int) and not isinstance(o, bool) for o in offs)
+                or not 0 <= offs[0] <= offs[1]):
+            raise bad(f"tensor {name!r} has invalid data_offsets {offs!r}")
+        if offs[1] > data_len:
+            raise bad(f"tensor {name!r} ends at data byte {offs[1]} but the data section holds "
+                      f"only {data_len} bytes")
+        itemsize = (_FLOAT_DTYPES[dtype].itemsize if dtype in _FLOAT_DTYPES
+                    else _OTHER_ITEMSIZE.get(dtype))
+        if itemsize is not None and offs[1] - offs[0] != math.prod(shape) * itemsize:
+            raise bad(f"tensor {name!r} ({dtype}, shape {shape}) needs "
+                      f"{math.prod(shape) * itemsize} bytes but its data_offsets span "
+                      f"{offs[1] - offs[0]}")
+        out[name] = TensorInfo(name, path, dtype, tuple(shape), data_start + offs[0],
+                               data_start + offs[1])
+    return out
+
+
+def _read_index(folder: str) -> dict[str, str] | None:
+    """``weight_map`` of the folder's index file, or None when there is none."""
+    path = os.path.join(folder, INDEX_FILE)
+    if not os.path.isfile(path):
+        return None
+    try:
+        with open(path) as f:
+            index = json.load(f)
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as e:
+        raise CheckpointError(f"cannot parse {path}: {e}. Fetch the index file again.") from e
+    wm = index.get("weight_map") if isinstance(index, dict) else None
+    if not isinstance(wm, dict) or not all(isinstance(k, str) and isinstance(v, str)
+                                           for k, v in wm.items()):
+        raise CheckpointError(f"{path} has no valid 'weight_map' (tensor name -> shard file).")
+    return wm
+
+
+def checkpoint_files(folder: str) -> tuple[list[str], dict[str, str] | None]:
+    """The folder's safetensors files (names relative to ``folder``) and its index weight_map.
+
+    Order of preference: ``model.safetensors.index.json`` (the shards it names, whether or not
+    they exist on disk), a single ``model.safetensors``, every ``*.safetensors``. Raises
+    :class:`CheckpointError` when the folder holds none.
+    """
+    if not os.path.isdir(folder):
+        raise CheckpointError(f"checkpoint path {folder!r} is not a folder.")
+    wm = _read_index(folder)
+    if wm is not None:
+        return sorted(set(wm.values())), wm
+    if os.path.isfile(os.path.join(folder, SINGLE_FILE)):
+        return [SINGLE_FILE], None
+    files = sorted(os.path.basename(p) for p in glob.glob(os.path.join(folder, "*.safetensors")))
+    if not files:
+        raise CheckpointError(f"{folder} holds no {INDEX_FILE}, no {SINGLE_FILE} and no "
+                              "*.safetensors files; pass a folder with the checkpoint's weights.")
+    return files, None
+
+
+def list_tensor_names(folder: str) -> dict[str, str]:
+    """Disk tensor name -> file name (relative to ``folder``), reading only metadata.
+
+    With an index file this is its ``weight_map`` (no shard is opened, so it works on a
+    partially downloaded folder); otherwise the headers of the safetensors files are read (if two
+    files hold one name, the first file in sorted order is reported).
+    """
+    files, wm = checkpoint_files(folder)
+    if wm is not None:
+        return dict(wm)
+    out: dict[str, str] = {}
+    for fn in files:
+        for name in read_header(os.path.join(folder, fn)):
+            out.setdefault(name, fn)
+    return out
+
+
+# --------------------------------------------------------------------------------------------
+# Messages
+# --------------------------------------------------------------------------------------------
+
+def _few(items: Iterable[str], limit: int = _LIST_LIMIT) -> str:
+    items = list(items)
+    s = ", ".join(items[:limit])
+    if len(items) > limit:
+        s += f", ... ({len(items) - limit} more)"
+    return s
+
+
+def _where(t: TensorInfo) -> str:
+    return f"{t.name!r} in {os.path.basename(t.file)}"
+
+
+def _config_keys(canonical: str) -> tuple[str, ...]:
+    """ModelConfig fields that determine the shape of a canonical tensor."""
+    n = canonical
+    if n.startswith("mtp.") and n.count(".") <= 2:  # mtp.fc / mtp norms
+        return ("hidden_size",)
+    if n in ("embed_tokens.weight", "lm_head.weight"):
+        return ("vocab_size", "hidden_size")
+    table = [
+        ("self_attn.q_proj.", ("num_attention_heads", "head_dim", "hidden_size")),
+        ("self_attn.k_proj.", ("num_key_value_heads", "head_dim", "hidden_size")),
+        ("self_attn.v_proj.", ("num_key_value_heads", "head_dim", "hidden_size")),
+        ("self_attn.o_proj.", ("hidden_size", "num_attention_heads", "head_dim")),
+        ("self_attn.q_norm.", ("head_dim",)),
+        ("self_attn.k_norm.", ("head_dim",)),
+        ("linear_attn.in_proj_qkv.", ("linear_num_key_heads", "linear_key_head_dim",
+                                      "linear_num_value_heads", "linear_value_head_dim",
+                                      "hidden_size")),
+        ("linear_attn.conv1d.", ("linear_num_key_heads", "linear_key_head_dim",
+                                 "linear_num_value_heads", "linear_value_head_dim",
+                                 "linear_conv_kernel_dim")),
+        ("linear_attn.in_proj_z.", ("linear_num_value_heads", "linear_value_head_dim",
+                                    "hidden_size")),
+        ("linear_attn.out_proj.", ("hidden_size", "linear_num_value_heads",
+                                   "linear_value_head_dim")),
+        ("linear_attn.in_proj_a.", ("linear_num_value_heads", "hidden_size")),
+        ("linear_attn.in_proj_b.", ("linear_num_value_heads", "hidden_size")),
+        ("linear_attn.A_log", ("linear_num_value_heads",)),
+        ("linear_attn.dt_bias", ("linear_num_value_heads",)),
+        ("linear_attn.norm.", ("linear_value_head_dim",)),
+        ("mlp.experts.", ("num_experts", "moe_intermediate_size", "hidden_size")),
+        ("mlp.shared_expert_gate.", ("hidden_size",)),
+        ("mlp.shared_expert.", ("shared_expert_intermediate_size", "hidden_size")),
+        ("mlp.gate.weight", ("num_experts", "hidden_size")),
+        ("mlp.", ("intermediate_size", "hidden_size")),
+    ]
+    for key, fields in table:
+        if key in n:
+            return fields
+    return ("hidden_size",)
+
+
+def _keys_text(cfg: ModelConfig, canonical: str) -> str:
+    return ", ".join(f"{k}={getattr(cfg, k)}" for k in _config_keys(canonical))
+
+
+def _shape_text(shape: Iterable[int]) -> str:
+    return "[" + ", ".join(str(d) for d in shape) + "]"
+
+
+# --------------------------------------------------------------------------------------------
+# Loading
+# --------------------------------------------------------------------------------------------
+
+def _read_raw(mm: mmap.mmap, t: TensorInfo) -> np.ndarray:
+    """A read-only view of one stored tensor in its stored dtype (no copy)."""
+    dt = _FLOAT_DTYPES[t.dtype]
+    return np.frombuffer(mm, dtype=dt, count=math.prod(t.shape), offset=t.start).reshape(t.shape)
+
+
+class _Files:
+    """Lazily opened read-only maps of the checkpoint files; close() releases them."""
+
+    def __init__(self):
+        self._open: dict[str, tuple[Any, mmap.mmap | None]] = {}
+
+    def get(self, path: str) -> mmap.mmap | None:
+        if path not in self._open:
+            f = open(path, "rb")
+            mm = mmap.mmap(f.fileno(), 0, access=mmap.ACCESS_READ) if os.fstat(
+                f.fileno()).st_size else None
+            self._open[path] = (f, mm)
+        return self._open[path][1]
+
+    def close(self, path: str | None = None) -> None:
+        """Release one file's map (``path``) or all of them."""
+        for p in ([path] if path is not None else list(self._open)):
+            if p not in self._open:
+                continue
+            f, mm = self._open.pop(p)
+            if mm is not None:
+                try:
+                    mm.close()
+                except BufferError:  # a view is still alive somewhere; GC releases the map
+                    pass
+            f.close()
+
+
+def _read(files: _Files, t: TensorInfo) -> np.ndarray:
+    if math.prod(t.shape) == 0:
+        return np.zeros(t.shape, _FLOAT_DTYPES[t.dtype])
+    return _read_raw(files.get(t.file), t)
+
+
+@dataclass
+class _Plan:
+    canonical: str
+    shape: tuple[int, ...]
+    single: TensorInfo | None = None
+    # per-expert parts: (expert index, row slice start, row slice stop, tensor)
+    parts: list[tuple[int, int, int, TensorInfo]] | None = None
+
+    def first(self) -> TensorInfo:
+        return self.single if self.single is not None else min(
+            (p[3] for p in self.parts), key=lambda t: (t.file, t.start))
+
+
+def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, ...]], *,
+                 dtype, put: Callable[[np.ndarray], Any] | None = None, include_mtp: bool,
+                 desc: str = "Loading") -> dict[str, Any]:
+    """Load every tensor of ``expected`` (canonical name -> shape) from a safetensors folder.
+
+    ``dtype``: numpy dtype the arrays are converted to (``np.float32``, ``ml_dtypes.bfloat16``,
+    ``np.float16``). ``put``: applied to each finished numpy array (e.g. ``jax.device_put``); its
+    result is what the returned dict holds (default: the numpy array). ``include_mtp``: when
+    False, ``mtp.*`` tensors on disk are ignored (their data is never read) and ``expected`` must
+    hold none. Per-expert MoE tensors are stacked into the canonical fused form.
+
+    Raises :class:`CheckpointError` listing every problem found in the headers (missing,
+    duplicate, unexpected tensors, shape or dtype mismatches, incomplete expert sets) before any
+    tensor data is read.
+    """
+    dtype = np.dtype(dtype)
+    put = put if put is not None else (lambda a: a)
+    expected = {k: tuple(int(d) for d in v) for k, v in expected.items()}
+    if not include_mtp:
+        bad = [k for k in expected if k.startswith("mtp.")]
+        if bad:
+            raise ValueError(f"include_mtp=False but expected holds mtp.* tensors: {_few(bad)}")
+
+    def wanted(disk: str) -> str | None:
+        c = _names.canonical_name(disk)
+        if c is None or c.endswith("rotary_emb.inv_freq"):
+            return None
+        if c.startswith("mtp.") and not include_mtp:
+            return None
+        if (c == "lm_head.weight" and cfg.tie_word_embeddings
+                and "lm_head.weight" not in expected):
+            return None  # a tied checkpoint that also stores the (identical) head
+        return c
+
+    # ---- which files to open --------------------------------------------------------------
+    files, wm = checkpoint_files(folder)
+    if wm is not None:
+        need = sorted({f for d, f in wm.items() if wanted(d) is not None})
+        missing_shards = [f for f in need if not os.path.isfile(os.path.join(folder, f))]
+        if missing_shards:
+            per = {f: [d for d, g in wm.items() if g == f and wanted(d) is not None]
+                   for f in missing_shards}
+            detail = "; ".join(f"{f} (holds {len(v)} needed tensors, e.g. {v[0]!r})"
+                               for f, v in per.items())
+            raise CheckpointError(
+                f"{os.path.join(folder, INDEX_FILE)} names shard(s) missing from {folder}: "
+                f"{detail}. The download is incomplete; fetch the missing shard(s).")
+        files = need
+
+    # ---- headers -> candidates ------------------------------------------------------------
+    single: dict[str, list[TensorInfo]] = {}
+    parts: dict[str, dict[tuple[int, str], list[TensorInfo]]] = {}
+    unexpected: list[TensorInfo] = []
+    index_mismatch: list[str] = []
+    for fn in files:
+        header = read_header(os.path.join(folder, fn))
+        if wm is not None:
+            index_mismatch += [f"{d!r} (index says {fn})" for d, f in wm.items()
+                               if f == fn and d not in header and wanted(d) is not None]
+        for disk, t in header.items():
+            c = wanted(disk)
+            if c is None:
+                continue
+            if c in expected:
+                single.setdefault(c, []).append(t)
+                continue
+            if (c.endswith(".weight") and c[:-7].endswith(_FUSED_SUFFIXES)
+                    and c[:-7] in expected):
+                single.setdefault(c[:-7], []).append(t)
+                continue
+            m = _EXPERT_RE.match(c)
+            if m:
+                proj = m["proj"]
+                target = m["p"] + ("mlp.experts.down_proj" if proj == "down_proj"
+                                   else "mlp.experts.gate_up_proj")
+                if target in expected and len(expected[target]) == 3:
+                    parts.setdefault(target, {}).setdefault((int(m["e"]), proj), []).append(t)
+                    continue
+            unexpected.append(t)
+
+    # ---- checks ---------------------------------------------------------------------------
+    problems: list[str] = []
+    duplicates: list[str] = []
+    missing: list[str] = []
+    expert_gaps: list[str] = []
+    shape_errors: list[str] = []
+    dtype_errors: list[str] = []
+    plans: list[_Plan] = []
+
+    def check_dtype(t: TensorInfo, canonical: str) -> bool:
+        if t.dtype in _FLOAT_DTYPES:
+            return True
+        dtype_errors.append(f"{_where(t)} (for {canonical}) is stored as {t.dtype}")
+        return False
+
+    for c, shape in expected.items():
+        s, p = single.get(c, []), parts.get(c, {})
+        if len(s) > 1:
+            duplicates.append(f"{c} is stored more than once: " + ", ".join(_where(t) for t in s))
+            continue
+        if s and p:
+            other = next(iter(p.values()))[0]
+            duplicates.append(f"{c} is stored both fused as {_where(s[0])} and per expert "
+                              f"(e.g. {_where(other)})")
+            continue
+        if s:
+            t = s[0]
+            if not check_dtype(t, c):
+                continue
+            if t.shape != shape:
+                shape_errors.append(
+                    f"{_where(t)} (canonical {c}) has shape {_shape_text(t.shape)} but the "
+                    f"config expects {_shape_text(shape)} (from {_keys_text(cfg, c)})")
+                continue
+            plans.append(_Plan(c, shape, single=t))
+            continue
+        if not p:
+            missing.append(c)
+            continue
+        # per-expert stack
+        n_exp = shape[0]
+        fused_down = c.endswith("down_proj")
+        projs = ("down_proj",) if fused_down else ("gate_proj", "up_proj")
+        part_shape = shape[1:] if fused_down else (shape[1] // 2, shape[2])
+        ok = True
+        chosen: list[tuple[int, int, int, TensorInfo]] = []
+        for (e, proj), ts in sorted(p.items()):
+            if len(ts) > 1:
+                duplicates.append(f"expert {e} {proj} of {c} is stored more than once: "
+                                  + ", ".join(_where(t) for t in ts))
+                ok = False
+                continue
+            t = ts[0]
+            if e >= n_exp:
+                unexpected.append(t)  # reported with the unexpected tensors (num_experts)
+                ok = False
+                continue
+            if not check_dtype(t, c):
+                ok = False
+                continue
+            if t.shape != part_shape:
+                shape_errors.append(
+                    f"{_where(t)} (expert {e} of {c}) has shape {_shape_text(t.shape)} but "
+                    f"stacking into {_shape_text(shape)} needs {_shape_text(part_shape)} "
+                    f"(from {_keys_text(cfg, c)})")
+                ok = False
+                continue
+            row0 = part_shape[0] if proj == "up_proj" else 0
+            chosen.append((e, row0, row0 + part_shape[0], t))
+        for proj in projs:
+            gaps = [e for e in range(n_exp) if (e, proj) not in p]
+            if gaps:
+                expert_gaps.append(f"{c}: per-expert {proj} missing for expert(s) "
+                                   f"{_few(str(e) for e in gaps)} of {n_exp} "
+                                   f"(num_experts={cfg.num_experts})")
+                ok = False
+        if ok:
+            plans.append(_Plan(c, shape, parts=chosen))
+
+    if dtype_errors:
+        problems.append(
+            f"{len(dtype_errors)} tensor(s) have a stored dtype this reader does not convert "
+            f"(it reads F16, BF16, F32; quantized formats such as FP8 or NVFP4 are not supported "
+            f"by this reader yet): {_few(dtype_errors)}")
+    if duplicates:
+        problems.append(f"{len(duplicates)} tensor(s) found more than once: {_few(duplicates)}")
+    if missing:
+        hint = ""
+        if all(m.startswith("mtp.") for m in missing):
+            hint = (" The checkpoint seems to hold no (complete) MTP weights; run without MTP "
+                    "(speculative_algorithm='none') or pass a draft model path.")
+        elif "lm_head.weight" in missing and len(missing) == 1:
+            hint = (" If the checkpoint ties its embeddings, config.json should set "
+                    "tie_word_embeddings=true.")
+        problems.append(f"{len(missing)} expected tensor(s) missing: {_few(missing)}.{hint}")
+    if shape_errors:
+        problems.append(f"{len(shape_errors)} tensor(s) have the wrong shape (does config.json "
+                        f"match the checkpoint?): {_few(shape_errors)}")
+    if expert_gaps:
+        problems.append(f"incomplete per-expert weights: {_few(expert_gaps)}")
+    def is_mtp(t: TensorInfo) -> bool:
+        return (_names.canonical_name(t.name) or "").startswith("mtp.")
+
+    mtp_unexp = [t for t in unexpected if is_mtp(t)]
+    other_unexp = [t for t in unexpected if not is_mtp(t)]
+    if mtp_unexp:
+        problems.append(
+            f"{len(mtp_unexp)} mtp.* tensor(s) in the checkpoint were not consumed (does "
+            f"mtp_num_hidden_layers={cfg.mtp_num_hidden_layers} / num_experts={cfg.num_experts} "
+            f"match the checkpoint?): {_few(_where(t) for t in mtp_unexp)}")
+    if other_unexp:
+        quant = any(t.name.endswith(_QUANT_AUX_SUFFIXES) for t in other_unexp + mtp_unexp)
+        qhint = (" Names like *.weight_scale* indicate a quantized checkpoint; quantized formats "
+                 "are not supported by this reader yet.") if quant else ""
+        problems.append(
+            f"{len(other_unexp)} tensor(s) in the checkpoint are not expected by the config "
+            f"(a config/checkpoint mismatch, e.g. num_hidden_layers={cfg.num_hidden_layers}, "
+            f"layer_types, num_experts={cfg.num_experts}, tie_word_embeddings="
+            f"{cfg.tie_word_embeddings}): {_few(_where(t) for t in other_unexp)}.{qhint}")
+    if index_mismatch:
+        problems.append(f"{INDEX_FILE} lists tensor(s) that are not in the shard it names: "
+                        f"{_few(index_mismatch)}")
+    if problems:
+        raise CheckpointError(f"cannot load checkpoint {folder}:\n- " + "\n- ".join(problems))
+
+    # ---- read, convert, put ---------------------------------------------------------------
+    plans.sort(key=lambda pl: (pl.first().file, pl.first().start))
+    last_use: dict[str, int] = {}  # unmap each file once the last tensor using it is read
+    for n, pl in enumerate(plans):
+        for t in ([pl.single] if pl.single is not None else [q[3] for q in pl.parts]):
+            last_use[t.file] = n
+    done_after: dict[int, list[str]] = {}
+    for f, n in last_use.items():
+        done_after.setdefault(n, []).append(f)
+    out: dict[str, Any] = {}
+    fh = _Files()
+    try:
+        with tqdm(total=len(expected), desc=desc, unit="tensor", disable=None) as bar:
+            for n, pl in enumerate(plans):
+                if pl.single is not None:
+                    raw = _read(fh, pl.single)
+                    arr = raw.astype(dtype, copy=True)
+                    del raw
+                else:
+                    arr = np.empty(pl.shape, dtype)
+                    for e, r0, r1, t in sorted(pl.parts, key=lambda q: (q[3].file, q[3].start)):
+                        raw = _read(fh, t)
+                        arr[e, r0:r1] = raw
+                        del raw
+                out[pl.canonical] = put(arr)
+                del arr
+                for f in done_after.get(n, ()):
+                    fh.close(f)
+                bar.update(1)
+    finally:
+        fh.close()
+    assert len(out) == len(expected), sorted(set(expected) - set(out))
+    return out

@@ -1,0 +1,90 @@
+"""XLA references of the gated delta rule (Yang et al. 2024, "Gated Delta Networks").
+
+Per value head, with state ``S [Dk, Dv]`` (float32) and inputs at step t:
+
+    S = S * exp(g_t)
+    S = S + k_t (beta_t * (v_t - S^T k_t))^T
+    o_t = S^T q_t
+
+The step form is the decode / verify path; the chunked (WY) form is the prefill path. The two
+agree up to rounding only, so a verify must use the step form to reproduce decoding.
+A row with ``g = 0`` and ``beta = 0`` leaves ``S`` unchanged exactly, which is how padding rows
+and rejected verify rows are kept out of a state.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+
+def gdn_recurrent_reference(q, k, v, g, beta, state):
+    """Step form over T rows.
+
+    Args:
+      q, k: ``[B, T, H, Dk]`` float32 (q already scaled by ``Dk**-0.5``, both L2-normalised).
+      v: ``[B, T, H, Dv]`` float32.  g, beta: ``[B, T, H]`` float32.
+      state: ``[B, H, Dk, Dv]`` float32 initial state.
+    Returns:
+      ``(o [B, T, H, Dv] float32, final state [B, H, Dk, Dv])``.
+    """
+
+    def step(s, xs):
+        q_t, k_t, v_t, g_t, b_t = xs
+        s = s * jnp.exp(g_t)[..., None, None]
+        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
+        delta = (v_t - kv_mem) * b_t[..., None]
+        s = s + k_t[..., :, None] * delta[..., None, :]
+        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+
+    xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
+    state, o = jax.lax.scan(step, state, xs)
+    return jnp.moveaxis(o, 0, 1), state
+
+
+def gdn_chunked_reference(q, k, v, g, beta, state, chunk_size: int = 64):
+    """Chunked (WY-representation) form; same arguments and results as the step form.
+
+    Within a chunk with cumulative log-decay ``G_t`` and start state ``S0``, the written values
+    ``U`` solve ``(I + A) U = beta*V - (beta*exp(G)*K) S0`` with the strictly lower
+    ``A[t, s] = beta_t exp(G_t - G_s) k_t.k_s``; then
+    ``o_t = exp(G_t) S0^T q_t + sum_{s<=t} exp(G_t - G_s)(q_t.k_s) u_s`` and
+    ``S_end = exp(G_C) S0 + sum_s exp(G_C - G_s) k_s u_s^T``.
+    """
+    b, t, h, dk = k.shape
+    dv = v.shape[-1]
+    pad = (-t) % chunk_size
+    if pad:
+        padw = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))
+        q, k, v, g, beta = (padw(a) for a in (q, k, v, g, beta))
+    n = (t + pad) // chunk_size
+    # [N, B, H, C, ...]
+    to_chunks = lambda a: jnp.moveaxis(a.reshape(b, n, chunk_size, h, *a.shape[3:]), (1, 3), (0, 2))
+    qc, kc, vc = to_chunks(q), to_chunks(k), to_chunks(v)
+    gc, bc = to_chunks(g[..., None])[..., 0], to_chunks(beta[..., None])[..., 0]
+    lower = jnp.tril(jnp.ones((chunk_size, chunk_size), bool))
+    strict = jnp.tril(jnp.ones((chunk_size, chunk_size), bool), -1)
+    eye = jnp.eye(chunk_size, dtype=jnp.float32)
+
+    def chunk(s0, xs):
+        qi, ki, vi, gi, bi = xs  # [B,H,C,Dk] ... [B,H,C]
+        cum = jnp.cumsum(gi, axis=-1)
+        diff = cum[..., :, None] - cum[..., None, :]
+        decay = jnp.where(lower, jnp.exp(jnp.where(lower, diff, 0.0)), 0.0)
+        kk = jnp.einsum("bhtd,bhsd->bhts", ki, ki)
+        a = jnp.where(strict, bi[..., :, None] * decay * kk, 0.0)
+        rhs_v = vi * bi[..., None]
+        rhs_k = ki * (bi * jnp.exp(cum))[..., None]
+        rhs = rhs_v - jnp.einsum("bhtk,bhkv->bhtv", rhs_k, s0)
+        u = jax.scipy.linalg.solve_triangular(eye + a, rhs, lower=True, unit_diagonal=True)
+        qk = jnp.where(lower, jnp.einsum("bhtd,bhsd->bhts", qi, ki) * decay, 0.0)
+        o = (jnp.einsum("bhtk,bhkv->bhtv", qi * jnp.exp(cum)[..., None], s0)
+             + jnp.einsum("bhts,bhsv->bhtv", qk, u))
+        last = cum[..., -1]
+        w = jnp.exp(last[..., None] - cum)[..., None] * ki
+        s1 = s0 * jnp.exp(last)[..., None, None] + jnp.einsum("bhsk,bhsv->bhkv", w, u)
+        return s1, o
+
+    state, o = jax.lax.scan(chunk, state, (qc, kc, vc, gc, bc))
+    o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(b, n * chunk_size, h, dv)
+    return o[:, :t], state
