@@ -1,0 +1,1 @@
+"""Compiled programs (prefill, speculative round), pools, scheduler and the ``LLM`` face."""

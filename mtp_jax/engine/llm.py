@@ -1,0 +1,141 @@
+"""``LLM``: the notebook / Python face of the engine (vLLM-style)."""
+
+from __future__ import annotations
+
+import os
+from typing import Sequence
+
+from mtp_jax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig, normalize_algorithm
+from mtp_jax.engine.engine import Engine
+from mtp_jax.engine.requests import Request, RequestOutput, SamplingParams
+from mtp_jax.models.loader import load_model, resolve_dtype
+from mtp_jax.spec.external import Proposer
+
+__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+
+
+class LLM:
+    """Load a checkpoint and generate.
+
+    Args:
+      model: checkpoint folder (HF layout); ``None`` uses the built-in default model (a small
+        random-weight qwen3_5_moe with the real Qwen3.5 tokenizer, made once in a cache folder).
+      dtype: ``"auto"`` (bf16 on GPU, f32 on CPU), ``"bfloat16"``, ``"float16"``, ``"float32"``.
+      max_running_requests: requests in flight at once (batch bucket limit).
+      speculative_algorithm: ``"mtp"`` (default when the checkpoint has an MTP layer),
+        ``"external"`` (drafts from ``proposer``) or ``"none"``/``None``.
+      speculative_num_steps: k drafted tokens per round, 1..8 (default 3).
+      speculative_draft_model_path: a folder holding the ``mtp.*`` draft tensors (default: the
+        target checkpoint itself).
+      proposer: for ``"external"``: ``(request_id, token_ids_so_far, k) -> k token ids``.
+      seed: base seed of sampled requests without their own seed.
+      max_model_len, page_size: KV sizing (tokens).
+    Raises:
+      ConfigError: bad settings, before any weight is read.
+    """
+
+    def __init__(self, model: str | None = None, *, dtype: str = "auto",
+                 max_running_requests: int = 8, speculative_algorithm: str | None = "mtp",
+                 speculative_num_steps: int = 3, speculative_draft_model_path: str | None = None,
+                 proposer: Proposer | None = None, seed: int = 0, max_model_len: int = 4096,
+                 page_size: int = 16, dummy_weight: bool = False):
+        if model is None:
+            from mtp_jax.default_model import default_model_path
+
+            model = default_model_path()
+        algorithm = normalize_algorithm(speculative_algorithm)
+        spec = SpecConfig(algorithm=algorithm, num_steps=speculative_num_steps,
+                          draft_model_path=speculative_draft_model_path)
+        engine_cfg = EngineConfig(max_running_requests=max_running_requests, page_size=page_size,
+                                  max_model_len=max_model_len, dtype=resolve_dtype(dtype))
+        model_cfg = ModelConfig.from_folder(model)
+        spec.validate(model_cfg)
+        engine_cfg.validate()
+        if algorithm == "mtp" and dummy_weight:
+            raise ConfigError("MTP reads its draft from the checkpoint, so it cannot run with "
+                              "--dummy-weight; use speculative_algorithm='none'.")
+        if speculative_draft_model_path and not os.path.isdir(speculative_draft_model_path):
+            raise ConfigError(f"speculative_draft_model_path {speculative_draft_model_path!r} "
+                              "is not a folder; pass a folder holding the mtp.* tensors.")
+        if speculative_draft_model_path:
+            raise ConfigError("a separate speculative_draft_model_path is not supported yet; "
+                              "the MTP draft is read from the target checkpoint (omit the flag).")
+        from mtp_jax.tokenizer import Tokenizer
+
+        self.tokenizer = Tokenizer.from_folder(model)
+        self.model = load_model(model, engine_cfg.dtype, with_mtp=algorithm == "mtp",
+                                dummy_weight=dummy_weight, cfg=model_cfg)
+        self.engine = Engine(self.model, engine_cfg, spec, proposer=proposer,
+                             tokenizer=self.tokenizer)
+        self.seed = seed
+        self._next_id = 0
+
+    # ---- requests ----------------------------------------------------------------------------
+    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        if isinstance(prompt, str):
+            if self.tokenizer is None:
+                raise ValueError("this checkpoint folder has no tokenizer files; pass prompts "
+                                 "as lists of token ids.")
+            ids = self.tokenizer.encode(prompt)
+            text = prompt
+        else:
+            ids, text = [int(t) for t in prompt], None
+        if not ids:
+            raise ValueError("empty prompt: a prompt needs at least one token.")
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in ids if not 0 <= t < vocab]
+        if bad:
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
+        if len(ids) >= self.engine.max_model_len:
+            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len "
+                             f"{self.engine.max_model_len} (it needs room for one output token); "
+                             "raise max_model_len or shorten the prompt.")
+        return text, ids
+
+    def _request(self, prompt, params: SamplingParams) -> Request:
+        text, ids = self._prompt_ids(prompt)
+        index = self._next_id
+        self._next_id += 1
+        seed = params.seed if params.seed is not None else (self.seed * 1000003 + index) % 2**32
+        return Request(request_id=str(index), index=index, prompt=text, prompt_ids=ids,
+                       params=params, seed=seed)
+
+    def _output(self, r: Request) -> RequestOutput:
+        text = ""
+        if self.tokenizer is not None:
+            text = self.tokenizer.decode(r.output_ids)
+            if r.stop_text_len is not None:
+                text = text[:r.stop_text_len]
+        return RequestOutput(request_id=r.request_id, prompt=r.prompt,
+                             prompt_token_ids=r.prompt_ids, token_ids=list(r.output_ids),
+                             text=text, finish_reason=r.finish_reason, num_rounds=r.num_rounds,
+                             num_draft_tokens=r.num_draft_tokens,
+                             num_accepted_tokens=r.num_accepted_tokens)
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for ``prompts`` (a string, a token-id list, or a list of either).
+
+        ``sampling_params``: one for all or one per prompt (default ``SamplingParams()``).
+        Returns one :class:`RequestOutput` per prompt, in order.
+        """
+        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+            prompts = [prompts]
+        prompts = list(prompts)
+        if sampling_params is None:
+            sampling_params = SamplingParams()
+        if isinstance(sampling_params, SamplingParams):
+            sampling_params = [sampling_params] * len(prompts)
+        if len(sampling_params) != len(prompts):
+            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts; "
+                             "pass one for all or one per prompt.")
+        requests = [self._request(p, sp) for p, sp in zip(prompts, sampling_params)]
+        self.engine.run(requests)
+        return [self._output(r) for r in requests]
+
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None):
+        """Apply the chat template to ``messages`` and generate one reply."""
+        if self.tokenizer is None:
+            raise ValueError("this checkpoint folder has no tokenizer, so it has no chat template.")
+        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return self.generate([prompt], sampling_params)[0]

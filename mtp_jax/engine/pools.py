@@ -1,0 +1,55 @@
+"""The engine's device state as one pytree, donated to every program.
+
+Fields (``slots`` = max_running_requests + 1; slot 0 and page 0 are the trash slot / page that
+padding rows write to):
+
+* ``kv``: target paged KV, per attention layer ``[num_pages, page_size, Hkv, D]``.
+* ``draft_kv``: MTP draft paged KV, per MTP layer, same page ids as the target (the target's page
+  table addresses it); empty when MTP is off.
+* ``gdn``: GDN recurrent ``[slots, Hv, Dk, Dv]`` f32 and conv ``[slots, conv_dim, K-1]`` per layer.
+* ``next_tokens``: ``[slots, k+1]`` int32, the pending token and the k drafts of each slot's
+  next round (written by prefill and by each round).
+* ``draft_probs``: ``[slots, k, V]`` f32, the draft distributions q of those drafts (MTP only;
+  rejection sampling needs them); ``[slots, 0, 0]`` otherwise.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.cache.linear_state import LinearState
+from mtp_jax.cache.paged import PagedKV
+from mtp_jax.config import ModelConfig
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Pools:
+    kv: PagedKV
+    draft_kv: PagedKV
+    gdn: LinearState
+    next_tokens: jax.Array
+    draft_probs: jax.Array
+
+    @property
+    def nbytes(self) -> int:
+        return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self))
+
+
+def make_pools(cfg: ModelConfig, *, num_pages: int, page_size: int, slots: int, k: int,
+               mtp: bool, dtype) -> Pools:
+    """Allocate zeroed pools. ``k`` = speculative_num_steps (0 when speculation is off)."""
+    kv = PagedKV.zeros(len(cfg.full_layer_ids), num_pages, page_size, cfg.num_key_value_heads,
+                       cfg.head_dim, dtype)
+    draft = PagedKV.zeros(cfg.mtp_num_hidden_layers if mtp else 0, num_pages, page_size,
+                          cfg.num_key_value_heads, cfg.head_dim, dtype)
+    gdn = LinearState.zeros(len(cfg.linear_layer_ids), slots, cfg.linear_num_value_heads,
+                            cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                            cfg.linear_conv_dim, cfg.linear_conv_kernel_dim, dtype)
+    probs_shape = (slots, k, cfg.vocab_size) if mtp else (slots, 0, 0)
+    return Pools(kv=kv, draft_kv=draft, gdn=gdn,
+                 next_tokens=jnp.zeros((slots, k + 1), jnp.int32),
+                 draft_probs=jnp.zeros(probs_shape, jnp.float32))

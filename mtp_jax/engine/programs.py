@@ -1,0 +1,154 @@
+"""The compiled programs: prefill and the speculative round.
+
+Both are pure functions ``program(graphdef, params, pools, batch) -> (outputs, pools)``, jitted
+once per shape bucket with the pools donated. The round is one program:
+
+    verify [pending, d_1..d_k] at positions c..c+k   (target; GDN step form, state untouched)
+    accept                                            (greedy or exact rejection sampling)
+    commit the GDN rows 0..n                          (replay of the accepted rows)
+    draft extend over the k+1 verify rows             (MTP: row i pairs h_{c+i} with x_{c+i+1})
+    k-1 chained draft steps                           (MTP: z fed back with the drafted token)
+
+so its only host transfer is the emitted tokens and accepted counts. With k = 0 it is a plain
+decode step.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.cache.paged import AttentionBatch
+from mtp_jax.engine.batch import PrefillBatch, RoundBatch
+from mtp_jax.engine.pools import Pools
+from mtp_jax.sampling import SALT_DRAFT, SALT_SAMPLE, filtered_probs, row_keys, categorical, sample
+from mtp_jax.spec.accept import accept
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class RoundOutput:
+    """emitted: ``[B, k+1]`` int32 (``d_1..d_n, bonus, -1...``); num_accepted: ``[B]`` int32."""
+
+    emitted: jax.Array
+    num_accepted: jax.Array
+
+
+def _draft_token(model, z, sampling, step, j):
+    """Draft token j (0-based) from MTP hidden ``z [B, H]``: argmax for greedy rows, else a draw
+    from the filtered draft distribution q, which is returned for rejection sampling."""
+    logits = model.logits(z)
+    q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    drawn = categorical(row_keys(sampling.seed, step, SALT_DRAFT + j), q)
+    tok = jnp.where(sampling.is_greedy, jnp.argmax(logits, -1).astype(jnp.int32), drawn)
+    return tok, q
+
+
+def _chain(model, draft_kv, z, tok, q, pos, page_table, live, sampling, step, k):
+    """k-1 chained draft steps from ``z [B, H]`` and draft token ``tok [B]`` at ``pos [B]``.
+    Returns ``(drafts [B, k], q [B, k, V], draft_kv)``."""
+    toks, qs = [tok], [q]
+    for j in range(1, k):
+        batch = AttentionBatch((pos + j - 1)[:, None], live[:, None], page_table)
+        zj, draft_kv = model.mtp(model.embed_tokens, z[:, None], toks[-1][:, None], batch,
+                                 draft_kv, step=j)
+        z = zj[:, 0]
+        t, qj = _draft_token(model, z, sampling, step, j)
+        toks.append(t)
+        qs.append(qj)
+    return jnp.stack(toks, 1), jnp.stack(qs, 1), draft_kv
+
+
+def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, *, k: int, mtp: bool):
+    """Prefill prompts into fresh slots; sample the first token; with MTP, fill the draft KV
+    over the prompt and draft ``d_1..d_k``. Writes ``next_tokens[slot] = [x_T, d_1..d_k]``.
+
+    Returns ``(first_token [B] int32, pools)``.
+    """
+    model = nnx.merge(graphdef, params)
+    b, t = batch.input_ids.shape
+    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
+    valid = pos < batch.length[:, None]
+    abatch = AttentionBatch(pos, valid, batch.page_table)
+    gdn_view = jax.tree.map(jnp.zeros_like, pools.gdn.gather(batch.slot))  # fresh requests
+    hidden, kv, gdn_view = model(batch.input_ids, abatch, pools.kv, gdn_view, "prefill")
+    last = batch.length - 1
+    h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    first = sample(model.logits(h_last), batch.sampling, batch.step, salt=SALT_SAMPLE)
+    pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, gdn_view))
+    row = first[:, None]
+    if mtp:
+        shifted = jnp.concatenate([batch.input_ids[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
+        next_ids = jnp.where(pos == last[:, None], first[:, None], shifted)
+        z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
+        z_last = jnp.take_along_axis(z, last[:, None, None], axis=1)[:, 0]
+        step1 = batch.step + 1
+        tok, q = _draft_token(model, z_last, batch.sampling, step1, 0)
+        live = batch.length > 0
+        drafts, qs, draft_kv = _chain(model, draft_kv, z_last, tok, q, batch.length,
+                                      batch.page_table, live, batch.sampling, step1, k)
+        row = jnp.concatenate([row, drafts], 1)
+        pools = dataclasses.replace(pools, draft_kv=draft_kv,
+                                    draft_probs=pools.draft_probs.at[batch.slot].set(qs))
+    elif k:
+        row = jnp.concatenate([row, jnp.zeros((b, k), jnp.int32)], 1)
+    pools = dataclasses.replace(pools, next_tokens=pools.next_tokens.at[batch.slot].set(row))
+    return first, pools
+
+
+def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, proposer: str):
+    """One verify/accept/commit(/draft) round; ``proposer`` in ``none | mtp | external``.
+
+    Returns ``(RoundOutput, pools)``.
+    """
+    model = nnx.merge(graphdef, params)
+    b = batch.slot.shape[0]
+    if proposer == "external":
+        tokens = batch.tokens
+    else:
+        tokens = pools.next_tokens[batch.slot]
+    pos = batch.position[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
+    valid = jnp.broadcast_to(batch.live[:, None], (b, k + 1))
+    abatch = AttentionBatch(pos, valid, batch.page_table)
+    gdn_view = pools.gdn.gather(batch.slot)
+    hidden, kv, rows = model(tokens, abatch, pools.kv, gdn_view, "verify")
+    logits = model.logits(hidden)  # [B, k+1, V]
+    if k:
+        q = pools.draft_probs[batch.slot] if proposer == "mtp" else None
+        n, emitted = accept(logits, tokens[:, 1:], q, batch.sampling, batch.step)
+    else:
+        n = jnp.zeros((b,), jnp.int32)
+        emitted = sample(logits[:, 0], batch.sampling, batch.step, salt=SALT_SAMPLE)[:, None]
+    commit_len = jnp.where(batch.live, n + 1, 0)
+    gdn_view = model.commit(gdn_view, rows, commit_len)
+    pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, gdn_view))
+    bonus = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]
+    row = bonus[:, None]
+    if proposer == "mtp":
+        next_ids = jnp.maximum(emitted, 0)  # x_{c+i+1} for rows i <= n; rows past n are rewritten later
+        z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
+        z_n = jnp.take_along_axis(z, n[:, None, None], axis=1)[:, 0]
+        step1 = batch.step + n + 1
+        tok, q0 = _draft_token(model, z_n, batch.sampling, step1, 0)
+        drafts, qs, draft_kv = _chain(model, draft_kv, z_n, tok, q0, batch.position + n + 1,
+                                      batch.page_table, batch.live, batch.sampling, step1, k)
+        row = jnp.concatenate([row, drafts], 1)
+        pools = dataclasses.replace(pools, draft_kv=draft_kv,
+                                    draft_probs=pools.draft_probs.at[batch.slot].set(qs))
+    elif k:
+        row = jnp.concatenate([row, jnp.zeros((b, k), jnp.int32)], 1)
+    pools = dataclasses.replace(pools, next_tokens=pools.next_tokens.at[batch.slot].set(row))
+    return RoundOutput(emitted=emitted, num_accepted=n), pools
+
+
+def compile_programs():
+    """Jitted prefill and round with donated pools; shapes and ``k``/``mtp``/``proposer`` key the
+    compile cache (one program per bucket)."""
+    p = jax.jit(prefill, static_argnums=(0,), static_argnames=("k", "mtp"), donate_argnums=(2,))
+    r = jax.jit(spec_round, static_argnums=(0,), static_argnames=("k", "proposer"),
+                donate_argnums=(2,))
+    return p, r

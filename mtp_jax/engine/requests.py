@@ -1,0 +1,111 @@
+"""User-facing request types: ``SamplingParams`` and ``RequestOutput``, and the host-side
+per-request state of the scheduler."""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from typing import Sequence
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Sampling and stopping settings of one request (vLLM-compatible names).
+
+    temperature: >= 0, 0 = greedy. top_k: -1 (or 0) = off, else >= 1. top_p: in (0, 1].
+    max_tokens: >= 1 output tokens. seed: int or None (then the engine's seed and the request's
+    index). stop: strings that end the output (excluded from the text); stop_token_ids: extra
+    ids that end it (included); ignore_eos: do not stop at the checkpoint's EOS ids.
+    Raises ``ValueError`` at construction for out-of-range values.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: Sequence[str] | str | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+                or self.temperature < 0:
+            raise ValueError(f"temperature {self.temperature!r} must be a finite number >= 0 "
+                             "(0 means greedy).")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise ValueError(f"top_p {self.top_p!r} must be in (0, 1]; 1 turns it off.")
+        if not isinstance(self.top_k, int) or self.top_k < -1:
+            raise ValueError(f"top_k {self.top_k!r} must be -1 (off), 0 (off) or >= 1.")
+        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens {self.max_tokens!r} must be an int >= 1.")
+        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
+            raise ValueError(f"seed {self.seed!r} must be an int in [0, 2**32).")
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop {self.stop!r} must hold non-empty strings.")
+        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclasses.dataclass
+class RequestOutput:
+    """Result of one request.
+
+    token_ids: output token ids (prompt excluded); text: their detokenized text ("" without a
+    tokenizer); finish_reason: ``"stop"`` (EOS, stop id or stop string), ``"length"``
+    (max_tokens or max_model_len) or ``"error"`` (``error`` holds the message).
+    Speculative metrics: ``num_rounds`` verify rounds (decode steps when off),
+    ``accept_length`` = committed tokens per round (mean), ``acceptance_rate`` = accepted drafts /
+    proposed drafts (None when speculation is off).
+    """
+
+    request_id: str
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    num_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    error: str | None = None
+
+    @property
+    def accept_length(self) -> float | None:
+        return None if not self.num_rounds else (
+            (len(self.token_ids) - 1) / self.num_rounds if self.token_ids else 0.0)
+
+    @property
+    def acceptance_rate(self) -> float | None:
+        return None if not self.num_draft_tokens else self.num_accepted_tokens / self.num_draft_tokens
+
+
+@dataclasses.dataclass
+class Request:
+    """Scheduler state of a running request (host side)."""
+
+    request_id: str
+    index: int
+    prompt: str | None
+    prompt_ids: list[int]
+    params: SamplingParams
+    seed: int
+    slot: int = 0
+    pages: list[int] = dataclasses.field(default_factory=list)
+    position: int = 0  # tokens in the target KV; the pending token sits at this position
+    output_ids: list[int] = dataclasses.field(default_factory=list)
+    finish_reason: str | None = None
+    stop_text_len: int | None = None  # text length to keep when a stop string matched
+    num_rounds: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
