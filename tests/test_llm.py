@@ -1,0 +1,110 @@
+"""The LLM face: several requests at once, stops, seeds, token-id prompts, and the CLI."""
+
+import json
+
+import numpy as np
+import pytest
+
+from conftest import fixture_path
+from mtp_jax import LLM, SamplingParams
+
+CKPT = fixture_path("tiny_moe_fused")
+
+
+@pytest.fixture(scope="module")
+def llm_mtp():
+    return LLM(CKPT, dtype="float32", speculative_algorithm="mtp", speculative_num_steps=2,
+               max_running_requests=2)
+
+
+def _prompts(n, vocab=300):
+    rng = np.random.default_rng(3)
+    return [rng.integers(2, vocab, int(rng.integers(2, 20))).tolist() for _ in range(n)]
+
+
+def test_more_requests_than_slots_equal_solo_runs(llm_mtp):
+    prompts = _prompts(5)
+    params = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    together = llm_mtp.generate(prompts, params)
+    for p, out in zip(prompts, together):
+        solo = llm_mtp.generate([p], params)[0]
+        assert out.token_ids == solo.token_ids
+        assert len(out.token_ids) == 7 and out.finish_reason == "length"
+        assert out.text == ""  # no tokenizer in this folder
+    assert llm_mtp.engine.slots.num_free == 2 and llm_mtp.engine.pages.num_free == \
+        llm_mtp.engine.pages.size - 1  # everything released
+
+
+def test_seeded_sampling_is_reproducible_and_greedy_ignores_seed(llm_mtp):
+    p = _prompts(1)[0]
+    a = llm_mtp.generate([p], SamplingParams(temperature=1.0, max_tokens=12, seed=5,
+                                             ignore_eos=True))[0]
+    b = llm_mtp.generate([p], SamplingParams(temperature=1.0, max_tokens=12, seed=5,
+                                             ignore_eos=True))[0]
+    c = llm_mtp.generate([p], SamplingParams(temperature=1.0, max_tokens=12, seed=6,
+                                             ignore_eos=True))[0]
+    assert a.token_ids == b.token_ids
+    assert a.token_ids != c.token_ids
+    g1 = llm_mtp.generate([p], SamplingParams(temperature=0, max_tokens=8, seed=1))[0]
+    g2 = llm_mtp.generate([p], SamplingParams(temperature=0, max_tokens=8, seed=2))[0]
+    assert g1.token_ids == g2.token_ids
+
+
+def test_stop_token_truncates_exactly(llm_mtp):
+    p = _prompts(1)[0]
+    full = llm_mtp.generate([p], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True))[0]
+    stop_at = full.token_ids[4]
+    first = full.token_ids.index(stop_at)
+    out = llm_mtp.generate([p], SamplingParams(temperature=0, max_tokens=10, ignore_eos=True,
+                                               stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == full.token_ids[:first + 1]
+    assert out.finish_reason == "stop"
+
+
+def test_bad_requests_raise_before_work(llm_mtp):
+    with pytest.raises(ValueError, match="empty prompt"):
+        llm_mtp.generate([[]])
+    with pytest.raises(ValueError, match="outside the vocabulary"):
+        llm_mtp.generate([[5, 300]])
+    with pytest.raises(ValueError, match="top_p"):
+        SamplingParams(top_p=0)
+    with pytest.raises(ValueError, match="no tokenizer"):
+        llm_mtp.generate("hello")
+
+
+def test_external_proposer_all_right_accepts_everything():
+    ref_llm = LLM(CKPT, dtype="float32", speculative_algorithm="none")
+    p = _prompts(1)[0]
+    params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
+    ref = ref_llm.generate([p], params)[0].token_ids
+
+    def proposer(rid, ids, k):
+        done = len(ids) - len(p)
+        return (ref + [0] * 8)[done:done + k]
+
+    llm = LLM(CKPT, dtype="float32", speculative_algorithm="external", speculative_num_steps=3,
+              proposer=proposer)
+    out = llm.generate([p], params)[0]
+    assert out.token_ids == ref
+    # 1 prefill token, then rounds of k+1 = 4: 1 + 4 + 4 = 9.
+    assert out.num_rounds == 2 and out.accept_length == 4.0 and out.acceptance_rate == 1.0
+
+
+def test_cli_on_default_model(tmp_path, monkeypatch, capsys):
+    from mtp_jax import generate
+
+    monkeypatch.setenv("MTP_JAX_CACHE", str(tmp_path))
+    rc = generate.main(["--prompt", "Hello there", "--max-tokens", "5", "--json",
+                        "--speculative-num-steps", "2", "--chat"])
+    assert rc == 0
+    line = capsys.readouterr().out.strip().splitlines()[-1]
+    rec = json.loads(line)
+    assert rec["output_tokens"] == 5 and isinstance(rec["text"], str)
+    assert rec["accept_length"] is not None and rec["prompt_tokens"] > 3
+
+
+def test_cli_rejects_bad_spec_steps(capsys):
+    from mtp_jax import generate
+
+    assert generate.main(["--model", CKPT, "--speculative-num-steps", "9"]) == 2
+    assert "speculative_num_steps" in capsys.readouterr().err
