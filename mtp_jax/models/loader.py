@@ -60,22 +60,25 @@ def fill_state(abstract_state, arrays: dict[str, jax.Array]):
 
 
 def random_arrays(expected, seed: int = 0) -> dict[str, jax.Array]:
-    """Random weights (``--dummy-weight``): normal*0.02 matrices, zero-centred norms ~0,
-    GDN decay parameters in their usual ranges."""
-    rng = np.random.default_rng(seed)
+    """Random weights (``--dummy-weight``), drawn on the device one tensor at a time: matrices
+    ``N(0, 1/fan_in)`` (embeddings ``N(0, 1)``), zero-centred norms ``N(0, 0.02)``, the GDN
+    output norm ones, ``A_log = log U(1, 16)``, ``dt_bias ~ U(-1, 1) / 2``."""
+    key = jax.random.key(seed)
     out = {}
-    for name, (shape, dtype) in expected.items():
+    for i, (name, (shape, dtype)) in enumerate(sorted(expected.items())):
+        k = jax.random.fold_in(key, i)
         if name.endswith("A_log"):
-            a = np.log(rng.uniform(1, 16, shape))
+            a = jnp.log(jax.random.uniform(k, shape, jnp.float32, 1.0, 16.0))
         elif name.endswith("dt_bias"):
-            a = rng.uniform(-1, 1, shape) * 0.5
+            a = jax.random.uniform(k, shape, jnp.float32, -0.5, 0.5)
         elif name.endswith("linear_attn.norm.weight"):
-            a = np.ones(shape)
+            a = jnp.ones(shape, jnp.float32)
         elif len(shape) == 1:
-            a = rng.normal(0, 0.02, shape)
+            a = 0.02 * jax.random.normal(k, shape, jnp.float32)
         else:
-            a = rng.normal(0, 0.02, shape) * (5.0 if "embed_tokens" in name else 1.0)
-        out[name] = jnp.asarray(a, dtype)
+            std = 1.0 if "embed_tokens" in name else shape[-1] ** -0.5
+            a = std * jax.random.normal(k, shape, dtype)
+        out[name] = a.astype(dtype)
     return out
 
 
