@@ -98,7 +98,7 @@ def bench_one(model, batch: int, k: int, prompt_len: int, steps: int, page_size:
               hbm_tbps: float) -> dict:
     cfg = model.cfg
     spec = SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3)
-    eng = Engine(model, EngineConfig(max_running_requests=batch, page_size=page_size,
+    eng = Engine(model, EngineConfig(max_running_requests=batch + 1, page_size=page_size,
                                      max_model_len=prompt_len + (steps + 8) * (k + 1) + 64,
                                      dtype=model.dtype), spec)
     reqs = _requests(batch, prompt_len, 10**9, cfg.vocab_size, 0)

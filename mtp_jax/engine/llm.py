@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import os
 from typing import Sequence
 
 from mtp_jax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig, normalize_algorithm
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, RequestOutput, SamplingParams
-from mtp_jax.models.loader import load_model, resolve_dtype
+from mtp_jax.models.loader import check_draft_folder, load_model, resolve_dtype
 from mtp_jax.spec.external import Proposer
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
@@ -54,17 +53,14 @@ class LLM:
         if algorithm == "mtp" and dummy_weight:
             raise ConfigError("MTP reads its draft from the checkpoint, so it cannot run with "
                               "--dummy-weight; use speculative_algorithm='none'.")
-        if speculative_draft_model_path and not os.path.isdir(speculative_draft_model_path):
-            raise ConfigError(f"speculative_draft_model_path {speculative_draft_model_path!r} "
-                              "is not a folder; pass a folder holding the mtp.* tensors.")
         if speculative_draft_model_path:
-            raise ConfigError("a separate speculative_draft_model_path is not supported yet; "
-                              "the MTP draft is read from the target checkpoint (omit the flag).")
+            check_draft_folder(model_cfg, speculative_draft_model_path)
         from mtp_jax.tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer.from_folder(model)
         self.model = load_model(model, engine_cfg.dtype, with_mtp=algorithm == "mtp",
-                                dummy_weight=dummy_weight, cfg=model_cfg)
+                                dummy_weight=dummy_weight, cfg=model_cfg,
+                                draft_path=speculative_draft_model_path)
         self.engine = Engine(self.model, engine_cfg, spec, proposer=proposer,
                              tokenizer=self.tokenizer)
         self.seed = seed

@@ -145,10 +145,14 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
     return RoundOutput(emitted=emitted, num_accepted=n), pools
 
 
+_PREFILL = jax.jit(prefill, static_argnums=(0,), static_argnames=("k", "mtp"),
+                   donate_argnums=(2,))
+_ROUND = jax.jit(spec_round, static_argnums=(0,), static_argnames=("k", "proposer"),
+                 donate_argnums=(2,))
+
+
 def compile_programs():
-    """Jitted prefill and round with donated pools; shapes and ``k``/``mtp``/``proposer`` key the
-    compile cache (one program per bucket)."""
-    p = jax.jit(prefill, static_argnums=(0,), static_argnames=("k", "mtp"), donate_argnums=(2,))
-    r = jax.jit(spec_round, static_argnums=(0,), static_argnames=("k", "proposer"),
-                donate_argnums=(2,))
-    return p, r
+    """The jitted prefill and round, pools donated. Shapes, the model's graphdef and
+    ``k``/``mtp``/``proposer`` key their compile caches (one program per bucket), which are
+    shared by every engine in the process."""
+    return _PREFILL, _ROUND

@@ -169,9 +169,37 @@ def _mtp_forward_fn(graphdef, params, hidden, next_ids):
     return model.logits(z), z
 
 
+def check_draft_folder(cfg: ModelConfig, draft_path: str) -> None:
+    """Config-time checks of a separate MTP draft folder: it exists, holds ``mtp.*`` tensors,
+    and (when it has a config.json) matches the target's architecture, hidden size, vocabulary
+    and expert count. Raises :class:`ConfigError`; reads headers only."""
+    import os
+
+    from mtp_jax.weights.safetensors_reader import list_tensor_names
+
+    if not os.path.isdir(draft_path):
+        raise ConfigError(f"speculative_draft_model_path {draft_path!r} is not a folder; pass a "
+                          "folder holding the mtp.* tensors (safetensors).")
+    try:
+        tensors = list_tensor_names(draft_path)
+    except ValueError as e:
+        raise ConfigError(f"cannot read the draft folder {draft_path!r}: {e}") from e
+    if not any(n.startswith("mtp.") for n in tensors):
+        raise ConfigError(f"the draft folder {draft_path!r} holds no mtp.* tensors, so the MTP "
+                          "draft cannot be read from it; point speculative_draft_model_path at "
+                          "a checkpoint that has them, or omit it to use the target's own.")
+    if os.path.isfile(os.path.join(draft_path, "config.json")):
+        d = ModelConfig.from_folder(draft_path)
+        for key in ("model_type", "hidden_size", "vocab_size", "num_experts"):
+            if getattr(d, key) != getattr(cfg, key):
+                raise ConfigError(f"the draft at {draft_path!r} has {key}={getattr(d, key)!r} but "
+                                  f"the target has {getattr(cfg, key)!r}; the MTP draft must "
+                                  "come from the same model family and shape.")
+
+
 def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp: bool = True,
                dummy_weight: bool = False, seed: int = 0, cfg: ModelConfig | None = None,
-               device=None) -> LoadedModel:
+               device=None, draft_path: str | None = None) -> LoadedModel:
     """Load a Qwen3.5-family checkpoint folder.
 
     Args:
@@ -179,21 +207,35 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
       dtype: ``"auto"`` (bf16 on GPU, f32 on CPU), ``"bfloat16"``, ``"float16"``, ``"float32"``.
       with_mtp: also load the ``mtp.*`` draft (only when the config declares an MTP layer).
       dummy_weight: random weights instead of the checkpoint's (for benchmarks/tests).
+      draft_path: a separate folder to read the ``mtp.*`` tensors from (default: ``path``).
     Raises:
       ConfigError: bad config (before any tensor is read); CheckpointError: bad files or
       missing/unexpected tensors.
     """
     cfg = cfg or ModelConfig.from_folder(path)
     dtype = resolve_dtype(dtype)
-    with_mtp = with_mtp and cfg.has_mtp
+    with_mtp = with_mtp and (cfg.has_mtp or draft_path is not None)
+    if with_mtp and draft_path is not None:
+        check_draft_folder(cfg, draft_path)
+    if with_mtp and not cfg.has_mtp:
+        cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=1)
     graphdef, abstract = abstract_model(cfg, dtype, with_mtp)
     expected = expected_tensors(abstract)
     if dummy_weight:
         arrays = random_arrays(expected, seed)
     else:
         shapes = {n: s for n, (s, _) in expected.items()}
-        arrays = load_tensors(path, cfg, shapes, dtype=_NP_DTYPES[dtype],
-                              put=lambda a: jax.device_put(a, device), include_mtp=with_mtp)
+        put = lambda a: jax.device_put(a, device)
+        if draft_path is None:
+            arrays = load_tensors(path, cfg, shapes, dtype=_NP_DTYPES[dtype], put=put,
+                                  include_mtp=with_mtp)
+        else:
+            target = {n: s for n, s in shapes.items() if not n.startswith("mtp.")}
+            draft = {n: s for n, s in shapes.items() if n.startswith("mtp.")}
+            arrays = load_tensors(path, cfg, target, dtype=_NP_DTYPES[dtype], put=put,
+                                  include_mtp=False)
+            arrays.update(load_tensors(draft_path, cfg, draft, dtype=_NP_DTYPES[dtype], put=put,
+                                       include_mtp=True, only_mtp=True, desc="Loading draft"))
         # A few parameters (GDN A_log, dt_bias) are float32 whatever the model dtype.
         arrays = {n: a if a.dtype == expected[n][1] else a.astype(expected[n][1])
                   for n, a in arrays.items()}

@@ -345,14 +345,15 @@ class _Plan:
 
 def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, ...]], *,
                  dtype, put: Callable[[np.ndarray], Any] | None = None, include_mtp: bool,
-                 desc: str = "Loading") -> dict[str, Any]:
+                 only_mtp: bool = False, desc: str = "Loading") -> dict[str, Any]:
     """Load every tensor of ``expected`` (canonical name -> shape) from a safetensors folder.
 
     ``dtype``: numpy dtype the arrays are converted to (``np.float32``, ``ml_dtypes.bfloat16``,
     ``np.float16``). ``put``: applied to each finished numpy array (e.g. ``jax.device_put``); its
     result is what the returned dict holds (default: the numpy array). ``include_mtp``: when
     False, ``mtp.*`` tensors on disk are ignored (their data is never read) and ``expected`` must
-    hold none. Per-expert MoE tensors are stacked into the canonical fused form.
+    hold none. ``only_mtp``: read only the ``mtp.*`` tensors and ignore every other tensor in
+    the folder (a separate draft checkpoint). Per-expert MoE tensors are stacked into the canonical fused form.
 
     Raises :class:`CheckpointError` listing every problem found in the headers (missing,
     duplicate, unexpected tensors, shape or dtype mismatches, incomplete expert sets) before any
@@ -371,6 +372,8 @@ def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, .
         if c is None or c.endswith("rotary_emb.inv_freq"):
             return None
         if c.startswith("mtp.") and not include_mtp:
+            return None
+        if only_mtp and not c.startswith("mtp."):
             return None
         if (c == "lm_head.weight" and cfg.tie_word_embeddings
                 and "lm_head.weight" not in expected):
