@@ -91,6 +91,9 @@ class ModelConfig:
     @classmethod
     def from_dict(cls, raw: dict[str, Any]) -> "ModelConfig":
         """Parse an HF config dict; raises :class:`ConfigError` naming any bad or missing key."""
+        if not isinstance(raw, dict):
+            raise ConfigError(f"config.json holds a JSON {type(raw).__name__}, not an object; "
+                              "it is not an HF model config (fetch it again).")
         top_type = raw.get("model_type")
         text = raw.get("text_config")
         composite = isinstance(text, dict)
@@ -113,12 +116,24 @@ class ModelConfig:
                                   "rope_parameters and the top level); the file is incomplete.")
             return default
 
-        n_layers = int(get("num_hidden_layers"))
+        def num(key, kind, default=_MISSING):
+            """``get(key)`` as an int or float; a wrong type is a ConfigError naming the key."""
+            v = get(key, default)
+            if isinstance(v, bool) or not isinstance(v, int if kind is int else (int, float)):
+                raise ConfigError(f"config.json key {key!r} is {v!r}; expected "
+                                  f"{'an integer' if kind is int else 'a number'}. The file "
+                                  "is corrupt or not an HF Qwen3.5-family config.")
+            return kind(v)
+
+        n_layers = num("num_hidden_layers", int)
         layer_types = cfg.get("layer_types")
         if layer_types is None:
-            interval = int(get("full_attention_interval", 4))
+            interval = num("full_attention_interval", int, 4)
             layer_types = ["full_attention" if (i + 1) % interval == 0 else "linear_attention"
                            for i in range(n_layers)]
+        if not isinstance(layer_types, (list, tuple)):
+            raise ConfigError(f"config.json key 'layer_types' is {layer_types!r}; expected a "
+                              "list of 'linear_attention' / 'full_attention'.")
         layer_types = tuple(layer_types)
         if len(layer_types) != n_layers:
             raise ConfigError(f"layer_types has {len(layer_types)} entries but num_hidden_layers "
@@ -130,38 +145,45 @@ class ModelConfig:
         is_moe = model_type == "qwen3_5_moe"
         eos = get("eos_token_id", None)
         eos_ids = tuple(eos) if isinstance(eos, (list, tuple)) else (() if eos is None else (eos,))
-        n_heads = int(get("num_attention_heads"))
-        hidden = int(get("hidden_size"))
+        if not all(isinstance(e, int) and not isinstance(e, bool) for e in eos_ids):
+            raise ConfigError(f"config.json key 'eos_token_id' is {eos!r}; expected an integer "
+                              "or a list of integers.")
+        n_heads = num("num_attention_heads", int)
+        hidden = num("hidden_size", int)
+        for key, value in (("num_hidden_layers", n_layers), ("num_attention_heads", n_heads),
+                           ("hidden_size", hidden)):
+            if value < 1:
+                raise ConfigError(f"config.json key {key!r} is {value}; it must be >= 1.")
         mc = cls(
             model_type=model_type,
-            vocab_size=int(get("vocab_size")),
+            vocab_size=num("vocab_size", int),
             hidden_size=hidden,
             num_hidden_layers=n_layers,
             layer_types=layer_types,
             num_attention_heads=n_heads,
-            num_key_value_heads=int(get("num_key_value_heads")),
-            head_dim=int(get("head_dim", hidden // n_heads)),
-            partial_rotary_factor=float(get("partial_rotary_factor", 1.0)),
-            rope_theta=float(get("rope_theta", 10000.0)),
-            rms_norm_eps=float(get("rms_norm_eps", 1e-6)),
-            linear_num_key_heads=int(get("linear_num_key_heads")),
-            linear_num_value_heads=int(get("linear_num_value_heads")),
-            linear_key_head_dim=int(get("linear_key_head_dim")),
-            linear_value_head_dim=int(get("linear_value_head_dim")),
-            linear_conv_kernel_dim=int(get("linear_conv_kernel_dim", 4)),
-            intermediate_size=0 if is_moe else int(get("intermediate_size")),
-            num_experts=int(get("num_experts")) if is_moe else 0,
-            num_experts_per_tok=int(get("num_experts_per_tok")) if is_moe else 0,
-            moe_intermediate_size=int(get("moe_intermediate_size")) if is_moe else 0,
-            shared_expert_intermediate_size=(int(get("shared_expert_intermediate_size"))
+            num_key_value_heads=num("num_key_value_heads", int),
+            head_dim=num("head_dim", int, hidden // n_heads),
+            partial_rotary_factor=num("partial_rotary_factor", float, 1.0),
+            rope_theta=num("rope_theta", float, 10000.0),
+            rms_norm_eps=num("rms_norm_eps", float, 1e-6),
+            linear_num_key_heads=num("linear_num_key_heads", int),
+            linear_num_value_heads=num("linear_num_value_heads", int),
+            linear_key_head_dim=num("linear_key_head_dim", int),
+            linear_value_head_dim=num("linear_value_head_dim", int),
+            linear_conv_kernel_dim=num("linear_conv_kernel_dim", int, 4),
+            intermediate_size=0 if is_moe else num("intermediate_size", int),
+            num_experts=num("num_experts", int) if is_moe else 0,
+            num_experts_per_tok=num("num_experts_per_tok", int) if is_moe else 0,
+            moe_intermediate_size=num("moe_intermediate_size", int) if is_moe else 0,
+            shared_expert_intermediate_size=(num("shared_expert_intermediate_size", int)
                                              if is_moe else 0),
             # qwen3_5_moe configs carry no norm_topk_prob: its router always renormalises.
             norm_topk_prob=bool(get("norm_topk_prob", True)),
             tie_word_embeddings=bool(cfg.get("tie_word_embeddings",
                                              raw.get("tie_word_embeddings", False))),
-            mtp_num_hidden_layers=int(get("mtp_num_hidden_layers",
-                                          get("num_nextn_predict_layers", 0))),
-            max_position_embeddings=int(get("max_position_embeddings", 262144)),
+            mtp_num_hidden_layers=num("mtp_num_hidden_layers", int,
+                                      num("num_nextn_predict_layers", int, 0)),
+            max_position_embeddings=num("max_position_embeddings", int, 262144),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             composite=composite,
         )
@@ -185,6 +207,17 @@ class ModelConfig:
         return cls.from_dict(raw)
 
     def validate(self) -> None:
+        sizes = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
+                 "num_key_value_heads", "head_dim", "linear_num_key_heads",
+                 "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
+                 "linear_conv_kernel_dim", "max_position_embeddings"]
+        sizes += ["num_experts", "moe_intermediate_size"] if self.is_moe else ["intermediate_size"]
+        for key in sizes:
+            if getattr(self, key) < 1:
+                raise ConfigError(f"config.json key {key!r} is {getattr(self, key)}; it must be "
+                                  ">= 1. The file is corrupt or not a Qwen3.5-family config.")
+        if self.mtp_num_hidden_layers < 0:
+            raise ConfigError(f"mtp_num_hidden_layers {self.mtp_num_hidden_layers} must be >= 0.")
         if self.num_attention_heads % self.num_key_value_heads:
             raise ConfigError(f"num_attention_heads {self.num_attention_heads} is not a multiple "
                               f"of num_key_value_heads {self.num_key_value_heads}.")
@@ -223,24 +256,33 @@ class SpecConfig:
         return self.num_steps if self.enabled else 0
 
     def validate(self, model: ModelConfig | None = None) -> None:
-        """Raise :class:`ConfigError` for a combination that cannot run."""
+        """Raise :class:`ConfigError` for a combination that cannot run.
+
+        Without ``model`` only the settings themselves are checked; with it, also that the
+        checkpoint's config can feed the algorithm. The full set of config-time checks (model
+        family, GGUF, draft source, slot states, dummy weights) is
+        :func:`mtp_jax.checks.check_before_load`."""
         if self.algorithm not in SPECULATIVE_ALGORITHMS:
-            raise ConfigError(f"speculative_algorithm {self.algorithm!r} is unknown; use one of "
-                              f"{', '.join(SPECULATIVE_ALGORITHMS)}.")
-        if not isinstance(self.num_steps, int) or not 1 <= self.num_steps <= MAX_SPECULATIVE_NUM_STEPS:
-            raise ConfigError(f"speculative_num_steps {self.num_steps!r} is outside 1.."
-                              f"{MAX_SPECULATIVE_NUM_STEPS}; pick k in that range "
+            raise ConfigError(f"speculative_algorithm (--speculative-algorithm) {self.algorithm!r} "
+                              f"is unknown; use one of {', '.join(SPECULATIVE_ALGORITHMS)} "
+                              "(mtp also accepts nextn).")
+        if (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
+                or not 1 <= self.num_steps <= MAX_SPECULATIVE_NUM_STEPS):
+            raise ConfigError(f"speculative_num_steps (--speculative-num-steps) {self.num_steps!r} "
+                              f"is outside 1..{MAX_SPECULATIVE_NUM_STEPS}; pick k in that range "
                               "(3 is a good default).")
         if self.draft_model_path and self.algorithm != "mtp":
-            raise ConfigError(f"speculative_draft_model_path {self.draft_model_path!r} was given "
-                              f"but speculative_algorithm is {self.algorithm!r}; it only applies "
-                              "with speculative_algorithm='mtp'.")
+            raise ConfigError(f"speculative_draft_model_path (--speculative-draft-model-path) "
+                              f"{self.draft_model_path!r} was given but speculative_algorithm is "
+                              f"{self.algorithm!r}; it only applies with speculative_algorithm="
+                              "'mtp'. Drop the path or use --speculative-algorithm mtp.")
         if model is not None and self.algorithm == "mtp":
             if not model.has_mtp and not self.draft_model_path:
                 raise ConfigError("speculative_algorithm='mtp' but the checkpoint's config declares "
                                   "no MTP layer (mtp_num_hidden_layers is 0) and no "
-                                  "speculative_draft_model_path was given; pass a draft path or "
-                                  "use speculative_algorithm='none'.")
+                                  "speculative_draft_model_path was given; pass a draft path "
+                                  "(--speculative-draft-model-path) or use "
+                                  "speculative_algorithm='none' (--speculative-algorithm none).")
 
 
 def normalize_algorithm(name: str | None) -> str:
@@ -260,8 +302,18 @@ class EngineConfig:
     max_model_len: int = 4096
     num_pages: int | None = None  # None: enough for max_running_requests * max_model_len
     dtype: str = "bfloat16"
+    chunked_prefill_size: int = 2048  # prompt tokens prefilled per scheduler step
 
     def validate(self) -> None:
+        for key in ("max_running_requests", "page_size", "max_model_len"):
+            v = getattr(self, key)
+            if isinstance(v, bool) or not isinstance(v, int):
+                raise ConfigError(f"{key} {v!r} must be an int.")
+        if self.num_pages is not None and (isinstance(self.num_pages, bool)
+                                           or not isinstance(self.num_pages, int)
+                                           or self.num_pages < 2):
+            raise ConfigError(f"num_pages {self.num_pages!r} must be an int >= 2 (or None to "
+                              "size it from max_running_requests * max_model_len).")
         if self.dtype not in ("bfloat16", "float32", "float16"):
             raise ConfigError(f"dtype {self.dtype!r} is not supported; use bfloat16, float16 "
                               "or float32.")
@@ -269,5 +321,8 @@ class EngineConfig:
             raise ConfigError(f"page_size {self.page_size} must be a power of two (e.g. 16).")
         if self.max_running_requests < 1:
             raise ConfigError(f"max_running_requests {self.max_running_requests} must be >= 1.")
+        if self.chunked_prefill_size < 1:
+            raise ConfigError(f"chunked_prefill_size {self.chunked_prefill_size} must be >= 1 "
+                              "(prompt tokens per prefill chunk; default 2048).")
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len {self.max_model_len} must be >= 2.")

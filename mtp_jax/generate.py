@@ -26,7 +26,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0)
     p.add_argument("--ignore-eos", action="store_true")
     p.add_argument("--speculative-algorithm", "--spec-algo", dest="speculative_algorithm",
-                   default="mtp", help="mtp (default) or none")
+                   default="mtp", help="mtp (default; also nextn) or none")
     p.add_argument("--speculative-num-steps", type=int, default=3,
                    help="k drafted tokens per round, 1..8")
     p.add_argument("--speculative-draft-model-path", "--spec-draft-model",
@@ -37,6 +37,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--max-running-requests", type=int, default=8)
     p.add_argument("--max-model-len", type=int, default=4096)
     p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dummy-weight", action="store_true",
+                   help="random weights of the checkpoint's shapes instead of its weights "
+                        "(benchmarks; needs --speculative-algorithm none)")
     p.add_argument("--json", action="store_true", help="print one JSON object per request")
     return p
 
@@ -51,6 +54,8 @@ def _stats_line(out, seconds: float) -> str:
 
 
 def main(argv=None) -> int:
+    """Run the CLI; returns the exit status: 0 all prompts done, 1 some prompt refused (its
+    ``error`` printed), 2 bad settings, files or a lone bad prompt (message on stderr)."""
     args = build_parser().parse_args(argv)
     from mtp_jax import LLM, SamplingParams
     from mtp_jax.config import ConfigError
@@ -63,7 +68,8 @@ def main(argv=None) -> int:
                   speculative_algorithm=args.speculative_algorithm,
                   speculative_num_steps=args.speculative_num_steps,
                   speculative_draft_model_path=args.speculative_draft_model_path,
-                  seed=args.seed, max_model_len=args.max_model_len, page_size=args.page_size)
+                  seed=args.seed, max_model_len=args.max_model_len, page_size=args.page_size,
+                  dummy_weight=args.dummy_weight)
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -74,23 +80,35 @@ def main(argv=None) -> int:
             return 2
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    for p in prompts]
-    llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0))  # compile (warm-up)
-    t0 = time.perf_counter()
-    outs = llm.generate(prompts, params)
-    seconds = time.perf_counter() - t0
+    try:  # compile (warm-up); a bad first prompt is reported by the run below
+        llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0))
+    except ValueError:
+        pass
+    try:
+        t0 = time.perf_counter()
+        outs = llm.generate(prompts, params)
+        seconds = time.perf_counter() - t0
+    except ValueError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    failed = 0
     for out in outs:
         if args.json:
             print(json.dumps({
                 "prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
                 "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(out.token_ids),
-                "finish_reason": out.finish_reason, "seconds": round(seconds, 4),
+                "finish_reason": out.finish_reason, "error": out.error,
+                "seconds": round(seconds, 4),
                 "tokens_per_second": len(out.token_ids) / max(seconds, 1e-9),
                 "accept_length": out.accept_length, "acceptance_rate": out.acceptance_rate,
                 "num_rounds": out.num_rounds}))
+        elif out.finish_reason == "error":
+            print(f"error: {out.error}", file=sys.stderr)
         else:
             print(out.text)
             print(_stats_line(out, seconds))
-    return 0
+        failed += out.finish_reason == "error"
+    return 1 if failed else 0
 
 
 if __name__ == "__main__":

@@ -12,15 +12,23 @@ from mtp_jax.sampling import SamplingTensors
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class PrefillBatch:
-    """One prompt (or prompts) padded to a length bucket.
+    """One prefill chunk per row, padded to a length bucket.
 
-    input_ids: ``[B, T]`` int32 (padded past ``length``); length: ``[B]`` int32 prompt tokens;
-    slot: ``[B]`` int32; page_table: ``[B, max_pages]`` int32; sampling: ``[B]`` parameters;
+    input_ids: ``[B, T]`` int32, prompt tokens ``start .. start+length-1`` (padded);
+    next_ids: ``[B, T]`` int32, the token after each (``prompt[start+1 ..]``; the row at the
+      prompt's last position is replaced by the sampled first token inside the program);
+    start: ``[B]`` int32 position of the chunk's first token (0 resets the slot's GDN state);
+    length: ``[B]`` int32 chunk tokens; prompt_len: ``[B]`` int32 whole prompt;
+    slot: ``[B]`` int32; page_table: ``[B, max_pages]`` int32; sampling: ``[B]``;
     step: ``[B]`` int32 random-stream step of the first sampled token (0).
+    The first token and drafts are only meaningful for a row whose chunk ends the prompt.
     """
 
     input_ids: jax.Array
+    next_ids: jax.Array
+    start: jax.Array
     length: jax.Array
+    prompt_len: jax.Array
     slot: jax.Array
     page_table: jax.Array
     sampling: SamplingTensors
@@ -34,7 +42,10 @@ class RoundBatch:
 
     slot: ``[B]`` int32 (trash slot 0 for padding rows); live: ``[B]`` bool;
     position: ``[B]`` int32 position ``c`` of the pending token (= tokens in the target KV);
-    page_table: ``[B, max_pages]`` int32 covering positions up to ``c + 2k``;
+    page_table: ``[B, max_pages]`` int32; pages past a row's allocation are the trash page;
+    num_draft: ``[B]`` int32 drafts verified per row (k clamped where pages, ``max_tokens`` or
+      ``max_model_len`` run out; 0 = a plain decode step);
+    limit: ``[B]`` int32, positions ``>= limit`` have no page: nothing is written there;
     sampling: ``[B]``; step: ``[B]`` int32 generated-token count at the round's start;
     tokens: ``[B, k+1]`` int32 ``[pending, d_1..d_k]`` supplied by the host (external proposer);
     ignored by MTP / plain rounds, which read the slot's ``next_tokens``.
@@ -44,6 +55,8 @@ class RoundBatch:
     live: jax.Array
     position: jax.Array
     page_table: jax.Array
+    num_draft: jax.Array
+    limit: jax.Array
     sampling: SamplingTensors
     step: jax.Array
     tokens: jax.Array

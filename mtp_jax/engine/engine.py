@@ -1,9 +1,19 @@
-"""The serving loop: admission, prefill, rounds, and per-token stop handling on the host.
+"""The serving loop: admission, chunked prefill, rounds, and per-token stops on the host.
 
-One ``Engine`` owns a loaded model, its pools and its compiled programs. ``run(requests)``
-keeps up to ``max_running_requests`` in flight: requests join (prefill) as slots free up and leave
-as they finish, and every running request advances one speculative round per iteration in one
-program call over a power-of-two batch bucket.
+One ``Engine`` owns a loaded model, its pools and its compiled programs. Each :meth:`step`:
+
+1. admits waiting requests (first come, first served) while a slot is free and the page pool can
+   guarantee the pages of their final length (prompt + max_tokens, capped at max_model_len);
+2. prefills up to ``chunked_prefill_size`` prompt tokens (one chunk of the oldest prefilling
+   request per call; a prompt longer than that takes several steps, interleaved with rounds);
+3. runs one speculative round (a decode step when k = 0) for every decoding request in one
+   program call over a power-of-two batch bucket.
+
+Pages: a request's guaranteed pages cover its committed tokens; before a round it also takes
+pages for the k+1 verify positions and the k-1 chained draft positions from the free pool when it
+can, and its k is clamped (down to 0) where it cannot, or where ``max_tokens`` or
+``max_model_len`` leave fewer tokens to emit. After the round, pages past the committed length
+are freed.
 """
 
 from __future__ import annotations
@@ -34,14 +44,24 @@ def next_pow2(n: int) -> int:
     return 1 << max(0, (n - 1).bit_length())
 
 
+def clamp_num_draft(k: int, position: int, allocated_tokens: int, emitted: int,
+                    max_tokens: int, prompt_len: int, max_model_len: int) -> int:
+    """Drafts a row can verify this round: at most k, with the verify positions
+    ``position .. position + n`` inside the allocated pages, and no more than the tokens the
+    request may still emit (``max_tokens`` and ``max_model_len``) minus the bonus token."""
+    room_pages = allocated_tokens - position - 1
+    room_tokens = min(max_tokens - emitted, max_model_len - prompt_len - emitted) - 1
+    return max(0, min(k, room_pages, room_tokens))
+
+
 @dataclasses.dataclass
 class EngineStats:
-    """Totals over the engine's life: seconds, tokens, rounds, compiled program count."""
+    """Totals over the engine's life (seconds, tokens, calls)."""
 
     prompt_tokens: int = 0
-    output_tokens: int = 0
     prefill_seconds: float = 0.0
     round_seconds: float = 0.0
+    prefill_calls: int = 0
     rounds: int = 0
 
 
@@ -62,12 +82,12 @@ class Engine:
         self.proposer_kind = spec.algorithm
         mc = model.cfg
         self.max_model_len = min(engine_cfg.max_model_len, mc.max_position_embeddings)
-        # Pages must also cover the verify window (k+1) and the chained drafts (k-1) past the end.
-        self.max_pages_per_req = pages_needed(self.max_model_len + 2 * self.k + 2,
-                                              engine_cfg.page_size)
+        self.page_size = engine_cfg.page_size
+        # A page table row covers max_model_len plus the verify window and the draft chain.
+        self.max_pages_per_req = pages_needed(self.max_model_len + 2 * self.k + 1, self.page_size)
         num_pages = engine_cfg.num_pages or 1 + engine_cfg.max_running_requests * self.max_pages_per_req
         slots = engine_cfg.max_running_requests + 1
-        self.pools: Pools = make_pools(mc, num_pages=num_pages, page_size=engine_cfg.page_size,
+        self.pools: Pools = make_pools(mc, num_pages=num_pages, page_size=self.page_size,
                                        slots=slots, k=self.k, mtp=self.proposer_kind == "mtp",
                                        dtype=DTYPES[model.dtype])
         self.pages = FreeList(num_pages, "KV pages")
@@ -75,8 +95,44 @@ class Engine:
         self._prefill, self._round = compile_programs()
         self.stats = EngineStats()
         self.eos_ids = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
+        self.chunk_size = engine_cfg.chunked_prefill_size
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.decoding: list[Request] = []
 
-    # ---- host-side helpers -----------------------------------------------------------------
+    # ---- pages -------------------------------------------------------------------------------
+    def _outstanding_reserve(self) -> int:
+        return sum(max(0, r.reserve - len(r.pages)) for r in self.prefilling + self.decoding)
+
+    def _final_len(self, req: Request) -> int:
+        return min(len(req.prompt_ids) + req.params.max_tokens, self.max_model_len)
+
+    def _can_admit(self, req: Request) -> bool:
+        need = pages_needed(self._final_len(req), self.page_size)
+        return (self.slots.num_free > 0
+                and self.pages.num_free - self._outstanding_reserve() >= need)
+
+    def _grow(self, req: Request, num_tokens: int) -> None:
+        """Give ``req`` pages for ``num_tokens`` positions: from its guarantee first, then from
+        the free pool beyond what other requests are guaranteed; stops short when it runs out."""
+        want = min(pages_needed(num_tokens, self.page_size), self.max_pages_per_req)
+        while len(req.pages) < want:
+            spare = self.pages.num_free - self._outstanding_reserve()
+            if len(req.pages) >= req.reserve and spare <= 0:
+                break
+            req.pages += self.pages.take(1)
+
+    def _shrink(self, req: Request, num_tokens: int) -> None:
+        keep = pages_needed(num_tokens, self.page_size)
+        if len(req.pages) > keep:
+            self.pages.give_back(req.pages[keep:])
+            del req.pages[keep:]
+
+    def _release(self, req: Request) -> None:
+        self.pages.give_back(req.pages)
+        self.slots.give_back([req.slot])
+        req.pages, req.slot = [], 0
+
     def _table(self, reqs: list[Request | None]) -> np.ndarray:
         t = np.zeros((len(reqs), self.max_pages_per_req), np.int32)
         for i, r in enumerate(reqs):
@@ -84,29 +140,21 @@ class Engine:
                 t[i, :len(r.pages)] = r.pages
         return t
 
-    def _ensure_pages(self, req: Request, num_tokens: int) -> None:
-        need = min(pages_needed(num_tokens, self.cfg.page_size), self.max_pages_per_req)
-        if need > len(req.pages):
-            req.pages += self.pages.take(need - len(req.pages))
-
-    def _release(self, req: Request) -> None:
-        self.pages.give_back(req.pages)
-        self.slots.give_back([req.slot])
-        req.pages, req.slot = [], 0
-
-    def _sampling(self, reqs: list[Request | None]) -> SamplingTensors:
+    @staticmethod
+    def _sampling(reqs: list[Request | None]) -> SamplingTensors:
         rows = [(r.params.temperature, r.params.top_k, r.params.top_p, r.seed)
                 for r in reqs if r is not None]
-        st = SamplingTensors.from_params(rows, pad_to=len(reqs))
-        # from_params pads at the end; padding rows are always at the end of a bucket here.
-        return st
+        return SamplingTensors.from_params(rows, pad_to=len(reqs))  # padding rows at the end
 
+    # ---- stops -------------------------------------------------------------------------------
     def _append(self, req: Request, tokens: Iterable[int]) -> int:
-        """Append committed tokens one by one, applying stops; returns how many were kept."""
+        """Append committed tokens one by one, applying every stop; returns how many were kept
+        (nothing after a stop is kept)."""
         kept = 0
         p = req.params
         for tok in tokens:
-            req.output_ids.append(int(tok))
+            tok = int(tok)
+            req.output_ids.append(tok)
             kept += 1
             if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
                 req.finish_reason = "stop"
@@ -121,6 +169,7 @@ class Engine:
         return kept
 
     def _stop_string(self, req: Request) -> bool:
+        # Decode a tail long enough to hold any stop string that the last token could complete.
         text = self.tokenizer.decode(req.output_ids)
         hits = [text.find(s) for s in req.params.stop if s in text]
         if hits:
@@ -129,42 +178,61 @@ class Engine:
         return False
 
     # ---- programs ----------------------------------------------------------------------------
-    def _run_prefill(self, req: Request) -> None:
-        n = len(req.prompt_ids)
-        t = max(MIN_PREFILL_BUCKET, next_pow2(n))
+    def _prefill_chunk(self, req: Request, budget: int) -> int:
+        """Prefill the next chunk (at most ``budget`` tokens) of ``req``; returns its length."""
+        n_prompt = len(req.prompt_ids)
+        start = req.prefilled
+        n = min(budget, n_prompt - start)
+        t = min(max(MIN_PREFILL_BUCKET, next_pow2(n)), max(MIN_PREFILL_BUCKET,
+                                                            next_pow2(self.chunk_size)))
         ids = np.zeros((1, t), np.int32)
-        ids[0, :n] = req.prompt_ids
-        batch = PrefillBatch(input_ids=jnp.asarray(ids), length=jnp.asarray([n], jnp.int32),
-                             slot=jnp.asarray([req.slot], jnp.int32),
-                             page_table=jnp.asarray(self._table([req])),
-                             sampling=self._sampling([req]),
-                             step=jnp.zeros((1,), jnp.int32))
+        nxt = np.zeros((1, t), np.int32)
+        ids[0, :n] = req.prompt_ids[start:start + n]
+        following = req.prompt_ids[start + 1:start + n + 1]
+        nxt[0, :len(following)] = following
+        self._grow(req, start + n + 2 * self.k + 1)
+        batch = PrefillBatch(
+            input_ids=jnp.asarray(ids), next_ids=jnp.asarray(nxt),
+            start=jnp.asarray([start], jnp.int32), length=jnp.asarray([n], jnp.int32),
+            prompt_len=jnp.asarray([n_prompt], jnp.int32), slot=jnp.asarray([req.slot], jnp.int32),
+            page_table=jnp.asarray(self._table([req])), sampling=self._sampling([req]),
+            step=jnp.zeros((1,), jnp.int32))
         t0 = time.perf_counter()
         first, self.pools = self._prefill(self.model.graphdef, self.model.params, self.pools,
                                           batch, k=self.k, mtp=self.proposer_kind == "mtp")
-        first = int(np.asarray(first)[0])
+        req.prefilled += n
+        if req.prefilled == n_prompt:
+            first = int(np.asarray(first)[0])
+            req.position = n_prompt
+            self._append(req, [first])
         self.stats.prefill_seconds += time.perf_counter() - t0
+        self.stats.prefill_calls += 1
         self.stats.prompt_tokens += n
-        req.position = n
-        self._append(req, [first])
+        return n
 
-    def _run_round(self, running: list[Request]) -> None:
+    def _run_round(self, running: list[Request]) -> dict[Request, list[int]]:
         b = min(next_pow2(len(running)), next_pow2(self.cfg.max_running_requests))
         rows: list[Request | None] = list(running) + [None] * (b - len(running))
-        for r in running:
-            self._ensure_pages(r, r.position + 2 * self.k + 2)
+        num_draft = np.zeros((b,), np.int32)
+        limit = np.zeros((b,), np.int32)
+        for i, r in enumerate(running):
+            self._grow(r, r.position + 2 * self.k + 1)
+            limit[i] = len(r.pages) * self.page_size
+            num_draft[i] = clamp_num_draft(self.k, r.position, limit[i], len(r.output_ids),
+                                           r.params.max_tokens, len(r.prompt_ids),
+                                           self.max_model_len)
         tokens = np.zeros((b, self.k + 1), np.int32)
         if self.proposer_kind == "external":
             for i, r in enumerate(running):
-                ids = r.prompt_ids + r.output_ids
                 tokens[i, 0] = r.output_ids[-1]
-                tokens[i, 1:] = propose(self.proposer, r.request_id, ids, self.k,
-                                        self.model.cfg.vocab_size)
+                tokens[i, 1:] = propose(self.proposer, r.request_id, r.prompt_ids + r.output_ids,
+                                        self.k, self.model.cfg.vocab_size)
         batch = RoundBatch(
             slot=jnp.asarray([r.slot if r else 0 for r in rows], jnp.int32),
             live=jnp.asarray([r is not None for r in rows]),
             position=jnp.asarray([r.position if r else 0 for r in rows], jnp.int32),
             page_table=jnp.asarray(self._table(rows)),
+            num_draft=jnp.asarray(num_draft), limit=jnp.asarray(limit),
             sampling=self._sampling(rows),
             step=jnp.asarray([len(r.output_ids) if r else 0 for r in rows], jnp.int32),
             tokens=jnp.asarray(tokens))
@@ -174,34 +242,70 @@ class Engine:
         emitted, accepted = jax.device_get((out.emitted, out.num_accepted))
         self.stats.round_seconds += time.perf_counter() - t0
         self.stats.rounds += 1
+        new: dict[Request, list[int]] = {}
         for i, r in enumerate(running):
             n = int(accepted[i])
+            before = len(r.output_ids)
+            kept = self._append(r, emitted[i, :n + 1].tolist())
+            new[r] = r.output_ids[before:]
             r.num_rounds += 1
-            r.num_draft_tokens += self.k
-            r.num_accepted_tokens += n
+            r.num_draft_tokens += int(num_draft[i])
+            r.num_accepted_tokens += min(n, kept)
             r.position += n + 1
-            self._append(r, emitted[i, :n + 1].tolist())
+            self._shrink(r, r.position)
+        return new
 
-    # ---- loop ------------------------------------------------------------------------------
+    # ---- loop --------------------------------------------------------------------------------
+    def add_request(self, req: Request) -> None:
+        req.reserve = pages_needed(self._final_len(req), self.page_size)
+        if req.reserve > self.pages.size - 1:
+            raise MemoryError(f"request {req.request_id!r} needs {req.reserve} KV pages "
+                              f"({self._final_len(req)} tokens) but the pool has "
+                              f"{self.pages.size - 1}; lower max_tokens or raise the KV budget.")
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding)
+
+    def step(self) -> dict[Request, list[int]]:
+        """One scheduler iteration. Returns the tokens each request gained in it."""
+        new: dict[Request, list[int]] = {}
+        while self.waiting and self._can_admit(self.waiting[0]):
+            req = self.waiting.popleft()
+            req.slot = self.slots.take()[0]
+            self.prefilling.append(req)
+        budget = self.chunk_size
+        while self.prefilling and budget > 0:
+            req = self.prefilling[0]
+            budget -= self._prefill_chunk(req, budget)
+            if req.prefilled == len(req.prompt_ids):
+                self.prefilling.pop(0)
+                new[req] = list(req.output_ids)
+                if req.finished:
+                    self._release(req)
+                else:
+                    self._shrink(req, req.position)
+                    self.decoding.append(req)
+        if self.decoding:
+            new.update(self._run_round(self.decoding))
+            for r in [r for r in self.decoding if r.finished]:
+                self._release(r)
+            self.decoding = [r for r in self.decoding if not r.finished]
+        if not new and self.waiting and not (self.prefilling or self.decoding):
+            raise MemoryError("the next request cannot be admitted into an empty engine; "
+                              "its pages exceed the pool.")
+        return new
+
     def run(self, requests: list[Request], on_round: Callable[[list[Request]], None] | None = None):
         """Serve ``requests`` to completion (each gets ``finish_reason`` set)."""
-        waiting, running = deque(requests), []
-        while waiting or running:
-            while waiting and len(running) < self.cfg.max_running_requests:
-                req = waiting.popleft()
-                req.slot = self.slots.take()[0]
-                self._ensure_pages(req, len(req.prompt_ids) + 2 * self.k + 2)
-                self._run_prefill(req)
-                (self._release(req) if req.finished else running.append(req))
-            if running:
-                self._run_round(running)
-                for r in [r for r in running if r.finished]:
-                    self._release(r)
-                running = [r for r in running if not r.finished]
+        for r in requests:
+            self.add_request(r)
+        while self.has_work():
+            self.step()
             if on_round is not None:
                 on_round(requests)
-        self.stats.output_tokens += sum(len(r.output_ids) for r in requests)
         return requests
 
     def compiled_program_count(self) -> int:
+        """Programs compiled so far in this process (all engines share the jit caches)."""
         return self._prefill._cache_size() + self._round._cache_size()

@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Sequence
 
-from mtp_jax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig, normalize_algorithm
+from mtp_jax.checks import check_before_load
+from mtp_jax.config import EngineConfig, SpecConfig, normalize_algorithm
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, RequestOutput, SamplingParams
-from mtp_jax.models.loader import check_draft_folder, load_model, resolve_dtype
+from mtp_jax.models.loader import load_model, resolve_dtype
 from mtp_jax.spec.external import Proposer
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams"]
@@ -29,8 +31,11 @@ class LLM:
       proposer: for ``"external"``: ``(request_id, token_ids_so_far, k) -> k token ids``.
       seed: base seed of sampled requests without their own seed.
       max_model_len, page_size: KV sizing (tokens).
+      dummy_weight: random weights of the checkpoint's shapes instead of its weights (benchmarks,
+        tests of the non-speculative path); refused with ``speculative_algorithm="mtp"``.
     Raises:
-      ConfigError: bad settings, before any weight is read.
+      ConfigError: bad settings, before any weight is read (:func:`mtp_jax.checks.check_before_load`);
+      CheckpointError: bad weight files, before any tensor data is read.
     """
 
     def __init__(self, model: str | None = None, *, dtype: str = "auto",
@@ -47,14 +52,10 @@ class LLM:
                           draft_model_path=speculative_draft_model_path)
         engine_cfg = EngineConfig(max_running_requests=max_running_requests, page_size=page_size,
                                   max_model_len=max_model_len, dtype=resolve_dtype(dtype))
-        model_cfg = ModelConfig.from_folder(model)
-        spec.validate(model_cfg)
-        engine_cfg.validate()
-        if algorithm == "mtp" and dummy_weight:
-            raise ConfigError("MTP reads its draft from the checkpoint, so it cannot run with "
-                              "--dummy-weight; use speculative_algorithm='none'.")
-        if speculative_draft_model_path:
-            check_draft_folder(model_cfg, speculative_draft_model_path)
+        # Every config-time check, before any weight (or the tokenizer) is read.
+        model_cfg = check_before_load(model, spec=spec, engine=engine_cfg,
+                                      dummy_weight=dummy_weight,
+                                      has_proposer=proposer is not None)
         from mtp_jax.tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer.from_folder(model)
@@ -68,20 +69,31 @@ class LLM:
 
     # ---- requests ----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
+        """Token ids of one prompt; ``ValueError`` naming what is wrong with it."""
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint folder has no tokenizer files; pass prompts "
                                  "as lists of token ids.")
             ids = self.tokenizer.encode(prompt)
             text = prompt
-        else:
+        elif isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist")
+                                                   and getattr(prompt, "ndim", 0) == 1):
+            prompt = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+            bad = [t for t in prompt
+                   if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+            if bad:
+                raise ValueError(f"prompt token ids must be ints; got {bad[:5]!r}. Pass a string "
+                                 "or a list of token ids.")
             ids, text = [int(t) for t in prompt], None
+        else:
+            raise ValueError(f"prompt {prompt!r} is neither a string nor a list of token ids.")
         if not ids:
             raise ValueError("empty prompt: a prompt needs at least one token.")
         vocab = self.model.cfg.vocab_size
         bad = [t for t in ids if not 0 <= t < vocab]
         if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}).")
+            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}); "
+                             "use ids from this checkpoint's tokenizer.")
         if len(ids) >= self.engine.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len "
                              f"{self.engine.max_model_len} (it needs room for one output token); "
@@ -114,20 +126,54 @@ class LLM:
 
         ``sampling_params``: one for all or one per prompt (default ``SamplingParams()``).
         Returns one :class:`RequestOutput` per prompt, in order.
+
+        Raises ``ValueError`` before any work for invalid sampling parameters. A bad prompt
+        (empty, too long for ``max_model_len``, token ids outside the vocabulary, text without a
+        tokenizer) raises when it is the only prompt; among several, it gets an output with
+        ``finish_reason="error"`` and ``error`` set to the message, and the others run normally.
         """
-        if isinstance(prompts, str) or (prompts and isinstance(prompts[0], int)):
+        single = isinstance(prompts, str) or (
+            isinstance(prompts, (list, tuple)) and len(prompts) > 0
+            and isinstance(prompts[0], numbers.Integral))
+        if single or (hasattr(prompts, "ndim") and prompts.ndim == 1):
             prompts = [prompts]
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        sampling_params = list(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts; "
                              "pass one for all or one per prompt.")
-        requests = [self._request(p, sp) for p, sp in zip(prompts, sampling_params)]
-        self.engine.run(requests)
-        return [self._output(r) for r in requests]
+        for i, sp in enumerate(sampling_params):
+            if not isinstance(sp, SamplingParams):
+                raise ValueError(f"sampling_params[{i}] is {type(sp).__name__}, not "
+                                 "SamplingParams.")
+            sp.validate()
+        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        requests: list[tuple[int, Request]] = []
+        for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
+            try:
+                requests.append((i, self._request(p, sp)))
+            except ValueError as e:
+                if len(prompts) == 1:
+                    raise
+                outputs[i] = self._error_output(p, str(e))
+        self.engine.run([r for _, r in requests])
+        for i, r in requests:
+            outputs[i] = self._output(r)
+        return outputs
+
+    def _error_output(self, prompt, message: str) -> RequestOutput:
+        index = self._next_id
+        self._next_id += 1
+        ids = ([int(t) for t in prompt] if isinstance(prompt, (list, tuple)) and all(
+            isinstance(t, numbers.Integral) for t in prompt) else [])
+        return RequestOutput(request_id=str(index),
+                             prompt=prompt if isinstance(prompt, str) else None,
+                             prompt_token_ids=ids, token_ids=[], text="", finish_reason="error",
+                             error=message)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None):
         """Apply the chat template to ``messages`` and generate one reply."""

@@ -48,12 +48,14 @@ def _draft_token(model, z, sampling, step, j):
     return tok, q
 
 
-def _chain(model, draft_kv, z, tok, q, pos, page_table, live, sampling, step, k):
-    """k-1 chained draft steps from ``z [B, H]`` and draft token ``tok [B]`` at ``pos [B]``.
+def _chain(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, step, k):
+    """k-1 chained draft steps from ``z [B, H]`` and draft token ``tok [B]``; step j runs at
+    position ``pos + j - 1`` and writes its draft KV only below ``limit [B]``.
     Returns ``(drafts [B, k], q [B, k, V], draft_kv)``."""
     toks, qs = [tok], [q]
     for j in range(1, k):
-        batch = AttentionBatch((pos + j - 1)[:, None], live[:, None], page_table)
+        p = pos + j - 1
+        batch = AttentionBatch(p[:, None], (p < limit)[:, None], page_table)
         zj, draft_kv = model.mtp(model.embed_tokens, z[:, None], toks[-1][:, None], batch,
                                  draft_kv, step=j)
         z = zj[:, 0]
@@ -63,34 +65,44 @@ def _chain(model, draft_kv, z, tok, q, pos, page_table, live, sampling, step, k)
     return jnp.stack(toks, 1), jnp.stack(qs, 1), draft_kv
 
 
+def _row(x, index):
+    """``x[b, index[b]]`` for ``x [B, T, ...]``."""
+    return jnp.take_along_axis(x, index.reshape(-1, 1, *([1] * (x.ndim - 2))), axis=1)[:, 0]
+
+
 def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, *, k: int, mtp: bool):
-    """Prefill prompts into fresh slots; sample the first token; with MTP, fill the draft KV
-    over the prompt and draft ``d_1..d_k``. Writes ``next_tokens[slot] = [x_T, d_1..d_k]``.
+    """Prefill one chunk per row (the GDN state starts at zero when ``start == 0``, else from
+    the slot); sample the first token; with MTP, write the draft KV over the chunk's rows and
+    draft ``d_1..d_k``. Writes ``next_tokens[slot] = [x_T, d_1..d_k]`` (final chunk only matters).
 
     Returns ``(first_token [B] int32, pools)``.
     """
     model = nnx.merge(graphdef, params)
     b, t = batch.input_ids.shape
-    pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    valid = pos < batch.length[:, None]
+    local = jnp.arange(t, dtype=jnp.int32)[None, :]
+    pos = batch.start[:, None] + local
+    valid = local < batch.length[:, None]
     abatch = AttentionBatch(pos, valid, batch.page_table)
-    gdn_view = jax.tree.map(jnp.zeros_like, pools.gdn.gather(batch.slot))  # fresh requests
-    hidden, kv, gdn_view = model(batch.input_ids, abatch, pools.kv, gdn_view, "prefill")
-    last = batch.length - 1
-    h_last = jnp.take_along_axis(hidden, last[:, None, None], axis=1)[:, 0]
+    view = pools.gdn.gather(batch.slot)
+    fresh = batch.start == 0
+    view = jax.tree.map(lambda a: jnp.where(fresh.reshape(-1, *([1] * (a.ndim - 1))), 0, a), view)
+    hidden, kv, view = model(batch.input_ids, abatch, pools.kv, view, "prefill")
+    last = jnp.maximum(batch.length - 1, 0)
+    h_last = _row(hidden, last)
     first = sample(model.logits(h_last), batch.sampling, batch.step, salt=SALT_SAMPLE)
-    pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, gdn_view))
+    pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, view))
     row = first[:, None]
     if mtp:
-        shifted = jnp.concatenate([batch.input_ids[:, 1:], jnp.zeros((b, 1), jnp.int32)], 1)
-        next_ids = jnp.where(pos == last[:, None], first[:, None], shifted)
+        is_final = pos == (batch.prompt_len - 1)[:, None]
+        next_ids = jnp.where(is_final, first[:, None], batch.next_ids)
         z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
-        z_last = jnp.take_along_axis(z, last[:, None, None], axis=1)[:, 0]
+        z_last = _row(z, last)
         step1 = batch.step + 1
         tok, q = _draft_token(model, z_last, batch.sampling, step1, 0)
-        live = batch.length > 0
-        drafts, qs, draft_kv = _chain(model, draft_kv, z_last, tok, q, batch.length,
-                                      batch.page_table, live, batch.sampling, step1, k)
+        end = batch.start + batch.length
+        limit = batch.page_table.shape[1] * pools.kv.page_size * jnp.ones_like(end)
+        drafts, qs, draft_kv = _chain(model, draft_kv, z_last, tok, q, end, batch.page_table,
+                                      limit, batch.sampling, step1, k)
         row = jnp.concatenate([row, drafts], 1)
         pools = dataclasses.replace(pools, draft_kv=draft_kv,
                                     draft_probs=pools.draft_probs.at[batch.slot].set(qs))
@@ -103,6 +115,8 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, *, k: int, mtp:
 def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, proposer: str):
     """One verify/accept/commit(/draft) round; ``proposer`` in ``none | mtp | external``.
 
+    Row b verifies ``num_draft[b] <= k`` drafts: verify rows past it, and every write at or past
+    ``limit[b]``, go to the trash page, and the acceptance ignores those drafts.
     Returns ``(RoundOutput, pools)``.
     """
     model = nnx.merge(graphdef, params)
@@ -111,31 +125,35 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
         tokens = batch.tokens
     else:
         tokens = pools.next_tokens[batch.slot]
-    pos = batch.position[:, None] + jnp.arange(k + 1, dtype=jnp.int32)
-    valid = jnp.broadcast_to(batch.live[:, None], (b, k + 1))
+    rows_idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
+    pos = batch.position[:, None] + rows_idx
+    valid = batch.live[:, None] & (rows_idx <= batch.num_draft[:, None]) & (
+        pos < batch.limit[:, None])
     abatch = AttentionBatch(pos, valid, batch.page_table)
-    gdn_view = pools.gdn.gather(batch.slot)
-    hidden, kv, rows = model(tokens, abatch, pools.kv, gdn_view, "verify")
+    view = pools.gdn.gather(batch.slot)
+    hidden, kv, rows = model(tokens, abatch, pools.kv, view, "verify")
     logits = model.logits(hidden)  # [B, k+1, V]
     if k:
         q = pools.draft_probs[batch.slot] if proposer == "mtp" else None
-        n, emitted = accept(logits, tokens[:, 1:], q, batch.sampling, batch.step)
+        n, emitted = accept(logits, tokens[:, 1:], q, batch.sampling, batch.step,
+                            num_draft=batch.num_draft)
     else:
         n = jnp.zeros((b,), jnp.int32)
         emitted = sample(logits[:, 0], batch.sampling, batch.step, salt=SALT_SAMPLE)[:, None]
     commit_len = jnp.where(batch.live, n + 1, 0)
-    gdn_view = model.commit(gdn_view, rows, commit_len)
-    pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, gdn_view))
-    bonus = jnp.take_along_axis(emitted, n[:, None], axis=1)[:, 0]
+    view = model.commit(view, rows, commit_len)
+    pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, view))
+    bonus = _row(emitted, n)
     row = bonus[:, None]
     if proposer == "mtp":
-        next_ids = jnp.maximum(emitted, 0)  # x_{c+i+1} for rows i <= n; rows past n are rewritten later
+        next_ids = jnp.maximum(emitted, 0)  # x_{c+i+1} for rows i <= n; later rows are rewritten
         z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
-        z_n = jnp.take_along_axis(z, n[:, None, None], axis=1)[:, 0]
+        z_n = _row(z, n)
         step1 = batch.step + n + 1
         tok, q0 = _draft_token(model, z_n, batch.sampling, step1, 0)
+        live_limit = jnp.where(batch.live, batch.limit, 0)
         drafts, qs, draft_kv = _chain(model, draft_kv, z_n, tok, q0, batch.position + n + 1,
-                                      batch.page_table, batch.live, batch.sampling, step1, k)
+                                      batch.page_table, live_limit, batch.sampling, step1, k)
         row = jnp.concatenate([row, drafts], 1)
         pools = dataclasses.replace(pools, draft_kv=draft_kv,
                                     draft_probs=pools.draft_probs.at[batch.slot].set(qs))

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import numbers
 from typing import Sequence
 
 
@@ -29,24 +30,40 @@ class SamplingParams:
     ignore_eos: bool = False
 
     def __post_init__(self):
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) \
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first out-of-range value (also called by
+        ``LLM.generate``, so parameters changed after construction are checked again)."""
+        def is_int(v) -> bool:
+            return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+        def is_num(v) -> bool:
+            return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+        if not is_num(self.temperature) or not math.isfinite(self.temperature) \
                 or self.temperature < 0:
             raise ValueError(f"temperature {self.temperature!r} must be a finite number >= 0 "
                              "(0 means greedy).")
-        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+        if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p {self.top_p!r} must be in (0, 1]; 1 turns it off.")
-        if not isinstance(self.top_k, int) or self.top_k < -1:
-            raise ValueError(f"top_k {self.top_k!r} must be -1 (off), 0 (off) or >= 1.")
-        if not isinstance(self.max_tokens, int) or self.max_tokens < 1:
+        if not is_int(self.top_k) or self.top_k < -1:
+            raise ValueError(f"top_k {self.top_k!r} must be an int: -1 or 0 (off) or >= 1.")
+        if not is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens {self.max_tokens!r} must be an int >= 1.")
-        if self.seed is not None and (not isinstance(self.seed, int) or not 0 <= self.seed < 2**32):
-            raise ValueError(f"seed {self.seed!r} must be an int in [0, 2**32).")
+        if self.seed is not None and (not is_int(self.seed) or not 0 <= self.seed < 2**32):
+            raise ValueError(f"seed {self.seed!r} must be an int in [0, 2**32) or None.")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise ValueError(f"stop {self.stop!r} must be a string or a list of strings.")
         self.stop = list(self.stop or [])
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise ValueError(f"stop {self.stop!r} must hold non-empty strings.")
-        self.stop_token_ids = [int(t) for t in (self.stop_token_ids or [])]
+        ids = list(self.stop_token_ids or [])
+        if any(not is_int(t) or t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids {self.stop_token_ids!r} must hold ints >= 0.")
+        self.stop_token_ids = [int(t) for t in ids]
 
     @property
     def greedy(self) -> bool:
@@ -86,7 +103,7 @@ class RequestOutput:
         return None if not self.num_draft_tokens else self.num_accepted_tokens / self.num_draft_tokens
 
 
-@dataclasses.dataclass
+@dataclasses.dataclass(eq=False)  # identity semantics: requests key dicts
 class Request:
     """Scheduler state of a running request (host side)."""
 
@@ -99,6 +116,8 @@ class Request:
     slot: int = 0
     pages: list[int] = dataclasses.field(default_factory=list)
     position: int = 0  # tokens in the target KV; the pending token sits at this position
+    prefilled: int = 0  # prompt tokens prefilled so far (chunked prefill)
+    reserve: int = 0  # pages guaranteed to this request (its final committed length)
     output_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_text_len: int | None = None  # text length to keep when a stop string matched

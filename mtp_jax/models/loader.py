@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 
 import jax
 import jax.numpy as jnp
@@ -17,7 +18,8 @@ from flax import nnx
 
 from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
-from mtp_jax.config import ConfigError, ModelConfig
+from mtp_jax.checks import check_before_load, check_draft_folder  # noqa: F401 (re-export)
+from mtp_jax.config import ConfigError, ModelConfig, SpecConfig
 from mtp_jax.models.registry import model_spec
 from mtp_jax.weights import names
 from mtp_jax.weights.safetensors_reader import load_tensors
@@ -169,34 +171,6 @@ def _mtp_forward_fn(graphdef, params, hidden, next_ids):
     return model.logits(z), z
 
 
-def check_draft_folder(cfg: ModelConfig, draft_path: str) -> None:
-    """Config-time checks of a separate MTP draft folder: it exists, holds ``mtp.*`` tensors,
-    and (when it has a config.json) matches the target's architecture, hidden size, vocabulary
-    and expert count. Raises :class:`ConfigError`; reads headers only."""
-    import os
-
-    from mtp_jax.weights.safetensors_reader import list_tensor_names
-
-    if not os.path.isdir(draft_path):
-        raise ConfigError(f"speculative_draft_model_path {draft_path!r} is not a folder; pass a "
-                          "folder holding the mtp.* tensors (safetensors).")
-    try:
-        tensors = list_tensor_names(draft_path)
-    except ValueError as e:
-        raise ConfigError(f"cannot read the draft folder {draft_path!r}: {e}") from e
-    if not any(n.startswith("mtp.") for n in tensors):
-        raise ConfigError(f"the draft folder {draft_path!r} holds no mtp.* tensors, so the MTP "
-                          "draft cannot be read from it; point speculative_draft_model_path at "
-                          "a checkpoint that has them, or omit it to use the target's own.")
-    if os.path.isfile(os.path.join(draft_path, "config.json")):
-        d = ModelConfig.from_folder(draft_path)
-        for key in ("model_type", "hidden_size", "vocab_size", "num_experts"):
-            if getattr(d, key) != getattr(cfg, key):
-                raise ConfigError(f"the draft at {draft_path!r} has {key}={getattr(d, key)!r} but "
-                                  f"the target has {getattr(cfg, key)!r}; the MTP draft must "
-                                  "come from the same model family and shape.")
-
-
 def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp: bool = True,
                dummy_weight: bool = False, seed: int = 0, cfg: ModelConfig | None = None,
                device=None, draft_path: str | None = None) -> LoadedModel:
@@ -209,14 +183,28 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
       dummy_weight: random weights instead of the checkpoint's (for benchmarks/tests).
       draft_path: a separate folder to read the ``mtp.*`` tensors from (default: ``path``).
     Raises:
-      ConfigError: bad config (before any tensor is read); CheckpointError: bad files or
-      missing/unexpected tensors.
+      ConfigError: bad config (before any tensor is read; see :mod:`mtp_jax.checks`);
+      CheckpointError: bad files or missing/unexpected tensors (before any tensor data is read,
+      the draft's before the target's).
     """
-    cfg = cfg or ModelConfig.from_folder(path)
-    dtype = resolve_dtype(dtype)
+    if cfg is None:
+        from mtp_jax.checks import read_model_config
+
+        cfg = read_model_config(path, mtp=with_mtp)
     with_mtp = with_mtp and (cfg.has_mtp or draft_path is not None)
-    if with_mtp and draft_path is not None:
-        check_draft_folder(cfg, draft_path)
+    spec = SpecConfig(algorithm="mtp" if with_mtp else "none", draft_model_path=draft_path)
+    cfg = check_before_load(path, spec=spec, cfg=cfg, dummy_weight=dummy_weight,
+                            dummy_draft_ok=True)
+    dtype = resolve_dtype(dtype)
+    if path is None and not dummy_weight:
+        raise ConfigError("load_model needs a checkpoint path to read weights from (or "
+                          "dummy_weight=True with a cfg).")
+    if with_mtp and draft_path is not None and not dummy_weight:
+        from mtp_jax.weights.hub import download_repo
+
+        if not os.path.exists(draft_path):  # a repo id (check_before_load refused other paths)
+            draft_path = download_repo(draft_path)
+            check_draft_folder(cfg, draft_path)
     if with_mtp and not cfg.has_mtp:
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=1)
     graphdef, abstract = abstract_model(cfg, dtype, with_mtp)
@@ -226,16 +214,17 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
     else:
         shapes = {n: s for n, (s, _) in expected.items()}
         put = lambda a: jax.device_put(a, device)
-        if draft_path is None:
+        if draft_path is None or not with_mtp:
             arrays = load_tensors(path, cfg, shapes, dtype=_NP_DTYPES[dtype], put=put,
                                   include_mtp=with_mtp)
         else:
+            # The (small) draft first: its errors come before the target's weights are read.
             target = {n: s for n, s in shapes.items() if not n.startswith("mtp.")}
             draft = {n: s for n, s in shapes.items() if n.startswith("mtp.")}
-            arrays = load_tensors(path, cfg, target, dtype=_NP_DTYPES[dtype], put=put,
-                                  include_mtp=False)
-            arrays.update(load_tensors(draft_path, cfg, draft, dtype=_NP_DTYPES[dtype], put=put,
-                                       include_mtp=True, only_mtp=True, desc="Loading draft"))
+            arrays = load_tensors(draft_path, cfg, draft, dtype=_NP_DTYPES[dtype], put=put,
+                                  include_mtp=True, only_mtp=True, desc="Loading draft")
+            arrays.update(load_tensors(path, cfg, target, dtype=_NP_DTYPES[dtype], put=put,
+                                       include_mtp=False))
         # A few parameters (GDN A_log, dt_bias) are float32 whatever the model dtype.
         arrays = {n: a if a.dtype == expected[n][1] else a.astype(expected[n][1])
                   for n, a in arrays.items()}

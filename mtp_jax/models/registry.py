@@ -1,12 +1,30 @@
-"""Architecture -> model spec: the modules, the tensor names and the speculative drafts a family
-supports. Config-time checks consult it before any weight is read."""
+"""Architecture -> model spec: the modules, the tensor names, the speculative drafts a family
+supports and the per-request slot states it keeps. Config-time checks
+(:mod:`mtp_jax.checks`) consult it before any weight is read."""
 
 from __future__ import annotations
 
 import dataclasses
 from typing import Callable
 
-from mtp_jax.config import ModelConfig
+from mtp_jax.config import ConfigError, ModelConfig
+
+# How a slot state is committed after a speculative verify window of k+1 rows:
+#   "replay":     verify leaves the live state untouched and keeps the per-row inputs; the commit
+#                 replays the accepted rows onto the live state;
+#   "checkpoint": verify keeps one state per row; the commit selects the accepted row's copy.
+VERIFY_HANDLERS = ("replay", "checkpoint")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotState:
+    """A per-request state that a verify must commit (beyond the paged KV, which rolls back by
+    position). ``verify_handler`` is one of :data:`VERIFY_HANDLERS`; ``None`` means the state
+    cannot be verified, so speculation is refused for the model at config time."""
+
+    name: str
+    description: str
+    verify_handler: str | None
 
 
 @dataclasses.dataclass(frozen=True)
@@ -14,6 +32,7 @@ class ModelSpec:
     model_type: str
     build: Callable  # (cfg, dtype, with_mtp) -> nnx.Module
     drafts: tuple[str, ...]  # speculative algorithms with a draft registered
+    slot_states: tuple[SlotState, ...] = ()
 
 
 def _build_qwen3_5(cfg: ModelConfig, dtype, with_mtp: bool):
@@ -22,15 +41,25 @@ def _build_qwen3_5(cfg: ModelConfig, dtype, with_mtp: bool):
     return Qwen35Model(cfg, dtype, with_mtp=with_mtp)
 
 
+_QWEN3_5_SLOT_STATES = (
+    SlotState("gdn_recurrent", "Gated DeltaNet recurrent state [slots, Hv, Dk, Dv] float32 per "
+              "linear-attention layer", "replay"),
+    SlotState("gdn_conv", "Gated DeltaNet causal-conv window [slots, conv_dim, K-1] per "
+              "linear-attention layer", "replay"),
+)
+
 REGISTRY: dict[str, ModelSpec] = {
-    "qwen3_5": ModelSpec("qwen3_5", _build_qwen3_5, ("mtp", "external")),
-    "qwen3_5_moe": ModelSpec("qwen3_5_moe", _build_qwen3_5, ("mtp", "external")),
+    "qwen3_5": ModelSpec("qwen3_5", _build_qwen3_5, ("mtp", "external"), _QWEN3_5_SLOT_STATES),
+    "qwen3_5_moe": ModelSpec("qwen3_5_moe", _build_qwen3_5, ("mtp", "external"),
+                             _QWEN3_5_SLOT_STATES),
 }
 
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:
+    """The registered spec of ``cfg.model_type``; :class:`ConfigError` when there is none."""
     try:
         return REGISTRY[cfg.model_type]
     except KeyError:
-        raise ValueError(f"no model registered for model_type {cfg.model_type!r}; known: "
-                         f"{', '.join(REGISTRY)}") from None
+        raise ConfigError(f"no model registered for model_type {cfg.model_type!r}; known: "
+                          f"{', '.join(REGISTRY)}. Register it in mtp_jax/models/registry.py "
+                          "or use a checkpoint of a known family.") from None

@@ -400,6 +400,7 @@ def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, .
     parts: dict[str, dict[tuple[int, str], list[TensorInfo]]] = {}
     unexpected: list[TensorInfo] = []
     index_mismatch: list[str] = []
+    mtp_stored: dict[str, TensorInfo] = {}
     for fn in files:
         header = read_header(os.path.join(folder, fn))
         if wm is not None:
@@ -409,6 +410,8 @@ def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, .
             c = wanted(disk)
             if c is None:
                 continue
+            if c.startswith("mtp."):
+                mtp_stored[c] = t
             if c in expected:
                 single.setdefault(c, []).append(t)
                 continue
@@ -427,6 +430,10 @@ def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, .
             unexpected.append(t)
 
     # ---- checks ---------------------------------------------------------------------------
+    if include_mtp and any(k.startswith("mtp.") for k in expected):
+        from mtp_jax.weights.draft_checks import check_mtp_experts
+
+        check_mtp_experts(folder, cfg, mtp_stored)
     problems: list[str] = []
     duplicates: list[str] = []
     missing: list[str] = []

@@ -37,6 +37,9 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
                         preferred_element_type=jnp.float32) * scale
     key_pos = jnp.arange(s, dtype=jnp.int32)
     visible = key_pos[None, None, :] <= q_positions[:, :, None]  # [B, T, S]
+    # Slots a row cannot see may hold stale or never-written values (even NaN or inf); a zero
+    # weight times NaN is NaN, so such values are zeroed rather than trusted to the weight.
+    v = jnp.where(jnp.isfinite(v), v, 0)
     scores = jnp.where(visible[:, :, None, None, :], scores, _MASKED)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("btkgs,bskd->btkgd", probs.astype(v.dtype), v,

@@ -1,0 +1,65 @@
+"""Hyper-connections ("Gated Residual") of qwen4_exp: ``hc_count`` residual streams.
+
+The residual ``h [..., hc*H]`` holds ``hc`` streams of width ``H``. Around every block::
+
+    hn  = hc_norm(h)                                  # zero-centred RMSNorm per stream
+    mix = sigmoid(up(silu(down(hn) / hc)))            # [hc*H], low-rank r
+    x   = mean_s(mix_s * hn_s)                        # block input [H]
+    inj = 2 * sigmoid(block_inject(hn) / hc)          # [hc]
+    h   = h + inj_s * block(x)   for every stream s
+
+The final ``hyper_connection_mixer`` (and the MTP head's own) has no inject and returns ``x``.
+Source: HF transformers ``qwen4_exp`` (``Qwen4ExpTextGatedResidual``), MODEL_FACTS.md.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.models.layers.basic import Linear, rms_normalize
+
+
+class GroupedRMSNorm(nnx.Module):
+    """Zero-centred RMSNorm with statistics per group of ``group`` channels:
+    ``x_g / rms(x_g) * (1 + w)``; ``weight [dim]`` (dim = groups * group)."""
+
+    def __init__(self, dim: int, group: int, eps: float, dtype):
+        self.weight = nnx.Param(jnp.zeros((dim,), dtype))
+        self.group, self.eps = group, eps
+
+    def __call__(self, x: jax.Array) -> jax.Array:
+        shape = x.shape
+        y = rms_normalize(x.reshape(*shape[:-1], -1, self.group), self.eps).reshape(shape)
+        return (y * (1.0 + self.weight[...].astype(jnp.float32))).astype(x.dtype)
+
+
+class GatedResidual(nnx.Module):
+    def __init__(self, hc: int, hidden: int, lowrank: int, eps: float, dtype,
+                 inject: bool = True):
+        w = hc * hidden
+        self.hc, self.hidden = hc, hidden
+        self.hc_norm = GroupedRMSNorm(w, hidden, eps, dtype)
+        self.input_mix_weight_down = Linear(w, lowrank, dtype)
+        self.input_mix_weight_up = Linear(lowrank, w, dtype)
+        self.block_inject_weight = Linear(w, hc, dtype) if inject else None
+
+    def __call__(self, h: jax.Array):
+        """``h [..., hc*H]`` -> ``(x [..., H], inj [..., hc] or None)``."""
+        hn = self.hc_norm(h)
+        mix = jax.nn.silu(self.input_mix_weight_down(hn) / self.hc)
+        mix = jax.nn.sigmoid(self.input_mix_weight_up(mix))
+        lead = h.shape[:-1]
+        x = jnp.mean(mix.reshape(*lead, self.hc, self.hidden)
+                     * hn.reshape(*lead, self.hc, self.hidden), axis=-2)
+        if self.block_inject_weight is None:
+            return x, None
+        inj = 2.0 * jax.nn.sigmoid(self.block_inject_weight(hn) / self.hc)
+        return x, inj
+
+
+def inject(h: jax.Array, inj: jax.Array, y: jax.Array) -> jax.Array:
+    """``h + inj_s * y`` on every stream: ``h [..., hc*H]``, ``inj [..., hc]``, ``y [..., H]``."""
+    add = inj[..., :, None] * y[..., None, :]
+    return h + add.reshape(h.shape).astype(h.dtype)

@@ -1,0 +1,57 @@
+"""The qwen4_exp MTP draft head (``mtp.*``), sharing ``embed_tokens`` and ``lm_head``.
+
+Row t pairs the target's pre-mixer streams at t (``[hc*H]``) with token t+1 and predicts t+2::
+
+    e  = pre_fc_norm_embedding(embed(x[t+1]))                [H]
+    hn = pre_fc_norm_hidden(streams[t])                      [hc*H], one RMSNorm over all streams
+    u_s = fc_embedding(e) + fc_hidden(hn_s)  for each stream  [hc*H]  (fc_hidden shared by streams)
+    y  = layer(u)      QSA + MoE decoder layer with its two hyper-connections, over the draft KV
+    z  = mtp.hyper_connection_mixer(y);  logits = lm_head(z)     (no mtp.norm)
+
+A chained draft step relays ``y`` (the MTP's own pre-mixer streams) as the next hidden, with the
+drafted token, at position t+1. Rows use the hidden's position t. Sources: MODEL_FACTS.md
+("MTP head" of Qwen3.8-Flash-Next), shared/real_configs/README.md section 3.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.cache.paged import AttentionBatch, PagedKV
+from mtp_jax.models.layers.basic import Embed, Linear, RMSNorm
+from mtp_jax.models.qwen4_exp.hyper_connection import GatedResidual
+
+
+class MTPDraft(nnx.Module):
+    def __init__(self, cfg, dtype):
+        from mtp_jax.models.qwen4_exp.model import DecoderLayer
+
+        h = cfg.hidden_size
+        self.hc, self.hidden = cfg.hc_count, h
+        self.fc_embedding = Linear(h, h, dtype)
+        self.fc_hidden = Linear(h, h, dtype)
+        self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.pre_fc_norm_hidden = RMSNorm(cfg.hc_hidden, cfg.rms_norm_eps, dtype)
+        self.layers = nnx.List([DecoderLayer(cfg, "full_attention", dtype, i,
+                                             rope_theta=cfg.mtp_rope_theta)
+                                for i in range(cfg.mtp_num_hidden_layers)])
+        self.hyper_connection_mixer = GatedResidual(cfg.hc_count, h, cfg.hc_lowrank,
+                                                    cfg.rms_norm_eps, dtype, inject=False)
+
+    def __call__(self, embed: Embed, streams: jax.Array, next_ids: jax.Array,
+                 batch: AttentionBatch, kv: PagedKV, idx: tuple, step: int = 0):
+        """Returns ``(z [B, T, H] mixed, y [B, T, hc*H] streams, new kv, new idx)``."""
+        b, t, _ = streams.shape
+        e = self.pre_fc_norm_embedding(embed(next_ids))
+        hn = self.pre_fc_norm_hidden(streams.astype(e.dtype))
+        u = (self.fc_embedding(e)[:, :, None, :]
+             + self.fc_hidden(hn.reshape(b, t, self.hc, self.hidden)))
+        u = u.reshape(b, t, self.hc * self.hidden)
+        i = step % len(self.layers)
+        y, (k, v), ix, _, _ = self.layers[i](u, batch, kv=(kv.k[i], kv.v[i]), idx=idx[i])
+        ks, vs, ixs = list(kv.k), list(kv.v), list(idx)
+        ks[i], vs[i], ixs[i] = k, v, ix
+        z, _ = self.hyper_connection_mixer(y)
+        return z, y, PagedKV(tuple(ks), tuple(vs)), tuple(ixs)

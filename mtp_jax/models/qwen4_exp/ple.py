@@ -1,0 +1,117 @@
+"""PLE (per-layer n-gram embedding, "Engram") of qwen4_exp.
+
+Host side (numpy, int64): hashed n-gram ids. For a token at position t and shift s, the shifted
+token is ``x[t-s]`` if ``t-s`` is inside t's eos-delimited segment (a segment ends with its eos;
+the next starts after it), else ``eos``. For n-gram order n in 2..N (N = ngram_size) and each of
+its ``heads_per_ngram`` heads h::
+
+    mixed = XOR_{s<n} (shifted_s * m_s)          # m = the module's odd multipliers
+    id    = mixed mod vocab_h + offset_h         # prime vocab per head, offsets into one table
+
+Each token reads ``(N-1) * heads_per_ngram`` rows of ``ple_embed_dim / heads`` and concatenates
+them. The request's history before the current rows is its last N-1 tokens (eos at start).
+
+Device side (:class:`PLE`), with ``e`` the concatenated rows and ``h`` the residual streams::
+
+    key = norm_key(key_proj e) [hc, H];  value = value_proj e [H];  query = norm_query(h) [hc, H]
+    g   = sum(key * query) / sqrt(H);  g = sign(g) * sqrt(max(|g|, 1e-6))
+    gv  = sigmoid(g) * value  (per stream);  out = gv + silu(dconv(norm_conv(gv)))
+
+``dconv`` is a causal depthwise conv of kernel K and dilation N whose state is the last
+``(K-1)*N`` normed inputs. The PLE output is added to ``h`` before the layer's attention
+hyper-connection. Source: HF transformers ``qwen4_exp`` (``Qwen4ExpTextPLELayer``).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+from flax import nnx
+
+from mtp_jax.models.layers.basic import Linear
+from mtp_jax.models.layers.gdn import conv_window
+from mtp_jax.models.qwen4_exp.hyper_connection import GroupedRMSNorm
+
+
+def shifted_tokens(history: np.ndarray, shift: int, eos: int) -> np.ndarray:
+    """``history [B, L]`` -> the token ``shift`` places back inside its eos segment, else eos."""
+    history = np.asarray(history, np.int64)
+    if shift == 0:
+        return history
+    b, n = history.shape
+    pos = np.arange(n)
+    eos_pos = np.where(history == eos, pos, -1)
+    prev_incl = np.maximum.accumulate(eos_pos, axis=1)
+    prev = np.concatenate([np.full((b, 1), -1), prev_incl[:, :-1]], axis=1)
+    in_seg = pos[None, :] - (prev + 1)
+    src = pos - shift
+    out = history[:, np.clip(src, 0, None)]
+    ok = (in_seg >= shift) & (src[None, :] >= 0)
+    return np.where(ok, out, eos)
+
+
+def ngram_ids(history: np.ndarray, n_new: int, multipliers, vocab_sizes, offsets,
+              ngram_size: int, heads_per_ngram: int, eos: int) -> np.ndarray:
+    """Table row ids ``[B, n_new, (N-1)*heads_per_ngram]`` (int64) of the last ``n_new`` tokens
+    of ``history [B, L]`` (L >= n_new + N - 1 so that every shift reads real history)."""
+    history = np.asarray(history, np.int64)
+    m = np.asarray(multipliers, np.int64)
+    vs = np.asarray(vocab_sizes, np.int64)
+    off = np.asarray(offsets, np.int64)
+    sh = [shifted_tokens(history, s, eos) for s in range(ngram_size)]
+    blocks = []
+    for n in range(2, ngram_size + 1):
+        mixed = sh[0] * m[0]
+        for s in range(1, n):
+            mixed = np.bitwise_xor(mixed, sh[s] * m[s])
+        lo = (n - 2) * heads_per_ngram
+        ids = np.remainder(mixed[..., None], vs[lo:lo + heads_per_ngram]) + off[lo:lo + heads_per_ngram]
+        blocks.append(ids)
+    return np.concatenate(blocks, axis=-1)[:, history.shape[1] - n_new:]
+
+
+class PLE(nnx.Module):
+    def __init__(self, cfg, dtype):
+        w, h, d = cfg.hc_hidden, cfg.hidden_size, cfg.ple_embed_dim
+        self.hc, self.hidden = cfg.hc_count, h
+        self.kernel, self.dilation = cfg.ple_conv_kernel_size, cfg.ngram_size
+        eps = cfg.rms_norm_eps
+        self.key_proj = Linear(d, w, dtype)
+        self.value_proj = Linear(d, h, dtype)
+        self.norm_key = GroupedRMSNorm(w, h, eps, dtype)
+        self.norm_query = GroupedRMSNorm(w, h, eps, dtype)
+        self.norm_conv = GroupedRMSNorm(w, h, eps, dtype)
+        self.conv1d = _ConvWeight(w, self.kernel, dtype)
+
+    def __call__(self, h: jax.Array, emb: jax.Array, conv_state: jax.Array, valid: jax.Array):
+        """``h [B, T, hc*H]``, ``emb [B, T, D]`` (the looked-up n-gram rows), ``conv_state
+        [B, hc*H, (K-1)*N]``, ``valid [B, T]``. Returns ``(out [B, T, hc*H], new conv_state)``;
+        rows where ``valid`` is False do not enter the new state."""
+        b, t, w = h.shape
+        emb = emb.astype(h.dtype)
+        key = self.norm_key(self.key_proj(emb)).reshape(b, t, self.hc, self.hidden)
+        value = self.value_proj(emb)
+        query = self.norm_query(h).reshape(b, t, self.hc, self.hidden)
+        g = jnp.sum((key * query).astype(jnp.float32), axis=-1) / jnp.sqrt(
+            jnp.float32(self.hidden))
+        g = jnp.sign(g) * jnp.sqrt(jnp.maximum(jnp.abs(g), 1e-6))
+        gv = (jax.nn.sigmoid(g)[..., None] * value[:, :, None, :]).astype(h.dtype)
+        gv = gv.reshape(b, t, w)
+        gn = self.norm_conv(gv)
+        gn = jnp.where(valid[..., None], gn, 0)
+        L = conv_state.shape[-1]
+        ext = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(jnp.float32),
+                               gn.astype(jnp.float32)], axis=1)  # [B, L+T, W]
+        wt = self.conv1d.weight[...][:, 0, :].astype(jnp.float32)  # [W, K]
+        conv = sum(ext[:, j * self.dilation:j * self.dilation + t] * wt[:, j]
+                   for j in range(self.kernel))
+        out = gv + jax.nn.silu(conv).astype(h.dtype)
+        length = jnp.sum(valid, axis=1).astype(jnp.int32)
+        assert L == (self.kernel - 1) * self.dilation
+        return out, conv_window(conv_state, gn, length)
+
+
+class _ConvWeight(nnx.Module):
+    def __init__(self, channels: int, kernel: int, dtype):
+        self.weight = nnx.Param(jnp.zeros((channels, 1, kernel), dtype))

@@ -1,0 +1,73 @@
+"""Host-side PLE n-gram tables: where the rows a step needs are read from.
+
+The real tables hold ~51B parameters (~100 GB bf16), so they never go to the accelerator. Two
+backends give bitwise-identical rows (same stored bytes, same conversion):
+
+* ``memory``: the shards are copied once into one host array; a lookup is a numpy gather.
+* ``disk`` (default): the shard tensors are memory-mapped straight from the checkpoint's
+  safetensors files; a lookup touches only the pages of the rows it reads.
+
+A table is the concatenation (dim 0) of its ``split_ngram_parts`` stored shards
+``...ngram_embedding.shard_{j}.weight`` in shard order (or one unsharded ``...weight``).
+"""
+
+from __future__ import annotations
+
+import math
+
+import numpy as np
+
+from mtp_jax.weights.safetensors_reader import _FLOAT_DTYPES, TensorInfo
+
+PLE_BACKENDS = ("disk", "memory")
+
+
+def _memmap(t: TensorInfo) -> np.ndarray:
+    return np.memmap(t.file, dtype=_FLOAT_DTYPES[t.dtype], mode="r", offset=t.start,
+                     shape=tuple(t.shape))
+
+
+class NgramTable:
+    """One PLE layer's n-gram table over its stored shards."""
+
+    def __init__(self, shards: list[TensorInfo], backend: str, out_dtype):
+        if backend not in PLE_BACKENDS:
+            raise ValueError(f"ple_backend {backend!r} is unknown; use one of "
+                             f"{', '.join(PLE_BACKENDS)} (disk: memory-mapped checkpoint files, "
+                             "memory: tables copied into host RAM).")
+        self.backend, self.out_dtype = backend, np.dtype(out_dtype)
+        self.dim = shards[0].shape[1]
+        sizes = [t.shape[0] for t in shards]
+        self.starts = np.cumsum([0] + sizes)[:-1]
+        self.rows = int(sum(sizes))
+        maps = [_memmap(t) for t in shards]
+        if backend == "memory":
+            self._parts = [np.concatenate([np.asarray(m) for m in maps], axis=0)]
+            self._starts = np.zeros(1, np.int64)
+        else:
+            self._parts, self._starts = maps, self.starts
+
+    @property
+    def nbytes(self) -> int:
+        return sum(p.size * p.dtype.itemsize for p in self._parts)
+
+    def lookup(self, ids: np.ndarray) -> np.ndarray:
+        """``ids [...]`` int64 row ids -> rows ``[..., dim]`` in ``out_dtype``."""
+        ids = np.asarray(ids, np.int64)
+        if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
+            raise IndexError(f"n-gram row id outside the table of {self.rows} rows")
+        flat = ids.reshape(-1)
+        out = np.empty((flat.size, self.dim), self.out_dtype)
+        if len(self._parts) == 1:
+            out[:] = self._parts[0][flat]
+        else:
+            which = np.searchsorted(self._starts, flat, side="right") - 1
+            for j in np.unique(which):
+                sel = which == j
+                out[sel] = self._parts[j][flat[sel] - self._starts[j]]
+        return out.reshape(*ids.shape, self.dim)
+
+
+def concat_rows_per_token(rows: np.ndarray) -> np.ndarray:
+    """``[B, T, heads, d]`` -> ``[B, T, heads*d]`` (the PLE module's input)."""
+    return rows.reshape(*rows.shape[:-2], math.prod(rows.shape[-2:]))

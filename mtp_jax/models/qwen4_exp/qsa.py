@@ -1,0 +1,133 @@
+"""QSA (Qwen sparse attention): gated full attention restricted to indexer-selected blocks.
+
+Per QSA layer, besides K/V, every token stores a raw index key ``rk = index_k(x) [d_idx]`` (paged
+like KV: ``[num_pages, page_size, 1, d_idx]``). For a query at position p:
+
+* index query ``qi = rope(q_layernorm(index_q(x)))`` with ``n_idx`` heads of ``d_idx``;
+* the complete blocks are the groups of ``r = compress_ratio`` consecutive positions
+  ``[j*r, (j+1)*r)`` with ``(j+1)*r <= p+1``; block key ``kb_j = rope(k_layernorm(mean(rk)),
+  at j*r)``;
+* score ``s_j = sum_heads ReLU(qi . kb_j) / sqrt(d_idx)``; the top ``budget / r`` complete blocks
+  (all of them if fewer) plus the open tail ``[n_complete*r, p]`` are the keys the query sees.
+
+Rope is NeoX style on the first ``rotary_dim`` (of the attention heads) channels of the index
+heads. The attention itself is the Qwen3.5 gated attention (q/k norms, partial rope, GQA,
+sigmoid output gate). Source: HF transformers ``qwen4_exp`` (``Qwen4ExpTextQSAIndexer``).
+Block keys are recomputed from the raw keys each call (an XLA reference, not a fast kernel).
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.cache.paged import AttentionBatch, write_kv
+from mtp_jax.models.layers.basic import Linear, RMSNorm
+from mtp_jax.models.layers.rotary import apply_rotary
+
+_MASKED = -1e30
+
+
+class Indexer(nnx.Module):
+    def __init__(self, cfg, dtype):
+        self.n_heads, self.head_dim = cfg.indexer_n_heads, cfg.indexer_head_dim
+        self.ratio, self.block_topk = cfg.indexer_compress_ratio, cfg.block_topk
+        self.index_qk_proj = Linear(cfg.hidden_size, (cfg.indexer_n_heads + 1)
+                                    * cfg.indexer_head_dim, dtype)
+        self.q_layernorm = RMSNorm(cfg.indexer_head_dim, cfg.rms_norm_eps, dtype)
+        self.k_layernorm = RMSNorm(cfg.indexer_head_dim, cfg.rms_norm_eps, dtype)
+
+
+def select_visible(qi, raw_keys, k_layernorm, positions, ratio: int, block_topk: int,
+                   rotary_dim: int, theta: float):
+    """Which keys each query sees.
+
+    Args:
+      qi: ``[B, T, n_idx, d]`` roped index queries.
+      raw_keys: ``[B, S, d]`` raw index keys at positions ``0..S-1``.
+      positions: ``[B, T]`` query positions.
+    Returns ``(visible [B, T, S] bool, scores [B, T, nb] f32, n_complete [B, T])``.
+    """
+    b, s, d = raw_keys.shape
+    nb = -(-s // ratio)
+    pad = nb * ratio - s
+    rk = jnp.pad(raw_keys, ((0, 0), (0, pad), (0, 0))) if pad else raw_keys
+    pooled = jnp.mean(rk.reshape(b, nb, ratio, d).astype(jnp.float32), axis=2)
+    pooled = k_layernorm(pooled.astype(raw_keys.dtype))
+    starts = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32) * ratio, (b, nb))
+    kb = apply_rotary(pooled[:, :, None, :], starts, rotary_dim, theta)[:, :, 0]  # [B, nb, d]
+    sc = jnp.einsum("btnd,bjd->btnj", qi.astype(jnp.float32), kb.astype(jnp.float32))
+    scores = jnp.sum(jax.nn.relu(sc), axis=2) / jnp.sqrt(jnp.float32(d))  # [B, T, nb]
+    n_complete = (positions + 1) // ratio  # [B, T]
+    blk = jnp.arange(nb, dtype=jnp.int32)
+    complete = blk[None, None, :] < n_complete[..., None]
+    masked = jnp.where(complete, scores, -jnp.inf)
+    k = min(block_topk, nb)
+    _, top = jax.lax.top_k(masked, k)  # [B, T, k]
+    top_ok = top < n_complete[..., None]
+    chosen = jnp.any((top[..., None] == blk) & top_ok[..., None], axis=-2)  # [B, T, nb]
+    key_pos = jnp.arange(s, dtype=jnp.int32)
+    key_blk = key_pos // ratio
+    in_chosen = jnp.take_along_axis(chosen, jnp.broadcast_to(key_blk, (b, chosen.shape[1], s)),
+                                    axis=-1)
+    tail = key_pos[None, None, :] >= (n_complete * ratio)[..., None]
+    causal = key_pos[None, None, :] <= positions[..., None]
+    return causal & (tail | in_chosen), scores, n_complete
+
+
+class QSAAttention(nnx.Module):
+    def __init__(self, cfg, dtype, rope_theta: float | None = None):
+        h, d = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
+                                                            cfg.num_key_value_heads, d)
+        self.rotary_dim = cfg.rotary_dim
+        self.rope_theta = cfg.rope_theta if rope_theta is None else rope_theta
+        self.q_proj = Linear(h, 2 * self.num_heads * d, dtype)
+        self.k_proj = Linear(h, self.num_kv_heads * d, dtype)
+        self.v_proj = Linear(h, self.num_kv_heads * d, dtype)
+        self.o_proj = Linear(self.num_heads * d, h, dtype)
+        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.indexer = Indexer(cfg, dtype)
+
+    def __call__(self, x: jax.Array, batch: AttentionBatch, kv, idx_pages: jax.Array):
+        """``x [B, T, H]``; ``kv = (k_pages, v_pages)``; ``idx_pages [P, ps, 1, d_idx]``.
+
+        Writes K, V and the raw index keys at the rows' positions, then attends.
+        Returns ``(out [B, T, H], (k_pages, v_pages), idx_pages)``.
+        """
+        b, t, _ = x.shape
+        d, ix = self.head_dim, self.indexer
+        pos = batch.positions
+        qg = self.q_proj(x).reshape(b, t, self.num_heads, 2 * d)
+        q, gate = qg[..., :d], qg[..., d:]
+        q = apply_rotary(self.q_norm(q), pos, self.rotary_dim, self.rope_theta)
+        k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d))
+        k = apply_rotary(k, pos, self.rotary_dim, self.rope_theta)
+        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
+        qk = ix.index_qk_proj(x)
+        di = ix.head_dim
+        qi = ix.q_layernorm(qk[..., :ix.n_heads * di].reshape(b, t, ix.n_heads, di))
+        qi = apply_rotary(qi, pos, self.rotary_dim, self.rope_theta)
+        rk = qk[..., ix.n_heads * di:].reshape(b, t, 1, di)
+        k_pages, v_pages = write_kv(kv[0], k, batch), write_kv(kv[1], v, batch)
+        idx_pages = write_kv(idx_pages, rk, batch)
+
+        hkv = self.num_kv_heads
+        keys = k_pages[batch.page_table].reshape(b, -1, hkv, d)
+        vals = v_pages[batch.page_table].reshape(b, -1, hkv, d)
+        raw = idx_pages[batch.page_table].reshape(b, -1, di)
+        visible, _, _ = select_visible(qi, raw, ix.k_layernorm, pos, ix.ratio, ix.block_topk,
+                                       self.rotary_dim, self.rope_theta)
+        group = self.num_heads // hkv
+        qr = q.reshape(b, t, hkv, group, d)
+        s = jnp.einsum("btkgd,bskd->btkgs", qr, keys,
+                       preferred_element_type=jnp.float32) * (d ** -0.5)
+        s = jnp.where(visible[:, :, None, None, :], s, _MASKED)
+        p = jax.nn.softmax(s, axis=-1)
+        o = jnp.einsum("btkgs,bskd->btkgd", p.astype(vals.dtype), vals,
+                       preferred_element_type=jnp.float32).astype(x.dtype)
+        o = o.reshape(b, t, self.num_heads * d) * jax.nn.sigmoid(
+            gate.reshape(b, t, -1).astype(jnp.float32)).astype(x.dtype)
+        return self.o_proj(o), (k_pages, v_pages), idx_pages

@@ -1,0 +1,54 @@
+"""GGUF files: recognise them and read their architecture from the header (``gguf`` package).
+
+mtp_jax does not load GGUF weights yet; config-time checks read the header's
+``general.architecture`` to refuse a GGUF target or draft with a message that names it. Only the
+metadata is parsed (the ``gguf`` reader maps the file; no tensor data is touched).
+"""
+
+from __future__ import annotations
+
+import glob
+import os
+
+from mtp_jax.config import ConfigError
+
+# llama.cpp architecture names of the Qwen3.5 family -> HF model_type.
+QWEN3_5_GGUF_ARCHS = {"qwen35": "qwen3_5", "qwen35moe": "qwen3_5_moe"}
+
+
+def gguf_file(path: str) -> str | None:
+    """The GGUF file ``path`` designates: ``path`` itself when it is a ``.gguf`` file, or the
+    first ``*.gguf`` of a folder that holds no ``config.json``; else None."""
+    if os.path.isfile(path):
+        return path if path.lower().endswith(".gguf") or _has_gguf_magic(path) else None
+    if os.path.isdir(path) and not os.path.isfile(os.path.join(path, "config.json")):
+        files = sorted(glob.glob(os.path.join(path, "*.gguf")))
+        return files[0] if files else None
+    return None
+
+
+def _has_gguf_magic(path: str) -> bool:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4) == b"GGUF"
+    except OSError:
+        return False
+
+
+def gguf_architecture(path: str) -> str:
+    """``general.architecture`` of a GGUF file; :class:`ConfigError` if the header is unreadable."""
+    try:
+        from gguf import GGUFReader
+    except ImportError as e:  # a declared dependency; only a broken install lacks it
+        raise ConfigError(f"{path} is a GGUF file; reading its header needs the 'gguf' package "
+                          "(pip install gguf).") from e
+    try:
+        field = GGUFReader(path).get_field("general.architecture")
+        arch = field.contents() if field is not None else None
+    except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file to the user
+        raise ConfigError(f"{path}: cannot read the GGUF header ({type(e).__name__}: {e}); the "
+                          "file is truncated or corrupt (an incomplete download?).") from None
+    if not isinstance(arch, str) or not arch:
+        raise ConfigError(f"{path}: the GGUF header has no general.architecture; the file is "
+                          "not a model GGUF or is corrupt.")
+    return arch

@@ -1,0 +1,46 @@
+"""Random qwen4_exp checkpoints of shapes the golden fixture does not cover load and run."""
+
+from __future__ import annotations
+
+import json
+import os
+
+import numpy as np
+
+from mtp_jax.models.qwen4_exp import load_qwen4_exp
+from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
+from mtp_jax.weights.safetensors_reader import read_header
+
+FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tiny_qwen4_exp")
+
+
+def _other_shape():
+    raw = json.load(open(os.path.join(FIX, "config.json")))
+    tc = raw.pop("text_config")
+    tc.update(num_hidden_layers=4, hc_count=2, output_gate_type="silu",
+              layer_types=["full_attention", "linear_attention", "linear_attention",
+                           "qwen_sparse_attention"],
+              ple_layer_ids=[2, 3], split_ngram_parts=3, heads_per_ngram=1, ngram_size=4,
+              ple_embed_dim=24)
+    return tc  # flat text-only layout (model.*)
+
+
+def test_random_checkpoint_sharded_tables_and_cached_decode(tmp_path):
+    cfg = write_random_qwen4_exp(_other_shape(), str(tmp_path), dtype="float32", seed=3)
+    hdr = read_header(os.path.join(tmp_path, "model.safetensors"))
+    shards = sorted(n for n in hdr if "ngram_embedding.shard_" in n)
+    assert len(shards) == 2 * 3 and all(n.startswith("model.layers.") for n in shards)
+    assert cfg.ple_layers == (1, 2)
+    m = load_qwen4_exp(str(tmp_path), "float32")
+    ids = np.random.default_rng(0).integers(0, cfg.vocab_size, (2, 9))
+    ids[0, 4] = cfg.eos_token_id
+    full, streams = m.forward(ids)
+    assert streams.shape == (2, 9, 2 * cfg.hidden_size)
+    cache = m.new_cache(2, 12)
+    a = np.asarray(m.extend(cache, ids[:, :5]))
+    b = np.concatenate([np.asarray(m.extend(cache, ids[:, t:t + 1])) for t in range(5, 9)], 1)
+    np.testing.assert_allclose(np.concatenate([a, b], 1), np.asarray(full), atol=2e-4, rtol=2e-4)
+    logits, mstreams = m.mtp_forward(streams, ids)
+    assert np.all(np.isfinite(np.asarray(logits))) and mstreams.shape == streams.shape
+    mem = load_qwen4_exp(str(tmp_path), "float32", ple_backend="memory", with_mtp=False)
+    assert np.array_equal(np.asarray(mem.forward(ids)[0]), np.asarray(full))
