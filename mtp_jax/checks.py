@@ -167,10 +167,10 @@ def check_before_load(model: str | None, *, spec: SpecConfig,
         cfg = read_model_config(model, mtp=spec.algorithm == "mtp")
     family = model_spec(cfg)
     if spec.enabled and spec.algorithm not in family.drafts:
-        what = "an MTP draft" if spec.algorithm == "mtp" else f"a {spec.algorithm!r} draft"
+        what = "MTP" if spec.algorithm == "mtp" else repr(spec.algorithm)
         raise ConfigError(
             f"speculative_algorithm={spec.algorithm!r} is not available for model_type "
-            f"{cfg.model_type!r}: the family has no {what} registered (registered: "
+            f"{cfg.model_type!r}: the family has no {what} draft registered (registered: "
             f"{', '.join(family.drafts) or 'none'}). Use one of those, or "
             "speculative_algorithm='none' (--speculative-algorithm none).")
     spec.validate(cfg)

@@ -318,11 +318,13 @@ class EngineConfig:
             raise ConfigError(f"dtype {self.dtype!r} is not supported; use bfloat16, float16 "
                               "or float32.")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
-            raise ConfigError(f"page_size {self.page_size} must be a power of two (e.g. 16).")
+            raise ConfigError(f"page_size (--page-size) {self.page_size} must be a power of two; "
+                              "use 16 (the default) or another power of two.")
         if self.max_running_requests < 1:
-            raise ConfigError(f"max_running_requests {self.max_running_requests} must be >= 1.")
-        if self.chunked_prefill_size < 1:
-            raise ConfigError(f"chunked_prefill_size {self.chunked_prefill_size} must be >= 1 "
-                              "(prompt tokens per prefill chunk; default 2048).")
+            raise ConfigError(f"max_running_requests (--max-running-requests) "
+                              f"{self.max_running_requests} must be >= 1; use 8 (the default) "
+                              "or the number of requests to serve at once.")
         if self.max_model_len < 2:
-            raise ConfigError(f"max_model_len {self.max_model_len} must be >= 2.")
+            raise ConfigError(f"max_model_len (--max-model-len) {self.max_model_len} must be "
+                              ">= 2 (prompt plus output tokens); use 4096 (the default) or the "
+                              "longest prompt + output you need.")

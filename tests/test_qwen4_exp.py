@@ -106,3 +106,15 @@ def test_mtp_draft(golden):
     logits, streams = _model().mtp_forward(golden["streams"], golden["mtp_next_ids"])
     _close(logits, golden["mtp_logits"], "mtp logits")
     _close(streams, golden["mtp_streams"], "mtp streams")
+
+
+def test_load_model_and_registry_hooks(golden):
+    import mtp_jax
+    from mtp_jax.models.registry import REGISTRY
+
+    spec = REGISTRY["qwen4_exp"]
+    assert all(s.verify_handler for s in spec.slot_states)
+    m = mtp_jax.load_model(FIX, dtype="float32")
+    assert m.cfg.model_type == "qwen4_exp" and m.has_mtp
+    logits, _ = m.forward(golden["input_ids"])
+    _close(logits, golden["logits"], "load_model prompt logits")

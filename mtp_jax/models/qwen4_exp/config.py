@@ -358,3 +358,12 @@ def ngram_table_rows(cfg: Qwen4ExpConfig, ple_index: int) -> int:
     total = sum(head_vocab_sizes(cfg, ple_index))
     d = cfg.make_ngram_vocab_size_divisible_by
     return -(-total // d) * d
+
+
+def folder_is_qwen4_exp(path: str) -> bool:
+    """Whether ``path/config.json`` is a qwen4_exp config (False when it is absent/unreadable)."""
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            return is_qwen4_exp(json.load(f))
+    except (OSError, ValueError):
+        return False

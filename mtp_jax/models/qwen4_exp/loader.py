@@ -351,3 +351,16 @@ def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = Tr
     params = nnx.from_flat_state(filled)
     return LoadedQwen4Exp(cfg=cfg, dtype=dtype, graphdef=graphdef, params=params,
                           has_mtp=with_mtp, ple=ple)
+
+
+def load_via_load_model(path: str, dtype, *, with_mtp: bool, dummy_weight: bool,
+                        draft_path: str | None, ple_backend: str = "disk") -> LoadedQwen4Exp:
+    """What :func:`mtp_jax.models.loader.load_model` returns for a qwen4_exp folder."""
+    if dummy_weight:
+        raise ConfigError("dummy weights are not supported for qwen4_exp by load_model yet; write "
+                          "a random checkpoint with mtp_jax.models.qwen4_exp.random_checkpoint."
+                          "write_random_qwen4_exp and load it.")
+    if draft_path is not None:
+        raise ConfigError(f"speculative_draft_model_path {draft_path!r}: a separate MTP draft "
+                          "folder is not supported for qwen4_exp yet; its own mtp.* is read.")
+    return load_qwen4_exp(path, dtype, with_mtp=with_mtp, ple_backend=ple_backend)
