@@ -303,6 +303,11 @@ class EngineConfig:
     num_pages: int | None = None  # None: enough for max_running_requests * max_model_len
     dtype: str = "bfloat16"
     chunked_prefill_size: int = 2048  # prompt tokens prefilled per scheduler step
+    mem_fraction: float = 0.9  # of device memory for weights + pools (when num_pages is None)
+    max_total_tokens: int | None = None  # KV positions for all requests; wins over mem_fraction
+    enable_prefix_cache: bool = True
+    snapshot_interval_pages: int = 4  # GDN snapshots every page_size * this many tokens
+    max_prefix_snapshots: int | None = None  # None: 4 per running request
 
     def validate(self) -> None:
         for key in ("max_running_requests", "page_size", "max_model_len"):
@@ -324,6 +329,9 @@ class EngineConfig:
             raise ConfigError(f"max_running_requests (--max-running-requests) "
                               f"{self.max_running_requests} must be >= 1; use 8 (the default) "
                               "or the number of requests to serve at once.")
+        if self.chunked_prefill_size < 1:
+            raise ConfigError(f"chunked_prefill_size {self.chunked_prefill_size} must be >= 1 "
+                              "(prompt tokens per prefill chunk; default 2048).")
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len (--max-model-len) {self.max_model_len} must be "
                               ">= 2 (prompt plus output tokens); use 4096 (the default) or the "

@@ -21,22 +21,28 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0)
-    p.add_argument("--top-k", type=int, default=-1)
-    p.add_argument("--seed", type=int, default=0)
-    p.add_argument("--ignore-eos", action="store_true")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass, in (0, 1]; 1 = off")
+    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 or 0 = off")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, in [0, 2**32)")
+    p.add_argument("--ignore-eos", action="store_true",
+                   help="do not stop at the checkpoint's EOS tokens")
     p.add_argument("--speculative-algorithm", "--spec-algo", dest="speculative_algorithm",
                    default="mtp", help="mtp (default; also nextn) or none")
     p.add_argument("--speculative-num-steps", type=int, default=3,
                    help="k drafted tokens per round, 1..8")
     p.add_argument("--speculative-draft-model-path", "--spec-draft-model",
                    dest="speculative_draft_model_path", default=None,
-                   help="folder holding the mtp.* draft (default: the target checkpoint)")
+                   help="folder holding the mtp.* draft, or a Hugging Face repo id (name or "
+                        "org/name) downloaded at load (default: the target checkpoint)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto = bfloat16 on GPU, float32 on CPU")
-    p.add_argument("--max-running-requests", type=int, default=8)
-    p.add_argument("--max-model-len", type=int, default=4096)
-    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--max-running-requests", type=int, default=8,
+                   help="requests in flight at once (>= 1)")
+    p.add_argument("--max-model-len", type=int, default=4096,
+                   help="prompt + output tokens per request (capped by the model's "
+                        "max_position_embeddings)")
+    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a power of two)")
     p.add_argument("--dummy-weight", action="store_true",
                    help="random weights of the checkpoint's shapes instead of its weights "
                         "(benchmarks; needs --speculative-algorithm none)")

@@ -11,14 +11,15 @@ from conftest import fixture_path
 from mtp_jax import LLM, SamplingParams
 
 CKPT = fixture_path("tiny_moe_fused")
-MAX_LEN = 32
+MAX_LEN = 4096  # the default max_model_len of the tiny checkpoint
 VOCAB = 300
 
 
 @pytest.fixture(scope="module")
 def llm():
+    # The settings of tests/test_llm.py, so the compiled programs are shared within a run.
     return LLM(CKPT, dtype="float32", speculative_algorithm="mtp", speculative_num_steps=2,
-               max_running_requests=2, max_model_len=MAX_LEN)
+               max_running_requests=2)
 
 
 @pytest.fixture
@@ -36,7 +37,7 @@ def run_spy(llm, monkeypatch):
 
 BAD_PROMPTS = [
     ("empty", [], r"empty prompt: a prompt needs at least one token"),
-    ("too_long", list(range(2, 2 + MAX_LEN)), rf"prompt of {MAX_LEN} tokens does not fit "
+    ("too_long", [2 + i % 250 for i in range(MAX_LEN)], rf"prompt of {MAX_LEN} tokens does not fit "
                                               rf"max_model_len {MAX_LEN}.*raise max_model_len"),
     ("id_too_large", [5, VOCAB, 7], rf"prompt token ids \[{VOCAB}\] are outside the vocabulary "
                                     rf"\[0, {VOCAB}\)"),

@@ -261,3 +261,13 @@ def test_registry_declares_replay_for_gdn_states():
 def test_slot_state_check_only_with_speculation(unhandled_slot_state, weight_spy):
     cfg = check_before_load(MOE, spec=SpecConfig("none"))
     assert cfg.model_type == "qwen3_5_moe" and weight_spy.opened == []
+
+
+def test_docs_cli_lists_every_flag():
+    from mtp_jax.generate import build_parser
+
+    doc = open(os.path.join(os.path.dirname(__file__), "..", "docs", "cli.md")).read()
+    flags = [s for a in build_parser()._actions for s in a.option_strings]
+    assert "--dummy-weight" in flags and "--spec-algo" in flags
+    missing = [f for f in flags if f"`{f}" not in doc]
+    assert missing == [], f"docs/cli.md does not document {missing}"

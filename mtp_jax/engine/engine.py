@@ -30,8 +30,10 @@ import numpy as np
 from mtp_jax.cache.allocator import FreeList, pages_needed
 from mtp_jax.config import ConfigError, EngineConfig, SpecConfig
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
+from mtp_jax.engine.memory import plan_memory, weights_bytes
 from mtp_jax.engine.pools import Pools, make_pools
-from mtp_jax.engine.programs import compile_programs
+from mtp_jax.cache.radix import RadixCache
+from mtp_jax.engine.programs import LOAD_SNAPSHOT, SAVE_SNAPSHOT, compile_programs
 from mtp_jax.engine.requests import Request
 from mtp_jax.models.loader import DTYPES, LoadedModel
 from mtp_jax.sampling import SamplingTensors
@@ -85,12 +87,29 @@ class Engine:
         self.page_size = engine_cfg.page_size
         # A page table row covers max_model_len plus the verify window and the draft chain.
         self.max_pages_per_req = pages_needed(self.max_model_len + 2 * self.k + 1, self.page_size)
-        num_pages = engine_cfg.num_pages or 1 + engine_cfg.max_running_requests * self.max_pages_per_req
+        mtp = self.proposer_kind == "mtp"
+        self.prefix = (RadixCache(self.page_size, engine_cfg.snapshot_interval_pages)
+                       if engine_cfg.enable_prefix_cache else None)
+        n_snap = 0
+        if self.prefix is not None:
+            n_snap = (engine_cfg.max_prefix_snapshots if engine_cfg.max_prefix_snapshots
+                      is not None else 4 * engine_cfg.max_running_requests)
+        stats = jax.devices()[0].memory_stats() or {}
+        self.plan = plan_memory(mc, dtype=model.dtype, page_size=self.page_size,
+                                max_running_requests=engine_cfg.max_running_requests,
+                                max_model_len=self.max_model_len, k=self.k, mtp=mtp,
+                                weights_bytes=weights_bytes(mc, model.dtype, model.has_mtp),
+                                device_bytes=stats.get("bytes_limit"),
+                                mem_fraction=engine_cfg.mem_fraction,
+                                max_total_tokens=engine_cfg.max_total_tokens,
+                                snapshots=n_snap)
+        num_pages = engine_cfg.num_pages or self.plan.num_pages
         slots = engine_cfg.max_running_requests + 1
         self.pools: Pools = make_pools(mc, num_pages=num_pages, page_size=self.page_size,
                                        slots=slots, k=self.k, mtp=self.proposer_kind == "mtp",
-                                       dtype=DTYPES[model.dtype])
+                                       dtype=DTYPES[model.dtype], num_snapshots=n_snap)
         self.pages = FreeList(num_pages, "KV pages")
+        self.snapshot_ids = FreeList(n_snap + 1, "prefix snapshots") if n_snap else None
         self.slots = FreeList(slots, "request slots")
         self._prefill, self._round = compile_programs()
         self.stats = EngineStats()
@@ -104,34 +123,100 @@ class Engine:
     def _outstanding_reserve(self) -> int:
         return sum(max(0, r.reserve - len(r.pages)) for r in self.prefilling + self.decoding)
 
+    def _available_pages(self) -> int:
+        """Free pages plus pages the prefix cache could evict."""
+        return self.pages.num_free + (self.prefix.evictable_pages() if self.prefix else 0)
+
+    def _take_pages(self, n: int) -> list[int]:
+        if self.pages.num_free < n and self.prefix is not None:
+            self._give_back_evicted(*self.prefix.evict(n - self.pages.num_free))
+        return self.pages.take(n)
+
+    def _give_back_evicted(self, pages, snapshots) -> None:
+        self.pages.give_back(pages)
+        if snapshots:
+            self.snapshot_ids.give_back(snapshots)
+
+    def flush_cache(self) -> None:
+        """Drop every prefix-cache entry no running request uses."""
+        if self.prefix is not None:
+            self._give_back_evicted(*self.prefix.flush())
+
+    def _take_snapshot_id(self) -> int | None:
+        if self.snapshot_ids.num_free:
+            return self.snapshot_ids.take()[0]
+        return self.prefix.evict_snapshot()
+
     def _final_len(self, req: Request) -> int:
         return min(len(req.prompt_ids) + req.params.max_tokens, self.max_model_len)
 
     def _can_admit(self, req: Request) -> bool:
         need = pages_needed(self._final_len(req), self.page_size)
         return (self.slots.num_free > 0
-                and self.pages.num_free - self._outstanding_reserve() >= need)
+                and self._available_pages() - self._outstanding_reserve() >= need)
 
     def _grow(self, req: Request, num_tokens: int) -> None:
         """Give ``req`` pages for ``num_tokens`` positions: from its guarantee first, then from
         the free pool beyond what other requests are guaranteed; stops short when it runs out."""
         want = min(pages_needed(num_tokens, self.page_size), self.max_pages_per_req)
         while len(req.pages) < want:
-            spare = self.pages.num_free - self._outstanding_reserve()
+            spare = self._available_pages() - self._outstanding_reserve()
             if len(req.pages) >= req.reserve and spare <= 0:
                 break
-            req.pages += self.pages.take(1)
+            req.pages += self._take_pages(1)
 
     def _shrink(self, req: Request, num_tokens: int) -> None:
         keep = pages_needed(num_tokens, self.page_size)
         if len(req.pages) > keep:
-            self.pages.give_back(req.pages[keep:])
+            self.pages.give_back(req.pages[keep:])  # never prefix-cache pages (all < keep)
             del req.pages[keep:]
 
     def _release(self, req: Request) -> None:
-        self.pages.give_back(req.pages)
+        self.pages.give_back([p for p in req.pages if p not in req.tree_pages])
         self.slots.give_back([req.slot])
-        req.pages, req.slot = [], 0
+        if self.prefix is not None:
+            self.prefix.release(req.prefix_nodes)
+            if req.snapshots:
+                self.snapshot_ids.give_back(list(req.snapshots.values()))
+        req.pages, req.slot, req.prefix_nodes, req.tree_pages, req.snapshots = [], 0, [], set(), {}
+
+    # ---- prefix cache ------------------------------------------------------------------------
+    def _admit_from_cache(self, req: Request) -> None:
+        """Reuse the longest cached prefix: shared pages, the GDN snapshot into the slot, and
+        prefill resumes after it."""
+        path = self.prefix.match(req.prompt_ids)
+        self.prefix.acquire(path, len(req.prompt_ids))
+        if not path:
+            return
+        req.prefix_nodes = list(path)
+        req.pages = [n.page for n in path]
+        req.tree_pages = set(req.pages)
+        req.prefilled = req.cached_tokens = len(path) * self.page_size
+        self.pools = LOAD_SNAPSHOT(self.pools, jnp.asarray([path[-1].snapshot], jnp.int32),
+                                   jnp.asarray([req.slot], jnp.int32))
+
+    def _snapshot_after_chunk(self, req: Request) -> None:
+        end = req.prefilled
+        if end % self.prefix.snapshot_tokens or end in req.snapshots:
+            return
+        sid = self._take_snapshot_id()
+        if sid is None:
+            return
+        self.pools = SAVE_SNAPSHOT(self.pools, jnp.asarray([req.slot], jnp.int32),
+                                   jnp.asarray([sid], jnp.int32))
+        req.snapshots[end] = sid
+
+    def _insert_prompt(self, req: Request) -> None:
+        """Insert the prompt's full pages (committed; the first output token is the lookahead
+        of a page ending at the prompt's end)."""
+        tokens = req.prompt_ids + req.output_ids[:1]
+        held, owned, unused = self.prefix.insert(tokens, len(req.prompt_ids), req.pages,
+                                                 req.snapshots)
+        req.prefix_nodes += held
+        req.tree_pages |= set(owned)
+        if unused:
+            self.snapshot_ids.give_back(unused)
+        req.snapshots = {}
 
     def _table(self, reqs: list[Request | None]) -> np.ndarray:
         t = np.zeros((len(reqs), self.max_pages_per_req), np.int32)
@@ -183,6 +268,9 @@ class Engine:
         n_prompt = len(req.prompt_ids)
         start = req.prefilled
         n = min(budget, n_prompt - start)
+        if self.prefix is not None:  # end chunks on snapshot boundaries
+            st = self.prefix.snapshot_tokens
+            n = min(n, (start // st + 1) * st - start)
         t = min(max(MIN_PREFILL_BUCKET, next_pow2(n)), max(MIN_PREFILL_BUCKET,
                                                             next_pow2(self.chunk_size)))
         ids = np.zeros((1, t), np.int32)
@@ -201,6 +289,8 @@ class Engine:
         first, self.pools = self._prefill(self.model.graphdef, self.model.params, self.pools,
                                           batch, k=self.k, mtp=self.proposer_kind == "mtp")
         req.prefilled += n
+        if self.prefix is not None:
+            self._snapshot_after_chunk(req)
         if req.prefilled == n_prompt:
             first = int(np.asarray(first)[0])
             req.position = n_prompt
@@ -315,6 +405,8 @@ class Engine:
         while self.waiting and self._can_admit(self.waiting[0]):
             req = self.waiting.popleft()
             req.slot = self.slots.take()[0]
+            if self.prefix is not None:
+                self._admit_from_cache(req)
             self.prefilling.append(req)
         budget = self.chunk_size
         while self.prefilling and budget > 0:
@@ -323,6 +415,8 @@ class Engine:
             if req.prefilled == len(req.prompt_ids):
                 self.prefilling.pop(0)
                 new[req] = list(req.output_ids)
+                if self.prefix is not None:
+                    self._insert_prompt(req)
                 if req.finished:
                     self._release(req)
                 else:

@@ -11,6 +11,8 @@ padding rows write to):
   next round (written by prefill and by each round).
 * ``draft_probs``: ``[slots, k, V]`` f32, the draft distributions q of those drafts (MTP only;
   rejection sampling needs them); ``[slots, 0, 0]`` otherwise.
+* ``snapshots``: GDN states saved at prefix-cache boundaries, ``[num_snapshots, ...]`` per layer
+  like ``gdn`` (id 0 is the trash snapshot).
 """
 
 from __future__ import annotations
@@ -33,6 +35,7 @@ class Pools:
     gdn: LinearState
     next_tokens: jax.Array
     draft_probs: jax.Array
+    snapshots: LinearState
 
     @property
     def nbytes(self) -> int:
@@ -40,16 +43,18 @@ class Pools:
 
 
 def make_pools(cfg: ModelConfig, *, num_pages: int, page_size: int, slots: int, k: int,
-               mtp: bool, dtype) -> Pools:
+               mtp: bool, dtype, num_snapshots: int = 0) -> Pools:
     """Allocate zeroed pools. ``k`` = speculative_num_steps (0 when speculation is off)."""
     kv = PagedKV.zeros(len(cfg.full_layer_ids), num_pages, page_size, cfg.num_key_value_heads,
                        cfg.head_dim, dtype)
     draft = PagedKV.zeros(cfg.mtp_num_hidden_layers if mtp else 0, num_pages, page_size,
                           cfg.num_key_value_heads, cfg.head_dim, dtype)
-    gdn = LinearState.zeros(len(cfg.linear_layer_ids), slots, cfg.linear_num_value_heads,
-                            cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                            cfg.linear_conv_dim, cfg.linear_conv_kernel_dim, dtype)
+    gdn_of = lambda n: LinearState.zeros(len(cfg.linear_layer_ids), n, cfg.linear_num_value_heads,
+                                         cfg.linear_key_head_dim, cfg.linear_value_head_dim,
+                                         cfg.linear_conv_dim, cfg.linear_conv_kernel_dim, dtype)
+    gdn = gdn_of(slots)
     probs_shape = (slots, k, cfg.vocab_size) if mtp else (slots, 0, 0)
     return Pools(kv=kv, draft_kv=draft, gdn=gdn,
                  next_tokens=jnp.zeros((slots, k + 1), jnp.int32),
-                 draft_probs=jnp.zeros(probs_shape, jnp.float32))
+                 draft_probs=jnp.zeros(probs_shape, jnp.float32),
+                 snapshots=gdn_of(num_snapshots + 1 if num_snapshots else 0))

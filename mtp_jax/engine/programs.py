@@ -163,6 +163,21 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
     return RoundOutput(emitted=emitted, num_accepted=n), pools
 
 
+def save_snapshot(pools: Pools, slot: jax.Array, snapshot: jax.Array) -> Pools:
+    """Copy the GDN state of ``slot [n]`` into snapshot ids ``snapshot [n]``."""
+    return dataclasses.replace(pools, snapshots=pools.snapshots.scatter(
+        snapshot, pools.gdn.gather(slot)))
+
+
+def load_snapshot(pools: Pools, snapshot: jax.Array, slot: jax.Array) -> Pools:
+    """Copy snapshot ids ``snapshot [n]`` into the GDN state of ``slot [n]``."""
+    return dataclasses.replace(pools, gdn=pools.gdn.scatter(
+        slot, pools.snapshots.gather(snapshot)))
+
+
+SAVE_SNAPSHOT = jax.jit(save_snapshot, donate_argnums=(0,))
+LOAD_SNAPSHOT = jax.jit(load_snapshot, donate_argnums=(0,))
+
 _PREFILL = jax.jit(prefill, static_argnums=(0,), static_argnames=("k", "mtp"),
                    donate_argnums=(2,))
 _ROUND = jax.jit(spec_round, static_argnums=(0,), static_argnames=("k", "proposer"),

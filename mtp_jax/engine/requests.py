@@ -118,6 +118,10 @@ class Request:
     position: int = 0  # tokens in the target KV; the pending token sits at this position
     prefilled: int = 0  # prompt tokens prefilled so far (chunked prefill)
     reserve: int = 0  # pages guaranteed to this request (its final committed length)
+    prefix_nodes: list = dataclasses.field(default_factory=list)  # radix nodes referenced
+    tree_pages: set = dataclasses.field(default_factory=set)  # pages owned by the prefix cache
+    snapshots: dict = dataclasses.field(default_factory=dict)  # end position -> snapshot id
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
     output_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_text_len: int | None = None  # text length to keep when a stop string matched

@@ -1,0 +1,181 @@
+"""Prefix cache: a radix tree over committed tokens at page granularity, with one token of
+lookahead (host side).
+
+Each node is one full KV page: the ``page_size`` tokens it holds and the token that follows
+them. The lookahead is part of the key because the page's last MTP draft-KV row (position
+``end - 1``) pairs the target hidden at ``end - 1`` with token ``end``: a request may reuse the
+page's draft rows only when its own token ``end`` is the same. Keyed this way, one reuse length
+serves the target KV, the draft KV and the GDN state.
+
+GDN layers cannot resume from KV pages alone; they need the recurrent and conv state at the
+reuse point. Snapshots of that state are taken at aligned boundaries, every
+``page_size * snapshot_interval_pages`` tokens, and hang on the node that ends there; a hit
+resumes at the deepest matched node that holds one.
+
+Nodes are reference-counted by the requests using them; unreferenced leaves are evicted least
+recently used first, returning their page (and snapshot) to the pools. Only committed tokens are
+ever inserted.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+from typing import Sequence
+
+
+@dataclasses.dataclass(eq=False)
+class Node:
+    key: tuple  # (page tokens, lookahead token)
+    page: int
+    parent: "Node | None"
+    children: dict = dataclasses.field(default_factory=dict)
+    ref: int = 0
+    last_used: int = 0
+    snapshot: int | None = None  # snapshot id of the GDN state at this node's end
+
+    @property
+    def depth_tokens(self) -> int:
+        n, d = self, 0
+        while n.parent is not None:
+            d += len(n.key[0])
+            n = n.parent
+        return d
+
+
+@dataclasses.dataclass
+class PrefixStats:
+    lookups: int = 0
+    hits: int = 0
+    prompt_tokens: int = 0
+    reused_tokens: int = 0
+
+
+class RadixCache:
+    def __init__(self, page_size: int, snapshot_interval_pages: int):
+        self.page_size = page_size
+        self.snapshot_tokens = page_size * snapshot_interval_pages
+        self.root = Node(key=((), -1), page=-1, parent=None)
+        self._clock = itertools.count(1)
+        self.stats = PrefixStats()
+
+    # ---- lookup --------------------------------------------------------------------------------
+    def _keys(self, tokens: Sequence[int], limit: int):
+        ps = self.page_size
+        for i in range(limit // ps):
+            end = (i + 1) * ps
+            if end >= len(tokens):
+                return
+            yield (tuple(tokens[i * ps:end]), int(tokens[end]))
+
+    def match(self, tokens: Sequence[int]) -> list[Node]:
+        """Nodes of the longest reusable prefix of ``tokens``: it ends at the deepest matched
+        node holding a GDN snapshot and leaves at least one token to prefill. Empty on a miss."""
+        path, node = [], self.root
+        for key in self._keys(tokens, len(tokens) - 1):
+            node = node.children.get(key)
+            if node is None:
+                break
+            path.append(node)
+        while path and path[-1].snapshot is None:
+            path.pop()
+        return path
+
+    def acquire(self, path: list[Node], prompt_tokens: int) -> None:
+        now = next(self._clock)
+        for n in path:
+            n.ref += 1
+            n.last_used = now
+        self.stats.lookups += 1
+        self.stats.prompt_tokens += prompt_tokens
+        if path:
+            self.stats.hits += 1
+            self.stats.reused_tokens += len(path) * self.page_size
+
+    def release(self, nodes: list[Node]) -> None:
+        now = next(self._clock)
+        for n in nodes:
+            n.ref -= 1
+            n.last_used = now
+
+    # ---- insert --------------------------------------------------------------------------------
+    def insert(self, tokens: Sequence[int], num_committed: int, pages: Sequence[int],
+               snapshots: dict[int, int]) -> tuple[list[Node], list[int], list[int]]:
+        """Insert the full pages of ``tokens[:num_committed]`` (``tokens`` must hold the token
+        after them). ``pages[i]`` holds page i; ``snapshots`` maps an end position to a snapshot
+        id. Returns ``(nodes the caller now references, pages now owned by the tree,
+        snapshot ids the tree did not take)``; the caller keeps (and later frees) every page not
+        returned as owned."""
+        node, held, owned = self.root, [], []
+        taken = set()
+        now = next(self._clock)
+        for i, key in enumerate(self._keys(tokens, num_committed)):
+            child = node.children.get(key)
+            if child is None:
+                child = Node(key=key, page=pages[i], parent=node)
+                node.children[key] = child
+                owned.append(pages[i])
+            elif child.page != pages[i]:
+                # Another request cached the same page first; keep ours private.
+                pass
+            end = (i + 1) * self.page_size
+            if end in snapshots and child.snapshot is None and child.page == pages[i]:
+                child.snapshot = snapshots[end]
+                taken.add(end)
+            child.ref += 1
+            child.last_used = now
+            held.append(child)
+            node = child
+        unused = [sid for end, sid in snapshots.items() if end not in taken]
+        return held, owned, unused
+
+    # ---- eviction ------------------------------------------------------------------------------
+    def _leaves(self):
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n is not self.root and not n.children and n.ref == 0:
+                yield n
+
+    def evictable_pages(self) -> int:
+        """Pages held only by the tree (evictable now or after their children)."""
+        def count(n):
+            c = sum(count(ch) for ch in n.children.values())
+            return c + (1 if n is not self.root and n.ref == 0 else 0)
+        return count(self.root)
+
+    def evict(self, num_pages: int) -> tuple[list[int], list[int]]:
+        """Evict least-recently-used unreferenced leaves until ``num_pages`` pages are freed.
+        Returns ``(pages, snapshot ids)`` released."""
+        pages, snaps = [], []
+        while len(pages) < num_pages:
+            leaves = sorted(self._leaves(), key=lambda n: n.last_used)
+            if not leaves:
+                break
+            for n in leaves:
+                if len(pages) >= num_pages:
+                    break
+                del n.parent.children[n.key]
+                pages.append(n.page)
+                if n.snapshot is not None:
+                    snaps.append(n.snapshot)
+        return pages, snaps
+
+    def evict_snapshot(self) -> int | None:
+        """Drop the least recently used snapshot of an unreferenced node; returns its id."""
+        best = None
+        stack = [self.root]
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            if n.snapshot is not None and n.ref == 0 and (best is None or n.last_used < best.last_used):
+                best = n
+        if best is None:
+            return None
+        sid, best.snapshot = best.snapshot, None
+        return sid
+
+    def flush(self) -> tuple[list[int], list[int]]:
+        """Evict every unreferenced node."""
+        return self.evict(10**12)

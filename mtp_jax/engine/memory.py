@@ -1,0 +1,132 @@
+"""Memory planning: how many KV pages and state slots fit the budget, before anything is
+allocated.
+
+Budget (bytes) = ``mem_fraction`` x device memory (or an explicit ``max_total_tokens``). From it,
+in this order: the weights, the per-slot state of ``max_running_requests + 1`` slots (GDN recurrent
+and conv state, pending/draft tokens, draft distributions), then KV pages, each holding
+``page_size`` positions of every target attention layer plus every MTP draft layer. The planned
+pool bytes equal the bytes :func:`mtp_jax.engine.pools.make_pools` allocates.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from mtp_jax.cache.allocator import pages_needed
+from mtp_jax.config import ConfigError, ModelConfig
+
+_ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+
+
+@dataclasses.dataclass(frozen=True)
+class MemoryPlan:
+    """Sizes in bytes (``*_bytes``), pages and slots."""
+
+    num_pages: int
+    slots: int
+    page_bytes: int  # target + draft KV of one page
+    slot_bytes: int  # GDN state + pending/draft tokens + draft distributions of one slot
+    weights_bytes: int
+    budget_bytes: int | None
+    snapshots: int = 0  # prefix-cache GDN snapshots (plus one trash snapshot when > 0)
+    snapshot_bytes: int = 0  # one GDN snapshot
+
+    @property
+    def kv_bytes(self) -> int:
+        return self.num_pages * self.page_bytes
+
+    @property
+    def slot_state_bytes(self) -> int:
+        return self.slots * self.slot_bytes
+
+    @property
+    def snapshots_total_bytes(self) -> int:
+        return (self.snapshots + 1) * self.snapshot_bytes if self.snapshots else 0
+
+    @property
+    def pool_bytes(self) -> int:
+        return self.kv_bytes + self.slot_state_bytes + self.snapshots_total_bytes
+
+    def describe(self) -> str:
+        gib = lambda b: f"{b / 2**30:.2f} GiB"
+        return (f"weights {gib(self.weights_bytes)}, KV {self.num_pages} pages x "
+                f"{self.page_bytes} B = {gib(self.kv_bytes)}, slot state {self.slots} x "
+                f"{self.slot_bytes} B = {gib(self.slot_state_bytes)}"
+                + (f", budget {gib(self.budget_bytes)}" if self.budget_bytes else ""))
+
+
+def page_bytes(cfg: ModelConfig, page_size: int, dtype: str, mtp: bool) -> int:
+    layers = len(cfg.full_layer_ids) + (cfg.mtp_num_hidden_layers if mtp else 0)
+    return 2 * layers * page_size * cfg.num_key_value_heads * cfg.head_dim * _ITEMSIZE[dtype]
+
+
+def gdn_bytes(cfg: ModelConfig, dtype: str) -> int:
+    """One request's GDN state: recurrent (float32) and conv window, all GDN layers."""
+    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+    conv = cfg.linear_conv_dim * (cfg.linear_conv_kernel_dim - 1) * _ITEMSIZE[dtype]
+    return len(cfg.linear_layer_ids) * (rec + conv)
+
+
+def slot_bytes(cfg: ModelConfig, k: int, dtype: str, mtp: bool) -> int:
+    probs = k * cfg.vocab_size * 4 if mtp else 0
+    return gdn_bytes(cfg, dtype) + (k + 1) * 4 + probs
+
+
+def plan_memory(cfg: ModelConfig, *, dtype: str, page_size: int, max_running_requests: int,
+                max_model_len: int, k: int, mtp: bool, weights_bytes: int,
+                device_bytes: int | None = None, mem_fraction: float = 0.9,
+                max_total_tokens: int | None = None, snapshots: int = 0) -> MemoryPlan:
+    """Plan the pools. ``max_total_tokens`` (KV positions, all requests together) wins over the
+    memory fraction; without either (no device statistics, e.g. on CPU) the pool holds
+    ``max_running_requests`` full-length requests.
+
+    Raises :class:`ConfigError` naming the numbers and the flag to change when one request of
+    ``max_model_len`` tokens plus its verify window and draft chain does not fit.
+    """
+    if not 0 < mem_fraction <= 1:
+        raise ConfigError(f"mem_fraction {mem_fraction} must be in (0, 1].")
+    slots = max_running_requests + 1
+    pb = page_bytes(cfg, page_size, dtype, mtp)
+    sb = slot_bytes(cfg, k, dtype, mtp)
+    snap_b = gdn_bytes(cfg, dtype)
+    snap_total = (snapshots + 1) * snap_b if snapshots else 0
+    per_request = pages_needed(max_model_len + 2 * k + 1, page_size)
+    budget = None
+    if max_total_tokens is not None:
+        num_pages = 1 + pages_needed(max_total_tokens, page_size)
+    elif device_bytes:
+        budget = int(device_bytes * mem_fraction)
+        free = budget - weights_bytes - slots * sb - snap_total
+        num_pages = max(0, free // pb) if pb else 1 + max_running_requests * per_request
+        num_pages = int(min(num_pages, 1 + max_running_requests * per_request))
+    else:
+        num_pages = 1 + max_running_requests * per_request
+    if num_pages - 1 < per_request:
+        have = (num_pages - 1) * page_size
+        raise ConfigError(
+            f"one request of max_model_len={max_model_len} tokens (+{2 * k + 1} for the verify "
+            f"window and draft chain) needs {per_request} KV pages of {page_size} tokens, but "
+            f"the budget leaves {max(0, num_pages - 1)} pages ({have} tokens): weights "
+            f"{weights_bytes / 2**30:.2f} GiB, {slots} slots x {sb / 2**20:.1f} MiB of state"
+            + (f", budget {budget / 2**30:.2f} GiB (mem_fraction={mem_fraction})" if budget else "")
+            + ". Lower --max-model-len or --max-running-requests, or raise --mem-fraction / "
+              "--max-total-tokens.")
+    return MemoryPlan(num_pages=int(num_pages), slots=slots, page_bytes=pb, slot_bytes=sb,
+                      weights_bytes=int(weights_bytes), budget_bytes=budget,
+                      snapshots=snapshots, snapshot_bytes=snap_b)
+
+
+def weights_bytes(cfg: ModelConfig, dtype: str, mtp: bool) -> int:
+    """Parameter bytes from the canonical tensor list (GDN A_log/dt_bias are float32)."""
+    from mtp_jax.weights import names
+
+    tensors = dict(names.target_tensors(cfg))
+    if mtp:
+        tensors.update(names.mtp_tensors(cfg))
+    total = 0
+    for name, shape in tensors.items():
+        size = 4 if name.endswith(("A_log", "dt_bias")) else _ITEMSIZE[dtype]
+        total += int(np.prod(shape)) * size
+    return total

@@ -1,0 +1,46 @@
+"""The memory planner: planned bytes equal allocated bytes; refusals name the numbers."""
+
+import json
+
+import pytest
+
+from conftest import fixture_path
+from mtp_jax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
+from mtp_jax.engine.engine import Engine
+from mtp_jax.engine.memory import plan_memory, weights_bytes
+from mtp_jax.models.loader import load_model
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(fixture_path("tiny_moe_fused"), "float32", with_mtp=True)
+
+
+@pytest.mark.parametrize("k", [0, 1, 3])
+def test_planned_bytes_equal_allocated(model, k):
+    algo = "mtp" if k else "none"
+    eng = Engine(model, EngineConfig(max_running_requests=3, dtype="float32", max_model_len=100,
+                                     max_total_tokens=500),
+                 SpecConfig(algorithm=algo, num_steps=k or 3))
+    assert eng.pools.nbytes == eng.plan.pool_bytes
+    assert eng.plan.num_pages == 1 + 500 // 16 + (500 % 16 > 0)
+    import jax
+    assert eng.plan.weights_bytes == sum(a.size * a.dtype.itemsize
+                                         for a in jax.tree_util.tree_leaves(model.params))
+
+
+def test_budget_from_device_memory_and_refusal():
+    cfg = ModelConfig.from_folder(fixture_path("tiny_moe_fused"))
+    w = weights_bytes(cfg, "bfloat16", True)
+    plan = plan_memory(cfg, dtype="bfloat16", page_size=16, max_running_requests=4,
+                       max_model_len=1000, k=3, mtp=True, weights_bytes=w,
+                       device_bytes=10 * 2**20, mem_fraction=0.9)
+    used = w + plan.pool_bytes
+    assert used <= 0.9 * 10 * 2**20 < used + plan.page_bytes + 1 or plan.num_pages == 1 + 4 * 63
+    with pytest.raises(ConfigError, match="max_model_len=100000.*--max-model-len"):
+        plan_memory(cfg, dtype="bfloat16", page_size=16, max_running_requests=4,
+                    max_model_len=100000, k=3, mtp=True, weights_bytes=w,
+                    device_bytes=10 * 2**20, mem_fraction=0.9)
+    with pytest.raises(ConfigError, match="needs 4 KV pages"):
+        plan_memory(cfg, dtype="float32", page_size=16, max_running_requests=1,
+                    max_model_len=50, k=1, mtp=False, weights_bytes=w, max_total_tokens=40)
