@@ -89,6 +89,7 @@ class SamplingTensors:
         cls,
         params: Iterable[Sequence[float | int]],
         pad_to: int | None = None,
+        host: bool = False,
     ) -> "SamplingTensors":
         """Build from host values, validating each row.
 
@@ -96,6 +97,8 @@ class SamplingTensors:
           params: one ``(temperature, top_k, top_p, seed)`` tuple per row. ``temperature`` is a
             finite float ``>= 0`` (0 = greedy); ``top_k`` an int (``<= 0`` or -1 = off);
             ``top_p`` a float in (0, 1] (1.0 = off); ``seed`` an int in ``[0, 2**32)``.
+          host: keep the fields as numpy arrays (a jitted program takes them as inputs without
+            a separate transfer per field).
           pad_to: if given, append greedy rows (temperature 0, top_k -1, top_p 1, seed 0) up to this
             many rows (a batch bucket size).
 
@@ -149,11 +152,12 @@ class SamplingTensors:
             ks += [-1] * n_pad
             ps += [1.0] * n_pad
             seeds += [0] * n_pad
+        put = (lambda a: a) if host else jnp.asarray
         return cls(
-            temperature=jnp.asarray(np.asarray(temps, np.float32)),
-            top_k=jnp.asarray(np.asarray(ks, np.int32)),
-            top_p=jnp.asarray(np.asarray(ps, np.float32)),
-            seed=jnp.asarray(np.asarray(seeds, np.uint32)),
+            temperature=put(np.asarray(temps, np.float32)),
+            top_k=put(np.asarray(ks, np.int32)),
+            top_p=put(np.asarray(ps, np.float32)),
+            seed=put(np.asarray(seeds, np.uint32)),
         )
 
 

@@ -107,6 +107,7 @@ def test_batch_equivalence_with_mixed_acceptance(model, solo, n):
     for pages in eng.pools.kv.k + eng.pools.kv.v + eng.pools.draft_kv.k + eng.pools.draft_kv.v:
         assert np.isnan(np.asarray(pages)[untouched]).all()
     assert not any(np.isnan(np.asarray(pages)[0]).any() for pages in eng.pools.kv.k)
+    eng.flush_cache()
     assert eng.pages.num_free == eng.pages.size - 1 and eng.slots.num_free == 4
 
 

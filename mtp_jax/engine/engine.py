@@ -33,7 +33,7 @@ from mtp_jax.engine.batch import PrefillBatch, RoundBatch
 from mtp_jax.engine.memory import plan_memory, weights_bytes
 from mtp_jax.engine.pools import Pools, make_pools
 from mtp_jax.cache.radix import RadixCache
-from mtp_jax.engine.programs import LOAD_SNAPSHOT, SAVE_SNAPSHOT, compile_programs
+from mtp_jax.engine.programs import LOAD_SNAPSHOT, SAVE_SNAPSHOT
 from mtp_jax.engine.requests import Request
 from mtp_jax.models.loader import DTYPES, LoadedModel
 from mtp_jax.sampling import SamplingTensors
@@ -111,7 +111,8 @@ class Engine:
         self.pages = FreeList(num_pages, "KV pages")
         self.snapshot_ids = FreeList(n_snap + 1, "prefix snapshots") if n_snap else None
         self.slots = FreeList(slots, "request slots")
-        self._prefill, self._round = compile_programs()
+        self.programs = model.programs
+        self._leaves = model.param_leaves
         self.stats = EngineStats()
         self.eos_ids = set(mc.eos_token_ids) | set(getattr(tokenizer, "eos_token_ids", None) or ())
         self.chunk_size = engine_cfg.chunked_prefill_size
@@ -229,7 +230,7 @@ class Engine:
     def _sampling(reqs: list[Request | None]) -> SamplingTensors:
         rows = [(r.params.temperature, r.params.top_k, r.params.top_p, r.seed)
                 for r in reqs if r is not None]
-        return SamplingTensors.from_params(rows, pad_to=len(reqs))  # padding rows at the end
+        return SamplingTensors.from_params(rows, pad_to=len(reqs), host=True)  # padding at the end
 
     # ---- stops -------------------------------------------------------------------------------
     def _append(self, req: Request, tokens: Iterable[int]) -> int:
@@ -280,14 +281,14 @@ class Engine:
         nxt[0, :len(following)] = following
         self._grow(req, start + n + 2 * self.k + 1)
         batch = PrefillBatch(
-            input_ids=jnp.asarray(ids), next_ids=jnp.asarray(nxt),
-            start=jnp.asarray([start], jnp.int32), length=jnp.asarray([n], jnp.int32),
-            prompt_len=jnp.asarray([n_prompt], jnp.int32), slot=jnp.asarray([req.slot], jnp.int32),
-            page_table=jnp.asarray(self._table([req])), sampling=self._sampling([req]),
-            step=jnp.zeros((1,), jnp.int32))
+            input_ids=np.asarray(ids), next_ids=np.asarray(nxt),
+            start=np.asarray([start], np.int32), length=np.asarray([n], np.int32),
+            prompt_len=np.asarray([n_prompt], np.int32), slot=np.asarray([req.slot], np.int32),
+            page_table=np.asarray(self._table([req])), sampling=self._sampling([req]),
+            step=np.zeros((1,), np.int32))
         t0 = time.perf_counter()
-        first, self.pools = self._prefill(self.model.graphdef, self.model.params, self.pools,
-                                          batch, k=self.k, mtp=self.proposer_kind == "mtp")
+        first, self.pools = self.programs.prefill(self._leaves, self.pools, batch, k=self.k,
+                                                  mtp=self.proposer_kind == "mtp")
         req.prefilled += n
         if self.prefix is not None:
             self._snapshot_after_chunk(req)
@@ -318,17 +319,17 @@ class Engine:
                 tokens[i, 1:] = propose(self.proposer, r.request_id, r.prompt_ids + r.output_ids,
                                         self.k, self.model.cfg.vocab_size)
         batch = RoundBatch(
-            slot=jnp.asarray([r.slot if r else 0 for r in rows], jnp.int32),
-            live=jnp.asarray([r is not None for r in rows]),
-            position=jnp.asarray([r.position if r else 0 for r in rows], jnp.int32),
-            page_table=jnp.asarray(self._table(rows)),
-            num_draft=jnp.asarray(num_draft), limit=jnp.asarray(limit),
+            slot=np.asarray([r.slot if r else 0 for r in rows], np.int32),
+            live=np.asarray([r is not None for r in rows], bool),
+            position=np.asarray([r.position if r else 0 for r in rows], np.int32),
+            page_table=np.asarray(self._table(rows)),
+            num_draft=np.asarray(num_draft), limit=np.asarray(limit),
             sampling=self._sampling(rows),
-            step=jnp.asarray([len(r.output_ids) if r else 0 for r in rows], jnp.int32),
-            tokens=jnp.asarray(tokens))
+            step=np.asarray([len(r.output_ids) if r else 0 for r in rows], np.int32),
+            tokens=np.asarray(tokens))
         t0 = time.perf_counter()
-        out, self.pools = self._round(self.model.graphdef, self.model.params, self.pools, batch,
-                                      k=self.k, proposer=self.proposer_kind)
+        out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
+                                              proposer=self.proposer_kind)
         emitted, accepted = jax.device_get((out.emitted, out.num_accepted))
         self.stats.round_seconds += time.perf_counter() - t0
         self.stats.rounds += 1
@@ -374,16 +375,16 @@ class Engine:
                 slot=jnp.zeros((1,), jnp.int32),
                 page_table=jnp.zeros((1, self.max_pages_per_req), jnp.int32),
                 sampling=SamplingTensors.greedy(1), step=jnp.zeros((1,), jnp.int32))
-            _, self.pools = self._prefill(self.model.graphdef, self.model.params, self.pools,
-                                          batch, k=self.k, mtp=mtp)
+            _, self.pools = self.programs.prefill(self._leaves, self.pools, batch, k=self.k,
+                                                  mtp=mtp)
         for b in self.batch_buckets():
             zi = jnp.zeros((b,), jnp.int32)
             batch = RoundBatch(slot=zi, live=jnp.zeros((b,), bool), position=zi,
                                page_table=jnp.zeros((b, self.max_pages_per_req), jnp.int32),
                                num_draft=zi, limit=zi, sampling=SamplingTensors.greedy(b),
                                step=zi, tokens=jnp.zeros((b, self.k + 1), jnp.int32))
-            out, self.pools = self._round(self.model.graphdef, self.model.params, self.pools,
-                                          batch, k=self.k, proposer=self.proposer_kind)
+            out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
+                                                  proposer=self.proposer_kind)
         jax.block_until_ready(self.pools)
         return time.perf_counter() - t0
 
@@ -443,5 +444,5 @@ class Engine:
         return requests
 
     def compiled_program_count(self) -> int:
-        """Programs compiled so far in this process (all engines share the jit caches)."""
-        return self._prefill._cache_size() + self._round._cache_size()
+        """Programs compiled so far for this model (its engines share the jit caches)."""
+        return self.programs.compiled_count()

@@ -40,12 +40,20 @@ class RoundOutput:
 
 def _draft_token(model, z, sampling, step, j):
     """Draft token j (0-based) from MTP hidden ``z [B, H]``: argmax for greedy rows, else a draw
-    from the filtered draft distribution q, which is returned for rejection sampling."""
+    from the filtered draft distribution q, which is returned for rejection sampling (greedy
+    rows' q is never read). When every row is greedy the filtering is skipped at run time."""
     logits = model.logits(z)
-    q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-    drawn = categorical(row_keys(sampling.seed, step, SALT_DRAFT + j), q)
-    tok = jnp.where(sampling.is_greedy, jnp.argmax(logits, -1).astype(jnp.int32), drawn)
-    return tok, q
+    greedy_tok = jnp.argmax(logits, -1).astype(jnp.int32)
+
+    def sampled(_):
+        q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+        drawn = categorical(row_keys(sampling.seed, step, SALT_DRAFT + j), q)
+        return jnp.where(sampling.is_greedy, greedy_tok, drawn), q
+
+    def greedy(_):
+        return greedy_tok, jnp.zeros(logits.shape, jnp.float32)
+
+    return jax.lax.cond(jnp.all(sampling.is_greedy), greedy, sampled, None)
 
 
 def _chain(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, step, k):
@@ -178,14 +186,39 @@ def load_snapshot(pools: Pools, snapshot: jax.Array, slot: jax.Array) -> Pools:
 SAVE_SNAPSHOT = jax.jit(save_snapshot, donate_argnums=(0,))
 LOAD_SNAPSHOT = jax.jit(load_snapshot, donate_argnums=(0,))
 
-_PREFILL = jax.jit(prefill, static_argnums=(0,), static_argnames=("k", "mtp"),
-                   donate_argnums=(2,))
-_ROUND = jax.jit(spec_round, static_argnums=(0,), static_argnames=("k", "proposer"),
-                 donate_argnums=(2,))
+@dataclasses.dataclass(frozen=True)
+class Programs:
+    """The jitted programs of one loaded model.
+
+    The graphdef is closed over (hashing it per call as a static argument costs milliseconds)
+    and the parameters travel as a flat tuple of arrays, so a call's host work is flattening a
+    tuple, the batch and the pools. Pools are donated. Shapes and ``k`` / ``mtp`` /
+    ``proposer`` key the compile caches: one program per bucket.
+    """
+
+    prefill: object
+    round: object
+    treedef: object
+
+    def leaves(self, params) -> tuple:
+        return tuple(jax.tree_util.tree_leaves(params))
+
+    def compiled_count(self) -> int:
+        return self.prefill._cache_size() + self.round._cache_size()
 
 
-def compile_programs():
-    """The jitted prefill and round, pools donated. Shapes, the model's graphdef and
-    ``k``/``mtp``/``proposer`` key their compile caches (one program per bucket), which are
-    shared by every engine in the process."""
-    return _PREFILL, _ROUND
+def make_programs(graphdef, params) -> Programs:
+    treedef = jax.tree_util.tree_structure(params)
+
+    def prefill_(leaves, pools, batch, *, k, mtp):
+        return prefill(graphdef, jax.tree_util.tree_unflatten(treedef, leaves), pools, batch,
+                       k=k, mtp=mtp)
+
+    def round_(leaves, pools, batch, *, k, proposer):
+        return spec_round(graphdef, jax.tree_util.tree_unflatten(treedef, leaves), pools, batch,
+                          k=k, proposer=proposer)
+
+    return Programs(
+        prefill=jax.jit(prefill_, static_argnames=("k", "mtp"), donate_argnums=(1,)),
+        round=jax.jit(round_, static_argnames=("k", "proposer"), donate_argnums=(1,)),
+        treedef=treedef)

@@ -101,6 +101,17 @@ class LoadedModel:
     params: object
     has_mtp: bool
 
+    @functools.cached_property
+    def programs(self):
+        """The engine's compiled programs for this model (shared by every engine on it)."""
+        from mtp_jax.engine.programs import make_programs
+
+        return make_programs(self.graphdef, self.params)
+
+    @functools.cached_property
+    def param_leaves(self) -> tuple:
+        return tuple(jax.tree_util.tree_leaves(self.params))
+
     def module(self, params=None):
         return nnx.merge(self.graphdef, self.params if params is None else params)
 
