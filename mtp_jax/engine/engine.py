@@ -368,21 +368,23 @@ class Engine:
         t0 = time.perf_counter()
         mtp = self.proposer_kind == "mtp"
         for t in self.prefill_buckets():
-            z = jnp.zeros((1, t), jnp.int32)
+            z = np.zeros((1, t), np.int32)
             batch = PrefillBatch(
-                input_ids=z, next_ids=z, start=jnp.zeros((1,), jnp.int32),
-                length=jnp.zeros((1,), jnp.int32), prompt_len=jnp.ones((1,), jnp.int32),
-                slot=jnp.zeros((1,), jnp.int32),
-                page_table=jnp.zeros((1, self.max_pages_per_req), jnp.int32),
-                sampling=SamplingTensors.greedy(1), step=jnp.zeros((1,), jnp.int32))
+                input_ids=z, next_ids=z, start=np.zeros((1,), np.int32),
+                length=np.zeros((1,), np.int32), prompt_len=np.ones((1,), np.int32),
+                slot=np.zeros((1,), np.int32),
+                page_table=np.zeros((1, self.max_pages_per_req), np.int32),
+                sampling=SamplingTensors.from_params([], pad_to=1, host=True),
+                step=np.zeros((1,), np.int32))
             _, self.pools = self.programs.prefill(self._leaves, self.pools, batch, k=self.k,
                                                   mtp=mtp)
         for b in self.batch_buckets():
-            zi = jnp.zeros((b,), jnp.int32)
-            batch = RoundBatch(slot=zi, live=jnp.zeros((b,), bool), position=zi,
-                               page_table=jnp.zeros((b, self.max_pages_per_req), jnp.int32),
-                               num_draft=zi, limit=zi, sampling=SamplingTensors.greedy(b),
-                               step=zi, tokens=jnp.zeros((b, self.k + 1), jnp.int32))
+            zi = np.zeros((b,), np.int32)
+            batch = RoundBatch(slot=zi, live=np.zeros((b,), bool), position=zi,
+                               page_table=np.zeros((b, self.max_pages_per_req), np.int32),
+                               num_draft=zi, limit=zi,
+                               sampling=SamplingTensors.from_params([], pad_to=b, host=True),
+                               step=zi, tokens=np.zeros((b, self.k + 1), np.int32))
             out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
                                                   proposer=self.proposer_kind)
         jax.block_until_ready(self.pools)
