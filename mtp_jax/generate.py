@@ -86,10 +86,12 @@ def main(argv=None) -> int:
             return 2
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    for p in prompts]
-    try:  # compile (warm-up); a bad first prompt is reported by the run below
-        llm.generate(prompts[:1], SamplingParams(max_tokens=2, temperature=0))
-    except ValueError:
-        pass
+    for p in prompts:  # compile (warm-up) on the first valid prompt; the run reports bad ones
+        try:
+            llm.generate([p], SamplingParams(max_tokens=2, temperature=0))
+            break
+        except ValueError:
+            continue
     try:
         t0 = time.perf_counter()
         outs = llm.generate(prompts, params)
