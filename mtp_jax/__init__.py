@@ -9,11 +9,11 @@ from mtp_jax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from mtp_jax.models.loader import LoadedModel, load_model
 
 __all__ = ["ConfigError", "EngineConfig", "LoadedModel", "ModelConfig", "SpecConfig",
-           "load_model", "LLM", "SamplingParams", "RequestOutput"]
+           "load_model", "LLM", "SamplingParams", "RequestOutput", "StreamOutput"]
 
 
 def __getattr__(name):
-    if name in ("LLM", "SamplingParams", "RequestOutput"):
+    if name in ("LLM", "SamplingParams", "RequestOutput", "StreamOutput"):
         from mtp_jax.engine import llm
 
         return getattr(llm, name)

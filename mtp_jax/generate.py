@@ -46,8 +46,49 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dummy-weight", action="store_true",
                    help="random weights of the checkpoint's shapes instead of its weights "
                         "(benchmarks; needs --speculative-algorithm none)")
+    p.add_argument("--prompts-file", default=None,
+                   help="JSONL file, one request per line: {\"prompt\": text or token ids, and "
+                        "optional temperature, top_p, top_k, max_tokens, seed, stop, "
+                        "stop_token_ids, ignore_eos (default: the flags)}; results in order")
+    p.add_argument("--chunked-prefill-size", type=int, default=2048,
+                   help="prompt tokens prefilled per scheduler step")
+    p.add_argument("--disable-prefix-cache", action="store_true",
+                   help="do not reuse KV / GDN state of shared prompt prefixes")
+    p.add_argument("--mem-fraction", type=float, default=0.9,
+                   help="fraction of device memory for weights and pools, in (0, 1]")
+    p.add_argument("--max-total-tokens", type=int, default=None,
+                   help="KV positions for all requests together (overrides --mem-fraction)")
     p.add_argument("--json", action="store_true", help="print one JSON object per request")
     return p
+
+
+_FILE_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids",
+              "ignore_eos")
+
+
+def read_prompts_file(path: str, defaults: dict) -> tuple[list, list[dict]]:
+    """Prompts and per-request sampling fields from a JSONL file; ``ValueError`` naming the
+    line for a bad one."""
+    prompts, fields = [], []
+    with open(path) as f:
+        for n, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                rec = json.loads(line)
+            except json.JSONDecodeError as e:
+                raise ValueError(f"{path}:{n}: not JSON ({e}).") from None
+            if not isinstance(rec, dict) or "prompt" not in rec:
+                raise ValueError(f"{path}:{n}: each line must be an object with a \"prompt\".")
+            unknown = sorted(set(rec) - {"prompt", *_FILE_KEYS})
+            if unknown:
+                raise ValueError(f"{path}:{n}: unknown keys {unknown}; allowed: prompt, "
+                                 f"{', '.join(_FILE_KEYS)}.")
+            prompts.append(rec["prompt"])
+            fields.append({**defaults, **{k: rec[k] for k in _FILE_KEYS if k in rec}})
+    if not prompts:
+        raise ValueError(f"{path} holds no requests.")
+    return prompts, fields
 
 
 def _stats_line(out, seconds: float) -> str:
@@ -67,34 +108,40 @@ def main(argv=None) -> int:
     from mtp_jax.config import ConfigError
 
     try:
-        params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                                max_tokens=args.max_tokens, seed=args.seed,
-                                ignore_eos=args.ignore_eos)
+        defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                        max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+        params = SamplingParams(**defaults)
+        if args.prompts_file:
+            file_prompts, file_fields = read_prompts_file(args.prompts_file, defaults)
+            params = [SamplingParams(**f) for f in file_fields]
         llm = LLM(args.model, dtype=args.dtype, max_running_requests=args.max_running_requests,
                   speculative_algorithm=args.speculative_algorithm,
                   speculative_num_steps=args.speculative_num_steps,
                   speculative_draft_model_path=args.speculative_draft_model_path,
                   seed=args.seed, max_model_len=args.max_model_len, page_size=args.page_size,
-                  dummy_weight=args.dummy_weight)
+                  dummy_weight=args.dummy_weight, chunked_prefill_size=args.chunked_prefill_size,
+                  enable_prefix_cache=not args.disable_prefix_cache,
+                  mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens)
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    prompts = args.prompt or [DEFAULT_PROMPT]
+    prompts = file_prompts if args.prompts_file else (args.prompt or [DEFAULT_PROMPT])
     if args.chat:
         if llm.tokenizer is None:
             print("error: --chat needs a tokenizer in the checkpoint folder", file=sys.stderr)
             return 2
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                   for p in prompts]
+                   if isinstance(p, str) else p for p in prompts]
     for p in prompts:  # compile (warm-up) on the first valid prompt; the run reports bad ones
         try:
             llm.generate([p], SamplingParams(max_tokens=2, temperature=0))
             break
         except ValueError:
             continue
+    llm.flush_cache()  # the timed run must not reuse the warm-up's prompt pages
     try:
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params)
+        outs = llm.generate(prompts, params, use_tqdm=bool(args.prompts_file))
         seconds = time.perf_counter() - t0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
@@ -109,13 +156,17 @@ def main(argv=None) -> int:
                 "seconds": round(seconds, 4),
                 "tokens_per_second": len(out.token_ids) / max(seconds, 1e-9),
                 "accept_length": out.accept_length, "acceptance_rate": out.acceptance_rate,
-                "num_rounds": out.num_rounds}))
+                "num_rounds": out.num_rounds, "cached_tokens": out.cached_tokens}))
         elif out.finish_reason == "error":
             print(f"error: {out.error}", file=sys.stderr)
         else:
             print(out.text)
             print(_stats_line(out, seconds))
         failed += out.finish_reason == "error"
+    stats = llm.prefix_cache_stats()
+    if stats and not args.json:
+        print(f"[prefix-cache] lookups={stats['lookups']} hits={stats['hits']} "
+              f"reused_tokens={stats['reused_tokens']} of prompt_tokens={stats['prompt_tokens']}")
     return 1 if failed else 0
 
 

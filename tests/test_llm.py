@@ -109,3 +109,40 @@ def test_cli_rejects_bad_spec_steps(capsys):
 
     assert generate.main(["--model", CKPT, "--speculative-num-steps", "9"]) == 2
     assert "speculative_num_steps" in capsys.readouterr().err
+
+
+def test_generate_stream_yields_tokens_as_rounds_complete(llm_mtp):
+    prompts = _prompts(3)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    ref = llm_mtp.generate(prompts, params)
+    got = {i: [] for i in range(3)}
+    finals = {}
+    for chunk in llm_mtp.generate_stream(prompts + [[]], params):
+        if chunk.finished:
+            finals[chunk.index] = chunk.output
+        got.setdefault(chunk.index, []).extend(chunk.new_token_ids)
+    assert finals[3].finish_reason == "error" and got[3] == []
+    for i in range(3):
+        assert got[i] == ref[i].token_ids == finals[i].token_ids
+
+
+def test_cli_prompts_file(tmp_path, capsys):
+    from mtp_jax import generate
+
+    f = tmp_path / "reqs.jsonl"
+    prompts = _prompts(3)
+    f.write_text("\n".join(json.dumps({"prompt": p, "max_tokens": 3 + i})
+                           for i, p in enumerate(prompts)))
+    rc = generate.main(["--model", CKPT, "--prompts-file", str(f), "--json", "--ignore-eos",
+                        "--speculative-num-steps", "2", "--max-running-requests", "2"])
+    assert rc == 0
+    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert [rec["output_tokens"] for rec in lines] == [3, 4, 5]
+    llm = LLM(CKPT, dtype="float32", speculative_algorithm="none")
+    for p, rec in zip(prompts, lines):
+        solo = llm.generate([p], SamplingParams(temperature=0, max_tokens=rec["output_tokens"],
+                                                ignore_eos=True))[0]
+        assert rec["token_ids"] == solo.token_ids
+    f.write_text('{"prompt": [1, 2], "bogus": 1}\n')
+    assert generate.main(["--model", CKPT, "--prompts-file", str(f)]) == 2
+    assert "unknown keys" in capsys.readouterr().err

@@ -426,7 +426,8 @@ class Engine:
                     self._shrink(req, req.position)
                     self.decoding.append(req)
         if self.decoding:
-            new.update(self._run_round(self.decoding))
+            for r, toks in self._run_round(self.decoding).items():
+                new.setdefault(r, []).extend(toks)
             for r in [r for r in self.decoding if r.finished]:
                 self._release(r)
             self.decoding = [r for r in self.decoding if not r.finished]

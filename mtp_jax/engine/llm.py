@@ -2,17 +2,20 @@
 
 from __future__ import annotations
 
+import dataclasses
 import numbers
-from typing import Sequence
+from typing import Iterator, Sequence
+
+from tqdm.auto import tqdm
 
 from mtp_jax.checks import check_before_load
 from mtp_jax.config import EngineConfig, SpecConfig, normalize_algorithm
 from mtp_jax.engine.engine import Engine
-from mtp_jax.engine.requests import Request, RequestOutput, SamplingParams
+from mtp_jax.engine.requests import Request, RequestOutput, SamplingParams, StreamOutput
 from mtp_jax.models.loader import load_model, resolve_dtype
 from mtp_jax.spec.external import Proposer
 
-__all__ = ["LLM", "RequestOutput", "SamplingParams"]
+__all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamOutput"]
 
 
 class LLM:
@@ -31,6 +34,12 @@ class LLM:
       proposer: for ``"external"``: ``(request_id, token_ids_so_far, k) -> k token ids``.
       seed: base seed of sampled requests without their own seed.
       max_model_len, page_size: KV sizing (tokens).
+      chunked_prefill_size: prompt tokens prefilled per scheduler step (default 2048); longer
+        prompts are prefilled in chunks interleaved with the running requests' rounds.
+      enable_prefix_cache: reuse KV pages, GDN snapshots and draft KV of shared prompt prefixes
+        (default True); ``flush_cache()`` empties it.
+      mem_fraction: fraction of device memory for weights and pools (default 0.9);
+      max_total_tokens: KV positions for all requests together (wins over ``mem_fraction``).
       dummy_weight: random weights of the checkpoint's shapes instead of its weights (benchmarks,
         tests of the non-speculative path); refused with ``speculative_algorithm="mtp"``.
     Raises:
@@ -42,7 +51,9 @@ class LLM:
                  max_running_requests: int = 8, speculative_algorithm: str | None = "mtp",
                  speculative_num_steps: int = 3, speculative_draft_model_path: str | None = None,
                  proposer: Proposer | None = None, seed: int = 0, max_model_len: int = 4096,
-                 page_size: int = 16, dummy_weight: bool = False):
+                 page_size: int = 16, dummy_weight: bool = False,
+                 chunked_prefill_size: int = 2048, enable_prefix_cache: bool = True,
+                 mem_fraction: float = 0.9, max_total_tokens: int | None = None):
         if model is None:
             from mtp_jax.default_model import default_model_path
 
@@ -51,7 +62,10 @@ class LLM:
         spec = SpecConfig(algorithm=algorithm, num_steps=speculative_num_steps,
                           draft_model_path=speculative_draft_model_path)
         engine_cfg = EngineConfig(max_running_requests=max_running_requests, page_size=page_size,
-                                  max_model_len=max_model_len, dtype=resolve_dtype(dtype))
+                                  max_model_len=max_model_len, dtype=resolve_dtype(dtype),
+                                  chunked_prefill_size=chunked_prefill_size,
+                                  enable_prefix_cache=enable_prefix_cache,
+                                  mem_fraction=mem_fraction, max_total_tokens=max_total_tokens)
         # Every config-time check, before any weight (or the tokenizer) is read.
         model_cfg = check_before_load(model, spec=spec, engine=engine_cfg,
                                       dummy_weight=dummy_weight,
@@ -118,20 +132,12 @@ class LLM:
                              prompt_token_ids=r.prompt_ids, token_ids=list(r.output_ids),
                              text=text, finish_reason=r.finish_reason, num_rounds=r.num_rounds,
                              num_draft_tokens=r.num_draft_tokens,
-                             num_accepted_tokens=r.num_accepted_tokens)
+                             num_accepted_tokens=r.num_accepted_tokens,
+                             cached_tokens=r.cached_tokens)
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
-                 use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for ``prompts`` (a string, a token-id list, or a list of either).
-
-        ``sampling_params``: one for all or one per prompt (default ``SamplingParams()``).
-        Returns one :class:`RequestOutput` per prompt, in order.
-
-        Raises ``ValueError`` before any work for invalid sampling parameters. A bad prompt
-        (empty, too long for ``max_model_len``, token ids outside the vocabulary, text without a
-        tokenizer) raises when it is the only prompt; among several, it gets an output with
-        ``finish_reason="error"`` and ``error`` set to the message, and the others run normally.
-        """
+    def _prepare(self, prompts, sampling_params):
+        """Validate and turn prompts into requests: ``(outputs, [(index, Request)])`` where
+        ``outputs`` already holds the error outputs of bad prompts (see :meth:`generate`)."""
         single = isinstance(prompts, str) or (
             isinstance(prompts, (list, tuple)) and len(prompts) > 0
             and isinstance(prompts[0], numbers.Integral))
@@ -160,10 +166,62 @@ class LLM:
                 if len(prompts) == 1:
                     raise
                 outputs[i] = self._error_output(p, str(e))
-        self.engine.run([r for _, r in requests])
+        return outputs, requests
+
+    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
+        """Generate for ``prompts`` (a string, a token-id list, or a list of either).
+
+        ``sampling_params``: one for all or one per prompt (default ``SamplingParams()``).
+        ``use_tqdm``: a progress bar over finished requests.
+        Returns one :class:`RequestOutput` per prompt, in order.
+
+        Raises ``ValueError`` before any work for invalid sampling parameters. A bad prompt
+        (empty, too long for ``max_model_len``, token ids outside the vocabulary, text without a
+        tokenizer) raises when it is the only prompt; among several, it gets an output with
+        ``finish_reason="error"`` and ``error`` set to the message, and the others run normally.
+        """
+        outputs, requests = self._prepare(prompts, sampling_params)
+        for chunk in self._stream(outputs, requests, use_tqdm):
+            pass
         for i, r in requests:
             outputs[i] = self._output(r)
         return outputs
+
+    def generate_stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
+        """Like :meth:`generate`, but yields a :class:`StreamOutput` each time a request gains
+        tokens (after its prefill and after each round), the last one with ``finished`` set and
+        the complete ``output``. Error outputs of bad prompts are yielded first."""
+        outputs, requests = self._prepare(prompts, sampling_params)
+        yield from self._stream(outputs, requests, False)
+
+    def _stream(self, outputs, requests, use_tqdm: bool) -> Iterator[StreamOutput]:
+        for i, out in enumerate(outputs):
+            if out is not None:
+                yield StreamOutput(index=i, request_id=out.request_id, new_token_ids=[],
+                                   finished=True, output=out)
+        index = {id(r): i for i, r in requests}
+        for _, r in requests:
+            self.engine.add_request(r)
+        bar = tqdm(total=len(requests), desc="Requests", unit="req", disable=not use_tqdm)
+        while self.engine.has_work():
+            for r, new in self.engine.step().items():
+                done = r.finished
+                bar.update(int(done))
+                yield StreamOutput(index=index[id(r)], request_id=r.request_id,
+                                   new_token_ids=list(new), finished=done,
+                                   output=self._output(r) if done else None)
+        bar.close()
+
+    def flush_cache(self) -> None:
+        """Empty the prefix cache (entries that running requests use stay)."""
+        self.engine.flush_cache()
+
+    def prefix_cache_stats(self) -> dict:
+        """Prefix-cache counters: lookups, hits, prompt tokens, reused tokens."""
+        if self.engine.prefix is None:
+            return {}
+        return dataclasses.asdict(self.engine.prefix.stats)
 
     def _error_output(self, prompt, message: str) -> RequestOutput:
         index = self._next_id

@@ -92,6 +92,7 @@ class RequestOutput:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     error: str | None = None
+    cached_tokens: int = 0  # prompt tokens reused from the prefix cache
 
     @property
     def accept_length(self) -> float | None:
@@ -101,6 +102,18 @@ class RequestOutput:
     @property
     def acceptance_rate(self) -> float | None:
         return None if not self.num_draft_tokens else self.num_accepted_tokens / self.num_draft_tokens
+
+
+@dataclasses.dataclass
+class StreamOutput:
+    """One streaming update of :meth:`LLM.generate_stream`: the prompt's ``index`` in the call,
+    the tokens it gained since the last update, and, when ``finished``, the full ``output``."""
+
+    index: int
+    request_id: str
+    new_token_ids: list[int]
+    finished: bool
+    output: RequestOutput | None = None
 
 
 @dataclasses.dataclass(eq=False)  # identity semantics: requests key dicts
