@@ -44,3 +44,28 @@ def test_budget_from_device_memory_and_refusal():
     with pytest.raises(ConfigError, match="needs 4 KV pages"):
         plan_memory(cfg, dtype="float32", page_size=16, max_running_requests=1,
                     max_model_len=50, k=1, mtp=False, weights_bytes=w, max_total_tokens=40)
+
+
+def test_resize_cache_keeps_generation_working(model):
+    from mtp_jax.engine.requests import Request, SamplingParams
+
+    eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", max_model_len=64),
+                 SpecConfig(algorithm="mtp", num_steps=2))
+
+    def run():
+        params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        reqs = [Request(request_id=str(i), index=i, prompt=None, prompt_ids=[5 + i, 7, 9, 11],
+                        params=params, seed=0) for i in range(3)]
+        eng.run(reqs)
+        return [r.output_ids for r in reqs]
+
+    ref = run()
+    kv_before = eng.pools.kv
+    eng.resize_cache(max_running_requests=3)  # slot pool only: KV and draft KV kept
+    assert eng.pools.kv is kv_before and eng.pools.gdn.recurrent[0].shape[0] == 4
+    assert run() == ref
+    eng.resize_cache(num_pages=30)  # KV pool: rebuilt with the draft KV
+    assert eng.pools.kv.k[0].shape[0] == 30 and eng.pools.draft_kv.k[0].shape[0] == 30
+    assert run() == ref
+    with pytest.raises(ConfigError, match="cannot hold one request"):
+        eng.resize_cache(num_pages=3)

@@ -346,6 +346,49 @@ class Engine:
             self._shrink(r, r.position)
         return new
 
+    # ---- resizing ------------------------------------------------------------------------------
+    def resize_cache(self, *, num_pages: int | None = None,
+                     max_running_requests: int | None = None) -> None:
+        """Resize the pools while no request is in flight.
+
+        ``num_pages``: a new KV pool (target and draft KV rebuilt, prefix cache flushed).
+        ``max_running_requests``: a new slot pool (GDN state, pending tokens, draft
+        distributions); the KV pool, the draft KV and the cached prefixes are kept.
+        Raises ``RuntimeError`` while requests run, ``ConfigError`` for a pool too small for one
+        full-length request.
+        """
+        if self.has_work():
+            raise RuntimeError("resize_cache needs an idle engine; finish or drain the running "
+                               "requests first.")
+        mc, dtype = self.model.cfg, DTYPES[self.model.dtype]
+        mtp = self.proposer_kind == "mtp"
+        if num_pages is not None:
+            if num_pages - 1 < self.max_pages_per_req:
+                raise ConfigError(f"num_pages {num_pages} cannot hold one request of "
+                                  f"max_model_len={self.max_model_len} "
+                                  f"({self.max_pages_per_req} pages + the trash page).")
+            self.flush_cache()
+            self.prefix = (RadixCache(self.page_size, self.cfg.snapshot_interval_pages)
+                           if self.prefix is not None else None)
+            if self.snapshot_ids is not None:
+                self.snapshot_ids = FreeList(self.snapshot_ids.size, "prefix snapshots")
+            self.pools = dataclasses.replace(self.pools, kv=None, draft_kv=None)
+            fresh = make_pools(mc, num_pages=num_pages, page_size=self.page_size, slots=1,
+                               k=self.k, mtp=mtp, dtype=dtype)
+            self.pools = dataclasses.replace(self.pools, kv=fresh.kv, draft_kv=fresh.draft_kv)
+            self.pages = FreeList(num_pages, "KV pages")
+        if max_running_requests is not None:
+            if max_running_requests < 1:
+                raise ConfigError(f"max_running_requests {max_running_requests} must be >= 1.")
+            slots = max_running_requests + 1
+            fresh = make_pools(mc, num_pages=1, page_size=self.page_size, slots=slots, k=self.k,
+                               mtp=mtp, dtype=dtype)
+            self.pools = dataclasses.replace(self.pools, gdn=fresh.gdn,
+                                             next_tokens=fresh.next_tokens,
+                                             draft_probs=fresh.draft_probs)
+            self.slots = FreeList(slots, "request slots")
+            self.cfg = dataclasses.replace(self.cfg, max_running_requests=max_running_requests)
+
     # ---- buckets -------------------------------------------------------------------------------
     def prefill_buckets(self) -> list[int]:
         top = max(MIN_PREFILL_BUCKET, next_pow2(min(self.chunk_size, self.max_model_len)))

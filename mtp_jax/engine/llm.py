@@ -70,6 +70,7 @@ class LLM:
         model_cfg = check_before_load(model, spec=spec, engine=engine_cfg,
                                       dummy_weight=dummy_weight,
                                       has_proposer=proposer is not None)
+        self._plan_before_load(model_cfg, engine_cfg, spec, algorithm)
         from mtp_jax.tokenizer import Tokenizer
 
         self.tokenizer = Tokenizer.from_folder(model)
@@ -80,6 +81,34 @@ class LLM:
                              tokenizer=self.tokenizer)
         self.seed = seed
         self._next_id = 0
+
+    @staticmethod
+    def _plan_before_load(model_cfg, engine_cfg, spec, algorithm) -> None:
+        """Refuse a memory budget that cannot hold one full-length request before any weight
+        is read (the engine plans again, with the same numbers, after loading)."""
+        import jax
+
+        from mtp_jax.engine.memory import plan_memory, weights_bytes
+
+        if engine_cfg.num_pages is not None:
+            return
+        mtp = algorithm == "mtp"
+        stats = jax.devices()[0].memory_stats() or {}
+        plan_memory(model_cfg, dtype=engine_cfg.dtype, page_size=engine_cfg.page_size,
+                    max_running_requests=engine_cfg.max_running_requests,
+                    max_model_len=min(engine_cfg.max_model_len,
+                                      model_cfg.max_position_embeddings),
+                    k=spec.k, mtp=mtp, weights_bytes=weights_bytes(model_cfg, engine_cfg.dtype,
+                                                                   mtp and model_cfg.has_mtp),
+                    device_bytes=stats.get("bytes_limit"), mem_fraction=engine_cfg.mem_fraction,
+                    max_total_tokens=engine_cfg.max_total_tokens)
+
+    def resize_cache(self, *, num_pages: int | None = None,
+                     max_running_requests: int | None = None) -> None:
+        """Grow or shrink the KV pool (``num_pages``, with the draft KV) and/or the per-slot
+        state pool (``max_running_requests``: GDN state, pending tokens, draft distributions)
+        between generate calls. See :meth:`Engine.resize_cache`."""
+        self.engine.resize_cache(num_pages=num_pages, max_running_requests=max_running_requests)
 
     # ---- requests ----------------------------------------------------------------------------
     def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
