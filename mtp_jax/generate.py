@@ -58,6 +58,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of device memory for weights and pools, in (0, 1]")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV positions for all requests together (overrides --mem-fraction)")
+    p.add_argument("--ple-backend", default="disk", choices=["disk", "memory"],
+                   help="qwen4_exp: PLE n-gram tables memory-mapped from disk or in host RAM")
     p.add_argument("--json", action="store_true", help="print one JSON object per request")
     return p
 
@@ -121,7 +123,8 @@ def main(argv=None) -> int:
                   seed=args.seed, max_model_len=args.max_model_len, page_size=args.page_size,
                   dummy_weight=args.dummy_weight, chunked_prefill_size=args.chunked_prefill_size,
                   enable_prefix_cache=not args.disable_prefix_cache,
-                  mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens)
+                  mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
+                  ple_backend=args.ple_backend)
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -56,6 +56,39 @@ def clamp_num_draft(k: int, position: int, allocated_tokens: int, emitted: int,
     return max(0, min(k, room_pages, room_tokens))
 
 
+def append_tokens(req: Request, tokens: Iterable[int], eos_ids, tokenizer,
+                  max_model_len: int) -> int:
+    """Append committed tokens one by one, applying every stop (EOS unless ``ignore_eos``, stop
+    ids, stop strings, ``max_tokens``, ``max_model_len``); nothing after a stop is kept.
+    Returns how many tokens were kept."""
+    kept = 0
+    p = req.params
+    for tok in tokens:
+        tok = int(tok)
+        req.output_ids.append(tok)
+        kept += 1
+        if (not p.ignore_eos and tok in eos_ids) or tok in p.stop_token_ids:
+            req.finish_reason = "stop"
+        elif p.stop and tokenizer is not None and _stop_string(req, tokenizer):
+            req.finish_reason = "stop"
+        elif len(req.output_ids) >= p.max_tokens:
+            req.finish_reason = "length"
+        elif len(req.prompt_ids) + len(req.output_ids) >= max_model_len:
+            req.finish_reason = "length"
+        if req.finished:
+            break
+    return kept
+
+
+def _stop_string(req: Request, tokenizer) -> bool:
+    text = tokenizer.decode(req.output_ids)
+    hits = [text.find(s) for s in req.params.stop if s in text]
+    if hits:
+        req.stop_text_len = min(hits)
+        return True
+    return False
+
+
 @dataclasses.dataclass
 class EngineStats:
     """Totals over the engine's life (seconds, tokens, calls)."""
@@ -234,34 +267,7 @@ class Engine:
 
     # ---- stops -------------------------------------------------------------------------------
     def _append(self, req: Request, tokens: Iterable[int]) -> int:
-        """Append committed tokens one by one, applying every stop; returns how many were kept
-        (nothing after a stop is kept)."""
-        kept = 0
-        p = req.params
-        for tok in tokens:
-            tok = int(tok)
-            req.output_ids.append(tok)
-            kept += 1
-            if (not p.ignore_eos and tok in self.eos_ids) or tok in p.stop_token_ids:
-                req.finish_reason = "stop"
-            elif p.stop and self.tokenizer is not None and self._stop_string(req):
-                req.finish_reason = "stop"
-            elif len(req.output_ids) >= p.max_tokens:
-                req.finish_reason = "length"
-            elif len(req.prompt_ids) + len(req.output_ids) >= self.max_model_len:
-                req.finish_reason = "length"
-            if req.finished:
-                break
-        return kept
-
-    def _stop_string(self, req: Request) -> bool:
-        # Decode a tail long enough to hold any stop string that the last token could complete.
-        text = self.tokenizer.decode(req.output_ids)
-        hits = [text.find(s) for s in req.params.stop if s in text]
-        if hits:
-            req.stop_text_len = min(hits)
-            return True
-        return False
+        return append_tokens(req, tokens, self.eos_ids, self.tokenizer, self.max_model_len)
 
     # ---- programs ----------------------------------------------------------------------------
     def _prefill_chunk(self, req: Request, budget: int) -> int:

@@ -18,6 +18,20 @@ from mtp_jax.spec.external import Proposer
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamOutput"]
 
 
+def _is_qwen4_exp_folder(path: str) -> bool:
+    import json
+    import os
+
+    from mtp_jax.models.qwen4_exp.config import is_qwen4_exp
+
+    try:
+        with open(os.path.join(path, "config.json")) as f:
+            raw = json.load(f)
+    except (OSError, ValueError):
+        return False  # the regular checks report it
+    return isinstance(raw, dict) and is_qwen4_exp(raw)
+
+
 class LLM:
     """Load a checkpoint and generate.
 
@@ -40,6 +54,9 @@ class LLM:
         (default True); ``flush_cache()`` empties it.
       mem_fraction: fraction of device memory for weights and pools (default 0.9);
       max_total_tokens: KV positions for all requests together (wins over ``mem_fraction``).
+      ple_backend: qwen4_exp only: where the PLE n-gram tables live, ``"disk"`` (memory-mapped,
+        default) or ``"memory"`` (host RAM). qwen4_exp runs plain decoding, one request at a
+        time, for now.
       dummy_weight: random weights of the checkpoint's shapes instead of its weights (benchmarks,
         tests of the non-speculative path); refused with ``speculative_algorithm="mtp"``.
     Raises:
@@ -53,7 +70,8 @@ class LLM:
                  proposer: Proposer | None = None, seed: int = 0, max_model_len: int = 4096,
                  page_size: int = 16, dummy_weight: bool = False,
                  chunked_prefill_size: int = 2048, enable_prefix_cache: bool = True,
-                 mem_fraction: float = 0.9, max_total_tokens: int | None = None):
+                 mem_fraction: float = 0.9, max_total_tokens: int | None = None,
+                 ple_backend: str = "disk"):
         if model is None:
             from mtp_jax.default_model import default_model_path
 
@@ -66,6 +84,11 @@ class LLM:
                                   chunked_prefill_size=chunked_prefill_size,
                                   enable_prefix_cache=enable_prefix_cache,
                                   mem_fraction=mem_fraction, max_total_tokens=max_total_tokens)
+        self.seed = seed
+        self._next_id = 0
+        if _is_qwen4_exp_folder(model):
+            self._init_qwen4_exp(model, spec, engine_cfg, dummy_weight, ple_backend)
+            return
         # Every config-time check, before any weight (or the tokenizer) is read.
         model_cfg = check_before_load(model, spec=spec, engine=engine_cfg,
                                       dummy_weight=dummy_weight,
@@ -79,8 +102,29 @@ class LLM:
                                 draft_path=speculative_draft_model_path)
         self.engine = Engine(self.model, engine_cfg, spec, proposer=proposer,
                              tokenizer=self.tokenizer)
-        self.seed = seed
-        self._next_id = 0
+
+    def _init_qwen4_exp(self, model, spec, engine_cfg, dummy_weight, ple_backend) -> None:
+        from mtp_jax.config import ConfigError
+        from mtp_jax.engine.sequential import SequentialEngine
+        from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig
+        from mtp_jax.models.qwen4_exp.loader import load_qwen4_exp
+        from mtp_jax.tokenizer import Tokenizer
+
+        if spec.enabled:
+            raise ConfigError(f"speculative_algorithm {spec.algorithm!r} is not supported for "
+                              "qwen4_exp yet (its verify/commit programs are not built); use "
+                              "speculative_algorithm='none' (--speculative-algorithm none).")
+        if dummy_weight:
+            raise ConfigError("dummy weights are not supported for qwen4_exp yet; write a random "
+                              "checkpoint with mtp_jax.models.qwen4_exp.random_checkpoint.")
+        if ple_backend not in ("disk", "memory"):
+            raise ConfigError(f"ple_backend {ple_backend!r} is unknown; use 'disk' or 'memory'.")
+        engine_cfg.validate()
+        cfg = Qwen4ExpConfig.from_folder(model)
+        self.tokenizer = Tokenizer.from_folder(model)
+        self.model = load_qwen4_exp(model, engine_cfg.dtype, with_mtp=False,
+                                    ple_backend=ple_backend, cfg=cfg)
+        self.engine = SequentialEngine(self.model, engine_cfg.max_model_len, self.tokenizer)
 
     @staticmethod
     def _plan_before_load(model_cfg, engine_cfg, spec, algorithm) -> None:
