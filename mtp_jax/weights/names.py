@@ -17,7 +17,7 @@ from mtp_jax.config import ModelConfig
 Shape = tuple[int, ...]
 
 
-def _attention(cfg: ModelConfig, p: str) -> dict[str, Shape]:
+def attention_tensors(cfg: ModelConfig, p: str) -> dict[str, Shape]:
     h, d = cfg.hidden_size, cfg.head_dim
     hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
     return {
@@ -30,7 +30,7 @@ def _attention(cfg: ModelConfig, p: str) -> dict[str, Shape]:
     }
 
 
-def _linear_attention(cfg: ModelConfig, p: str) -> dict[str, Shape]:
+def linear_attention_tensors(cfg: ModelConfig, p: str) -> dict[str, Shape]:
     h = cfg.hidden_size
     hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
     return {
@@ -68,7 +68,8 @@ def decoder_layer_tensors(cfg: ModelConfig, p: str, layer_type: str) -> dict[str
     """Tensors of one decoder layer under prefix ``p`` (e.g. ``"layers.3."``)."""
     h = cfg.hidden_size
     out = {f"{p}input_layernorm.weight": (h,), f"{p}post_attention_layernorm.weight": (h,)}
-    out.update(_attention(cfg, p) if layer_type == "full_attention" else _linear_attention(cfg, p))
+    out.update(attention_tensors(cfg, p) if layer_type == "full_attention"
+               else linear_attention_tensors(cfg, p))
     out.update(_mlp(cfg, p))
     return out
 

@@ -17,6 +17,7 @@ shared expert); on PLE layers ``ple.*``. Top level: ``embed_tokens``, ``hyper_co
 from __future__ import annotations
 
 from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig, ngram_table_rows
+from mtp_jax.weights.names import attention_tensors, linear_attention_tensors
 
 Shape = tuple[int, ...]
 
@@ -33,37 +34,19 @@ def hyper_connection(cfg: Qwen4ExpConfig, p: str, inject: bool = True) -> dict[s
 
 
 def qsa_attention(cfg: Qwen4ExpConfig, p: str) -> dict[str, Shape]:
-    h, d = cfg.hidden_size, cfg.head_dim
-    hq, hkv = cfg.num_attention_heads, cfg.num_key_value_heads
+    """The Qwen3.5 gated attention tensors plus the QSA indexer."""
     di = cfg.indexer_head_dim
     return {
-        f"{p}self_attn.q_proj.weight": (2 * hq * d, h),
-        f"{p}self_attn.k_proj.weight": (hkv * d, h),
-        f"{p}self_attn.v_proj.weight": (hkv * d, h),
-        f"{p}self_attn.o_proj.weight": (h, hq * d),
-        f"{p}self_attn.q_norm.weight": (d,),
-        f"{p}self_attn.k_norm.weight": (d,),
+        **attention_tensors(cfg, p),
         f"{p}self_attn.indexer.index_qk_proj.weight": ((cfg.indexer_n_heads
-                                                        + cfg.indexer_kv_heads) * di, h),
+                                                        + cfg.indexer_kv_heads) * di,
+                                                       cfg.hidden_size),
         f"{p}self_attn.indexer.q_layernorm.weight": (di,),
         f"{p}self_attn.indexer.k_layernorm.weight": (di,),
     }
 
 
-def linear_attention(cfg: Qwen4ExpConfig, p: str) -> dict[str, Shape]:
-    h = cfg.hidden_size
-    hv, dv = cfg.linear_num_value_heads, cfg.linear_value_head_dim
-    return {
-        f"{p}linear_attn.in_proj_qkv.weight": (cfg.linear_conv_dim, h),
-        f"{p}linear_attn.in_proj_z.weight": (hv * dv, h),
-        f"{p}linear_attn.in_proj_b.weight": (hv, h),
-        f"{p}linear_attn.in_proj_a.weight": (hv, h),
-        f"{p}linear_attn.conv1d.weight": (cfg.linear_conv_dim, 1, cfg.linear_conv_kernel_dim),
-        f"{p}linear_attn.A_log": (hv,),
-        f"{p}linear_attn.dt_bias": (hv,),
-        f"{p}linear_attn.norm.weight": (dv,),
-        f"{p}linear_attn.out_proj.weight": (h, hv * dv),
-    }
+linear_attention = linear_attention_tensors  # the GDN tensors are the Qwen3.5 family's
 
 
 def moe(cfg: Qwen4ExpConfig, p: str) -> dict[str, Shape]:
