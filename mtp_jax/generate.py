@@ -1,5 +1,5 @@
-"""``python -m mtp_jax.generate``: generate text from a checkpoint folder (or the built-in
-default model) with MTP speculative decoding, and print the text and a stats line."""
+"""python -m mtp_jax.generate: generate text from a checkpoint folder (or the built-in default
+model) with MTP speculative decoding, and print the text and a stats line."""
 
 from __future__ import annotations
 
@@ -70,7 +70,7 @@ _FILE_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "st
 
 def read_prompts_file(path: str, defaults: dict) -> tuple[list, list[dict]]:
     """Prompts and per-request sampling fields from a JSONL file; ``ValueError`` naming the
-    line for a bad one."""
+    line for a malformed one (bad sampling values are reported per request by ``main``)."""
     prompts, fields = [], []
     with open(path) as f:
         for n, line in enumerate(f, 1):
@@ -106,16 +106,23 @@ def main(argv=None) -> int:
     """Run the CLI; returns the exit status: 0 all prompts done, 1 some prompt refused (its
     ``error`` printed), 2 bad settings, files or a lone bad prompt (message on stderr)."""
     args = build_parser().parse_args(argv)
-    from mtp_jax import LLM, SamplingParams
+    from mtp_jax import LLM, RequestOutput, SamplingParams
     from mtp_jax.config import ConfigError
 
     try:
         defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
         params = SamplingParams(**defaults)
+        line_errors: dict[int, str] = {}
         if args.prompts_file:
             file_prompts, file_fields = read_prompts_file(args.prompts_file, defaults)
-            params = [SamplingParams(**f) for f in file_fields]
+            params = []
+            for i, f in enumerate(file_fields):
+                try:
+                    params.append(SamplingParams(**f))
+                except (TypeError, ValueError) as e:  # this request fails alone
+                    line_errors[i] = f"{args.prompts_file}: request {i + 1}: {e}"
+                    params.append(None)
         llm = LLM(args.model, dtype=args.dtype, max_running_requests=args.max_running_requests,
                   speculative_algorithm=args.speculative_algorithm,
                   speculative_num_steps=args.speculative_num_steps,
@@ -142,13 +149,24 @@ def main(argv=None) -> int:
         except ValueError:
             continue
     llm.flush_cache()  # the timed run must not reuse the warm-up's prompt pages
+    before = llm.prefix_cache_stats()
+    run = [i for i in range(len(prompts)) if i not in line_errors]
     try:
         t0 = time.perf_counter()
-        outs = llm.generate(prompts, params, use_tqdm=bool(args.prompts_file))
+        done = llm.generate([prompts[i] for i in run],
+                            [params[i] for i in run] if isinstance(params, list) else params,
+                            use_tqdm=bool(args.prompts_file)) if run else []
         seconds = time.perf_counter() - t0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    outs = [None] * len(prompts)
+    for i, out in zip(run, done):
+        outs[i] = out
+    for i, msg in line_errors.items():
+        outs[i] = RequestOutput(request_id=f"line{i + 1}", prompt=prompts[i] if isinstance(
+            prompts[i], str) else None, prompt_token_ids=[], token_ids=[], text="",
+            finish_reason="error", error=msg)
     failed = 0
     for out in outs:
         if args.json:
@@ -166,7 +184,7 @@ def main(argv=None) -> int:
             print(out.text)
             print(_stats_line(out, seconds))
         failed += out.finish_reason == "error"
-    stats = llm.prefix_cache_stats()
+    stats = {k: v - before.get(k, 0) for k, v in llm.prefix_cache_stats().items()}
     if stats and not args.json:
         print(f"[prefix-cache] lookups={stats['lookups']} hits={stats['hits']} "
               f"reused_tokens={stats['reused_tokens']} of prompt_tokens={stats['prompt_tokens']}")

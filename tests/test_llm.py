@@ -146,3 +146,18 @@ def test_cli_prompts_file(tmp_path, capsys):
     f.write_text('{"prompt": [1, 2], "bogus": 1}\n')
     assert generate.main(["--model", CKPT, "--prompts-file", str(f)]) == 2
     assert "unknown keys" in capsys.readouterr().err
+
+
+def test_cli_prompts_file_bad_sampling_line_fails_alone(tmp_path, capsys):
+    from mtp_jax import generate
+
+    f = tmp_path / "reqs.jsonl"
+    p = _prompts(2)
+    f.write_text(json.dumps({"prompt": p[0], "max_tokens": 2}) + "\n"
+                 + json.dumps({"prompt": p[1], "temperature": -1}) + "\n")
+    rc = generate.main(["--model", CKPT, "--prompts-file", str(f), "--json",
+                        "--speculative-algorithm", "none"])
+    assert rc == 1
+    recs = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    assert recs[0]["output_tokens"] == 2 and recs[0]["finish_reason"] in ("length", "stop")
+    assert recs[1]["finish_reason"] == "error" and "request 2" in recs[1]["error"]

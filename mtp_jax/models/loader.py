@@ -130,7 +130,11 @@ class LoadedModel:
         Returns: ``(logits [B, T, V] float32, hidden_states [B, T, H])``, hidden after the final
         norm (what the LM head reads), in the model dtype.
         """
-        return self._forward(self.graphdef, self.params, jnp.asarray(input_ids, jnp.int32))
+        ids = jnp.asarray(input_ids, jnp.int32)
+        if ids.ndim != 2:
+            raise ValueError(f"forward takes input_ids [B, T]; got shape {ids.shape}. Add a batch "
+                             "axis (e.g. ids[None]).")
+        return self._forward(self.graphdef, self.params, ids)
 
     def mtp_forward(self, hidden_states, next_token_ids):
         """Teacher-forced MTP draft rows at positions ``0..T-1``.
@@ -143,8 +147,12 @@ class LoadedModel:
         if not self.has_mtp:
             raise ValueError("this model was loaded without its mtp.* draft; use "
                              "load_model(path, with_mtp=True).")
-        return self._mtp_forward(self.graphdef, self.params, jnp.asarray(hidden_states),
-                                 jnp.asarray(next_token_ids, jnp.int32))
+        hidden = jnp.asarray(hidden_states)
+        nxt = jnp.asarray(next_token_ids, jnp.int32)
+        if hidden.ndim != 3 or nxt.shape != hidden.shape[:2]:
+            raise ValueError(f"mtp_forward takes hidden_states [B, T, H] and next_token_ids "
+                             f"[B, T]; got {hidden.shape} and {nxt.shape}.")
+        return self._mtp_forward(self.graphdef, self.params, hidden, nxt)
 
 
 def _scratch_batch(b: int, t: int, page_size: int = 16):

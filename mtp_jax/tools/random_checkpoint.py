@@ -42,6 +42,7 @@ rarely picks an id that decodes to nothing.
 from __future__ import annotations
 
 import argparse
+import sys
 import concurrent.futures
 import dataclasses
 import json
@@ -360,12 +361,19 @@ def main(argv: list[str] | None = None) -> None:
                     help="also write the real Qwen tokenizer and chat template")
     ap.add_argument("--workers", type=int, default=None, help="generator threads")
     args = ap.parse_args(argv)
-    out = write_random_checkpoint(args.config, args.out, dtype=args.dtype, experts=args.experts,
-                                  mtp_experts=args.mtp_experts, include_mtp=not args.no_mtp,
-                                  shard_size_bytes=int(args.shard_size_gb * (1 << 30)),
-                                  seed=args.seed, tokenizer=args.tokenizer, workers=args.workers)
+    try:
+        out = write_random_checkpoint(args.config, args.out, dtype=args.dtype,
+                                      experts=args.experts, mtp_experts=args.mtp_experts,
+                                      include_mtp=not args.no_mtp,
+                                      shard_size_bytes=int(args.shard_size_gb * (1 << 30)),
+                                      seed=args.seed, tokenizer=args.tokenizer,
+                                      workers=args.workers)
+    except (ValueError, OSError) as e:  # ConfigError is a ValueError
+        print(f"error: {e}", file=sys.stderr)
+        return 2
     print(out)
+    return 0
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
