@@ -46,3 +46,26 @@ def _ids_file(folder, ids):
     path = folder / "ids.jsonl"
     path.write_text(json.dumps({"prompt": ids}) + "\n")
     return str(path)
+
+
+def test_random_checkpoint_tool_writes_qwen4_exp(tmp_path):
+    """The CLI tool writes a qwen4_exp checkpoint; cached greedy decoding on it equals the
+    argmax of the cache-free full forward over the growing sequence."""
+    from mtp_jax.models.loader import load_model
+    from mtp_jax.tools.random_checkpoint import main
+
+    cfg = json.load(open(CKPT + "/config.json"))
+    (tmp_path / "cfg.json").write_text(json.dumps(cfg))
+    out = tmp_path / "ck"
+    assert main(["--config", str(tmp_path / "cfg.json"), "--out", str(out), "--dtype",
+                 "float32", "--seed", "3"]) == 0
+    llm = LLM(str(out), dtype="float32", speculative_algorithm="none")
+    prompt = [3, 4, 5, 6, 7]
+    toks = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4,
+                                                 ignore_eos=True))[0].token_ids
+    m = load_model(str(out), "float32", with_mtp=False)
+    seq = list(prompt)
+    for _ in range(4):
+        logits, _ = m.forward(np.asarray([seq]))
+        seq.append(int(np.argmax(np.asarray(logits)[0, -1])))
+    assert toks == seq[len(prompt):]

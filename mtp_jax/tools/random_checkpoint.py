@@ -288,6 +288,20 @@ def _output_config(raw: dict, dtype: str) -> dict:
     return out
 
 
+def _write_qwen4_exp(raw: dict, out_dir: str, *, dtype: str, experts: str, tokenizer: bool,
+                     include_mtp: bool, seed: int) -> str:
+    """qwen4_exp checkpoints (n-gram tables sharded as released) come from the family's own
+    writer, which holds the model in host memory: small shapes only, fused experts, no
+    tokenizer yet."""
+    from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
+
+    if experts != "fused" or tokenizer:
+        raise ValueError("for qwen4_exp configs random_checkpoint writes fused experts and no "
+                         "tokenizer for now; drop --experts per-expert / --tokenizer.")
+    write_random_qwen4_exp(raw, out_dir, dtype=dtype, seed=seed, with_mtp=include_mtp)
+    return out_dir
+
+
 def write_random_checkpoint(config: dict | str, out_dir: str, dtype: str = "bfloat16",
                             experts: str = "fused", mtp_experts: str | None = None,
                             include_mtp: bool = True, shard_size_bytes: int = 2 << 30,
@@ -310,6 +324,11 @@ def write_random_checkpoint(config: dict | str, out_dir: str, dtype: str = "bflo
     if shard_size_bytes <= 0:
         raise ValueError(f"shard_size_bytes {shard_size_bytes} must be positive.")
     raw = load_config(config)
+    from mtp_jax.models.qwen4_exp.config import is_qwen4_exp
+
+    if is_qwen4_exp(raw):
+        return _write_qwen4_exp(raw, out_dir, dtype=dtype, experts=experts, tokenizer=tokenizer,
+                                include_mtp=include_mtp, seed=seed)
     zero_from = None
     if tokenizer:
         from mtp_jax.tools import qwen_vocab
