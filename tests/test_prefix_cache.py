@@ -93,3 +93,25 @@ def test_eviction_under_page_pressure(model):
     assert [r.output_ids for r in reqs] == [r.output_ids for r in again]
     eng.flush_cache()
     assert eng.pages.num_free == eng.pages.size - 1
+
+
+@pytest.mark.parametrize("algo", ["none", "mtp"])
+def test_second_turn_reuses_the_first_turns_output(model, algo):
+    """A follow-up whose prompt holds an earlier request's prompt and output (a chat's second
+    turn) reuses pages and GDN snapshots taken while that output was decoded."""
+    rng = np.random.default_rng(11)
+    first = rng.integers(2, 300, 10).tolist()
+    extra = rng.integers(2, 300, 5).tolist()
+    outs = {}
+    for cache in (False, True):
+        eng = _engine(model, algo, cache)
+        a = _req("a", first, max_tokens=20)
+        eng.run([a])
+        follow = first + a.output_ids + extra
+        b = _req("b", follow, max_tokens=6)
+        eng.run([b])
+        outs[cache] = (a.output_ids, b.output_ids, b.cached_tokens, len(follow))
+    assert outs[True][:2] == outs[False][:2]
+    # the reuse reaches past the first prompt (10 tokens) into its output: snapshot boundaries
+    # every 8 tokens; the follow-up has 35 tokens, the first request committed 29.
+    assert outs[True][2] == 24, outs[True][2]

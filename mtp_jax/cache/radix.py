@@ -9,8 +9,8 @@ serves the target KV, the draft KV and the GDN state.
 
 GDN layers cannot resume from KV pages alone; they need the recurrent and conv state at the
 reuse point. Snapshots of that state are taken at aligned boundaries, every
-``page_size * snapshot_interval_pages`` tokens, and hang on the node that ends there; a hit
-resumes at the deepest matched node that holds one.
+``page_size * snapshot_interval_pages`` tokens (during prefill and during decoding rounds), and
+hang on the node that ends there; a hit resumes at the deepest matched node that holds one.
 
 Nodes are reference-counted by the requests using them; unreferenced leaves are evicted least
 recently used first, returning their page (and snapshot) to the pools. Only committed tokens are

@@ -48,7 +48,10 @@ class RoundBatch:
     limit: ``[B]`` int32, positions ``>= limit`` have no page: nothing is written there;
     sampling: ``[B]``; step: ``[B]`` int32 generated-token count at the round's start;
     tokens: ``[B, k+1]`` int32 ``[pending, d_1..d_k]`` supplied by the host (external proposer);
-    ignored by MTP / plain rounds, which read the slot's ``next_tokens``.
+    ignored by MTP / plain rounds, which read the slot's ``next_tokens``;
+    snap_row: ``[B]`` int32, verify row after which the GDN state reaches a prefix-cache
+      boundary (-1: none); snap_id: ``[B]`` int32 snapshot id to save it in (0 = trash). The host
+      keeps the snapshot only if that row was accepted.
     """
 
     slot: jax.Array
@@ -60,3 +63,5 @@ class RoundBatch:
     sampling: SamplingTensors
     step: jax.Array
     tokens: jax.Array
+    snap_row: jax.Array
+    snap_id: jax.Array

@@ -206,6 +206,8 @@ class Engine:
             del req.pages[keep:]
 
     def _release(self, req: Request) -> None:
+        if self.prefix is not None and req.prefilled == len(req.prompt_ids) and req.output_ids:
+            self._insert_committed(req)
         self.pages.give_back([p for p in req.pages if p not in req.tree_pages])
         self.slots.give_back([req.slot])
         if self.prefix is not None:
@@ -239,6 +241,20 @@ class Engine:
         self.pools = SAVE_SNAPSHOT(self.pools, jnp.asarray([req.slot], jnp.int32),
                                    jnp.asarray([sid], jnp.int32))
         req.snapshots[end] = sid
+
+    def _insert_committed(self, req: Request) -> None:
+        """At a request's end, insert the full pages of its committed tokens (prompt and kept
+        output; the last output token is the lookahead), with the snapshots taken on the way.
+        Nothing past a stop is inserted: the committed count is the kept tokens minus the
+        pending one."""
+        tokens = req.prompt_ids + req.output_ids
+        committed = min(len(tokens) - 1, req.position)
+        held, owned, unused = self.prefix.insert(tokens, committed, req.pages, req.snapshots)
+        self.prefix.release(held)  # the request is leaving; the tree keeps the pages
+        req.tree_pages |= set(owned)
+        if unused:
+            self.snapshot_ids.give_back(unused)
+        req.snapshots = {}
 
     def _insert_prompt(self, req: Request) -> None:
         """Insert the prompt's full pages (committed; the first output token is the lookahead
@@ -318,6 +334,17 @@ class Engine:
             num_draft[i] = clamp_num_draft(self.k, r.position, limit[i], len(r.output_ids),
                                            r.params.max_tokens, len(r.prompt_ids),
                                            self.max_model_len)
+        snap_row = np.full((b,), -1, np.int32)
+        snap_id = np.zeros((b,), np.int32)
+        if self.prefix is not None:
+            st = self.prefix.snapshot_tokens
+            for i, r in enumerate(running):
+                # A boundary p with c < p <= c + num_draft + 1 is reached after row p - 1 - c.
+                p = (r.position // st + 1) * st
+                if p <= r.position + num_draft[i] + 1 and p not in r.snapshots:
+                    sid = self._take_snapshot_id()
+                    if sid is not None:
+                        snap_row[i], snap_id[i] = p - 1 - r.position, sid
         tokens = np.zeros((b, self.k + 1), np.int32)
         if self.proposer_kind == "external":
             for i, r in enumerate(running):
@@ -332,7 +359,7 @@ class Engine:
             num_draft=np.asarray(num_draft), limit=np.asarray(limit),
             sampling=self._sampling(rows),
             step=np.asarray([len(r.output_ids) if r else 0 for r in rows], np.int32),
-            tokens=np.asarray(tokens))
+            tokens=np.asarray(tokens), snap_row=snap_row, snap_id=snap_id)
         t0 = time.perf_counter()
         out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
                                               proposer=self.proposer_kind)
@@ -342,6 +369,11 @@ class Engine:
         new: dict[Request, list[int]] = {}
         for i, r in enumerate(running):
             n = int(accepted[i])
+            if snap_row[i] >= 0:  # keep the snapshot only if its row was committed
+                if snap_row[i] <= n:
+                    r.snapshots[int(r.position + snap_row[i] + 1)] = int(snap_id[i])
+                else:
+                    self.snapshot_ids.give_back([int(snap_id[i])])
             before = len(r.output_ids)
             kept = self._append(r, emitted[i, :n + 1].tolist())
             new[r] = r.output_ids[before:]
@@ -433,7 +465,8 @@ class Engine:
                                page_table=np.zeros((b, self.max_pages_per_req), np.int32),
                                num_draft=zi, limit=zi,
                                sampling=SamplingTensors.from_params([], pad_to=b, host=True),
-                               step=zi, tokens=np.zeros((b, self.k + 1), np.int32))
+                               step=zi, tokens=np.zeros((b, self.k + 1), np.int32),
+                               snap_row=np.full((b,), -1, np.int32), snap_id=zi)
             out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
                                                   proposer=self.proposer_kind)
         jax.block_until_ready(self.pools)

@@ -78,6 +78,21 @@ def _row(x, index):
     return jnp.take_along_axis(x, index.reshape(-1, 1, *([1] * (x.ndim - 2))), axis=1)[:, 0]
 
 
+def _save_round_snapshots(model, pools: Pools, view, rows, batch: RoundBatch) -> Pools:
+    """Save the GDN state after verify row ``snap_row[b]`` into ``snap_id[b]`` for the rows
+    that cross a prefix-cache boundary this round (a second replay, skipped at run time when no
+    row does; statically skipped without a snapshot pool)."""
+    if not pools.snapshots.recurrent or pools.snapshots.recurrent[0].shape[0] == 0:
+        return pools
+
+    def save(snapshots):
+        state = model.commit(view, rows, jnp.maximum(batch.snap_row + 1, 0))
+        return snapshots.scatter(jnp.where(batch.snap_row >= 0, batch.snap_id, 0), state)
+
+    snapshots = jax.lax.cond(jnp.any(batch.snap_row >= 0), save, lambda s: s, pools.snapshots)
+    return dataclasses.replace(pools, snapshots=snapshots)
+
+
 def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, *, k: int, mtp: bool):
     """Prefill one chunk per row (the GDN state starts at zero when ``start == 0``, else from
     the slot); sample the first token; with MTP, write the draft KV over the chunk's rows and
@@ -149,6 +164,7 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
         n = jnp.zeros((b,), jnp.int32)
         emitted = sample(logits[:, 0], batch.sampling, batch.step, salt=SALT_SAMPLE)[:, None]
     commit_len = jnp.where(batch.live, n + 1, 0)
+    pools = _save_round_snapshots(model, pools, view, rows, batch)
     view = model.commit(view, rows, commit_len)
     pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, view))
     bonus = _row(emitted, n)
