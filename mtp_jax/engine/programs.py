@@ -78,6 +78,33 @@ def _row(x, index):
     return jnp.take_along_axis(x, index.reshape(-1, 1, *([1] * (x.ndim - 2))), axis=1)[:, 0]
 
 
+def _mtp_drafts(model, pools: Pools, hidden, next_ids, abatch, pick, step, pos, limit,
+                sampling, k: int):
+    """Draft extend over the rows of ``hidden [B, T, H]`` (row t pairs the hidden at t with
+    ``next_ids[:, t]``), then draft ``d_1`` from row ``pick [B]`` and ``d_2..d_k`` by chained
+    steps at ``pos [B]`` onwards (writes below ``limit [B]`` only); the random streams use
+    ``step [B]``. Returns ``((drafts [B, k], q [B, k, V]), pools with the new draft KV)``."""
+    z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
+    z_pick = _row(z, pick)
+    tok, q = _draft_token(model, z_pick, sampling, step, 0)
+    drafts, qs, draft_kv = _chain(model, draft_kv, z_pick, tok, q, pos, abatch.page_table,
+                                  limit, sampling, step, k)
+    return (drafts, qs), dataclasses.replace(pools, draft_kv=draft_kv)
+
+
+def _store_next(pools: Pools, slot, pending, drafts, k: int) -> Pools:
+    """``next_tokens[slot] = [pending, d_1..d_k]`` (zeros without drafts) and, with MTP drafts,
+    ``draft_probs[slot] = q``."""
+    row = pending[:, None]
+    if drafts is not None:
+        toks, qs = drafts
+        row = jnp.concatenate([row, toks], 1)
+        pools = dataclasses.replace(pools, draft_probs=pools.draft_probs.at[slot].set(qs))
+    elif k:
+        row = jnp.concatenate([row, jnp.zeros((row.shape[0], k), jnp.int32)], 1)
+    return dataclasses.replace(pools, next_tokens=pools.next_tokens.at[slot].set(row))
+
+
 def _save_round_snapshots(model, pools: Pools, view, rows, batch: RoundBatch) -> Pools:
     """Save the GDN state after verify row ``snap_row[b]`` into ``snap_id[b]`` for the rows
     that cross a prefix-cache boundary this round (a second replay, skipped at run time when no
@@ -114,24 +141,15 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, *, k: int, mtp:
     h_last = _row(hidden, last)
     first = sample(model.logits(h_last), batch.sampling, batch.step, salt=SALT_SAMPLE)
     pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, view))
-    row = first[:, None]
+    drafts = None
     if mtp:
         is_final = pos == (batch.prompt_len - 1)[:, None]
         next_ids = jnp.where(is_final, first[:, None], batch.next_ids)
-        z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
-        z_last = _row(z, last)
-        step1 = batch.step + 1
-        tok, q = _draft_token(model, z_last, batch.sampling, step1, 0)
         end = batch.start + batch.length
         limit = batch.page_table.shape[1] * pools.kv.page_size * jnp.ones_like(end)
-        drafts, qs, draft_kv = _chain(model, draft_kv, z_last, tok, q, end, batch.page_table,
-                                      limit, batch.sampling, step1, k)
-        row = jnp.concatenate([row, drafts], 1)
-        pools = dataclasses.replace(pools, draft_kv=draft_kv,
-                                    draft_probs=pools.draft_probs.at[batch.slot].set(qs))
-    elif k:
-        row = jnp.concatenate([row, jnp.zeros((b, k), jnp.int32)], 1)
-    pools = dataclasses.replace(pools, next_tokens=pools.next_tokens.at[batch.slot].set(row))
+        drafts, pools = _mtp_drafts(model, pools, hidden, next_ids, abatch, last,
+                                    batch.step + 1, end, limit, batch.sampling, k)
+    pools = _store_next(pools, batch.slot, first, drafts, k)
     return first, pools
 
 
@@ -168,22 +186,14 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
     view = model.commit(view, rows, commit_len)
     pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, view))
     bonus = _row(emitted, n)
-    row = bonus[:, None]
+    drafts = None
     if proposer == "mtp":
         next_ids = jnp.maximum(emitted, 0)  # x_{c+i+1} for rows i <= n; later rows are rewritten
-        z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
-        z_n = _row(z, n)
-        step1 = batch.step + n + 1
-        tok, q0 = _draft_token(model, z_n, batch.sampling, step1, 0)
         live_limit = jnp.where(batch.live, batch.limit, 0)
-        drafts, qs, draft_kv = _chain(model, draft_kv, z_n, tok, q0, batch.position + n + 1,
-                                      batch.page_table, live_limit, batch.sampling, step1, k)
-        row = jnp.concatenate([row, drafts], 1)
-        pools = dataclasses.replace(pools, draft_kv=draft_kv,
-                                    draft_probs=pools.draft_probs.at[batch.slot].set(qs))
-    elif k:
-        row = jnp.concatenate([row, jnp.zeros((b, k), jnp.int32)], 1)
-    pools = dataclasses.replace(pools, next_tokens=pools.next_tokens.at[batch.slot].set(row))
+        drafts, pools = _mtp_drafts(model, pools, hidden, next_ids, abatch, n,
+                                    batch.step + n + 1, batch.position + n + 1, live_limit,
+                                    batch.sampling, k)
+    pools = _store_next(pools, batch.slot, bonus, drafts, k)
     return RoundOutput(emitted=emitted, num_accepted=n), pools
 
 

@@ -17,6 +17,7 @@ shared expert); on PLE layers ``ple.*``. Top level: ``embed_tokens``, ``hyper_co
 from __future__ import annotations
 
 from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig, ngram_table_rows
+from mtp_jax.weights import names as _names
 from mtp_jax.weights.names import attention_tensors, linear_attention_tensors
 
 Shape = tuple[int, ...]
@@ -139,21 +140,5 @@ def shard_rows(total: int, parts: int) -> list[int]:
     return out
 
 
-def disk_name(cfg: Qwen4ExpConfig, canonical: str) -> str:
-    if canonical.startswith(("mtp.", "lm_head.")):
-        return canonical
-    return ("model.language_model." if cfg.composite else "model.") + canonical
-
-
-def canonical_name(disk: str) -> str | None:
-    if disk.startswith(("mtp.", "lm_head.")):
-        return disk
-    for prefix in ("model.language_model.", "model."):
-        if disk.startswith(prefix):
-            rest = disk[len(prefix):]
-            if rest.startswith(("visual.", "vision_tower.", "audio")):
-                return None
-            return rest
-    if disk.startswith(("visual.", "vision_tower.")):
-        return None
-    return disk
+# The checkpoint layout (prefixes, skipped towers) is the Qwen3.5 family's.
+disk_name, canonical_name = _names.disk_name, _names.canonical_name
