@@ -64,8 +64,56 @@ def test_random_checkpoint_tool_writes_qwen4_exp(tmp_path):
     toks = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=4,
                                                  ignore_eos=True))[0].token_ids
     m = load_model(str(out), "float32", with_mtp=False)
-    seq = list(prompt)
-    for _ in range(4):
-        logits, _ = m.forward(np.asarray([seq]))
-        seq.append(int(np.argmax(np.asarray(logits)[0, -1])))
-    assert toks == seq[len(prompt):]
+    logits, _ = m.forward(np.asarray([prompt + toks]))  # causal: one forward checks every step
+    assert toks == np.asarray(logits)[0, len(prompt) - 1:-1].argmax(-1).tolist()
+
+
+def test_decode_overlaps_ple_lookup_with_stop_checks_and_next_head(monkeypatch):
+    """Order of a decode step in the sequential engine: the head program of step t+1 is
+    dispatched, then the PLE lookup of token t runs on a worker thread WHILE the main thread does
+    token t's stop checks (a two-way handshake: a lookup done inline, or joined before the stop
+    checks, times out here). Tokens stay equal to transformers' greedy ones."""
+    import threading
+
+    from mtp_jax.engine import engine as engine_mod
+    from mtp_jax.models.qwen4_exp import loader
+
+    g = np.load(CKPT + "/golden.npz")
+    prompt, n = g["input_ids"][0].tolist(), g["greedy_tokens"].shape[1]
+    events, started, appended = [], threading.Semaphore(0), threading.Semaphore(0)
+    main = threading.main_thread
+
+    real_start, real_lookup = loader.LoadedQwen4Exp.start_step, loader.LoadedQwen4Exp.lookup
+    real_append = engine_mod.append_tokens
+
+    def start_step(self, cache, ids):
+        events.append(("head", cache.length))
+        return real_start(self, cache, ids)
+
+    def lookup(self, context, ids):
+        rows = np.asarray(ids).shape[1]
+        events.append(("lookup", rows, threading.current_thread() is main()))
+        if rows == 1:
+            started.release()
+            assert appended.acquire(timeout=30), "the lookup did not overlap the stop checks"
+        return real_lookup(self, context, ids)
+
+    def append_tokens(req, toks, *args):
+        if len(req.output_ids) + 1 < req.params.max_tokens:  # a lookup is in flight
+            assert started.acquire(timeout=30), "no lookup in flight during the stop checks"
+        events.append(("append", len(req.output_ids)))
+        appended.release()
+        return real_append(req, toks, *args)
+
+    monkeypatch.setattr(loader.LoadedQwen4Exp, "start_step", start_step)
+    monkeypatch.setattr(loader.LoadedQwen4Exp, "lookup", lookup)
+    monkeypatch.setattr(engine_mod, "append_tokens", append_tokens)
+    llm = LLM(CKPT, dtype="float32", speculative_algorithm="none")
+    out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
+    assert out[0].token_ids == g["greedy_tokens"][0].tolist()
+    want = [("head", 0), ("lookup", len(prompt), True)]
+    for i in range(n):
+        if i + 1 < n:
+            want += [("head", len(prompt) + i), ("lookup", 1, False)]
+        want.append(("append", i))
+    assert events == want

@@ -259,8 +259,9 @@ class Qwen4ExpConfig:
             raise ConfigError(f"output_gate_type {self.output_gate_type!r} is not supported; "
                               "qwen4_exp GDN gates are 'sigmoid' or 'silu'.")
         if self.hc_count < 2:
-            raise ConfigError(f"hc_count {self.hc_count} must be >= 2 (qwen4_exp residual "
-                              "streams).")
+            raise ConfigError(f"hc_count {self.hc_count} must be >= 2: qwen4_exp has at least "
+                              "two residual streams (transformers' Qwen4ExpTextConfig refuses "
+                              "hc_count <= 1 too); fix hc_count in config.json.")
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
                               f"1..num_experts ({self.num_experts}).")

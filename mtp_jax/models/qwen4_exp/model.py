@@ -28,6 +28,7 @@ from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig
 from mtp_jax.models.qwen4_exp.hyper_connection import GatedResidual, inject
 from mtp_jax.models.qwen4_exp.ple import PLE
 from mtp_jax.models.qwen4_exp.qsa import QSAAttention
+from mtp_jax.models.qwen4_exp.slot_states import by_name
 
 
 @jax.tree_util.register_dataclass
@@ -35,13 +36,16 @@ from mtp_jax.models.qwen4_exp.qsa import QSAAttention
 class Qwen4State:
     """Batch view (or pool) of the decode state.
 
-    kv: paged K/V per QSA layer ``[P, ps, Hkv, D]``; idx: raw index keys per QSA layer
-    ``[P, ps, 1, d_idx]`` (same page ids); gdn: GDN recurrent/conv per GDN layer ``[B, ...]``;
-    ple_conv: PLE conv window per PLE layer ``[B, hc*H, (K-1)*ngram_size]``.
+    kv: paged K/V per QSA layer ``[P, ps, Hkv, D]``; idx: raw index keys of complete blocks per
+    QSA layer ``[P, ps, 1, d_idx]`` (same page ids); open_idx: open index group per QSA layer
+    ``[B, r, d_idx]`` (raw index keys of the incomplete block, slot state, group ring); gdn: GDN
+    recurrent/conv per GDN layer ``[B, ...]``; ple_conv: PLE conv window per PLE layer
+    ``[B, hc*H, (K-1)*ngram_size]``.
     """
 
     kv: PagedKV
     idx: tuple[jax.Array, ...]
+    open_idx: tuple[jax.Array, ...]
     gdn: LinearState
     ple_conv: tuple[jax.Array, ...]
 
@@ -53,12 +57,49 @@ class Qwen4State:
                            dtype)
         idx = tuple(jnp.zeros((num_pages, page_size, 1, cfg.indexer_head_dim), dtype)
                     for _ in range(n_qsa))
+        open_idx = tuple(jnp.zeros((slots, cfg.indexer_compress_ratio, cfg.indexer_head_dim),
+                                   dtype) for _ in range(n_qsa))
         gdn = LinearState.zeros(len(cfg.linear_layer_ids), slots, cfg.linear_num_value_heads,
                                 cfg.linear_key_head_dim, cfg.linear_value_head_dim,
                                 cfg.linear_conv_dim, cfg.linear_conv_kernel_dim, dtype)
         ple = tuple(jnp.zeros((slots, cfg.hc_hidden, cfg.ple_conv_state_len), dtype)
                     for _ in cfg.ple_layers)
-        return cls(kv, idx, gdn, ple)
+        return cls(kv, idx, open_idx, gdn, ple)
+
+
+def _state_slices(cfg: Qwen4ExpConfig, start: int, stop: int):
+    """Index ranges (QSA, GDN, PLE) of the states owned by layers ``[start, stop)``."""
+    count = lambda ids, a: sum(1 for i in ids if i < a)
+    return tuple(slice(count(ids, start), count(ids, stop)) for ids in
+                 (cfg.full_layer_ids, cfg.linear_layer_ids, cfg.ple_layers))
+
+
+def state_part(state: Qwen4State, cfg: Qwen4ExpConfig, start: int, stop: int) -> Qwen4State:
+    """The states of layers ``[start, stop)`` only (a program over those layers takes and
+    donates just these arrays)."""
+    q, g, p = _state_slices(cfg, start, stop)
+    return Qwen4State(PagedKV(state.kv.k[q], state.kv.v[q]), state.idx[q], state.open_idx[q],
+                      LinearState(state.gdn.recurrent[g], state.gdn.conv[g]), state.ple_conv[p])
+
+
+def state_merge(state: Qwen4State, part: Qwen4State, cfg: Qwen4ExpConfig, start: int,
+                stop: int) -> Qwen4State:
+    """``state`` with the states of layers ``[start, stop)`` replaced by ``part``."""
+    q, g, p = _state_slices(cfg, start, stop)
+
+    def put(whole, sl, new):
+        out = list(whole)
+        out[sl] = new
+        return tuple(out)
+
+    return Qwen4State(PagedKV(put(state.kv.k, q, part.kv.k), put(state.kv.v, q, part.kv.v)),
+                      put(state.idx, q, part.idx), put(state.open_idx, q, part.open_idx),
+                      LinearState(put(state.gdn.recurrent, g, part.gdn.recurrent),
+                                  put(state.gdn.conv, g, part.gdn.conv)),
+                      put(state.ple_conv, p, part.ple_conv))
+
+
+STEP_FORM_ROWS = 8  # calls of at most this many rows use the GDN step form (decode)
 
 
 class GatedDeltaNetGate(GatedDeltaNet):
@@ -68,6 +109,15 @@ class GatedDeltaNetGate(GatedDeltaNet):
     def __init__(self, cfg, dtype):
         super().__init__(cfg, dtype)
         self.gate_act = cfg.output_gate_type
+
+    def decode(self, x, state, valid):
+        """Step form over ``x [B, T, H]``: a verify of the rows (the decode recurrence row by
+        row) committed in full through the ``gdn_recurrent`` slot-state hooks, instead of the
+        chunked prefill form, which pads every call to a 64-row chunk. Same arguments and
+        results as :meth:`prefill`."""
+        out, rows = self.verify(x, state, valid)
+        accepted = jnp.sum(valid, axis=1).astype(jnp.int32)
+        return out, by_name("gdn_recurrent").commit(state, rows, None, accepted)
 
     def _output(self, o, x):
         b, t, _ = x.shape
@@ -93,22 +143,27 @@ class DecoderLayer(nnx.Module):
         self.mlp = SparseMoE(cfg, dtype)
         self.ple = PLE(cfg, dtype) if ple_index is not None else None
 
-    def __call__(self, h, batch: AttentionBatch, *, kv=None, idx=None, gdn=None,
-                 ple_emb=None, ple_conv=None):
-        """Returns ``(h, kv, idx, gdn, ple_conv)`` (the states this layer does not own pass
-        through as None)."""
+    def __call__(self, h, batch: AttentionBatch, *, qsa=None, gdn=None, ple_emb=None,
+                 ple_conv=None):
+        """``qsa = (k_pages, v_pages, idx_pages, open_group)`` for a QSA layer, ``gdn =
+        (recurrent, conv)`` for a GDN layer. Returns ``(h, qsa, gdn, ple_conv)`` (the states this
+        layer does not own pass through as given)."""
         if self.ple is not None:
             p, ple_conv = self.ple(h, ple_emb, ple_conv, batch.valid)
             h = h + p
         x, inj = self.attn_hyper_connection(h)
         if self.layer_type == "full_attention":
-            y, kv, idx = self.self_attn(x, batch, kv, idx)
+            k, v, idx, group = qsa
+            y, (k, v), idx, group = self.self_attn(x, batch, (k, v), idx, group)
+            qsa = (k, v, idx, group)
         else:
-            y, gdn = self.linear_attn.prefill(x, gdn, batch.valid)
+            gdn_form = (self.linear_attn.decode if x.shape[1] <= STEP_FORM_ROWS
+                        else self.linear_attn.prefill)
+            y, gdn = gdn_form(x, gdn, batch.valid)
         h = inject(h, inj, y)
         x, inj = self.mlp_hyper_connection(h)
         h = inject(h, inj, self.mlp(x))
-        return h, kv, idx, gdn, ple_conv
+        return h, qsa, gdn, ple_conv
 
 
 class Qwen4ExpModel(nnx.Module):
@@ -142,27 +197,44 @@ class Qwen4ExpModel(nnx.Module):
         x, _ = self.hyper_connection_mixer(streams)
         return self.head(x)
 
+    def embed(self, input_ids: jax.Array) -> jax.Array:
+        """``input_ids [B, T]`` -> the initial residual streams ``[B, T, hc*H]`` (the embedding
+        repeated on every stream)."""
+        return jnp.tile(self.embed_tokens(input_ids), (1, 1, self.cfg.hc_count))
+
+    def run_layers(self, h, ple_emb: tuple, batch: AttentionBatch, part: Qwen4State,
+                   start: int, stop: int):
+        """Decoder layers ``[start, stop)`` (static) on streams ``h [B, T, hc*H]``.
+
+        ``part``: the states of those layers (:func:`state_part`); ``ple_emb``: per PLE layer of
+        the model ``[B, T, ple_embed_dim]`` (may be empty when the range has no PLE layer).
+        Returns ``(h, new part)``.
+        """
+        q0, g0, p0 = (s.start for s in _state_slices(self.cfg, start, stop))
+        ks, vs, ix, op = (list(part.kv.k), list(part.kv.v), list(part.idx),
+                          list(part.open_idx))
+        rec, conv, pc = list(part.gdn.recurrent), list(part.gdn.conv), list(part.ple_conv)
+        for li in range(start, stop):
+            layer = self.layers[li]
+            j = layer.ple_index
+            pe = ple_emb[j] if j is not None else None
+            pcs = pc[j - p0] if j is not None else None
+            if layer.layer_type == "full_attention":
+                i = layer.cache_index - q0
+                h, (ks[i], vs[i], ix[i], op[i]), _, pcs = layer(
+                    h, batch, qsa=(ks[i], vs[i], ix[i], op[i]), ple_emb=pe, ple_conv=pcs)
+            else:
+                i = layer.cache_index - g0
+                h, _, (rec[i], conv[i]), pcs = layer(h, batch, gdn=(rec[i], conv[i]),
+                                                     ple_emb=pe, ple_conv=pcs)
+            if j is not None:
+                pc[j - p0] = pcs
+        new = Qwen4State(PagedKV(tuple(ks), tuple(vs)), tuple(ix), tuple(op),
+                         LinearState(tuple(rec), tuple(conv)), tuple(pc))
+        return h, new
+
     def __call__(self, input_ids, ple_emb: tuple, batch: AttentionBatch, state: Qwen4State):
         """``input_ids [B, T]``; ``ple_emb``: per PLE layer ``[B, T, ple_embed_dim]``.
         Returns ``(streams [B, T, hc*H] before the mixer, new state)``."""
-        cfg = self.cfg
-        x = self.embed_tokens(input_ids)
-        h = jnp.tile(x, (1, 1, cfg.hc_count))
-        ks, vs, ix = list(state.kv.k), list(state.kv.v), list(state.idx)
-        rec, conv = list(state.gdn.recurrent), list(state.gdn.conv)
-        pc = list(state.ple_conv)
-        for layer in self.layers:
-            i, j = layer.cache_index, layer.ple_index
-            pe = ple_emb[j] if j is not None else None
-            pcs = pc[j] if j is not None else None
-            if layer.layer_type == "full_attention":
-                h, (ks[i], vs[i]), ix[i], _, pcs = layer(h, batch, kv=(ks[i], vs[i]), idx=ix[i],
-                                                         ple_emb=pe, ple_conv=pcs)
-            else:
-                h, _, _, (rec[i], conv[i]), pcs = layer(h, batch, gdn=(rec[i], conv[i]),
-                                                        ple_emb=pe, ple_conv=pcs)
-            if j is not None:
-                pc[j] = pcs
-        new = Qwen4State(PagedKV(tuple(ks), tuple(vs)), tuple(ix),
-                         LinearState(tuple(rec), tuple(conv)), tuple(pc))
-        return h, new
+        return self.run_layers(self.embed(input_ids), ple_emb, batch, state, 0,
+                               self.cfg.num_hidden_layers)

@@ -16,7 +16,6 @@ drafted token, at position t+1. Rows use the hidden's position t. Sources: MODEL
 from __future__ import annotations
 
 import jax
-import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
@@ -41,8 +40,11 @@ class MTPDraft(nnx.Module):
                                                     cfg.rms_norm_eps, dtype, inject=False)
 
     def __call__(self, embed: Embed, streams: jax.Array, next_ids: jax.Array,
-                 batch: AttentionBatch, kv: PagedKV, idx: tuple, step: int = 0):
-        """Returns ``(z [B, T, H] mixed, y [B, T, hc*H] streams, new kv, new idx)``."""
+                 batch: AttentionBatch, kv: PagedKV, idx: tuple, open_idx: tuple,
+                 step: int = 0):
+        """``idx`` / ``open_idx``: the draft layers' paged raw index keys and open index groups
+        (as the target's QSA layers). Returns ``(z [B, T, H] mixed, y [B, T, hc*H] streams, new
+        kv, new idx, new open_idx)``."""
         b, t, _ = streams.shape
         e = self.pre_fc_norm_embedding(embed(next_ids))
         hn = self.pre_fc_norm_hidden(streams.astype(e.dtype))
@@ -50,8 +52,9 @@ class MTPDraft(nnx.Module):
              + self.fc_hidden(hn.reshape(b, t, self.hc, self.hidden)))
         u = u.reshape(b, t, self.hc * self.hidden)
         i = step % len(self.layers)
-        y, (k, v), ix, _, _ = self.layers[i](u, batch, kv=(kv.k[i], kv.v[i]), idx=idx[i])
-        ks, vs, ixs = list(kv.k), list(kv.v), list(idx)
-        ks[i], vs[i], ixs[i] = k, v, ix
+        y, (k, v, ix, og), _, _ = self.layers[i](u, batch,
+                                                 qsa=(kv.k[i], kv.v[i], idx[i], open_idx[i]))
+        ks, vs, ixs, ogs = list(kv.k), list(kv.v), list(idx), list(open_idx)
+        ks[i], vs[i], ixs[i], ogs[i] = k, v, ix, og
         z, _ = self.hyper_connection_mixer(y)
-        return z, y, PagedKV(tuple(ks), tuple(vs)), tuple(ixs)
+        return z, y, PagedKV(tuple(ks), tuple(vs)), tuple(ixs), tuple(ogs)

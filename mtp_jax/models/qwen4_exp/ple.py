@@ -30,8 +30,8 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax.models.layers.basic import Linear
-from mtp_jax.models.layers.gdn import conv_window
 from mtp_jax.models.qwen4_exp.hyper_connection import GroupedRMSNorm
+from mtp_jax.models.qwen4_exp.slot_states import shift_register_commit
 
 
 def shifted_tokens(history: np.ndarray, shift: int, eos: int) -> np.ndarray:
@@ -66,7 +66,8 @@ def ngram_ids(history: np.ndarray, n_new: int, multipliers, vocab_sizes, offsets
         for s in range(1, n):
             mixed = np.bitwise_xor(mixed, sh[s] * m[s])
         lo = (n - 2) * heads_per_ngram
-        ids = np.remainder(mixed[..., None], vs[lo:lo + heads_per_ngram]) + off[lo:lo + heads_per_ngram]
+        hs = slice(lo, lo + heads_per_ngram)
+        ids = np.remainder(mixed[..., None], vs[hs]) + off[hs]
         blocks.append(ids)
     return np.concatenate(blocks, axis=-1)[:, history.shape[1] - n_new:]
 
@@ -109,7 +110,7 @@ class PLE(nnx.Module):
         out = gv + jax.nn.silu(conv).astype(h.dtype)
         length = jnp.sum(valid, axis=1).astype(jnp.int32)
         assert L == (self.kernel - 1) * self.dilation
-        return out, conv_window(conv_state, gn, length)
+        return out, shift_register_commit(conv_state, gn, None, length)
 
 
 class _ConvWeight(nnx.Module):

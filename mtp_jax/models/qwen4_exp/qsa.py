@@ -13,7 +13,15 @@ like KV: ``[num_pages, page_size, 1, d_idx]``). For a query at position p:
 Rope is NeoX style on the first ``rotary_dim`` (of the attention heads) channels of the index
 heads. The attention itself is the Qwen3.5 gated attention (q/k norms, partial rope, GQA,
 sigmoid output gate). Source: HF transformers ``qwen4_exp`` (``Qwen4ExpTextQSAIndexer``).
-Block keys are recomputed from the raw keys each call (an XLA reference, not a fast kernel).
+
+Decode state: the paged raw index keys hold the rows of COMPLETE blocks only; the rows of the
+request's incomplete block live in the per-request open group ``[B, r, d_idx]`` (a slot state
+with a group-ring verify handler, :mod:`mtp_jax.models.qwen4_exp.slot_states`). A call appending
+rows at ``length .. length+T-1`` builds the ring ``[open group, new raw keys]``, writes the ring
+rows of every block that completes to the pages, and keeps the rows of the new incomplete block
+as the next open group. Queries only score complete blocks, so after the write the pages hold
+every block any query of the call can score. Block keys are re-pooled from the pages each call
+(an XLA reference, not a fast kernel).
 """
 
 from __future__ import annotations
@@ -25,6 +33,8 @@ from flax import nnx
 from mtp_jax.cache.paged import AttentionBatch, write_kv
 from mtp_jax.models.layers.basic import Linear, RMSNorm
 from mtp_jax.models.layers.rotary import apply_rotary
+from mtp_jax.models.qwen4_exp.slot_states import (ring_commit, ring_flush, ring_positions,
+                                                  ring_verify)
 
 _MASKED = -1e30
 
@@ -91,11 +101,16 @@ class QSAAttention(nnx.Module):
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.indexer = Indexer(cfg, dtype)
 
-    def __call__(self, x: jax.Array, batch: AttentionBatch, kv, idx_pages: jax.Array):
-        """``x [B, T, H]``; ``kv = (k_pages, v_pages)``; ``idx_pages [P, ps, 1, d_idx]``.
+    def __call__(self, x: jax.Array, batch: AttentionBatch, kv, idx_pages: jax.Array,
+                 open_group: jax.Array):
+        """``x [B, T, H]``; ``kv = (k_pages, v_pages)``; ``idx_pages [P, ps, 1, d_idx]``;
+        ``open_group [B, r, d_idx]`` (raw index keys of the request's incomplete block).
 
-        Writes K, V and the raw index keys at the rows' positions, then attends.
-        Returns ``(out [B, T, H], (k_pages, v_pages), idx_pages)``.
+        The rows of a request must be its next positions: ``batch.positions[:, 0]`` is its
+        length before the call and the valid rows come first. Writes K and V at the rows'
+        positions and the raw index keys of blocks that complete (group ring, all valid rows
+        accepted), then attends.
+        Returns ``(out [B, T, H], (k_pages, v_pages), idx_pages, open_group)``.
         """
         b, t, _ = x.shape
         d, ix = self.head_dim, self.indexer
@@ -112,7 +127,13 @@ class QSAAttention(nnx.Module):
         qi = apply_rotary(qi, pos, self.rotary_dim, self.rope_theta)
         rk = qk[..., ix.n_heads * di:].reshape(b, t, 1, di)
         k_pages, v_pages = write_kv(kv[0], k, batch), write_kv(kv[1], v, batch)
-        idx_pages = write_kv(idx_pages, rk, batch)
+        length = batch.positions[:, 0]
+        accepted = jnp.sum(batch.valid, axis=1).astype(jnp.int32)
+        ring = ring_verify(open_group, rk[:, :, 0])
+        flush = AttentionBatch(ring_positions(length, ix.ratio, t),
+                               ring_flush(length, accepted, ix.ratio, t), batch.page_table)
+        idx_pages = write_kv(idx_pages, ring[:, :, None, :], flush)
+        open_group = ring_commit(ring, length, accepted, ix.ratio)
 
         hkv = self.num_kv_heads
         keys = k_pages[batch.page_table].reshape(b, -1, hkv, d)
@@ -130,4 +151,4 @@ class QSAAttention(nnx.Module):
                        preferred_element_type=jnp.float32).astype(x.dtype)
         o = o.reshape(b, t, self.num_heads * d) * jax.nn.sigmoid(
             gate.reshape(b, t, -1).astype(jnp.float32)).astype(x.dtype)
-        return self.o_proj(o), (k_pages, v_pages), idx_pages
+        return self.o_proj(o), (k_pages, v_pages), idx_pages, open_group
