@@ -59,6 +59,9 @@ class ModelConfig:
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     composite: bool  # tensors under model.language_model.* (True) or model.* (False)
+    # Not from config.json: which implementation runs the hot ops (mtp_jax.kernels); set by
+    # load_model from its *_backend arguments.
+    kernels: Any = None
 
     # ---- derived -------------------------------------------------------------------------
     @property

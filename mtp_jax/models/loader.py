@@ -20,6 +20,7 @@ from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.checks import check_before_load, check_draft_folder  # noqa: F401 (re-export)
 from mtp_jax.config import ConfigError, ModelConfig, SpecConfig
+from mtp_jax.kernels import KernelBackends
 from mtp_jax.models.registry import model_spec
 from mtp_jax.weights import names
 from mtp_jax.weights.safetensors_reader import load_tensors
@@ -192,7 +193,8 @@ def _mtp_forward_fn(graphdef, params, hidden, next_ids):
 
 def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp: bool = True,
                dummy_weight: bool = False, seed: int = 0, cfg: ModelConfig | None = None,
-               device=None, draft_path: str | None = None) -> LoadedModel:
+               device=None, draft_path: str | None = None, attention_backend: str = "auto",
+               gdn_backend: str = "auto", moe_backend: str = "auto") -> LoadedModel:
     """Load a Qwen3.5-family checkpoint folder.
 
     Args:
@@ -201,15 +203,22 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
       with_mtp: also load the ``mtp.*`` draft (only when the config declares an MTP layer).
       dummy_weight: random weights instead of the checkpoint's (for benchmarks/tests).
       draft_path: a separate folder to read the ``mtp.*`` tensors from (default: ``path``).
+      attention_backend, gdn_backend, moe_backend: ``"auto"``, ``"xla"`` or ``"pallas"``, the
+        implementation of paged attention, the GDN verify/commit recurrence and the MoE experts
+        (:class:`mtp_jax.kernels.KernelBackends`).
     Raises:
       ConfigError: bad config (before any tensor is read; see :mod:`mtp_jax.checks`);
       CheckpointError: bad files or missing/unexpected tensors (before any tensor data is read,
       the draft's before the target's).
     """
+    kernels = KernelBackends.resolve(attention_backend, gdn_backend, moe_backend)
     if cfg is None and path is not None:  # qwen4_exp: its own loader (PLE tables stay on host)
         from mtp_jax.models.qwen4_exp.config import folder_is_qwen4_exp
 
         if folder_is_qwen4_exp(path):
+            if kernels != KernelBackends():
+                raise ConfigError(f"qwen4_exp runs the XLA kernels only for now, but {kernels} "
+                                  "was asked for; use the xla (or auto) backends.")
             from mtp_jax.models.qwen4_exp.loader import load_via_load_model
 
             return load_via_load_model(path, dtype, with_mtp=with_mtp, dummy_weight=dummy_weight,
@@ -234,6 +243,8 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
             check_draft_folder(cfg, draft_path)
     if with_mtp and not cfg.has_mtp:
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=1)
+    cfg = dataclasses.replace(cfg, kernels=KernelBackends.resolve(
+        attention_backend, gdn_backend, moe_backend, dtype=dtype))
     graphdef, abstract = abstract_model(cfg, dtype, with_mtp)
     expected = expected_tensors(abstract)
     if dummy_weight:

@@ -1,3 +1,5 @@
+from pallas_kernels.gdn.api import BACKENDS, gdn_commit, gdn_verify
 from pallas_kernels.gdn.reference import gdn_chunked_reference, gdn_recurrent_reference
 
-__all__ = ["gdn_chunked_reference", "gdn_recurrent_reference"]
+__all__ = ["BACKENDS", "gdn_chunked_reference", "gdn_commit", "gdn_recurrent_reference",
+           "gdn_verify"]

@@ -18,13 +18,15 @@ import jax
 import jax.numpy as jnp
 
 
-def gdn_recurrent_reference(q, k, v, g, beta, state):
+def gdn_recurrent_reference(q, k, v, g, beta, state, unroll: int | bool = 1):
     """Step form over T rows.
 
     Args:
       q, k: ``[B, T, H, Dk]`` float32 (q already scaled by ``Dk**-0.5``, both L2-normalised).
       v: ``[B, T, H, Dv]`` float32.  g, beta: ``[B, T, H]`` float32.
       state: ``[B, H, Dk, Dv]`` float32 initial state.
+      unroll: passed to ``lax.scan`` (``True`` unrolls all rows: on a GPU a rolled scan costs
+        a host round-trip per row, so short verify windows want it unrolled).
     Returns:
       ``(o [B, T, H, Dv] float32, final state [B, H, Dk, Dv])``.
     """
@@ -38,7 +40,7 @@ def gdn_recurrent_reference(q, k, v, g, beta, state):
         return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
 
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    state, o = jax.lax.scan(step, state, xs)
+    state, o = jax.lax.scan(step, state, xs, unroll=unroll)
     return jnp.moveaxis(o, 0, 1), state
 
 

@@ -1,15 +1,55 @@
-"""Paged attention entry point; picks an implementation (``xla`` for now)."""
+"""Paged attention entry point; ``backend`` picks the implementation.
+
+* ``"xla"``: :func:`~pallas_kernels.paged_attention.reference.paged_attention_reference` (gathers
+  the whole page table each call);
+* ``"pallas"``: the flash-decoding Triton kernel of :mod:`pallas_kernels.paged_attention.pallas`
+  for decode and verify calls (``T <= MAX_KERNEL_T`` rows per request and at most
+  ``MAX_QUERY_ROWS`` padded query rows per kv head), which reads each request's pages only up
+  to its largest query position. Longer calls (prefill chunks) use the reference.
+
+Both backends agree up to float rounding.
+"""
 
 from __future__ import annotations
 
+import jax
+
+from pallas_kernels.paged_attention.pallas import (MAX_QUERY_ROWS, paged_attention_pallas,
+                                                   padded_query_rows)
 from pallas_kernels.paged_attention.reference import paged_attention_reference
 
-BACKENDS = ("xla",)
+BACKENDS = ("xla", "pallas")
+MAX_KERNEL_T = 16  # query rows per request above which "pallas" uses the reference (prefill)
+
+
+def uses_kernel(t: int, num_q_heads: int, num_kv_heads: int) -> bool:
+    """Whether backend ``"pallas"`` runs the kernel for ``T = t`` rows (else the reference)."""
+    group = num_q_heads // num_kv_heads
+    return t <= MAX_KERNEL_T and padded_query_rows(t, group) <= MAX_QUERY_ROWS
 
 
 def paged_attention(q, k_pages, v_pages, page_table, q_positions, *, scale: float,
-                    backend: str = "xla"):
-    """See :func:`paged_attention_reference` for shapes; ``backend`` in :data:`BACKENDS`."""
+                    backend: str = "xla", interpret: bool | None = None):
+    """Causal grouped-query attention over paged K/V (prefill, decode and verify rows).
+
+    Args:
+      q: ``[B, T, Hq, D]`` roped queries.
+      k_pages, v_pages: ``[num_pages, page_size, Hkv, D]`` one layer's pool.
+      page_table: ``[B, max_pages]`` int32; q_positions: ``[B, T]`` int32.
+      scale: softmax scale (``D ** -0.5``).
+      backend: one of :data:`BACKENDS`.
+      interpret: Pallas interpret mode for ``"pallas"``; ``None`` means "when the default device
+        is not a GPU".
+    Returns:
+      ``[B, T, Hq, D]`` in ``q.dtype`` (see :func:`paged_attention_reference`).
+    Raises:
+      ValueError: an unknown backend, or shapes the kernel cannot take.
+    """
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not available; use one of {BACKENDS}.")
+    if backend == "pallas" and uses_kernel(q.shape[1], q.shape[2], k_pages.shape[2]):
+        if interpret is None:
+            interpret = jax.default_backend() != "gpu"
+        return paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, scale=scale,
+                                      interpret=interpret)
     return paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, scale=scale)

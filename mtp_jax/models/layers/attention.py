@@ -16,6 +16,7 @@ from flax import nnx
 
 from mtp_jax.cache.paged import AttentionBatch, write_kv
 from mtp_jax.config import ModelConfig
+from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import Linear, RMSNorm
 from mtp_jax.models.layers.rotary import apply_rotary
 from pallas_kernels.paged_attention import paged_attention
@@ -27,6 +28,7 @@ class GatedAttention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
                                                             cfg.num_key_value_heads, d)
         self.rotary_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
+        self.backend = kernels_of(cfg).attention
         self.q_proj = Linear(h, 2 * self.num_heads * d, dtype)
         self.k_proj = Linear(h, self.num_kv_heads * d, dtype)
         self.v_proj = Linear(h, self.num_kv_heads * d, dtype)
@@ -50,7 +52,7 @@ class GatedAttention(nnx.Module):
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
         k_pages, v_pages = write_kv(kv[0], k, batch), write_kv(kv[1], v, batch)
         o = paged_attention(q, k_pages, v_pages, batch.page_table, batch.positions,
-                            scale=d ** -0.5)
+                            scale=d ** -0.5, backend=self.backend)
         o = o.reshape(b, t, self.num_heads * d) * jax.nn.sigmoid(
             gate.reshape(b, t, -1).astype(jnp.float32)).astype(o.dtype)
         return self.o_proj(o), (k_pages, v_pages)

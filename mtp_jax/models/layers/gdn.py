@@ -21,8 +21,10 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
+from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import Linear, rms_normalize
-from pallas_kernels.gdn.reference import gdn_chunked_reference, gdn_recurrent_reference
+from pallas_kernels.gdn.api import gdn_commit, gdn_verify
+from pallas_kernels.gdn.reference import gdn_chunked_reference
 
 
 @jax.tree_util.register_dataclass
@@ -54,16 +56,19 @@ def conv_window(conv_state: jax.Array, qkv: jax.Array, length: jax.Array) -> jax
     return jnp.swapaxes(jax.vmap(take)(ext, length), 1, 2)
 
 
-def commit(state: tuple[jax.Array, jax.Array], rows: GDNRows, length: jax.Array):
+def commit(state: tuple[jax.Array, jax.Array], rows: GDNRows, length: jax.Array,
+           backend: str = "xla"):
     """Apply the first ``length [B]`` rows of a verify window to ``(recurrent, conv)``.
 
     Rows at or past ``length`` get ``g = 0, beta = 0`` and so leave the state unchanged exactly.
+    ``backend``: ``"xla"`` or ``"pallas"`` (:func:`pallas_kernels.gdn.api.gdn_commit`); use the
+    verify's backend so that the commit repeats the verify's arithmetic.
     """
     recurrent, conv = state
     keep = jnp.arange(rows.g.shape[1])[None, :] < length[:, None]
     g = jnp.where(keep[..., None], rows.g, 0.0)
     beta = jnp.where(keep[..., None], rows.beta, 0.0)
-    _, recurrent = gdn_recurrent_reference(rows.q, rows.k, rows.v, g, beta, recurrent)
+    recurrent = gdn_commit(rows.q, rows.k, rows.v, g, beta, recurrent, backend=backend)
     return recurrent, conv_window(conv, rows.qkv, length)
 
 
@@ -73,6 +78,7 @@ class GatedDeltaNet(nnx.Module):
         self.hk, self.hv = cfg.linear_num_key_heads, cfg.linear_num_value_heads
         self.dk, self.dv = cfg.linear_key_head_dim, cfg.linear_value_head_dim
         self.kernel, self.eps = cfg.linear_conv_kernel_dim, cfg.rms_norm_eps
+        self.backend = kernels_of(cfg).gdn
         conv_dim = cfg.linear_conv_dim
         self.in_proj_qkv = Linear(h, conv_dim, dtype)
         self.in_proj_z = Linear(h, self.hv * self.dv, dtype)
@@ -130,7 +136,8 @@ class GatedDeltaNet(nnx.Module):
         change. Returns ``(out [B, T, H], GDNRows)`` for :func:`commit`."""
         recurrent, conv = state
         rows = self._rows(x, conv, valid)
-        o, _ = gdn_recurrent_reference(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent)
+        o = gdn_verify(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent,
+                       backend=self.backend)
         return self._output(o, x), rows
 
 

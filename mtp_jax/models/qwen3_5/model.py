@@ -16,6 +16,7 @@ from flax import nnx
 from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.config import ModelConfig
+from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.attention import GatedAttention
 from mtp_jax.models.layers.basic import Embed, Linear, RMSNorm
 from mtp_jax.models.layers.gdn import GatedDeltaNet, GDNRows, commit
@@ -35,7 +36,8 @@ class DecoderLayer(nnx.Module):
             self.self_attn = GatedAttention(cfg, dtype)
         else:
             self.linear_attn = GatedDeltaNet(cfg, dtype)
-        self.mlp = SparseMoE(cfg, dtype) if cfg.is_moe else MLP(h, cfg.intermediate_size, dtype)
+        self.mlp = (SparseMoE(cfg, dtype, backend=kernels_of(cfg).moe) if cfg.is_moe
+                    else MLP(h, cfg.intermediate_size, dtype))
 
     def mix(self, x, batch: AttentionBatch, kv, gdn, gdn_mode: str):
         """Run the token mixer. ``kv``: this layer's ``(k_pages, v_pages)`` (attention layers);
@@ -115,8 +117,10 @@ class Qwen35Model(nnx.Module):
         new_gdn = LinearState(tuple(rec), tuple(conv)) if gdn_mode == "prefill" else tuple(rows)
         return self.norm(x), new_kv, new_gdn
 
-    @staticmethod
-    def commit(gdn: LinearState, rows: tuple[GDNRows, ...], length: jax.Array) -> LinearState:
+    def commit(self, gdn: LinearState, rows: tuple[GDNRows, ...],
+               length: jax.Array) -> LinearState:
         """Apply the first ``length [B]`` verify rows of every GDN layer to the batch view."""
-        out = [commit((r, c), w, length) for r, c, w in zip(gdn.recurrent, gdn.conv, rows)]
+        backend = kernels_of(self.cfg).gdn
+        out = [commit((r, c), w, length, backend)
+               for r, c, w in zip(gdn.recurrent, gdn.conv, rows)]
         return LinearState(tuple(o[0] for o in out), tuple(o[1] for o in out))

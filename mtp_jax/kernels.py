@@ -1,0 +1,76 @@
+"""Which implementation runs each hot op: the XLA reference or the Pallas kernel.
+
+One switch per op (``--attention-backend``, ``--gdn-backend``, ``--moe-backend``), each
+``"xla"``, ``"pallas"`` or ``"auto"``. ``auto`` picks the Pallas kernel where it has been
+checked and measured faster (the ops in :data:`AUTO_PALLAS_ON_GPU`, on a GPU) and XLA
+elsewhere; the Pallas kernels use the Triton lowering and need a CUDA GPU.
+
+The choice is static: it is stored in the model config and read by the layers when a program
+is traced, so two choices never share a compiled program.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+from mtp_jax.config import ConfigError
+
+OPS = ("attention", "gdn", "moe")
+CHOICES = ("auto", "xla", "pallas")
+AUTO_PALLAS_ON_GPU: tuple[str, ...] = ("gdn", "moe")
+SIXTEEN_BIT_ONLY = ("attention", "moe")
+
+
+@dataclasses.dataclass(frozen=True)
+class KernelBackends:
+    """Resolved backends (``"xla"`` or ``"pallas"``) of the attention, GDN and MoE ops."""
+
+    attention: str = "xla"
+    gdn: str = "xla"
+    moe: str = "xla"
+
+    @classmethod
+    def resolve(cls, attention: str | None = "auto", gdn: str | None = "auto",
+                moe: str | None = "auto", platform: str | None = None,
+                dtype: str | None = None) -> "KernelBackends":
+        """Validate the user's choices and resolve ``auto``.
+
+        ``platform``: the JAX backend (``"gpu"``, ``"cpu"``; default: ``jax.default_backend()``).
+        ``dtype``: the model dtype when known; the attention and MoE kernels' tiles are sized
+        for 16-bit weights and K/V (float32 ones exceed the H200's shared memory), so ``auto``
+        takes XLA for them in float32.
+        Raises ConfigError for an unknown choice, ``pallas`` without a GPU, or a 16-bit-only
+        kernel asked for with float32.
+        """
+        chosen = {"attention": attention, "gdn": gdn, "moe": moe}
+        for op, value in chosen.items():
+            if value is None:
+                chosen[op] = value = "auto"
+            if value not in CHOICES:
+                raise ConfigError(f"{op}_backend {value!r} is unknown; use one of "
+                                  f"{', '.join(CHOICES)} (--{op}-backend).")
+        if platform is None:
+            import jax
+
+            platform = jax.default_backend()
+        on_gpu = platform in ("gpu", "cuda")
+        out = {}
+        for op, value in chosen.items():
+            if value == "pallas" and not on_gpu:
+                raise ConfigError(f"{op}_backend 'pallas' needs a CUDA GPU (the kernels use the "
+                                  f"Pallas Triton lowering) but JAX runs on {platform!r}; use "
+                                  f"--{op}-backend xla or auto.")
+            wide = dtype == "float32" and op in SIXTEEN_BIT_ONLY
+            if value == "pallas" and wide:
+                raise ConfigError(f"{op}_backend 'pallas' needs 16-bit weights (its tiles are "
+                                  "sized for bfloat16/float16) but dtype is float32; use "
+                                  f"--{op}-backend xla or --dtype bfloat16.")
+            if value == "auto":
+                value = "pallas" if on_gpu and op in AUTO_PALLAS_ON_GPU and not wide else "xla"
+            out[op] = value
+        return cls(**out)
+
+
+def kernels_of(cfg) -> KernelBackends:
+    """The backends stored in a model config (XLA for configs that carry none)."""
+    return getattr(cfg, "kernels", None) or KernelBackends()

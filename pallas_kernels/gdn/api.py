@@ -1,0 +1,84 @@
+"""Step-form gated delta rule over a verify window: :func:`gdn_verify` (outputs, state only
+read) and :func:`gdn_commit` (new state, no outputs). ``backend`` picks the implementation:
+
+* ``"xla"``: :func:`~pallas_kernels.gdn.reference.gdn_recurrent_reference` with the row loop
+  unrolled;
+* ``"pallas"``: the Triton kernels of :mod:`pallas_kernels.gdn.pallas` (``T`` padded to a power
+  of two with ``g = beta = 0`` rows, which leave the state unchanged exactly).
+
+Both backends agree up to float rounding. Within one backend, verify and commit run the same
+per-row arithmetic, so a verify's row ``t`` matches decoding that row after committing rows
+``< t``, and a row with ``g = beta = 0`` leaves the state unchanged exactly.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gdn.pallas import gdn_commit_pallas, gdn_verify_pallas
+from pallas_kernels.gdn.reference import gdn_recurrent_reference
+
+BACKENDS = ("xla", "pallas")
+
+
+def _check_backend(backend: str) -> None:
+    if backend not in BACKENDS:
+        raise ValueError(f"gdn backend {backend!r} is not available; use one of {BACKENDS}.")
+
+
+def _pad_rows(q, k, v, g, beta):
+    """Pad the row axis (1) to a power of two with zero rows (``g = beta = 0``: no-op rows)."""
+    t = q.shape[1]
+    tp = 1 << max(t - 1, 0).bit_length()
+    if tp == t:
+        return q, k, v, g, beta
+    pad = lambda a: jnp.pad(a, [(0, 0), (0, tp - t)] + [(0, 0)] * (a.ndim - 2))
+    return tuple(pad(a) for a in (q, k, v, g, beta))
+
+
+def _f32(*arrays):
+    return tuple(jnp.asarray(a, jnp.float32) for a in arrays)
+
+
+def _interpret(interpret: bool | None) -> bool:
+    return jax.default_backend() != "gpu" if interpret is None else interpret
+
+
+def gdn_verify(q, k, v, g, beta, state, *, backend: str = "xla",
+               interpret: bool | None = None):
+    """Outputs of the step form over the ``T`` rows of a verify window; ``state`` is only read.
+
+    Args:
+      q, k: ``[B, T, H, Dk]`` (q scaled by ``Dk**-0.5``, both L2-normalised); v ``[B, T, H, Dv]``;
+        g (log decay, <= 0), beta (write strength in [0, 1]) ``[B, T, H]``; state
+        ``[B, H, Dk, Dv]``. Cast to float32.
+      backend: one of :data:`BACKENDS`.
+      interpret: Pallas interpret mode; ``None`` means "when the default device is not a GPU".
+    Returns:
+      ``o [B, T, H, Dv]`` float32.
+    Raises:
+      ValueError: unknown backend, or (pallas) shapes the kernel cannot take.
+    """
+    _check_backend(backend)
+    q, k, v, g, beta, state = _f32(q, k, v, g, beta, state)
+    if backend == "xla":
+        return gdn_recurrent_reference(q, k, v, g, beta, state, unroll=True)[0]
+    t = q.shape[1]
+    o = gdn_verify_pallas(*_pad_rows(q, k, v, g, beta), state, interpret=_interpret(interpret))
+    return o[:, :t]
+
+
+def gdn_commit(q, k, v, g, beta, state, *, backend: str = "xla",
+               interpret: bool | None = None):
+    """State after applying the ``T`` rows of a window; arguments as :func:`gdn_verify`.
+
+    Rows to leave out (rejected drafts, padding) must carry ``g = 0, beta = 0``.
+    Returns the new state ``[B, H, Dk, Dv]`` float32 (the Pallas kernel writes it in place
+    when the caller donates ``state``).
+    """
+    _check_backend(backend)
+    q, k, v, g, beta, state = _f32(q, k, v, g, beta, state)
+    if backend == "xla":
+        return gdn_recurrent_reference(q, k, v, g, beta, state, unroll=True)[1]
+    return gdn_commit_pallas(*_pad_rows(q, k, v, g, beta), state, interpret=_interpret(interpret))

@@ -1,0 +1,146 @@
+"""Pallas (Triton lowering) kernels for the step form of the gated delta rule over a short window.
+
+Per value head the state ``S [Dk, Dv]`` evolves row by row (see ``reference.py``):
+
+    S = S * exp(g_t);  S = S + k_t (beta_t (v_t - S^T k_t))^T;  o_t = S^T q_t
+
+Column ``j`` of ``S`` only needs ``v_t[j]``, so the grid is ``(B, H, Dv // block_v)`` and each
+program keeps its ``[Dk, block_v]`` tile of ``S`` in registers across all ``T`` rows (the row
+loop is unrolled; ``T`` is static). :func:`gdn_verify_pallas` reads the state once and writes
+only ``o``; :func:`gdn_commit_pallas` reads and writes the state once and writes no ``o``. Both
+run the same per-row code (:func:`_rows`), so a verify's row ``t`` equals what a commit of
+``t + 1`` rows followed by a one-row verify gives, up to the compiler's instruction choice.
+
+All kernel arrays must have power-of-two shapes for Triton: ``T``, ``Dk`` and ``block_v``
+(``api.py`` pads ``T`` with ``g = beta = 0`` rows, which change nothing).
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+SM_COUNT = 132  # H200 streaming multiprocessors
+
+
+def _rows(s, q_ref, k_ref, v_ref, g_ref, b_ref, n_rows: int, emit=None):
+    """Apply ``n_rows`` rows to the tile ``s [Dk, BV]``; calls ``emit(t, o_t [BV])`` if given."""
+    for t in range(n_rows):
+        k_t = k_ref[t, :]  # [Dk]
+        g_t = g_ref[t]
+        # The select makes a g = 0 row's decay exactly 1 whatever exp's accuracy.
+        s = s * jnp.where(g_t == 0.0, 1.0, jnp.exp(g_t))
+        kv = jnp.sum(s * k_t[:, None], axis=0)  # S^T k: [BV]
+        delta = (v_ref[t, :] - kv) * b_ref[t]
+        s = s + k_t[:, None] * delta[None, :]
+        if emit is not None:
+            emit(t, jnp.sum(s * q_ref[t, :][:, None], axis=0))
+    return s
+
+
+def _verify_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, *, n_rows: int):
+    def emit(t, o_t):
+        o_ref[t, :] = o_t
+
+    _rows(s_ref[...], q_ref, k_ref, v_ref, g_ref, b_ref, n_rows, emit)
+
+
+def _commit_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, out_ref, *, n_rows: int):
+    out_ref[...] = _rows(s_ref[...], q_ref, k_ref, v_ref, g_ref, b_ref, n_rows)
+
+
+def default_tiling(batch: int, heads: int, dv: int) -> tuple[int, int]:
+    """``(block_v, num_warps)``: the widest ``block_v`` in (64, 32, 16) that still gives about
+    two programs per SM; 4 warps (a ``[128, 64]`` f32 tile is 64 registers a thread).
+    It does not depend on ``T``, so a verify and a commit of one batch share the tiling and
+    hence the reduction order (a guess until tuned: ``scripts/bench_gdn.py --sweep``)."""
+    for bv in (64, 32):
+        if dv % bv == 0 and batch * heads * (dv // bv) >= 2 * SM_COUNT:
+            return bv, 4
+    return min(16, dv), 4
+
+
+def _specs(t: int, dk: int, bv: int):
+    rows_k = pl.BlockSpec((None, t, None, dk), lambda b, h, j: (b, 0, h, 0))
+    rows_v = pl.BlockSpec((None, t, None, bv), lambda b, h, j: (b, 0, h, j))
+    scal = pl.BlockSpec((None, t, None), lambda b, h, j: (b, 0, h))
+    state = pl.BlockSpec((None, None, dk, bv), lambda b, h, j: (b, h, 0, j))
+    return [rows_k, rows_k, rows_v, scal, scal, state], rows_v, state
+
+
+def _check(q, k, v, g, beta, state, block_v: int):
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    want = {"q": (b, t, h, dk), "k": (b, t, h, dk), "v": (b, t, h, dv), "g": (b, t, h),
+            "beta": (b, t, h), "state": (b, h, dk, dv)}
+    for name, a in zip(want, (q, k, v, g, beta, state)):
+        if a.shape != want[name]:
+            raise ValueError(f"gdn: {name} has shape {a.shape}, expected {want[name]} "
+                             "(q,k [B,T,H,Dk], v [B,T,H,Dv], g,beta [B,T,H], state [B,H,Dk,Dv]).")
+        if a.dtype != jnp.float32:
+            raise ValueError(f"gdn: {name} is {a.dtype}; the Pallas kernel takes float32.")
+    for name, n in (("T", t), ("Dk", dk), ("block_v", block_v)):
+        if n & (n - 1):
+            raise ValueError(f"gdn: {name}={n} is not a power of two (Triton needs one); "
+                             "pad T with g=beta=0 rows or use api.gdn_verify/gdn_commit.")
+    if dv % block_v:
+        raise ValueError(f"gdn: Dv={dv} is not a multiple of block_v={block_v}.")
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
+def gdn_verify_pallas(q, k, v, g, beta, state, *, block_v: int | None = None,
+                      num_warps: int | None = None, interpret: bool = False):
+    """Outputs of the step form over a window from ``state``, which is only read.
+
+    Args: q, k ``[B, T, H, Dk]``; v ``[B, T, H, Dv]``; g, beta ``[B, T, H]``; state
+    ``[B, H, Dk, Dv]``; all float32, ``T`` and ``Dk`` powers of two. ``block_v`` / ``num_warps``
+    default to :func:`default_tiling`. Returns ``o [B, T, H, Dv]`` float32.
+    Raises ValueError on a shape, dtype or tiling the kernel cannot take.
+    """
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    bv0, nw0 = default_tiling(b, h, dv)
+    block_v, num_warps = block_v or bv0, num_warps or nw0
+    _check(q, k, v, g, beta, state, block_v)
+    in_specs, o_spec, _ = _specs(t, dk, block_v)
+    return pl.pallas_call(
+        functools.partial(_verify_kernel, n_rows=t),
+        grid=(b, h, dv // block_v),
+        in_specs=in_specs,
+        out_specs=o_spec,
+        out_shape=jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32),
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_verify",
+    )(q, k, v, g, beta, state)
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
+def gdn_commit_pallas(q, k, v, g, beta, state, *, block_v: int | None = None,
+                      num_warps: int | None = None, interpret: bool = False):
+    """State after the step form over a window; same arguments as :func:`gdn_verify_pallas`.
+
+    Returns the new state ``[B, H, Dk, Dv]`` float32. The output aliases ``state`` (each program
+    reads its tile before writing it), so a donated state is updated in place.
+    """
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    bv0, nw0 = default_tiling(b, h, dv)
+    block_v, num_warps = block_v or bv0, num_warps or nw0
+    _check(q, k, v, g, beta, state, block_v)
+    in_specs, _, s_spec = _specs(t, dk, block_v)
+    return pl.pallas_call(
+        functools.partial(_commit_kernel, n_rows=t),
+        grid=(b, h, dv // block_v),
+        in_specs=in_specs,
+        out_specs=s_spec,
+        out_shape=jax.ShapeDtypeStruct(state.shape, jnp.float32),
+        input_output_aliases={5: 0},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_commit",
+    )(q, k, v, g, beta, state)

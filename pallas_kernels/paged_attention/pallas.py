@@ -1,0 +1,254 @@
+"""Pallas (Triton lowering) paged attention for decode and verify rows.
+
+Flash-decoding over a paged KV cache (Dao et al., "Flash-Decoding for long-context inference",
+2023; online softmax from Milakov & Gimelshein, 2018):
+
+* one program per (request, kv head, key split). Its query block holds all ``T x group`` query
+  rows of that kv head (T = 1 for decode, k+1 for verify), zero-padded to a power of two >= 16
+  rows for ``jnp.dot``, so each K/V page block is read once per kv head;
+* a request's keys are read only up to its largest query position (dynamic loop bound); the
+  blocks of that range are cut into ``num_splits`` contiguous chunks, one per program, so that
+  batch 1 and long contexts still fill the GPU;
+* each program returns its unnormalised partial output with its running row max and sum (base
+  2); a small XLA epilogue merges the splits with log-sum-exp weights.
+
+Slots a row cannot see may hold garbage (never written, stale, or the trash page; even NaN or
+inf). Their scores are replaced by a finite mask value, and V is zeroed where non-finite in the
+blocks that hold any slot beyond the request's smallest query position, as in the reference.
+Blocks entirely at or below that position are visible to every row and are taken as they are.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+
+import jax
+import jax.numpy as jnp
+from jax import lax
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+NUM_SMS = 132  # H200 streaming multiprocessors: one wave of programs
+MAX_QUERY_ROWS = 128  # T x group after padding; more would not fit the registers of one program
+_MASKED = -1e30  # finite, so masked scores never make inf - inf
+_LOG2E = math.log2(math.e)
+
+
+def padded_query_rows(t: int, group: int) -> int:
+    """Query rows per kv head in the kernel: ``t * group`` padded to a power of two >= 16."""
+    return 1 << (max(16, t * group) - 1).bit_length()
+
+
+def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, *,
+                      num_sms: int = NUM_SMS, min_blocks_per_split: int = 2,
+                      slack: float = 1.05, programs_per_sm: int = 4) -> int:
+    """Key splits per (request, kv head), chosen so that the programs fill whole waves.
+
+    With one program resident per SM (a 64-key bf16 K/V block at head_dim 256 takes ~64 KiB of
+    shared memory per pipeline stage), ``S`` splits of ``batch * num_kv_heads`` pairs take
+    ``ceil(pairs * S / num_sms)`` waves of ``1 / S`` of a pair's keys each. This returns the
+    smallest ``S`` within ``slack`` of the least such time, so that e.g. 192 programs (1.45
+    waves) are not chosen over 128.
+
+    Args:
+      batch, num_kv_heads: the (request, kv head) pairs, each one program per split.
+      max_blocks: key blocks in the page table's width (the longest context it can hold).
+      num_sms: streaming multiprocessors to fill.
+      min_blocks_per_split: at a full table, each split reads at least this many blocks, which
+        bounds the partial outputs written and merged relative to the K/V read.
+      slack: accepted relative excess over the least time, in exchange for fewer splits.
+      programs_per_sm: programs one SM runs at once; one program alone cannot keep enough
+        loads in flight to saturate an SM's share of HBM (measured on the H200: one program per
+        SM reached 0.45 of 4.2 TB/s at batch 32), so a wave counts this many per SM.
+    Returns:
+      an int in ``[1, max(1, max_blocks // min_blocks_per_split)]``.
+    """
+    pairs = batch * num_kv_heads
+    cap = max(1, max_blocks // min_blocks_per_split)
+    slots = num_sms * programs_per_sm
+    cost = [-(-pairs * s // slots) / s for s in range(1, cap + 1)]
+    best = min(cost)
+    return 1 + next(i for i, c in enumerate(cost) if c <= best * slack)
+
+
+def _default_block_keys(page_size: int) -> int:
+    return max(64, page_size)
+
+
+def _kernel(q_ref, pos_ref, table_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
+            page_size: int, pages_per_block: int, max_pages: int, num_splits: int,
+            scale_log2: float):
+    """One (request, kv head, split). Refs: q ``[R, D]``, pos ``[R]`` int32 row positions,
+    table ``[W]`` int32 page ids, k/v ``[num_pages, page_size, D]``; out o ``[R, D]``,
+    m/l ``[R]`` float32 (row max of the base-2 scores, sum of their exp2)."""
+    split = pl.program_id(2)
+    block_keys = page_size * pages_per_block
+    rows, head_dim = q_ref.shape
+    row_pos = pos_ref[...]
+    max_pos = jnp.max(row_pos)
+    min_pos = jnp.min(row_pos)
+    # Pages that hold positions 0..max_pos (clamped to the table), in blocks of pages.
+    num_pages = jnp.clip(max_pos // page_size + 1, 0, max_pages)
+    num_blocks = (num_pages + pages_per_block - 1) // pages_per_block
+    chunk = (num_blocks + num_splits - 1) // num_splits
+    lo = split * chunk
+    hi = jnp.maximum(jnp.minimum(lo + chunk, num_blocks), lo)
+    # Blocks below `clean_end` hold only slots <= min_pos: visible to every row, never garbage.
+    clean_end = jnp.clip((min_pos + 1) // block_keys, lo, hi)
+    q = q_ref[...]
+
+    def body(j, carry, *, sanitize: bool):
+        acc, m_prev, l_prev = carry
+        pages = table_ref[pl.ds(pl.multiple_of(j * pages_per_block, pages_per_block),
+                                pages_per_block)]
+        k = k_ref[pages].reshape(block_keys, head_dim)
+        v = v_ref[pages].reshape(block_keys, head_dim)
+        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
+                            preferred_element_type=jnp.float32) * scale_log2
+        key_pos = j * block_keys + lax.broadcasted_iota(jnp.int32, (1, block_keys), 1)
+        s = jnp.where(key_pos <= row_pos[:, None], s, _MASKED)
+        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+        alpha = jnp.exp2(m_prev - m_new)
+        p = jnp.exp2(s - m_new[:, None])
+        l_new = alpha * l_prev + jnp.sum(p, axis=1)
+        if sanitize:
+            v = jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v))
+        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+        return acc * alpha[:, None] + pv, m_new, l_new
+
+    carry = (jnp.zeros((rows, head_dim), jnp.float32),
+             jnp.full((rows,), _MASKED, jnp.float32),
+             jnp.zeros((rows,), jnp.float32))
+    carry = lax.fori_loop(lo, clean_end, functools.partial(body, sanitize=False), carry)
+    acc, m, l = lax.fori_loop(clean_end, hi, functools.partial(body, sanitize=True), carry)
+    o_ref[...] = acc.astype(o_ref.dtype)
+    m_ref[...] = m
+    l_ref[...] = l
+
+
+def _check(q, k_pages, v_pages, page_table, q_positions):
+    if q.ndim != 4 or k_pages.ndim != 4:
+        raise ValueError(f"q must be [B, T, Hq, D] and k_pages [num_pages, page_size, Hkv, D]; "
+                         f"got q {q.shape}, k_pages {k_pages.shape}.")
+    b, t, hq, d = q.shape
+    _, page_size, hkv, dk = k_pages.shape
+    if v_pages.shape != k_pages.shape or v_pages.dtype != k_pages.dtype:
+        raise ValueError(f"v_pages {v_pages.shape} {v_pages.dtype} must match k_pages "
+                         f"{k_pages.shape} {k_pages.dtype}.")
+    if dk != d or hq % hkv:
+        raise ValueError(f"q {q.shape} does not fit pages {k_pages.shape}: head_dim must match and "
+                         f"Hq must be a multiple of Hkv.")
+    if page_table.ndim != 2 or page_table.shape[0] != b or q_positions.shape != (b, t):
+        raise ValueError(f"page_table must be [B={b}, max_pages] and q_positions [B={b}, T={t}]; "
+                         f"got {page_table.shape} and {q_positions.shape}.")
+    if d & (d - 1) or page_size & (page_size - 1):
+        raise ValueError(f"head_dim {d} and page_size {page_size} must be powers of two for the "
+                         f"Triton lowering.")
+    rows = padded_query_rows(t, hq // hkv)
+    if rows > MAX_QUERY_ROWS:
+        raise ValueError(f"T x group = {t} x {hq // hkv} query rows per kv head pad to {rows} > "
+                         f"{MAX_QUERY_ROWS}; use the reference (backend 'xla') for long chunks.")
+
+
+def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                           page_table: jax.Array, q_positions: jax.Array, *, scale: float,
+                           block_keys: int | None = None, num_splits: int | None = None,
+                           num_warps: int | None = None, num_stages: int = 2,
+                           interpret: bool = False) -> jax.Array:
+    """Grouped-query paged attention for a few query rows per request (decode, verify).
+
+    Same contract as :func:`pallas_kernels.paged_attention.reference.paged_attention_reference`:
+    each query row attends the keys at positions ``<=`` its own; every row must see at least
+    one key (position >= 0).
+
+    Args:
+      q: ``[B, T, Hq, D]`` roped queries; ``T x (Hq // Hkv)`` rows pad to at most 128.
+      k_pages, v_pages: ``[num_pages, page_size, Hkv, D]`` one layer's pool; page_size and D
+        powers of two. ``q`` is cast to their dtype for the matmuls.
+      page_table: ``[B, max_pages]`` int32 page ids (each in ``[0, num_pages)``) in position
+        order; entries past a request's pages are not read beyond the last key block.
+      q_positions: ``[B, T]`` int32 absolute position of each query row.
+      scale: softmax scale (``D ** -0.5``).
+      block_keys: keys per loop step, a multiple of page_size (default ``max(64, page_size)``).
+      num_splits: key splits per (request, kv head) (default :func:`choose_num_splits`).
+      num_warps, num_stages: Triton launch parameters (default 4 warps for 16 rows, else 8).
+      interpret: run the kernel in the Pallas interpreter (CPU tests).
+    Returns:
+      ``[B, T, Hq, D]`` in ``q.dtype``; softmax in float32.
+    Raises:
+      ValueError: shapes that do not match, or sizes the Triton lowering cannot express.
+    """
+    _check(q, k_pages, v_pages, page_table, q_positions)
+    b, t, hq, d = q.shape
+    num_pages, page_size, hkv, _ = k_pages.shape
+    group = hq // hkv
+    n_rows = t * group
+    rows = padded_query_rows(t, group)
+    block_keys = block_keys or _default_block_keys(page_size)
+    if block_keys % page_size or block_keys & (block_keys - 1):
+        raise ValueError(f"block_keys {block_keys} must be a power of two and a multiple of "
+                         f"page_size {page_size}.")
+    pages_per_block = block_keys // page_size
+    max_pages = page_table.shape[1]
+    max_blocks = -(-max_pages // pages_per_block)
+    splits = num_splits or choose_num_splits(b, hkv, max_blocks)
+    if num_warps is None:
+        num_warps = 4 if rows <= 16 else 8
+
+    # Query rows of one kv head: row i is (t = i // group, head h * group + i % group).
+    qr = q.astype(k_pages.dtype).reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4)
+    qr = jnp.pad(qr.reshape(b, hkv, n_rows, d), ((0, 0), (0, 0), (0, rows - n_rows), (0, 0)))
+    # Padded rows repeat the last real row's position, so they change neither bound.
+    row_pos = jnp.pad(jnp.repeat(q_positions.astype(jnp.int32), group, axis=1),
+                      ((0, 0), (0, rows - n_rows)), mode="edge")
+    table = jnp.pad(page_table.astype(jnp.int32),
+                    ((0, 0), (0, max_blocks * pages_per_block - max_pages)))
+
+    kernel = functools.partial(_kernel, page_size=page_size, pages_per_block=pages_per_block,
+                               max_pages=max_pages, num_splits=splits,
+                               scale_log2=float(scale) * _LOG2E)
+    pages_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda i, h, s: (0, 0, h, 0))
+    o, m, l = pl.pallas_call(
+        kernel,
+        grid=(b, hkv, splits),
+        in_specs=[
+            pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, 0, 0)),
+            pl.BlockSpec((None, rows), lambda i, h, s: (i, 0)),
+            pl.BlockSpec((None, table.shape[1]), lambda i, h, s: (i, 0)),
+            pages_spec,
+            pages_spec,
+        ],
+        out_specs=[
+            pl.BlockSpec((None, None, None, rows, d), lambda i, h, s: (i, h, s, 0, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, h, s, 0)),
+            pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, h, s, 0)),
+        ],
+        out_shape=[
+            jax.ShapeDtypeStruct((b, hkv, splits, rows, d), q.dtype),
+            jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32),
+            jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32),
+        ],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
+        interpret=interpret,
+        name=f"paged_attention_r{rows}_bk{block_keys}",
+    )(qr, row_pos, table, k_pages, v_pages)
+    out = combine_splits(o[..., :n_rows, :], m[..., :n_rows], l[..., :n_rows])
+    out = out.reshape(b, hkv, t, group, d).transpose(0, 2, 1, 3, 4)
+    return out.reshape(b, t, hq, d).astype(q.dtype)
+
+
+def combine_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:
+    """Merge per-split partial softmax results (log-sum-exp weights, base 2).
+
+    Args:
+      o: ``[..., S, R, D]`` unnormalised partial outputs ``sum_j exp2(s_j - m) v_j``.
+      m: ``[..., S, R]`` float32 row max of the base-2 scores (``-1e30`` for an empty split).
+      l: ``[..., S, R]`` float32 ``sum_j exp2(s_j - m)`` (0 for an empty split).
+    Returns:
+      ``[..., R, D]`` float32 ``sum_s w_s o_s / sum_s w_s l_s`` with ``w_s = exp2(m_s - max m)``.
+    """
+    w = jnp.exp2(m - jnp.max(m, axis=-2, keepdims=True))
+    num = jnp.sum(w[..., None] * o.astype(jnp.float32), axis=-3)
+    den = jnp.sum(w * l, axis=-2)
+    return num / jnp.maximum(den, 1e-30)[..., None]
