@@ -310,12 +310,14 @@ def categorical(keys: jax.Array, probs: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, params: SamplingTensors, step: jax.Array, *,
-           salt=SALT_SAMPLE) -> jax.Array:
+           salt=SALT_SAMPLE, greedy_only: bool = False) -> jax.Array:
     """Sample the next token of each row.
 
     Greedy rows (temperature 0) return ``jnp.argmax(logits)`` and their result never depends on the
     rng; other rows draw from :func:`filtered_probs` with the key ``row_keys(seed, step, salt)``.
-    When every row is greedy the filtering and drawing are skipped at run time (``lax.cond``).
+    When every row is greedy the filtering and drawing are skipped at run time (``lax.cond``);
+    with ``greedy_only`` (static: the caller knows every row is greedy) they are not traced at
+    all, which keeps a host-synchronising conditional out of the program.
 
     Args:
       logits: ``[B, V]`` float.
@@ -339,6 +341,8 @@ def sample(logits: jax.Array, params: SamplingTensors, step: jax.Array, *,
             f"sample: logits have B={B} rows but params.temperature has shape "
             f"{params.temperature.shape} and step has shape {step.shape}; all must be [B]")
     greedy_tok = jnp.argmax(logits, axis=-1).astype(jnp.int32)
+    if greedy_only:
+        return greedy_tok
     greedy = params.is_greedy
 
     def random_path(_):

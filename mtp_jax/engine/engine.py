@@ -19,6 +19,7 @@ are freed.
 from __future__ import annotations
 
 import dataclasses
+import itertools
 import time
 from collections import deque
 from typing import Callable, Iterable
@@ -54,6 +55,11 @@ def clamp_num_draft(k: int, position: int, allocated_tokens: int, emitted: int,
     room_pages = allocated_tokens - position - 1
     room_tokens = min(max_tokens - emitted, max_model_len - prompt_len - emitted) - 1
     return max(0, min(k, room_pages, room_tokens))
+
+
+def _all_greedy(reqs: Iterable[Request]) -> bool:
+    """Every request greedy: the programs' greedy-only variant (no sampling path) serves them."""
+    return all(r.params.temperature <= 0 for r in reqs)
 
 
 def append_tokens(req: Request, tokens: Iterable[int], eos_ids, tokenizer,
@@ -310,7 +316,8 @@ class Engine:
             step=np.zeros((1,), np.int32))
         t0 = time.perf_counter()
         first, self.pools = self.programs.prefill(self._leaves, self.pools, batch, k=self.k,
-                                                  mtp=self.proposer_kind == "mtp")
+                                                  mtp=self.proposer_kind == "mtp",
+                                                  greedy_only=_all_greedy([req]))
         req.prefilled += n
         if self.prefix is not None:
             self._snapshot_after_chunk(req)
@@ -362,7 +369,9 @@ class Engine:
             tokens=np.asarray(tokens), snap_row=snap_row, snap_id=snap_id)
         t0 = time.perf_counter()
         out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
-                                              proposer=self.proposer_kind)
+                                              proposer=self.proposer_kind,
+                                              greedy_only=_all_greedy(running),
+                                              snapshot=bool(np.any(snap_row >= 0)))
         emitted, accepted = jax.device_get((out.emitted, out.num_accepted))
         self.stats.round_seconds += time.perf_counter() - t0
         self.stats.rounds += 1
@@ -443,10 +452,18 @@ class Engine:
             b *= 2
         return out
 
-    def warmup(self) -> float:
+    def warmup(self, sampled: bool = True) -> float:
         """Compile every program this engine can call (each prefill length bucket and each batch
-        bucket's round) with rows that write only to the trash page and slot. Returns seconds."""
+        bucket's round, in their greedy-only and, with ``sampled``, sampling variants, and the
+        rounds' snapshot variants when the prefix cache is on) with rows that write only to the
+        trash page and slot. Returns seconds."""
         t0 = time.perf_counter()
+        for greedy_only in (True, False) if sampled else (True,):
+            self._warmup_variant(greedy_only)
+        jax.block_until_ready(self.pools)
+        return time.perf_counter() - t0
+
+    def _warmup_variant(self, greedy_only: bool) -> None:
         mtp = self.proposer_kind == "mtp"
         for t in self.prefill_buckets():
             z = np.zeros((1, t), np.int32)
@@ -458,8 +475,9 @@ class Engine:
                 sampling=SamplingTensors.from_params([], pad_to=1, host=True),
                 step=np.zeros((1,), np.int32))
             _, self.pools = self.programs.prefill(self._leaves, self.pools, batch, k=self.k,
-                                                  mtp=mtp)
-        for b in self.batch_buckets():
+                                                  mtp=mtp, greedy_only=greedy_only)
+        for b, snapshot in itertools.product(self.batch_buckets(),
+                                             (False, True) if self.prefix else (False,)):
             zi = np.zeros((b,), np.int32)
             batch = RoundBatch(slot=zi, live=np.zeros((b,), bool), position=zi,
                                page_table=np.zeros((b, self.max_pages_per_req), np.int32),
@@ -468,9 +486,8 @@ class Engine:
                                step=zi, tokens=np.zeros((b, self.k + 1), np.int32),
                                snap_row=np.full((b,), -1, np.int32), snap_id=zi)
             out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
-                                                  proposer=self.proposer_kind)
-        jax.block_until_ready(self.pools)
-        return time.perf_counter() - t0
+                                                  proposer=self.proposer_kind,
+                                                  greedy_only=greedy_only, snapshot=snapshot)
 
     # ---- loop --------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:

@@ -57,6 +57,13 @@ class LLM:
       ple_backend: qwen4_exp only: where the PLE n-gram tables live, ``"disk"`` (memory-mapped,
         default) or ``"memory"`` (host RAM). qwen4_exp runs plain decoding, one request at a
         time, for now.
+      attention_backend, gdn_backend, moe_backend: ``"auto"`` (default), ``"xla"`` or
+        ``"pallas"``: the implementation of paged attention, the GDN verify/commit recurrence
+        and the MoE experts (:mod:`mtp_jax.kernels`); ``pallas`` needs a CUDA GPU.
+      compilation_cache_dir: persistent XLA compilation cache folder (compiled programs reused
+        by the next process); ``None``: ``$MTP_JAX_COMPILATION_CACHE``, else the folder jax
+        already uses, else ``~/.cache/mtp_jax/xla``; ``"none"``/``"off"``: no cache
+        (:mod:`mtp_jax.compile_cache`; an unwritable folder raises ConfigError).
       dummy_weight: random weights of the checkpoint's shapes instead of its weights (benchmarks,
         tests of the non-speculative path); refused with ``speculative_algorithm="mtp"``.
     Raises:
@@ -71,7 +78,18 @@ class LLM:
                  page_size: int = 16, dummy_weight: bool = False,
                  chunked_prefill_size: int = 2048, enable_prefix_cache: bool = True,
                  mem_fraction: float = 0.9, max_total_tokens: int | None = None,
-                 ple_backend: str = "disk"):
+                 ple_backend: str = "disk", attention_backend: str = "auto",
+                 gdn_backend: str = "auto", moe_backend: str = "auto",
+                 compilation_cache_dir: str | None = None):
+        from mtp_jax.compile_cache import enable_compilation_cache
+
+        enable_compilation_cache(compilation_cache_dir)  # before anything compiles
+        from mtp_jax.kernels import KernelBackends
+
+        backends = dict(attention_backend=attention_backend, gdn_backend=gdn_backend,
+                        moe_backend=moe_backend)
+        KernelBackends.resolve(attention_backend, gdn_backend, moe_backend,
+                               dtype=resolve_dtype(dtype))  # errors first
         if model is None:
             from mtp_jax.default_model import default_model_path
 
@@ -87,6 +105,11 @@ class LLM:
         self.seed = seed
         self._next_id = 0
         if _is_qwen4_exp_folder(model):
+            if set(backends.values()) - {"auto", "xla"}:
+                from mtp_jax.config import ConfigError
+
+                raise ConfigError(f"qwen4_exp runs the XLA kernels only for now ({backends} "
+                                  "was asked for); use the xla or auto backends.")
             self._init_qwen4_exp(model, spec, engine_cfg, dummy_weight, ple_backend)
             return
         # Every config-time check, before any weight (or the tokenizer) is read.
@@ -99,7 +122,7 @@ class LLM:
         self.tokenizer = Tokenizer.from_folder(model)
         self.model = load_model(model, engine_cfg.dtype, with_mtp=algorithm == "mtp",
                                 dummy_weight=dummy_weight, cfg=model_cfg,
-                                draft_path=speculative_draft_model_path)
+                                draft_path=speculative_draft_model_path, **backends)
         self.engine = Engine(self.model, engine_cfg, spec, proposer=proposer,
                              tokenizer=self.tokenizer)
 

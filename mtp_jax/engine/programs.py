@@ -24,6 +24,7 @@ from flax import nnx
 
 from mtp_jax.cache.paged import AttentionBatch
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
+from mtp_jax.engine.packing import pack, unpack
 from mtp_jax.engine.pools import Pools
 from mtp_jax.sampling import SALT_DRAFT, SALT_SAMPLE, filtered_probs, row_keys, categorical, sample
 from mtp_jax.spec.accept import accept
@@ -38,12 +39,15 @@ class RoundOutput:
     num_accepted: jax.Array
 
 
-def _draft_token(model, z, sampling, step, j):
+def _draft_token(model, z, sampling, step, j, greedy_only):
     """Draft token j (0-based) from MTP hidden ``z [B, H]``: argmax for greedy rows, else a draw
     from the filtered draft distribution q, which is returned for rejection sampling (greedy
-    rows' q is never read). When every row is greedy the filtering is skipped at run time."""
+    rows' q is never read). When every row is greedy the filtering is skipped at run time, or
+    not traced at all with ``greedy_only`` (static)."""
     logits = model.logits(z)
     greedy_tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    if greedy_only:
+        return greedy_tok, jnp.zeros(logits.shape, jnp.float32)
 
     def sampled(_):
         q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
@@ -56,7 +60,7 @@ def _draft_token(model, z, sampling, step, j):
     return jax.lax.cond(jnp.all(sampling.is_greedy), greedy, sampled, None)
 
 
-def _chain(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, step, k):
+def _chain(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, step, k, greedy_only):
     """k-1 chained draft steps from ``z [B, H]`` and draft token ``tok [B]``; step j runs at
     position ``pos + j - 1`` and writes its draft KV only below ``limit [B]``.
     Returns ``(drafts [B, k], q [B, k, V], draft_kv)``."""
@@ -67,7 +71,7 @@ def _chain(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, step, k
         zj, draft_kv = model.mtp(model.embed_tokens, z[:, None], toks[-1][:, None], batch,
                                  draft_kv, step=j)
         z = zj[:, 0]
-        t, qj = _draft_token(model, z, sampling, step, j)
+        t, qj = _draft_token(model, z, sampling, step, j, greedy_only)
         toks.append(t)
         qs.append(qj)
     return jnp.stack(toks, 1), jnp.stack(qs, 1), draft_kv
@@ -79,16 +83,16 @@ def _row(x, index):
 
 
 def _mtp_drafts(model, pools: Pools, hidden, next_ids, abatch, pick, step, pos, limit,
-                sampling, k: int):
+                sampling, k: int, greedy_only: bool):
     """Draft extend over the rows of ``hidden [B, T, H]`` (row t pairs the hidden at t with
     ``next_ids[:, t]``), then draft ``d_1`` from row ``pick [B]`` and ``d_2..d_k`` by chained
     steps at ``pos [B]`` onwards (writes below ``limit [B]`` only); the random streams use
     ``step [B]``. Returns ``((drafts [B, k], q [B, k, V]), pools with the new draft KV)``."""
     z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
     z_pick = _row(z, pick)
-    tok, q = _draft_token(model, z_pick, sampling, step, 0)
+    tok, q = _draft_token(model, z_pick, sampling, step, 0, greedy_only)
     drafts, qs, draft_kv = _chain(model, draft_kv, z_pick, tok, q, pos, abatch.page_table,
-                                  limit, sampling, step, k)
+                                  limit, sampling, step, k, greedy_only)
     return (drafts, qs), dataclasses.replace(pools, draft_kv=draft_kv)
 
 
@@ -106,24 +110,23 @@ def _store_next(pools: Pools, slot, pending, drafts, k: int) -> Pools:
 
 
 def _save_round_snapshots(model, pools: Pools, view, rows, batch: RoundBatch) -> Pools:
-    """Save the GDN state after verify row ``snap_row[b]`` into ``snap_id[b]`` for the rows
-    that cross a prefix-cache boundary this round (a second replay, skipped at run time when no
-    row does; statically skipped without a snapshot pool)."""
+    """Save the GDN state after verify row ``snap_row[b]`` into ``snap_id[b]`` (rows with
+    ``snap_row < 0`` write the trash snapshot 0). A second replay: the host traces this only
+    into the round variant it calls when some row crosses a prefix-cache boundary, so other
+    rounds carry neither its cost nor a conditional."""
     if not pools.snapshots.recurrent or pools.snapshots.recurrent[0].shape[0] == 0:
         return pools
-
-    def save(snapshots):
-        state = model.commit(view, rows, jnp.maximum(batch.snap_row + 1, 0))
-        return snapshots.scatter(jnp.where(batch.snap_row >= 0, batch.snap_id, 0), state)
-
-    snapshots = jax.lax.cond(jnp.any(batch.snap_row >= 0), save, lambda s: s, pools.snapshots)
+    state = model.commit(view, rows, jnp.maximum(batch.snap_row + 1, 0))
+    snapshots = pools.snapshots.scatter(jnp.where(batch.snap_row >= 0, batch.snap_id, 0), state)
     return dataclasses.replace(pools, snapshots=snapshots)
 
 
-def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, *, k: int, mtp: bool):
+def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, *, k: int, mtp: bool,
+            greedy_only: bool = False):
     """Prefill one chunk per row (the GDN state starts at zero when ``start == 0``, else from
     the slot); sample the first token; with MTP, write the draft KV over the chunk's rows and
     draft ``d_1..d_k``. Writes ``next_tokens[slot] = [x_T, d_1..d_k]`` (final chunk only matters).
+    ``greedy_only`` (static): every row is greedy, so no sampling path is traced.
 
     Returns ``(first_token [B] int32, pools)``.
     """
@@ -139,7 +142,8 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, *, k: int, mtp:
     hidden, kv, view = model(batch.input_ids, abatch, pools.kv, view, "prefill")
     last = jnp.maximum(batch.length - 1, 0)
     h_last = _row(hidden, last)
-    first = sample(model.logits(h_last), batch.sampling, batch.step, salt=SALT_SAMPLE)
+    first = sample(model.logits(h_last), batch.sampling, batch.step, salt=SALT_SAMPLE,
+                   greedy_only=greedy_only)
     pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, view))
     drafts = None
     if mtp:
@@ -148,13 +152,19 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, *, k: int, mtp:
         end = batch.start + batch.length
         limit = batch.page_table.shape[1] * pools.kv.page_size * jnp.ones_like(end)
         drafts, pools = _mtp_drafts(model, pools, hidden, next_ids, abatch, last,
-                                    batch.step + 1, end, limit, batch.sampling, k)
+                                    batch.step + 1, end, limit, batch.sampling, k, greedy_only)
     pools = _store_next(pools, batch.slot, first, drafts, k)
     return first, pools
 
 
-def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, proposer: str):
+def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, proposer: str,
+               greedy_only: bool = False, snapshot: bool = False):
     """One verify/accept/commit(/draft) round; ``proposer`` in ``none | mtp | external``.
+
+    Static variants: ``greedy_only`` (every row greedy: no sampling path traced) and
+    ``snapshot`` (some row crosses a prefix-cache boundary: the snapshot replay is traced).
+    Choosing them on the host keeps data-dependent conditionals, which synchronise the GPU with
+    the host and split its command buffers, out of the round.
 
     Row b verifies ``num_draft[b] <= k`` drafts: verify rows past it, and every write at or past
     ``limit[b]``, go to the trash page, and the acceptance ignores those drafts.
@@ -177,12 +187,14 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
     if k:
         q = pools.draft_probs[batch.slot] if proposer == "mtp" else None
         n, emitted = accept(logits, tokens[:, 1:], q, batch.sampling, batch.step,
-                            num_draft=batch.num_draft)
+                            num_draft=batch.num_draft, greedy_only=greedy_only)
     else:
         n = jnp.zeros((b,), jnp.int32)
-        emitted = sample(logits[:, 0], batch.sampling, batch.step, salt=SALT_SAMPLE)[:, None]
+        emitted = sample(logits[:, 0], batch.sampling, batch.step, salt=SALT_SAMPLE,
+                         greedy_only=greedy_only)[:, None]
     commit_len = jnp.where(batch.live, n + 1, 0)
-    pools = _save_round_snapshots(model, pools, view, rows, batch)
+    if snapshot:
+        pools = _save_round_snapshots(model, pools, view, rows, batch)
     view = model.commit(view, rows, commit_len)
     pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, view))
     bonus = _row(emitted, n)
@@ -192,7 +204,7 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
         live_limit = jnp.where(batch.live, batch.limit, 0)
         drafts, pools = _mtp_drafts(model, pools, hidden, next_ids, abatch, n,
                                     batch.step + n + 1, batch.position + n + 1, live_limit,
-                                    batch.sampling, k)
+                                    batch.sampling, k, greedy_only)
     pools = _store_next(pools, batch.slot, bonus, drafts, k)
     return RoundOutput(emitted=emitted, num_accepted=n), pools
 
@@ -217,34 +229,48 @@ class Programs:
     """The jitted programs of one loaded model.
 
     The graphdef is closed over (hashing it per call as a static argument costs milliseconds)
-    and the parameters travel as a flat tuple of arrays, so a call's host work is flattening a
-    tuple, the batch and the pools. Pools are donated. Shapes and ``k`` / ``mtp`` /
-    ``proposer`` key the compile caches: one program per bucket.
+    and the parameters travel as a flat tuple of arrays; the batch (numpy arrays) travels as one
+    packed int32 buffer (:mod:`mtp_jax.engine.packing`), so a call costs one host-to-device
+    copy. Pools are donated. Shapes and the static keywords (``k``, ``mtp``, ``proposer``,
+    ``greedy_only``, ``snapshot``) key the compile caches: one program per bucket and variant.
     """
 
-    prefill: object
-    round: object
+    prefill_jit: object
+    round_jit: object
     treedef: object
 
     def leaves(self, params) -> tuple:
         return tuple(jax.tree_util.tree_leaves(params))
 
+    def prefill(self, leaves, pools, batch: PrefillBatch, **static):
+        """:func:`prefill` on a batch of numpy arrays; returns ``(first_token, pools)``."""
+        buf, spec = pack(batch)
+        return self.prefill_jit(leaves, pools, buf, spec=spec, **static)
+
+    def round(self, leaves, pools, batch: RoundBatch, **static):
+        """:func:`spec_round` on a batch of numpy arrays; returns ``(RoundOutput, pools)``."""
+        buf, spec = pack(batch)
+        return self.round_jit(leaves, pools, buf, spec=spec, **static)
+
     def compiled_count(self) -> int:
-        return self.prefill._cache_size() + self.round._cache_size()
+        return self.prefill_jit._cache_size() + self.round_jit._cache_size()
 
 
 def make_programs(graphdef, params) -> Programs:
     treedef = jax.tree_util.tree_structure(params)
+    params_of = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
 
-    def prefill_(leaves, pools, batch, *, k, mtp):
-        return prefill(graphdef, jax.tree_util.tree_unflatten(treedef, leaves), pools, batch,
-                       k=k, mtp=mtp)
+    def prefill_(leaves, pools, buf, *, spec, k, mtp, greedy_only=False):
+        return prefill(graphdef, params_of(leaves), pools, unpack(buf, spec), k=k, mtp=mtp,
+                       greedy_only=greedy_only)
 
-    def round_(leaves, pools, batch, *, k, proposer):
-        return spec_round(graphdef, jax.tree_util.tree_unflatten(treedef, leaves), pools, batch,
-                          k=k, proposer=proposer)
+    def round_(leaves, pools, buf, *, spec, k, proposer, greedy_only=False, snapshot=False):
+        return spec_round(graphdef, params_of(leaves), pools, unpack(buf, spec), k=k,
+                          proposer=proposer, greedy_only=greedy_only, snapshot=snapshot)
 
     return Programs(
-        prefill=jax.jit(prefill_, static_argnames=("k", "mtp"), donate_argnums=(1,)),
-        round=jax.jit(round_, static_argnames=("k", "proposer"), donate_argnums=(1,)),
+        prefill_jit=jax.jit(prefill_, static_argnames=("spec", "k", "mtp", "greedy_only"),
+                            donate_argnums=(1,)),
+        round_jit=jax.jit(round_, static_argnames=("spec", "k", "proposer", "greedy_only",
+                                                   "snapshot"), donate_argnums=(1,)),
         treedef=treedef)

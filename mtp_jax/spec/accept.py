@@ -203,11 +203,13 @@ def rejection_accept(target_logits: jax.Array, draft_tokens: jax.Array,
 
 def accept(target_logits: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array | None,
            params: SamplingTensors, step: jax.Array,
-           num_draft: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+           num_draft: jax.Array | None = None, *,
+           greedy_only: bool = False) -> tuple[jax.Array, jax.Array]:
     """Verify-round acceptance for a batch mixing greedy and sampled rows (one jit, no host branch).
 
     Same contract and results as :func:`rejection_accept` (greedy rows == :func:`greedy_accept`);
-    when every row is greedy the filtering/sampling work is skipped at run time via ``lax.cond``.
+    when every row is greedy the filtering/sampling work is skipped at run time via ``lax.cond``,
+    and with ``greedy_only`` (static) it is not traced at all.
     """
     target_logits = jnp.asarray(target_logits)
     draft_tokens = jnp.asarray(draft_tokens)
@@ -217,6 +219,9 @@ def accept(target_logits: jax.Array, draft_tokens: jax.Array, draft_probs: jax.A
 
     def all_greedy(_):
         return greedy_accept(target_logits, draft_tokens, num_draft)
+
+    if greedy_only:
+        return all_greedy(None)
 
     def mixed(_):
         return rejection_accept(target_logits, draft_tokens, draft_probs, params, step, num_draft)
