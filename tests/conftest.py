@@ -21,7 +21,13 @@ def pytest_collection_modifyitems(config, items):
 
 
 def pytest_configure(config):
+    import tempfile
+
     import jax
+
+    # LLM() turns on the persistent compilation cache; keep the suite's out of the user's home
+    # (one folder per session, so later tests reuse programs that earlier ones compiled).
+    os.environ.setdefault("MTP_JAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="mtp_jax_xla_"))
 
     # Golden comparisons are float32 at 1e-4: keep GPUs from using TF32 for float32 matmuls.
     jax.config.update("jax_default_matmul_precision", "highest")

@@ -1,0 +1,49 @@
+"""``python -m mtp_jax.bench``: prefill, decode-step and speculative-round timings on a
+random-weight model of a real shape, against the HBM floor, with exactness-confirming forced
+drafts.
+
+For each configuration (``configs/*.json``), batch size and k (0 = speculation off), in the
+chosen dtype, with ``--prompt-len`` prompt tokens and ``--decode-tokens`` timed tokens per
+request, it reports:
+
+* prefill tokens/s at the prompt length (median of ``--prefill-reps`` single-prompt prefills);
+* the median decode-step (k = 0) or round (k > 0) time over the timed phase, its p10 / p90 and
+  the context range covered;
+* the bytes a round must move (weights, KV, GDN state, draft weights and KV), the floor at
+  ``--hbm-tbps`` and the fraction of it reached;
+* k = 0: tokens/s = batch / step time, and end to end (timed tokens / wall time of the loop);
+* k > 0: for each ``--accept-lengths`` value, forced rounds whose drafts are overwritten by the
+  plain-decoding continuation with the first m right (m alternating so that the mean tokens
+  committed per round is that accept length; :mod:`mtp_jax.bench.forced`): the measured accept
+  length, the end-to-end tokens/s (wall time of the whole host loop, draft overwrite included),
+  the derived tokens/s (accept length x batch / median round time; the overwrite is timed apart
+  and excluded from round times) and whether the committed tokens equal plain decoding
+  exactly (a mismatch is printed; in float32 the exit status is then 1, in 16-bit dtypes it is
+  a warning, since verify and decode shapes round differently and a near-tie of a random model
+  can flip);
+* the first call of every program (prefill bucket, round bucket, draft overwrite) in seconds,
+  the XLA executables built and how many came from the persistent compilation cache, the
+  compile count of the warm-up and of the timed phase (must be 0, else exit status 1);
+* peak device memory.
+
+Output: markdown tables on stdout (pasteable into docs/benchmarks.md), progress on stderr,
+and a JSON file (``--out``: ``{"meta": {date, commit, jax version, device kind, XLA_FLAGS,
+...}, "results": [one object per row]}``), rewritten after each row.
+Weights are random and drawn on the device (no checkpoint on disk).
+"""
+
+from mtp_jax.bench.floor import (expected_experts, forward_weight_bytes, load_config,
+                                 round_bytes)
+from mtp_jax.bench.run import Settings, bench_one, requests
+
+_requests = requests  # scripts/profile_round.py
+
+
+def main(argv=None) -> int:
+    from mtp_jax.bench.cli import main as cli_main
+
+    return cli_main(argv, description=__doc__)
+
+
+__all__ = ["Settings", "bench_one", "expected_experts", "forward_weight_bytes", "load_config",
+           "main", "requests", "round_bytes"]

@@ -1,0 +1,3 @@
+from mtp_jax.bench import main
+
+raise SystemExit(main())

@@ -1,0 +1,161 @@
+"""``python -m mtp_jax.bench``: arguments, the loop over configs / batches / k, the output."""
+
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import inspect
+import json
+import sys
+import time
+
+import jax
+
+from mtp_jax.bench import report
+from mtp_jax.bench.compiles import install
+from mtp_jax.bench.floor import load_config
+from mtp_jax.bench.run import Settings, bench_one
+from mtp_jax.config import ConfigError
+from mtp_jax.models.loader import load_model
+
+BACKEND_OPS = ("attention", "gdn", "moe")
+
+
+def build_parser(description: str | None = None) -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="python -m mtp_jax.bench", description=description,
+                                formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--config", action="append", required=True,
+                   help="configs/<name>.json (repeat for several shapes)")
+    p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes")
+    p.add_argument("--k", type=int, nargs="+", default=[0, 3],
+                   help="drafts per round; 0 = speculation off (plain decode steps)")
+    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--decode-tokens", type=int, default=1024,
+                   help="tokens each request decodes in the timed phase (k=0: steps; k>0: "
+                        "forced rounds until that many are committed)")
+    p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)  # old name
+    p.add_argument("--warmup-rounds", type=int, default=3,
+                   help="untimed rounds before the timed phase (the first one compiles)")
+    p.add_argument("--accept-lengths", type=float, nargs="+", default=[2.5, 3.0, 3.5],
+                   help="accept lengths forced for k>0 (each in [1, k+1]; others skipped)")
+    p.add_argument("--prefill-reps", type=int, default=3,
+                   help="timed prefills of one prompt (median reported)")
+    p.add_argument("--engine-warmup", action="store_true",
+                   help="also time Engine.warmup() (every prefill and batch bucket of the "
+                        "engine, as a server start-up compiles them) before each row")
+    p.add_argument("--page-size", type=int, default=16)
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
+    p.add_argument("--hbm-tbps", type=float, default=4.2, help="HBM bandwidth of the floor")
+    p.add_argument("--compilation-cache-dir", default=None,
+                   help="persistent XLA compilation cache folder, or 'none' (default: "
+                        "$MTP_JAX_COMPILATION_CACHE or ~/.cache/mtp_jax/xla)")
+    for op in BACKEND_OPS:
+        p.add_argument(f"--{op}-backend", default="auto", choices=["auto", "xla", "pallas"],
+                       help=f"{op} kernel implementation passed to load_model")
+    p.add_argument("--out", default="bench.json", help="JSON results (rewritten after each row)")
+    return p
+
+
+def backend_kwargs(args) -> dict:
+    """``attention_backend=..., gdn_backend=..., moe_backend=...`` for ``load_model``; a
+    non-``auto`` choice that this ``load_model`` does not take raises ``ConfigError``."""
+    asked = {f"{op}_backend": getattr(args, f"{op}_backend") for op in BACKEND_OPS}
+    params = inspect.signature(load_model).parameters
+    missing = [name for name in asked if name not in params]
+    bad = [f"--{name[:-8]}-backend {asked[name]}" for name in missing if asked[name] != "auto"]
+    if bad:
+        raise ConfigError(f"{', '.join(bad)}: this mtp_jax's load_model takes no "
+                          f"{', '.join(missing)} keyword yet; leave the flag at auto.")
+    return {name: v for name, v in asked.items() if name in params}
+
+
+def _kernels(model) -> dict | None:
+    k = getattr(model.cfg, "kernels", None)
+    return dataclasses.asdict(k) if dataclasses.is_dataclass(k) else None
+
+
+def _progress(r: dict) -> str:
+    tps = (f"{r['tokens_per_s']:.1f}" if not r["k"] else " / ".join(
+        f"{v:.1f}" for v in r["tokens_per_s_at_accept_length"].values()))
+    return (f"{r['config']} B={r['batch']} k={r['k']} round={r['round_ms']:.2f}ms "
+            f"floor={r['floor_ms']:.2f}ms ({r['fraction_of_floor']:.0%}) tok/s={tps} "
+            f"exact={r['exact']} startup={r['startup_s']:.1f}s ({r['startup_from_cache']}) "
+            f"timed_compiles={r['compiles_timed']}")
+
+
+def main(argv=None, description: str | None = None) -> int:
+    """Run the benchmark; returns 0, 1 (a forced run differed from plain decoding, or a
+    compile happened in a timed phase; the JSON is still written) or 2 (bad arguments)."""
+    from mtp_jax.compile_cache import enable_compilation_cache
+
+    args = build_parser(description).parse_args(argv)
+    if args.steps is not None:
+        print(f"note: --steps is now --decode-tokens; using --decode-tokens {args.steps}",
+              file=sys.stderr)
+        args.decode_tokens = args.steps
+    ks = sorted(set(args.k))
+    try:
+        if any(b < 1 for b in args.batch):
+            raise ValueError(f"--batch {args.batch}: every batch size must be >= 1.")
+        if any(not 0 <= k <= 8 for k in ks):
+            raise ValueError(f"--k {args.k}: every k must be in 0..8.")
+        s = Settings(prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
+                     warmup_rounds=args.warmup_rounds, page_size=args.page_size,
+                     hbm_tbps=args.hbm_tbps, accept_lengths=tuple(args.accept_lengths),
+                     prefill_reps=args.prefill_reps, max_k=max(ks),
+                     engine_warmup=args.engine_warmup)
+        s.validate()
+        for k in ks:
+            if k and not any(1 <= a <= k + 1 for a in s.accept_lengths):
+                raise ValueError(f"--accept-lengths {list(s.accept_lengths)}: none can be "
+                                 f"forced with k={k} (a round commits 1..{k + 1} tokens).")
+        backends = backend_kwargs(args)
+        configs = [(path, load_config(path)) for path in args.config]
+        cache_dir = enable_compilation_cache(args.compilation_cache_dir)
+    except (ConfigError, ValueError, OSError) as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    install()
+    meta = report.run_metadata(vars(args), cache_dir, None)
+    results: list[dict] = []
+    for path, cfg in configs:
+        t0 = time.perf_counter()
+        model = load_model(cfg=cfg, dtype=args.dtype, dummy_weight=True,
+                           with_mtp=any(ks), seed=args.seed, **backends)
+        jax.block_until_ready(model.params)
+        meta["kernel_backends"] = _kernels(model)
+        print(f"{path}: random weights in {time.perf_counter() - t0:.1f}s", file=sys.stderr,
+              flush=True)
+        for b in args.batch:
+            reference = None
+            for k in ks:
+                r, reference = bench_one(model, b, k, s, reference)
+                r = {"config": path, **r, "kernel_backends": _kernels(model)}
+                results.append(r)
+                print(_progress(r), file=sys.stderr, flush=True)
+                with open(args.out, "w") as f:
+                    json.dump({"meta": meta, "results": results}, f, indent=1)
+        del model
+    print(report.main_table(results))
+    print()
+    print(report.bytes_table(results))
+    print()
+    print(report.programs_table(results))
+    print(f"\n{meta['date_utc']}, commit {meta['git_commit']}"
+          f"{' (dirty)' if meta['git_dirty'] else ''}, jax {meta['jax_version']}, "
+          f"{meta['device_kind']}, XLA_FLAGS={meta['xla_flags']!r}, compilation cache "
+          f"{cache_dir}")
+    bad = report.failures(results)
+    # In 16-bit dtypes a verify (k+1 rows) and a decode step (1 row) run differently shaped
+    # matmuls that round differently, so a near-tie can flip a greedy token of a random-weight
+    # model; exactness is a hard failure only in float32 (and is tested in float32 on CPU).
+    strict = args.dtype == "float32"
+    hard = [line for line in bad if strict or not line.startswith("MISMATCH")]
+    for line in bad:
+        if line in hard:
+            print(f"FAILED: {line}", file=sys.stderr)
+        else:
+            print(f"WARNING: {line} ({args.dtype} rounding differs between verify and decode "
+                  "shapes; rerun with --dtype float32 to check exactness)", file=sys.stderr)
+    return 1 if hard else 0

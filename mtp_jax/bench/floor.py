@@ -1,0 +1,72 @@
+"""The bytes a decode step or speculative round must move, and the time floor they set.
+
+Weights read (the embedding only for the rows used; routed experts only for the experts hit
+under uniform routing), KV read over the context, GDN state read by the verify and read +
+written by the commit, and for k > 0 the MTP draft's weights and KV over its k calls.
+"""
+
+from __future__ import annotations
+
+import json
+
+import numpy as np
+
+from mtp_jax.config import ModelConfig
+from mtp_jax.weights import names
+
+
+def load_config(path: str) -> ModelConfig:
+    """A :class:`ModelConfig` from a released ``config.json`` (``configs/*.json``), keys
+    starting with ``_`` (notes) dropped. Raises ``OSError`` / ``ConfigError``."""
+    with open(path) as f:
+        raw = json.load(f)
+    strip = lambda d: {k: strip(v) if isinstance(v, dict) else v for k, v in d.items()
+                       if not k.startswith("_")}
+    return ModelConfig.from_dict(strip(raw))
+
+
+def _numel(shape) -> int:
+    return int(np.prod(shape))
+
+
+def expected_experts(cfg: ModelConfig, tokens: int) -> float:
+    """Expected distinct experts hit by ``tokens`` tokens under uniform routing."""
+    e, k = cfg.num_experts, cfg.num_experts_per_tok
+    return e * (1 - (1 - k / e) ** tokens)
+
+
+def forward_weight_bytes(cfg: ModelConfig, tensors: dict, tokens: int, itemsize: int) -> float:
+    """Weight bytes one forward over ``tokens`` rows reads: every tensor except the embedding
+    table (only ``tokens`` rows) and the routed experts (only the experts hit)."""
+    total = 0.0
+    for name, shape in tensors.items():
+        if name == "embed_tokens.weight":
+            total += tokens * shape[1] * itemsize
+        elif ".mlp.experts." in name:
+            total += _numel(shape) / shape[0] * expected_experts(cfg, tokens) * itemsize
+        else:
+            total += _numel(shape) * itemsize
+    return total
+
+
+def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: int) -> dict:
+    """Bytes a round (k > 0) or decode step (k = 0) moves, by kind."""
+    target = names.target_tensors(cfg)
+    lm_head = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
+    if cfg.tie_word_embeddings:
+        target = {**target, **lm_head}  # the tied head reads the whole table
+    rows = batch * (k + 1)
+    out = {"weights": forward_weight_bytes(cfg, target, rows, itemsize)}
+    kv_per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
+    out["kv_read"] = batch * context * kv_per_token * len(cfg.full_layer_ids)
+    state = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
+             * len(cfg.linear_layer_ids))
+    # verify reads the state; the commit reads it and writes it back (k > 0), decode the same.
+    out["gdn_state"] = batch * state * 3
+    if k:
+        draft = {**names.mtp_tensors(cfg), **lm_head}
+        out["draft_weights"] = (forward_weight_bytes(cfg, draft, batch * (k + 1), itemsize)
+                                + (k - 1) * forward_weight_bytes(cfg, draft, batch, itemsize))
+        out["draft_kv_read"] = k * batch * context * kv_per_token * cfg.mtp_num_hidden_layers
+    out["total"] = sum(out.values())
+    return out

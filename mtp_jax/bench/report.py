@@ -1,0 +1,138 @@
+"""The run's metadata and the markdown tables printed on stdout (pasteable into
+docs/benchmarks.md)."""
+
+from __future__ import annotations
+
+import datetime
+import os
+import platform
+import subprocess
+import sys
+
+import jax
+
+
+def _git(*args: str) -> str | None:
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    try:
+        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
+                             timeout=10)
+    except (OSError, subprocess.SubprocessError):
+        return None
+    return out.stdout.strip() if out.returncode == 0 else None
+
+
+def run_metadata(args: dict, cache_dir: str | None, kernels: dict | None) -> dict:
+    """Date, commit, versions, device, XLA_FLAGS, compilation cache and the command's args."""
+    dev = jax.devices()[0]
+    try:
+        import jaxlib
+
+        jaxlib_version = jaxlib.__version__
+    except (ImportError, AttributeError):
+        jaxlib_version = None
+    status = _git("status", "--porcelain", "--untracked-files=no")
+    return {
+        "date_utc": datetime.datetime.now(datetime.timezone.utc).isoformat(timespec="seconds"),
+        "git_commit": _git("rev-parse", "--short", "HEAD"),
+        "git_dirty": None if status is None else bool(status),
+        "jax_version": jax.__version__, "jaxlib_version": jaxlib_version,
+        "python": sys.version.split()[0], "host": platform.node(),
+        "platform": dev.platform, "device_kind": dev.device_kind,
+        "device_count": jax.device_count(),
+        "xla_flags": os.environ.get("XLA_FLAGS", ""),
+        "compilation_cache_dir": cache_dir, "kernel_backends": kernels, "args": args,
+    }
+
+
+def _shape(path: str) -> str:
+    return os.path.splitext(os.path.basename(path))[0]
+
+
+def _n(x: float) -> str:
+    return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
+
+
+def main_table(results: list[dict]) -> str:
+    """One row per (config, batch, k): times, floor, tokens/s, exactness, compiles, memory."""
+    head = ("| shape | batch | k | round ms (p10-p90) | floor ms | of floor | context | "
+            "tokens/s (k=0) or at AL " + " / ".join(_al_names(results)) + " | e2e tokens/s "
+            "(measured AL) | exact | prefill tok/s | start-up s (built, cached) | timed compiles "
+            "| peak GiB |")
+    lines = [head, "|" + "---|" * head.count(" | ") + "---|"]
+    for r in results:
+        if r["k"]:
+            derived = " / ".join(_n(v) for v in r["tokens_per_s_at_accept_length"].values())
+            e2e = " / ".join(f"{_n(f['tokens_per_s_e2e'])} ({f['accept_length_measured']:.2f})"
+                             for f in r["forced"])
+        else:
+            derived, e2e = _n(r["tokens_per_s"]), _n(r["tokens_per_s_e2e"])
+        built = sum(p["compiles"] for p in r["programs"])
+        hits = sum(p["cache_hits"] for p in r["programs"])
+        peak = r.get("peak_device_bytes")
+        ctx = r["context"]
+        timed = r["compiles_timed"]
+        lines.append(
+            f"| {_shape(r['config'])} | {r['batch']} | {r['k']} | {r['round_ms']:.2f} "
+            f"({r['round_ms_p10']:.2f}-{r['round_ms_p90']:.2f}) | {r['floor_ms']:.2f} | "
+            f"{r['fraction_of_floor']:.0%} | {ctx['start']}-{ctx['end']} | {derived} | {e2e} | "
+            f"{'-' if r['exact'] is None else 'yes' if r['exact'] else '**NO**'} | {_n(r['prefill_tokens_per_s'])} | "
+            f"{r['startup_s']:.1f} ({built}, {hits}) | {timed if not timed else f'**{timed}**'} "
+            f"| {'-' if peak is None else f'{peak / 2**30:.1f}'} |")
+    return "\n".join(lines)
+
+
+def _al_names(results: list[dict]) -> list[str]:
+    for r in results:
+        if r["k"]:
+            return list(r["tokens_per_s_at_accept_length"])
+    return ["2.5", "3.0", "3.5"]
+
+
+def programs_table(results: list[dict]) -> str:
+    """First call of every program: seconds (compile included), executables built, of which
+    loaded from the persistent cache."""
+    lines = ["| shape | batch | k | program | first call s | built | from cache |",
+             "|---|---|---|---|---|---|---|"]
+    for r in results:
+        w = r.get("engine_warmup")
+        if w:
+            lines.append(f"| {_shape(r['config'])} | {r['batch']} | {r['k']} | Engine.warmup() "
+                         f"(prefill T={w['buckets']['prefill']}, B={w['buckets']['batch']}) | "
+                         f"{w['seconds']:.2f} | {w['compiles']} | {w['cache_hits']} |")
+        for p in r["programs"]:
+            lines.append(f"| {_shape(r['config'])} | {r['batch']} | {r['k']} | {p['program']} "
+                         f"| {p['first_call_s']:.2f} | {p['compiles']} | {p['cache_hits']} |")
+    return "\n".join(lines)
+
+
+def bytes_table(results: list[dict]) -> str:
+    """Bytes a round must move (GB = 1e9 bytes) and the floor they set."""
+    kinds = ["weights", "kv_read", "gdn_state", "draft_weights", "draft_kv_read", "total"]
+    lines = ["| shape | batch | k | " + " | ".join(f"{k} GB" for k in kinds) + " | floor ms |",
+             "|" + "---|" * (len(kinds) + 4)]
+    for r in results:
+        by = r["bytes"]
+        cells = " | ".join(f"{by[k] / 1e9:.3f}" if k in by else "-" for k in kinds)
+        lines.append(f"| {_shape(r['config'])} | {r['batch']} | {r['k']} | {cells} | "
+                     f"{r['floor_ms']:.2f} |")
+    return "\n".join(lines)
+
+
+def failures(results: list[dict]) -> list[str]:
+    """One line per row whose forced rounds did not reproduce plain decoding, or that compiled
+    in its timed phase."""
+    out = []
+    for r in results:
+        tag = f"{_shape(r['config'])} batch={r['batch']} k={r['k']}"
+        for f in r.get("forced", []):
+            if not f["exact"]:
+                m = f["first_mismatch"]
+                out.append(f"MISMATCH {tag} accept_length={f['accept_length']}: requests "
+                           f"{f['mismatched_requests']} differ from plain decoding; first at "
+                           f"request {m['request']} token {m['index']}: expected "
+                           f"{m['expected']}, got {m['got']}")
+        if r["compiles_timed"]:
+            out.append(f"COMPILE IN TIMED PHASE {tag}: {r['compiles_timed']} XLA compilation(s) "
+                       "after warm-up")
+    return out

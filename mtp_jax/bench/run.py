@@ -1,0 +1,369 @@
+"""One benchmark row: a (model, batch, k) engine driven step by step.
+
+Phases, with XLA compilations counted in each (:mod:`mtp_jax.bench.compiles`):
+
+* ``engine_setup``: the engine and its pools;
+* ``engine_warmup`` (``Settings.engine_warmup`` only): ``Engine.warmup()``, every prefill and
+  batch bucket of the engine compiled as a server start-up does (the programs' first calls
+  below then find them compiled);
+* ``warmup``: every request's prefill (the first one times the prefill program's first call),
+  the prefill-throughput calls, the warm-up rounds (the first one times the round program's
+  first call) and, for k > 0, the first draft overwrite;
+* ``timed``: the decode (must compile nothing);
+* ``reference``: the plain-decoding reference of a k > 0 row when k = 0 was not benchmarked.
+
+k = 0: ``decode_tokens`` timed decode steps. k > 0: for each forced accept length, a fresh
+prefill of the same prompts, then forced rounds (:mod:`mtp_jax.bench.forced`) until every request
+has committed ``decode_tokens`` tokens in the timed phase. The draft overwrite after each round
+is a separate jitted call, waited for and timed on its own: it is excluded from the round times
+and included in the end-to-end wall time.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import dataclasses
+import gc
+import statistics
+import time
+
+import jax
+import numpy as np
+
+from mtp_jax.bench.compiles import CompileWatch
+from mtp_jax.bench.floor import round_bytes
+from mtp_jax.bench.forced import (accept_fraction, commits_of_round, compare_to_reference,
+                                  forced_drafts, overwrite_drafts)
+from mtp_jax.cache.allocator import pages_needed
+from mtp_jax.config import EngineConfig, SpecConfig
+from mtp_jax.engine.engine import Engine, next_pow2
+from mtp_jax.engine.requests import Request, SamplingParams
+
+
+@dataclasses.dataclass(frozen=True)
+class Settings:
+    """What every row shares. ``max_k``: the largest k of the run (all engines of a batch get
+    the same page-table width, so k = 0 and k > 0 compute over identical tables)."""
+
+    prompt_len: int = 1024
+    decode_tokens: int = 1024
+    warmup_rounds: int = 3
+    page_size: int = 16
+    hbm_tbps: float = 4.2
+    accept_lengths: tuple[float, ...] = (2.5, 3.0, 3.5)
+    prefill_reps: int = 3
+    max_k: int = 3
+    engine_warmup: bool = False
+
+    def validate(self) -> None:
+        for name in ("prompt_len", "decode_tokens", "warmup_rounds", "prefill_reps"):
+            if getattr(self, name) < 1:
+                raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be "
+                                 ">= 1.")
+        if not 0 <= self.max_k <= 8:
+            raise ValueError(f"--k {self.max_k} must be in 0..8.")
+
+    @property
+    def reference_len(self) -> int:
+        """Plain-decoding tokens a forced run may need: the prefill's token, warm-up rounds
+        of up to max_k + 1 tokens, the timed tokens, the last round's overshoot, and the
+        drafts of the last round run, plus one round of slack for rows of a batch that end
+        the timed phase a round after the others."""
+        k = self.max_k
+        return 1 + self.warmup_rounds * (k + 1) + self.decode_tokens + 2 * (k + 1) + k
+
+    @property
+    def max_model_len(self) -> int:
+        """Room for the reference plus slack, minus 2 max_k + 1 so that every k gets the same
+        page-table width (``pages_needed(max_model_len + 2k + 1)`` for k <= max_k)."""
+        k, ps = self.max_k, self.page_size
+        pages = pages_needed(self.prompt_len + self.reference_len + 4 * k + 8, ps)
+        return pages * ps - (2 * k + 1)
+
+
+def requests(batch: int, prompt_len: int, max_tokens: int, vocab: int, start: int):
+    """``batch`` greedy requests (``ignore_eos``) with random prompts, deterministic in
+    ``start`` (the first request's index)."""
+    rng = np.random.default_rng(start)
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return [Request(request_id=str(start + i), index=start + i, prompt=None,
+                    prompt_ids=rng.integers(10, vocab - 10, prompt_len).tolist(), params=params,
+                    seed=0) for i in range(batch)]
+
+
+class Ledger:
+    """Compile counts per phase and the first call of each program."""
+
+    def __init__(self):
+        self.phases: dict[str, CompileWatch] = {}
+        self.programs: list[dict] = []
+
+    @contextlib.contextmanager
+    def phase(self, name: str, program: str | None = None):
+        with CompileWatch() as w:
+            yield w
+        self.phases.setdefault(name, CompileWatch()).add(w)
+        if program is not None:
+            self.programs.append({"program": program, "first_call_s": w.seconds,
+                                  "compiles": w.compiles, "cache_hits": w.cache_hits,
+                                  "compile_s": w.compile_s})
+
+    def compiles(self, name: str) -> int:
+        return self.phases[name].compiles if name in self.phases else 0
+
+
+def make_engine(model, batch: int, k: int, s: Settings) -> Engine:
+    """An engine for ``batch`` requests plus one slot for the prefill-throughput prompt."""
+    spec = SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3)
+    return Engine(model, EngineConfig(max_running_requests=batch + 1, page_size=s.page_size,
+                                      max_model_len=s.max_model_len,
+                                      chunked_prefill_size=s.prompt_len,
+                                      enable_prefix_cache=False, dtype=model.dtype), spec)
+
+
+def _bucket_names(eng: Engine, batch: int, k: int, s: Settings) -> tuple[str, str]:
+    t = max(16, next_pow2(s.prompt_len))
+    b = min(next_pow2(batch), next_pow2(eng.cfg.max_running_requests))
+    return f"prefill[T={t},k={k}]", f"round[B={b},k={k}]"
+
+
+def prefill_all(eng: Engine, reqs: list[Request], ledger: Ledger, phase: str,
+                first_program: str | None) -> None:
+    """Admit ``reqs`` and prefill each whole prompt (no round in between), as ``Engine.step``
+    does; the first request's prefill is recorded as ``first_program``'s first call."""
+    for r in reqs:
+        eng.add_request(r)
+        eng.waiting.remove(r)
+        r.slot = eng.slots.take()[0]
+    for i, r in enumerate(reqs):
+        with ledger.phase(phase, first_program if i == 0 else None):
+            eng.prefilling.append(r)
+            while r.prefilled < len(r.prompt_ids):
+                eng._prefill_chunk(r, eng.chunk_size)
+            eng.prefilling.remove(r)
+            eng._shrink(r, r.position)
+            eng.decoding.append(r)
+            jax.block_until_ready(eng.pools)
+
+
+def release_all(eng: Engine, reqs: list[Request]) -> None:
+    for r in reqs:
+        eng._release(r)
+    eng.decoding = [r for r in eng.decoding if r not in reqs]
+
+
+def measure_prefill(eng: Engine, s: Settings, vocab: int) -> float:
+    """Median seconds of ``prefill_reps`` prefills of one ``prompt_len`` prompt (compiled
+    program, timed alone, in the spare slot)."""
+    times = []
+    for rep in range(s.prefill_reps):
+        extra = requests(1, s.prompt_len, 2, vocab, 10**6 + rep)[0]
+        eng.add_request(extra)
+        eng.waiting.remove(extra)
+        extra.slot = eng.slots.take()[0]
+        jax.block_until_ready(eng.pools)
+        t0 = time.perf_counter()
+        while extra.prefilled < s.prompt_len:
+            eng._prefill_chunk(extra, eng.chunk_size)
+        jax.block_until_ready(eng.pools)
+        times.append(time.perf_counter() - t0)
+        eng._release(extra)
+    return statistics.median(times)
+
+
+def _timing(times: list[float]) -> dict:
+    ms = np.asarray(times) * 1e3
+    return {"round_ms": float(np.median(ms)), "round_ms_p10": float(np.percentile(ms, 10)),
+            "round_ms_p90": float(np.percentile(ms, 90)), "rounds_timed": len(times)}
+
+
+def _context(positions: list[float]) -> dict:
+    return {"start": int(min(positions)), "end": int(max(positions)),
+            "mean": float(np.mean(positions))}
+
+
+def plain_decode(eng: Engine, reqs: list[Request], s: Settings, ledger: Ledger,
+                 round_program: str | None, warm: str = "warmup",
+                 timed: str | None = "timed") -> dict:
+    """Warm-up steps, ``decode_tokens`` timed steps (``timed=None``: untimed, counted under
+    ``warm``), then untimed steps until each request holds ``reference_len`` tokens."""
+    with ledger.phase(warm, round_program):
+        eng._run_round(reqs)
+    with ledger.phase(warm):
+        for _ in range(s.warmup_rounds - 1):
+            eng._run_round(reqs)
+    times, positions = [], []
+    with ledger.phase(timed or warm):
+        t_start = time.perf_counter()
+        for _ in range(s.decode_tokens):
+            positions.append(float(np.mean([r.position for r in reqs])))
+            t0 = time.perf_counter()
+            eng._run_round(reqs)
+            times.append(time.perf_counter() - t0)
+        wall = time.perf_counter() - t_start
+    with ledger.phase(warm):
+        while min(len(r.output_ids) for r in reqs) < s.reference_len:
+            eng._run_round(reqs)
+    return {**_timing(times), "context": _context(positions),
+            "tokens_per_s_e2e": s.decode_tokens * len(reqs) / wall, "wall_s": wall}
+
+
+def _force(eng: Engine, reqs: list[Request], reference, m: int, k: int, vocab: int) -> float:
+    """Overwrite the drafts of ``reqs``' slots; returns the seconds it took (host + device)."""
+    t0 = time.perf_counter()
+    drafts = forced_drafts([r.output_ids for r in reqs], reference, m, k, vocab)
+    slots = np.asarray([r.slot for r in reqs], np.int32)
+    nt = overwrite_drafts(eng.pools.next_tokens, slots, drafts)
+    eng.pools = dataclasses.replace(eng.pools, next_tokens=nt)
+    jax.block_until_ready(nt)
+    return time.perf_counter() - t0
+
+
+def forced_decode(eng: Engine, reqs: list[Request], reference, accept_length: float, k: int,
+                  s: Settings, ledger: Ledger, programs: tuple[str, str] | None) -> dict:
+    """Prefill ``reqs``, then forced rounds at ``accept_length``: ``warmup_rounds`` untimed,
+    then timed until each request committed ``decode_tokens`` tokens. ``programs``: names of
+    the prefill and round programs when this is their first call, else ``None``."""
+    vocab = eng.model.cfg.vocab_size
+    a = accept_fraction(accept_length, k)
+    prefill_all(eng, reqs, ledger, "warmup", programs[0] if programs else None)
+    with ledger.phase("warmup", f"overwrite_drafts[B={len(reqs)},k={k}]" if programs else None):
+        _force(eng, reqs, reference, commits_of_round(a, 0) - 1, k, vocab)
+    for i in range(s.warmup_rounds):
+        with ledger.phase("warmup", programs[1] if programs and i == 0 else None):
+            eng._run_round(reqs)
+        with ledger.phase("warmup"):
+            # the alternation restarts with the timed phase: its R rounds commit floor(a R)
+            m = commits_of_round(a, i + 1 if i + 1 < s.warmup_rounds else 0) - 1
+            _force(eng, reqs, reference, m, k, vocab)
+    r_idx = 0
+    times, positions, force_s, commits = [], [], [], []
+    done = [0] * len(reqs)
+    with ledger.phase("timed"):
+        t_start = time.perf_counter()
+        while min(done) < s.decode_tokens:
+            positions.append(float(np.mean([r.position for r in reqs])))
+            t0 = time.perf_counter()
+            new = eng._run_round(reqs)
+            times.append(time.perf_counter() - t0)
+            got = [len(new.get(r, ())) for r in reqs]
+            commits.append(float(np.mean(got)))
+            done = [d + g for d, g in zip(done, got)]
+            r_idx += 1
+            if min(done) < s.decode_tokens:
+                force_s.append(_force(eng, reqs, reference, commits_of_round(a, r_idx) - 1, k,
+                                      vocab))
+        wall = time.perf_counter() - t_start
+    timing = _timing(times)
+    measured = float(np.mean(commits))
+    check = compare_to_reference([r.output_ids for r in reqs], reference)
+    release_all(eng, reqs)
+    return {"accept_length": accept_length, "accept_length_measured": measured, **timing,
+            "_times": times, "context": _context(positions),
+            "overwrite_ms": float(np.median(force_s) * 1e3) if force_s else 0.0,
+            "tokens_per_s_e2e": sum(done) / wall, "wall_s": wall,
+            "tokens_per_s_derived": measured * len(reqs) / (timing["round_ms"] / 1e3),
+            **check}
+
+
+def plain_reference(model, batch: int, s: Settings, ledger: Ledger) -> list[list[int]]:
+    """Plain-decoding (k = 0) continuations of the benchmark prompts, ``reference_len``
+    tokens each (untimed; compiles counted under ``reference``)."""
+    with ledger.phase("reference"):
+        eng = make_engine(model, batch, 0, s)
+    reqs = requests(batch, s.prompt_len, 10**9, model.cfg.vocab_size, 0)
+    prefill_all(eng, reqs, ledger, "reference", None)
+    plain_decode(eng, reqs, s, ledger, None, warm="reference", timed=None)
+    out = [list(r.output_ids[:s.reference_len]) for r in reqs]
+    release_all(eng, reqs)
+    del eng
+    gc.collect()
+    return out
+
+
+def bench_one(model, batch: int, k: int, s: Settings,
+              reference: list[list[int]] | None = None) -> tuple[dict, list[list[int]] | None]:
+    """Benchmark one (batch, k). k > 0 needs ``reference`` (plain continuations of the same
+    prompts, from the k = 0 row of this batch); without it one is decoded first.
+
+    Returns ``(result dict, reference)`` where the reference is the plain continuation this
+    row produced (k = 0) or used (k > 0).
+    """
+    cfg = model.cfg
+    ledger = Ledger()
+    if k and reference is None:
+        reference = plain_reference(model, batch, s, ledger)
+    with ledger.phase("engine_setup"):
+        eng = make_engine(model, batch, k, s)
+    names = _bucket_names(eng, batch, k, s)
+    res: dict = {"batch": batch, "k": k, "prompt_len": s.prompt_len,
+                 "decode_tokens": s.decode_tokens}
+    if s.engine_warmup:
+        with ledger.phase("engine_warmup") as w:
+            eng.warmup()
+        res["engine_warmup"] = {"buckets": {"prefill": eng.prefill_buckets(),
+                                            "batch": eng.batch_buckets()}, **w.as_dict()}
+    prefill_s = None
+    if k == 0:
+        reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0)
+        prefill_all(eng, reqs, ledger, "warmup", names[0])
+        with ledger.phase("warmup"):
+            prefill_s = measure_prefill(eng, s, cfg.vocab_size)
+        run = plain_decode(eng, reqs, s, ledger, names[1])
+        reference = [list(r.output_ids[:s.reference_len]) for r in reqs]
+        release_all(eng, reqs)
+        res.update(run)
+        res["tokens_per_s"] = batch / (run["round_ms"] / 1e3)
+        res["exact"] = None  # plain decoding is the reference itself
+    else:
+        forced, skipped = [], []
+        for al in s.accept_lengths:
+            try:
+                accept_fraction(al, k)
+            except ValueError as e:
+                skipped.append({"accept_length": al, "reason": str(e)})
+                continue
+            reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0)
+            first = not forced
+            forced.append(forced_decode(eng, reqs, reference, al, k, s, ledger,
+                                        names if first else None))
+            if first:
+                with ledger.phase("warmup"):
+                    prefill_s = measure_prefill(eng, s, cfg.vocab_size)
+        if not forced:
+            raise ValueError(f"no accept length of {list(s.accept_lengths)} can be forced with "
+                             f"k={k} (each must be in [1, {k + 1}]).")
+        pooled = [t for f in forced for t in f.pop("_times")]
+        res.update(_timing(pooled))
+        res["context"] = {"start": min(f["context"]["start"] for f in forced),
+                          "end": max(f["context"]["end"] for f in forced),
+                          "mean": float(np.mean([f["context"]["mean"] for f in forced]))}
+        res["tokens_per_s_at_accept_length"] = {
+            str(f["accept_length"]): f["accept_length"] * batch / (res["round_ms"] / 1e3)
+            for f in forced}
+        res["forced"] = forced
+        res["skipped_accept_lengths"] = skipped
+        res["exact"] = all(f["exact"] for f in forced)
+    res["prefill_s"] = prefill_s
+    res["prefill_tokens_per_s"] = s.prompt_len / prefill_s
+    itemsize = 2 if model.dtype != "float32" else 4
+    by = round_bytes(cfg, batch, k, round(res["context"]["mean"]), itemsize)
+    floor = by["total"] / (s.hbm_tbps * 1e12)
+    res["bytes"] = {name: float(v) for name, v in by.items()}
+    res["floor_ms"] = floor * 1e3
+    res["fraction_of_floor"] = floor / (res["round_ms"] / 1e3)
+    res["programs"] = ledger.programs
+    res["compiles"] = {name: w.as_dict() for name, w in ledger.phases.items()}
+    res["compiles_timed"] = ledger.compiles("timed")
+    res["compiles_warmup"] = ledger.compiles("warmup")
+    res["startup_s"] = float(sum(p["first_call_s"] for p in ledger.programs))
+    built = sum(p["compiles"] for p in ledger.programs)
+    hits = sum(p["cache_hits"] for p in ledger.programs)
+    res["startup_from_cache"] = ("none" if built == 0 else "cached" if hits == built
+                                 else "cold" if hits == 0 else "mixed")
+    res["compiled_programs"] = eng.compiled_program_count()
+    stats = jax.devices()[0].memory_stats() or {}
+    res["peak_device_bytes"] = stats.get("peak_bytes_in_use")
+    del eng
+    gc.collect()
+    return res, reference

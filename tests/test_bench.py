@@ -1,0 +1,266 @@
+"""The benchmark (``python -m mtp_jax.bench``) on a tiny random config, its forced-draft exactness
+check, and the persistent compilation cache (``mtp_jax.compile_cache``).
+
+Every cache folder here is under pytest's tmp_path; the jax cache settings are restored after
+the module, so nothing is written to the user's home."""
+
+import json
+import os
+import warnings
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+
+from mtp_jax import compile_cache
+from mtp_jax.bench import forced
+from mtp_jax.config import ConfigError
+
+TINY = {
+    "architectures": ["Qwen3_5ForConditionalGeneration"],
+    "model_type": "qwen3_5",
+    "text_config": {
+        "model_type": "qwen3_5_text", "vocab_size": 300, "hidden_size": 64,
+        "num_hidden_layers": 2, "layer_types": ["linear_attention", "full_attention"],
+        "full_attention_interval": 2, "num_attention_heads": 4, "num_key_value_heads": 2,
+        "head_dim": 32, "attn_output_gate": True, "attention_bias": False,
+        "linear_num_key_heads": 2, "linear_num_value_heads": 4, "linear_key_head_dim": 16,
+        "linear_value_head_dim": 16, "linear_conv_kernel_dim": 4, "hidden_act": "silu",
+        "rms_norm_eps": 1e-6, "max_position_embeddings": 4096, "intermediate_size": 128,
+        "rope_parameters": {"rope_type": "default", "rope_theta": 10000000,
+                            "partial_rotary_factor": 0.25, "mrope_section": [2, 1, 1],
+                            "mrope_interleaved": True},
+        "partial_rotary_factor": 0.25, "mtp_num_hidden_layers": 1,
+        "mtp_use_dedicated_embeddings": False, "eos_token_id": 1,
+        "tie_word_embeddings": False, "dtype": "float32",
+    },
+}
+DECODE = 8
+ARGS = ["--batch", "2", "--prompt-len", "16", "--decode-tokens", str(DECODE),
+        "--warmup-rounds", "2", "--prefill-reps", "1", "--dtype", "float32",
+        "--accept-lengths", "2.5", "3.0", "3.5"]
+
+
+@pytest.fixture(scope="module", autouse=True)
+def restore_jax_cache():
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    yield
+    from jax._src import compilation_cache as cc
+
+    cc.reset_cache()
+    for k, v in saved.items():
+        jax.config.update(k, v)
+
+
+@pytest.fixture(scope="module")
+def workdir(tmp_path_factory):
+    d = tmp_path_factory.mktemp("bench")
+    with open(d / "tiny.json", "w") as f:
+        json.dump(TINY, f)
+    return d
+
+
+def _bench(workdir, capsys, name, *extra):
+    from mtp_jax.bench import main
+
+    out = workdir / f"{name}.json"
+    rc = main(["--config", str(workdir / "tiny.json"), *ARGS, "--out", str(out),
+               "--compilation-cache-dir", str(workdir / "xla"), *extra])
+    cap = capsys.readouterr()
+    return rc, json.loads(out.read_text()), cap.out, cap.err
+
+
+@pytest.fixture(scope="module")
+def cold(workdir):
+    """The first run: k 0 and 2, cold compilation cache. Returns (rc, JSON, stdout, stderr)."""
+    import contextlib
+    import io
+
+    from mtp_jax.bench import main
+
+    out, err = io.StringIO(), io.StringIO()
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+        rc = main(["--config", str(workdir / "tiny.json"), *ARGS, "--k", "0", "2",
+                   "--out", str(workdir / "cold.json"),
+                   "--compilation-cache-dir", str(workdir / "xla")])
+    return rc, json.loads((workdir / "cold.json").read_text()), out.getvalue(), err.getvalue()
+
+
+def test_bench_runs_exact_and_reports(cold):
+    rc, data, stdout, stderr = cold
+    assert rc == 0, stderr
+    meta = data["meta"]
+    for key in ("date_utc", "git_commit", "jax_version", "device_kind", "xla_flags",
+                "compilation_cache_dir"):
+        assert key in meta
+    assert meta["jax_version"] == jax.__version__
+    rows = {r["k"]: r for r in data["results"]}
+    assert sorted(rows) == [0, 2]
+    for r in rows.values():
+        for key in ("round_ms", "round_ms_p10", "round_ms_p90", "context", "floor_ms",
+                    "fraction_of_floor", "bytes", "prefill_tokens_per_s", "programs",
+                    "compiles_timed", "compiles_warmup", "startup_s", "peak_device_bytes"):
+            assert key in r, key
+        assert r["round_ms_p10"] <= r["round_ms"] <= r["round_ms_p90"]
+        assert r["compiles_timed"] == 0  # nothing compiles after warm-up
+        assert r["compiles_warmup"] >= 1
+    assert rows[0]["exact"] is None and rows[2]["exact"] is True
+    plain = rows[0]
+    assert plain["rounds_timed"] == DECODE
+    assert plain["context"]["end"] - plain["context"]["start"] == DECODE - 1
+    assert {p["program"] for p in plain["programs"]} == {"prefill[T=16,k=0]", "round[B=2,k=0]"}
+    spec = rows[2]
+    assert {p["program"] for p in spec["programs"]} == {
+        "prefill[T=16,k=2]", "round[B=2,k=2]", "overwrite_drafts[B=2,k=2]"}
+    # the cold start compiled every engine program (none came from the fresh cache)
+    for p in plain["programs"] + spec["programs"]:
+        if not p["program"].startswith("overwrite"):
+            assert p["compiles"] >= 1 and p["cache_hits"] == 0, p
+    assert [s["accept_length"] for s in spec["skipped_accept_lengths"]] == [3.5]  # > k + 1
+    for f, want in zip(spec["forced"], (2.5, 3.0)):
+        assert f["accept_length"] == want
+        assert f["exact"] and f["mismatched_requests"] == []
+        assert abs(f["accept_length_measured"] - want) <= 1 / f["rounds_timed"]
+        assert f["accept_length_measured"] * f["rounds_timed"] >= DECODE
+        assert f["tokens_per_s_e2e"] > 0 and f["tokens_per_s_derived"] > 0
+    assert set(spec["tokens_per_s_at_accept_length"]) == {"2.5", "3.0"}
+    lines = stdout.splitlines()
+    assert lines[0].startswith("| shape | batch | k | round ms")
+    assert set(lines[1]) <= set("|-")
+    assert lines[2].startswith("| tiny | 2 | 0 |") and lines[3].startswith("| tiny | 2 | 2 |")
+    assert os.listdir(meta["compilation_cache_dir"])  # programs were written to the cache
+
+
+def test_corrupted_reference_is_detected_and_cached_startup(cold, workdir, monkeypatch,
+                                                            capsys):
+    """A wrong plain-decoding continuation must fail the exactness check (exit status 1); the
+    second start-up loads the engine programs from the persistent cache."""
+    from mtp_jax.bench import run
+
+    real = run.plain_reference
+
+    def corrupted(*a, **kw):
+        ref = real(*a, **kw)
+        ref[1][4] = (ref[1][4] + 7) % TINY["text_config"]["vocab_size"]
+        return ref
+
+    monkeypatch.setattr(run, "plain_reference", corrupted)
+    rc, data, _, stderr = _bench(workdir, capsys, "corrupt", "--k", "2",
+                                 "--accept-lengths", "3.0")
+    assert rc == 1
+    (row,) = data["results"]
+    assert row["exact"] is False
+    f = row["forced"][0]
+    assert f["mismatched_requests"] == [1]
+    assert f["first_mismatch"]["request"] == 1 and f["first_mismatch"]["index"] == 4
+    assert "MISMATCH" in stderr
+    for p in row["programs"]:
+        if p["program"].startswith(("prefill", "round")):
+            assert p["compiles"] >= 1 and p["cache_hits"] == p["compiles"], p
+    assert row["startup_from_cache"] == "cached"
+
+
+def test_accept_plan_and_drafts():
+    a = forced.accept_fraction(2.5, 3)
+    assert [forced.commits_of_round(a, r) for r in range(6)] == [2, 3, 2, 3, 2, 3]
+    a = forced.accept_fraction(3.5, 3)
+    assert [forced.commits_of_round(a, r) for r in range(4)] == [3, 4, 3, 4]
+    with pytest.raises(ValueError, match="accept length 3.5 cannot be forced with k=2"):
+        forced.accept_fraction(3.5, 2)
+    ref = [[5, 6, 7, 8, 9, 10], [20, 21, 22, 23, 24, 25]]
+    # request 0 committed [5, 6] (pending 6): drafts 7, 8 right (m=2), 9 wrong
+    d = forced.forced_drafts([[5, 6], [20]], ref, m=2, k=3, vocab=300)
+    np.testing.assert_array_equal(d, [[7, 8, 10], [21, 22, 24]])
+    with pytest.raises(ValueError, match="reference continuation has 6 tokens"):
+        forced.forced_drafts([[5, 6, 7, 8, 9]], ref[:1], m=2, k=3, vocab=300)
+    ok = forced.compare_to_reference([[5, 6, 7], [20]], ref)
+    assert ok["exact"] and ok["tokens_compared"] == 4
+    bad = forced.compare_to_reference([[5, 6, 7], [20, 21, 99]], ref)
+    assert not bad["exact"] and bad["first_mismatch"] == {"request": 1, "index": 2,
+                                                          "expected": 22, "got": 99}
+
+
+def test_overwrite_keeps_pending_token():
+    nt = jnp.arange(12, dtype=jnp.int32).reshape(4, 3)
+    out = forced.overwrite_drafts(nt, np.asarray([2, 1], np.int32),
+                                  np.asarray([[70, 71], [80, 81]], np.int32))
+    np.testing.assert_array_equal(out, [[0, 1, 2], [3, 80, 81], [6, 70, 71], [9, 10, 11]])
+
+
+# ---- compilation cache ----------------------------------------------------------------------
+
+def test_cache_same_dir_is_noop_other_dir_warns(tmp_path):
+    a, b = str(tmp_path / "a"), str(tmp_path / "b")
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        assert compile_cache.enable_compilation_cache(a) == a
+    assert jax.config.jax_persistent_cache_min_compile_time_secs == 0
+    jax.jit(lambda x: x * 3 + 2)(jnp.ones(5)).block_until_ready()  # jax opens the cache
+    assert os.listdir(a)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert compile_cache.enable_compilation_cache(a) == a  # same folder: nothing happens
+    with pytest.warns(compile_cache.CompilationCacheWarning, match="moves from .* to "):
+        assert compile_cache.enable_compilation_cache(b) == b
+    jax.jit(lambda x: x * 5 - 1)(jnp.ones(5)).block_until_ready()
+    assert os.listdir(b)
+    with pytest.warns(compile_cache.CompilationCacheWarning, match="off"):
+        assert compile_cache.enable_compilation_cache("OFF") is None
+    assert compile_cache.active_cache_dir() is None
+
+
+def test_cache_folder_resolution(tmp_path, monkeypatch):
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compile_cache.enable_compilation_cache("none")
+    monkeypatch.delenv(compile_cache.ENV, raising=False)
+    monkeypatch.setenv("MTP_JAX_CACHE", str(tmp_path / "root"))
+    assert compile_cache.resolve_cache_dir(None) == (str(tmp_path / "root" / "xla"), False)
+    monkeypatch.setenv(compile_cache.ENV, str(tmp_path / "env"))
+    assert compile_cache.resolve_cache_dir(None) == (str(tmp_path / "env"), True)
+    assert compile_cache.resolve_cache_dir("none") == (None, True)
+    assert compile_cache.resolve_cache_dir(str(tmp_path / "x")) == (str(tmp_path / "x"), True)
+
+
+def test_unwritable_cache_folder_errors(tmp_path, monkeypatch, capsys):
+    blocker = tmp_path / "a_file"
+    blocker.write_text("")
+    bad = str(blocker / "xla")  # a folder under a file: cannot be created, even by root
+    with pytest.raises(ConfigError, match="--compilation-cache-dir") as e:
+        compile_cache.enable_compilation_cache(bad)
+    assert bad in str(e.value)
+    monkeypatch.setenv(compile_cache.ENV, bad)
+    with pytest.raises(ConfigError, match="not writable"):
+        compile_cache.enable_compilation_cache()
+    # the default folder unusable: a warning, the cache stays off, the engine still starts
+    monkeypatch.delenv(compile_cache.ENV)
+    monkeypatch.setenv("MTP_JAX_CACHE", str(blocker))
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        compile_cache.enable_compilation_cache("none")
+    with pytest.warns(compile_cache.CompilationCacheWarning, match="stays off"):
+        assert compile_cache.enable_compilation_cache() is None
+    from mtp_jax import generate
+    from mtp_jax.bench import main
+
+    assert generate.main(["--compilation-cache-dir", bad]) == 2
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "Qwen3.5-2B.json")
+    assert main(["--config", config, "--compilation-cache-dir", bad]) == 2
+    err = capsys.readouterr().err
+    assert err.count(bad) == 2 and err.count("--compilation-cache-dir") == 2
+
+
+@pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0,
+                    reason="root writes into read-only folders")
+def test_read_only_cache_folder_errors(tmp_path):
+    ro = tmp_path / "ro"
+    ro.mkdir()
+    ro.chmod(0o500)
+    try:
+        with pytest.raises(ConfigError, match="not writable.*--compilation-cache-dir"):
+            compile_cache.enable_compilation_cache(str(ro))
+    finally:
+        ro.chmod(0o700)
