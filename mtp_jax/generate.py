@@ -58,8 +58,16 @@ def build_parser() -> argparse.ArgumentParser:
                    help="fraction of device memory for weights and pools, in (0, 1]")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV positions for all requests together (overrides --mem-fraction)")
+    p.add_argument("--compilation-cache-dir", default=None,
+                   help="persistent XLA compilation cache folder, or 'none' (default: "
+                        "$MTP_JAX_COMPILATION_CACHE or ~/.cache/mtp_jax/xla)")
     p.add_argument("--ple-backend", default="disk", choices=["disk", "memory"],
                    help="qwen4_exp: PLE n-gram tables memory-mapped from disk or in host RAM")
+    for op, what in (("attention", "paged attention (decode/verify rows)"),
+                     ("gdn", "the GDN verify/commit recurrence"), ("moe", "the MoE experts")):
+        p.add_argument(f"--{op}-backend", default="auto", choices=["auto", "xla", "pallas"],
+                       help=f"implementation of {what}: pallas (GPU kernels), xla, or auto "
+                            "(pallas where checked faster on a GPU, else xla)")
     p.add_argument("--json", action="store_true", help="print one JSON object per request")
     return p
 
@@ -131,7 +139,9 @@ def main(argv=None) -> int:
                   dummy_weight=args.dummy_weight, chunked_prefill_size=args.chunked_prefill_size,
                   enable_prefix_cache=not args.disable_prefix_cache,
                   mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
-                  ple_backend=args.ple_backend)
+                  compilation_cache_dir=args.compilation_cache_dir,
+                  ple_backend=args.ple_backend, attention_backend=args.attention_backend,
+                  gdn_backend=args.gdn_backend, moe_backend=args.moe_backend)
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
