@@ -4,6 +4,7 @@ model) with MTP speculative decoding, and print the text and a stats line."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -152,15 +153,12 @@ def main(argv=None) -> int:
             return 2
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    if isinstance(p, str) else p for p in prompts]
-    for p in prompts:  # compile (warm-up) on the first valid prompt; the run reports bad ones
-        try:
-            llm.generate([p], SamplingParams(max_tokens=2, temperature=0))
-            break
-        except ValueError:
-            continue
-    llm.flush_cache()  # the timed run must not reuse the warm-up's prompt pages
-    before = llm.prefix_cache_stats()
     run = [i for i in range(len(prompts)) if i not in line_errors]
+    # Compile every program the run can call first, so that its seconds and tokens/s do not
+    # include compilation (which the persistent cache makes fast on the next start).
+    warm_s = llm.warmup([prompts[i] for i in run],
+                        [params[i] for i in run] if isinstance(params, list) else params)
+    before = llm.prefix_cache_stats()
     try:
         t0 = time.perf_counter()
         done = llm.generate([prompts[i] for i in run],
@@ -170,6 +168,14 @@ def main(argv=None) -> int:
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
+    # Printed once the run is accepted, so that a refusal is the only thing on stderr.
+    print(f"[model] {args.model or 'built-in default (random weights, real Qwen3.5 tokenizer)'}"
+          f"; speculative_algorithm={llm.spec.algorithm}"
+          + (f" (k={llm.spec.num_steps})" if llm.spec.enabled else "")
+          + ("" if args.prompt or args.prompts_file else f"; prompt {DEFAULT_PROMPT!r}"),
+          file=sys.stderr)
+    print(f"[warm-up] programs compiled or loaded from the compilation cache in {warm_s:.1f}s",
+          file=sys.stderr)
     outs = [None] * len(prompts)
     for i, out in zip(run, done):
         outs[i] = out
@@ -178,7 +184,10 @@ def main(argv=None) -> int:
             prompts[i], str) else None, prompt_token_ids=[], token_ids=[], text="",
             finish_reason="error", error=msg)
     failed = 0
-    for out in outs:
+    for i, out in enumerate(outs):
+        if out.finish_reason == "error" and args.prompts_file and i not in line_errors:
+            out = dataclasses.replace(out, error=f"{args.prompts_file}: request {i + 1}: "
+                                                 f"{out.error}")
         if args.json:
             print(json.dumps({
                 "prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
@@ -191,9 +200,17 @@ def main(argv=None) -> int:
         elif out.finish_reason == "error":
             print(f"error: {out.error}", file=sys.stderr)
         else:
+            if len(outs) > 1:
+                print(f"--- request {i + 1} of {len(outs)} ---")
             print(out.text)
             print(_stats_line(out, seconds))
         failed += out.finish_reason == "error"
+    served = [o for o in done if o.finish_reason != "error"]
+    if len(served) > 1 and not args.json:
+        total = sum(len(o.token_ids) for o in served)
+        print(f"[total] requests={len(served)} output_tokens={total} seconds={seconds:.2f} "
+              f"tokens/s={total / max(seconds, 1e-9):.1f} (all requests together; each "
+              "[stats] line's seconds is this batch's wall time)")
     stats = {k: v - before.get(k, 0) for k, v in llm.prefix_cache_stats().items()}
     if stats and not args.json:
         print(f"[prefix-cache] lookups={stats['lookups']} hits={stats['hits']} "

@@ -161,3 +161,17 @@ def test_cli_prompts_file_bad_sampling_line_fails_alone(tmp_path, capsys):
     recs = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert recs[0]["output_tokens"] == 2 and recs[0]["finish_reason"] in ("length", "stop")
     assert recs[1]["finish_reason"] == "error" and "request 2" in recs[1]["error"]
+
+
+def test_warmup_compiles_everything_the_run_calls(llm_mtp):
+    rng = np.random.default_rng(7)
+    prompts = [rng.integers(2, 300, n).tolist() for n in (5, 70)]  # 70 > one snapshot interval
+    params = [SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True),
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+    next_id = llm_mtp._next_id
+    assert llm_mtp.warmup(prompts, params) > 0
+    assert llm_mtp._next_id == next_id  # default seeds are not shifted by the warm-up
+    before = llm_mtp.engine.compiled_program_count()
+    outs = llm_mtp.generate(prompts, params)
+    assert [len(o.token_ids) for o in outs] == [30, 40]
+    assert llm_mtp.engine.compiled_program_count() == before

@@ -452,20 +452,34 @@ class Engine:
             b *= 2
         return out
 
-    def warmup(self, sampled: bool = True) -> float:
-        """Compile every program this engine can call (each prefill length bucket and each batch
-        bucket's round, in their greedy-only and, with ``sampled``, sampling variants, and the
-        rounds' snapshot variants when the prefix cache is on) with rows that write only to the
-        trash page and slot. Returns seconds."""
+    def warmup(self, sampled: bool = True, max_batch: int | None = None,
+               max_prompt_len: int | None = None) -> float:
+        """Compile the programs this engine can call, with rows that write only to the trash
+        page and slot, so that no compile happens while requests are served. Returns seconds.
+
+        Covers each prefill length bucket and each batch bucket's round, in the greedy-only
+        variant and, with ``sampled``, the sampling one, plus the rounds' snapshot variants when
+        the prefix cache is on. ``max_batch`` (requests at once) and ``max_prompt_len``
+        (tokens) limit it to the buckets such a workload can reach.
+        """
         t0 = time.perf_counter()
+        prefill = self.prefill_buckets()
+        if max_prompt_len is not None:
+            longest = min(max_prompt_len, self.chunk_size)
+            if self.prefix is not None:  # chunks end on snapshot boundaries
+                longest = min(longest, self.prefix.snapshot_tokens)
+            prefill = [t for t in prefill if t <= max(MIN_PREFILL_BUCKET, next_pow2(longest))]
+        rounds = self.batch_buckets()
+        if max_batch is not None:
+            rounds = [b for b in rounds if b <= next_pow2(max(1, max_batch))]
         for greedy_only in (True, False) if sampled else (True,):
-            self._warmup_variant(greedy_only)
+            self._warmup_variant(greedy_only, prefill, rounds)
         jax.block_until_ready(self.pools)
         return time.perf_counter() - t0
 
-    def _warmup_variant(self, greedy_only: bool) -> None:
+    def _warmup_variant(self, greedy_only: bool, prefill_buckets, batch_buckets) -> None:
         mtp = self.proposer_kind == "mtp"
-        for t in self.prefill_buckets():
+        for t in prefill_buckets:
             z = np.zeros((1, t), np.int32)
             batch = PrefillBatch(
                 input_ids=z, next_ids=z, start=np.zeros((1,), np.int32),
@@ -476,7 +490,7 @@ class Engine:
                 step=np.zeros((1,), np.int32))
             _, self.pools = self.programs.prefill(self._leaves, self.pools, batch, k=self.k,
                                                   mtp=mtp, greedy_only=greedy_only)
-        for b, snapshot in itertools.product(self.batch_buckets(),
+        for b, snapshot in itertools.product(batch_buckets,
                                              (False, True) if self.prefix else (False,)):
             zi = np.zeros((b,), np.int32)
             batch = RoundBatch(slot=zi, live=np.zeros((b,), bool), position=zi,

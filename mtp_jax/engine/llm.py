@@ -103,6 +103,7 @@ class LLM:
                                   enable_prefix_cache=enable_prefix_cache,
                                   mem_fraction=mem_fraction, max_total_tokens=max_total_tokens)
         self.seed = seed
+        self.spec = spec  # the speculative settings in use (SpecConfig)
         self._next_id = 0
         if _is_qwen4_exp_folder(model):
             if set(backends.values()) - {"auto", "xla"}:
@@ -308,6 +309,33 @@ class LLM:
                                    new_token_ids=list(new), finished=done,
                                    output=self._output(r) if done else None)
         bar.close()
+
+    def warmup(self, prompts, sampling_params=None) -> float:
+        """Compile, before timing anything, the programs that generating ``prompts`` with
+        ``sampling_params`` (as for :meth:`generate`) can call: their prompt-length and batch
+        buckets, sampling variant and prefix-cache snapshot variants. Prompts that
+        :meth:`generate` would refuse are skipped. Returns the seconds spent (compilation,
+        or loading from the persistent cache)."""
+        next_id = self._next_id  # warm-up requests must not shift the default seeds
+        try:
+            _, requests = self._prepare(prompts, sampling_params) if prompts else ([], [])
+        except ValueError:
+            requests = []  # generate() reports it
+        finally:
+            self._next_id = next_id
+        if not requests:
+            return 0.0
+        if not hasattr(self.engine, "batch_buckets"):  # qwen4_exp's sequential engine
+            import time
+
+            t0 = time.perf_counter()
+            self.generate([requests[0][1].prompt_ids], SamplingParams(max_tokens=2, temperature=0))
+            self._next_id = next_id
+            return time.perf_counter() - t0
+        return self.engine.warmup(
+            sampled=any(r.params.temperature > 0 for _, r in requests),
+            max_batch=len(requests),
+            max_prompt_len=max(len(r.prompt_ids) for _, r in requests))
 
     def flush_cache(self) -> None:
         """Empty the prefix cache (entries that running requests use stay)."""
