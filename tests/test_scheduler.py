@@ -226,3 +226,19 @@ def test_no_compile_after_warmup(model):
     eng.run(reqs)
     assert all(r.finished for r in reqs)
     assert eng.compiled_program_count() == before
+
+
+def test_greedy_round_program_has_no_host_synchronising_control_flow(model):
+    """On a GPU each `while` iteration or `conditional` predicate is a device-to-host round trip
+    that also splits XLA's command buffers; the greedy round (verify, accept, commit, snapshot
+    replay, draft chain) must have none. (The sampling variant keeps the top-k/top-p filter's
+    skip and, on CPU, threefry's round loop.)"""
+    from mtp_jax.engine.packing import pack
+
+    eng = _engine(model, "mtp", k=3, running=2)
+    buf, spec = pack(eng.padding_round_batch(2))
+    hlo = eng.programs.round_jit.lower(eng._leaves, eng.pools, buf, spec=spec, k=3,
+                                       proposer="mtp", greedy_only=True,
+                                       snapshot=True).as_text()
+    for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
+        assert op not in hlo

@@ -492,16 +492,20 @@ class Engine:
                                                   mtp=mtp, greedy_only=greedy_only)
         for b, snapshot in itertools.product(batch_buckets,
                                              (False, True) if self.prefix else (False,)):
-            zi = np.zeros((b,), np.int32)
-            batch = RoundBatch(slot=zi, live=np.zeros((b,), bool), position=zi,
-                               page_table=np.zeros((b, self.max_pages_per_req), np.int32),
-                               num_draft=zi, limit=zi,
-                               sampling=SamplingTensors.from_params([], pad_to=b, host=True),
-                               step=zi, tokens=np.zeros((b, self.k + 1), np.int32),
-                               snap_row=np.full((b,), -1, np.int32), snap_id=zi)
+            batch = self.padding_round_batch(b)
             out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
                                                   proposer=self.proposer_kind,
                                                   greedy_only=greedy_only, snapshot=snapshot)
+
+    def padding_round_batch(self, b: int) -> RoundBatch:
+        """A round batch of ``b`` padding rows (they write only the trash page and slot)."""
+        zi = np.zeros((b,), np.int32)
+        return RoundBatch(slot=zi, live=np.zeros((b,), bool), position=zi,
+                          page_table=np.zeros((b, self.max_pages_per_req), np.int32),
+                          num_draft=zi, limit=zi,
+                          sampling=SamplingTensors.from_params([], pad_to=b, host=True),
+                          step=zi, tokens=np.zeros((b, self.k + 1), np.int32),
+                          snap_row=np.full((b,), -1, np.int32), snap_id=zi)
 
     # ---- loop --------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
