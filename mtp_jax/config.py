@@ -23,8 +23,36 @@ class ConfigError(ValueError):
     """A configuration that cannot work; the message names the value and the fix."""
 
 
+class LayerShapes:
+    """Sizes derived from the fields that the Qwen3.5 family and qwen4_exp configs share
+    (``head_dim``, ``partial_rotary_factor``, ``layer_types``, the ``linear_*`` sizes and
+    ``mtp_num_hidden_layers``)."""
+
+    @property
+    def rotary_dim(self) -> int:
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def full_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
+
+    @property
+    def linear_layer_ids(self) -> tuple[int, ...]:
+        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
+
+    @property
+    def linear_conv_dim(self) -> int:
+        """Channels of the GDN causal conv: q, k (Hk*Dk each) and v (Hv*Dv)."""
+        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
+                + self.linear_num_value_heads * self.linear_value_head_dim)
+
+    @property
+    def has_mtp(self) -> bool:
+        return self.mtp_num_hidden_layers > 0
+
+
 @dataclasses.dataclass(frozen=True)
-class ModelConfig:
+class ModelConfig(LayerShapes):
     """Text-model shape of a Qwen3.5-family checkpoint.
 
     Built by :func:`ModelConfig.from_dict` from an HF ``config.json`` (composite with
@@ -67,28 +95,6 @@ class ModelConfig:
     @property
     def is_moe(self) -> bool:
         return self.num_experts > 0
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def full_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
-
-    @property
-    def linear_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
-
-    @property
-    def linear_conv_dim(self) -> int:
-        """Channels of the GDN causal conv: q, k (Hk*Dk each) and v (Hv*Dv)."""
-        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
-                + self.linear_num_value_heads * self.linear_value_head_dim)
-
-    @property
-    def has_mtp(self) -> bool:
-        return self.mtp_num_hidden_layers > 0
 
     # ---- construction --------------------------------------------------------------------
     @classmethod

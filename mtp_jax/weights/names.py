@@ -46,7 +46,8 @@ def linear_attention_tensors(cfg: ModelConfig, p: str) -> dict[str, Shape]:
     }
 
 
-def _mlp(cfg: ModelConfig, p: str) -> dict[str, Shape]:
+def mlp_tensors(cfg: ModelConfig, p: str) -> dict[str, Shape]:
+    """The dense MLP, or the MoE block with its shared expert (``cfg.is_moe``)."""
     h = cfg.hidden_size
     if not cfg.is_moe:
         i = cfg.intermediate_size
@@ -70,7 +71,7 @@ def decoder_layer_tensors(cfg: ModelConfig, p: str, layer_type: str) -> dict[str
     out = {f"{p}input_layernorm.weight": (h,), f"{p}post_attention_layernorm.weight": (h,)}
     out.update(attention_tensors(cfg, p) if layer_type == "full_attention"
                else linear_attention_tensors(cfg, p))
-    out.update(_mlp(cfg, p))
+    out.update(mlp_tensors(cfg, p))
     return out
 
 

@@ -91,6 +91,31 @@ def _check(q, k, v, g, beta, state, block_v: int):
         raise ValueError(f"gdn: Dv={dv} is not a multiple of block_v={block_v}.")
 
 
+def _call(q, k, v, g, beta, state, block_v, num_warps, interpret, *, commit: bool):
+    """The verify (``o``) or commit (new state, aliasing ``state``) ``pallas_call``."""
+    b, t, h, dk = q.shape
+    dv = v.shape[-1]
+    bv0, nw0 = default_tiling(b, h, dv)
+    block_v, num_warps = block_v or bv0, num_warps or nw0
+    _check(q, k, v, g, beta, state, block_v)
+    in_specs, o_spec, s_spec = _specs(t, dk, block_v)
+    if commit:
+        kernel, out_spec, out_shape, aliases = _commit_kernel, s_spec, state.shape, {5: 0}
+    else:
+        kernel, out_spec, out_shape, aliases = _verify_kernel, o_spec, (b, t, h, dv), {}
+    return pl.pallas_call(
+        functools.partial(kernel, n_rows=t),
+        grid=(b, h, dv // block_v),
+        in_specs=in_specs,
+        out_specs=out_spec,
+        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret,
+        name="gdn_commit" if commit else "gdn_verify",
+    )(q, k, v, g, beta, state)
+
+
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
 def gdn_verify_pallas(q, k, v, g, beta, state, *, block_v: int | None = None,
                       num_warps: int | None = None, interpret: bool = False):
@@ -101,22 +126,7 @@ def gdn_verify_pallas(q, k, v, g, beta, state, *, block_v: int | None = None,
     default to :func:`default_tiling`. Returns ``o [B, T, H, Dv]`` float32.
     Raises ValueError on a shape, dtype or tiling the kernel cannot take.
     """
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
-    bv0, nw0 = default_tiling(b, h, dv)
-    block_v, num_warps = block_v or bv0, num_warps or nw0
-    _check(q, k, v, g, beta, state, block_v)
-    in_specs, o_spec, _ = _specs(t, dk, block_v)
-    return pl.pallas_call(
-        functools.partial(_verify_kernel, n_rows=t),
-        grid=(b, h, dv // block_v),
-        in_specs=in_specs,
-        out_specs=o_spec,
-        out_shape=jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32),
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="gdn_verify",
-    )(q, k, v, g, beta, state)
+    return _call(q, k, v, g, beta, state, block_v, num_warps, interpret, commit=False)
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
@@ -127,20 +137,4 @@ def gdn_commit_pallas(q, k, v, g, beta, state, *, block_v: int | None = None,
     Returns the new state ``[B, H, Dk, Dv]`` float32. The output aliases ``state`` (each program
     reads its tile before writing it), so a donated state is updated in place.
     """
-    b, t, h, dk = q.shape
-    dv = v.shape[-1]
-    bv0, nw0 = default_tiling(b, h, dv)
-    block_v, num_warps = block_v or bv0, num_warps or nw0
-    _check(q, k, v, g, beta, state, block_v)
-    in_specs, _, s_spec = _specs(t, dk, block_v)
-    return pl.pallas_call(
-        functools.partial(_commit_kernel, n_rows=t),
-        grid=(b, h, dv // block_v),
-        in_specs=in_specs,
-        out_specs=s_spec,
-        out_shape=jax.ShapeDtypeStruct(state.shape, jnp.float32),
-        input_output_aliases={5: 0},
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret,
-        name="gdn_commit",
-    )(q, k, v, g, beta, state)
+    return _call(q, k, v, g, beta, state, block_v, num_warps, interpret, commit=True)

@@ -42,17 +42,28 @@ class GatedAttention(nnx.Module):
         Writes the rows' K/V at their positions, then attends causally over the pages.
         Returns ``(out [B, T, H], (k_pages, v_pages))``.
         """
+        q, gate, k, v = self.project(x, batch.positions)
+        k_pages, v_pages = write_kv(kv[0], k, batch), write_kv(kv[1], v, batch)
+        o = paged_attention(q, k_pages, v_pages, batch.page_table, batch.positions,
+                            scale=self.head_dim ** -0.5, backend=self.backend)
+        return self.gated_output(o, gate), (k_pages, v_pages)
+
+    def project(self, x: jax.Array, positions: jax.Array):
+        """``x [B, T, H]``, ``positions [B, T]`` -> roped ``q [B, T, Hq, D]``, the output
+        ``gate [B, T, Hq, D]``, roped ``k`` and ``v [B, T, Hkv, D]``."""
         b, t, _ = x.shape
         d = self.head_dim
         qg = self.q_proj(x).reshape(b, t, self.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:]
-        q = apply_rotary(self.q_norm(q), batch.positions, self.rotary_dim, self.rope_theta)
+        q = apply_rotary(self.q_norm(q), positions, self.rotary_dim, self.rope_theta)
         k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d))
-        k = apply_rotary(k, batch.positions, self.rotary_dim, self.rope_theta)
+        k = apply_rotary(k, positions, self.rotary_dim, self.rope_theta)
         v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
-        k_pages, v_pages = write_kv(kv[0], k, batch), write_kv(kv[1], v, batch)
-        o = paged_attention(q, k_pages, v_pages, batch.page_table, batch.positions,
-                            scale=d ** -0.5, backend=self.backend)
-        o = o.reshape(b, t, self.num_heads * d) * jax.nn.sigmoid(
+        return q, gate, k, v
+
+    def gated_output(self, o: jax.Array, gate: jax.Array) -> jax.Array:
+        """``o_proj(o * sigmoid(gate))`` for ``o, gate [B, T, Hq, D]`` -> ``[B, T, H]``."""
+        b, t = o.shape[:2]
+        o = o.reshape(b, t, -1) * jax.nn.sigmoid(
             gate.reshape(b, t, -1).astype(jnp.float32)).astype(o.dtype)
-        return self.o_proj(o), (k_pages, v_pages)
+        return self.o_proj(o)

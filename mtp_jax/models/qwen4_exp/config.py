@@ -24,7 +24,7 @@ import math
 import os
 from typing import Any
 
-from mtp_jax.config import ConfigError
+from mtp_jax.config import ConfigError, LayerShapes
 
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 QSA_SPELLINGS = ("full_attention", "qwen_sparse_attention", "indexed_attention",
@@ -40,7 +40,7 @@ def is_qwen4_exp(raw: dict[str, Any]) -> bool:
 
 
 @dataclasses.dataclass(frozen=True)
-class Qwen4ExpConfig:
+class Qwen4ExpConfig(LayerShapes):
     model_type: str  # always "qwen4_exp"
     vocab_size: int
     hidden_size: int
@@ -93,27 +93,6 @@ class Qwen4ExpConfig:
 
     # ---- derived -------------------------------------------------------------------------
     is_moe = True
-
-    @property
-    def rotary_dim(self) -> int:
-        return int(self.head_dim * self.partial_rotary_factor)
-
-    @property
-    def full_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "full_attention")
-
-    @property
-    def linear_layer_ids(self) -> tuple[int, ...]:
-        return tuple(i for i, t in enumerate(self.layer_types) if t == "linear_attention")
-
-    @property
-    def linear_conv_dim(self) -> int:
-        return (2 * self.linear_num_key_heads * self.linear_key_head_dim
-                + self.linear_num_value_heads * self.linear_value_head_dim)
-
-    @property
-    def has_mtp(self) -> bool:
-        return self.mtp_num_hidden_layers > 0
 
     @property
     def hc_hidden(self) -> int:

@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig, ngram_table_rows
 from mtp_jax.weights import names as _names
-from mtp_jax.weights.names import attention_tensors, linear_attention_tensors
+from mtp_jax.weights.names import attention_tensors, linear_attention_tensors, mlp_tensors
 
 Shape = tuple[int, ...]
 
@@ -50,18 +50,7 @@ def qsa_attention(cfg: Qwen4ExpConfig, p: str) -> dict[str, Shape]:
 linear_attention = linear_attention_tensors  # the GDN tensors are the Qwen3.5 family's
 
 
-def moe(cfg: Qwen4ExpConfig, p: str) -> dict[str, Shape]:
-    h = cfg.hidden_size
-    e, i, s = cfg.num_experts, cfg.moe_intermediate_size, cfg.shared_expert_intermediate_size
-    return {
-        f"{p}mlp.gate.weight": (e, h),
-        f"{p}mlp.experts.gate_up_proj": (e, 2 * i, h),
-        f"{p}mlp.experts.down_proj": (e, h, i),
-        f"{p}mlp.shared_expert.gate_proj.weight": (s, h),
-        f"{p}mlp.shared_expert.up_proj.weight": (s, h),
-        f"{p}mlp.shared_expert.down_proj.weight": (h, s),
-        f"{p}mlp.shared_expert_gate.weight": (1, h),
-    }
+moe = mlp_tensors  # the MoE block's tensors are the Qwen3.5-MoE family's (is_moe is True)
 
 
 def ple_dense(cfg: Qwen4ExpConfig, p: str) -> dict[str, Shape]:

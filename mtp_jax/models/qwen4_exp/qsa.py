@@ -31,6 +31,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.cache.paged import AttentionBatch, write_kv
+from mtp_jax.models.layers.attention import GatedAttention
 from mtp_jax.models.layers.basic import Linear, RMSNorm
 from mtp_jax.models.layers.rotary import apply_rotary
 from mtp_jax.models.qwen4_exp.slot_states import (ring_commit, ring_flush, ring_positions,
@@ -86,19 +87,11 @@ def select_visible(qi, raw_keys, k_layernorm, positions, ratio: int, block_topk:
     return causal & (tail | in_chosen), scores, n_complete
 
 
-class QSAAttention(nnx.Module):
+class QSAAttention(GatedAttention):
     def __init__(self, cfg, dtype, rope_theta: float | None = None):
-        h, d = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
-                                                            cfg.num_key_value_heads, d)
-        self.rotary_dim = cfg.rotary_dim
-        self.rope_theta = cfg.rope_theta if rope_theta is None else rope_theta
-        self.q_proj = Linear(h, 2 * self.num_heads * d, dtype)
-        self.k_proj = Linear(h, self.num_kv_heads * d, dtype)
-        self.v_proj = Linear(h, self.num_kv_heads * d, dtype)
-        self.o_proj = Linear(self.num_heads * d, h, dtype)
-        self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
-        self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        super().__init__(cfg, dtype)
+        if rope_theta is not None:
+            self.rope_theta = rope_theta
         self.indexer = Indexer(cfg, dtype)
 
     def __call__(self, x: jax.Array, batch: AttentionBatch, kv, idx_pages: jax.Array,
@@ -115,12 +108,7 @@ class QSAAttention(nnx.Module):
         b, t, _ = x.shape
         d, ix = self.head_dim, self.indexer
         pos = batch.positions
-        qg = self.q_proj(x).reshape(b, t, self.num_heads, 2 * d)
-        q, gate = qg[..., :d], qg[..., d:]
-        q = apply_rotary(self.q_norm(q), pos, self.rotary_dim, self.rope_theta)
-        k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d))
-        k = apply_rotary(k, pos, self.rotary_dim, self.rope_theta)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
+        q, gate, k, v = self.project(x, pos)
         qk = ix.index_qk_proj(x)
         di = ix.head_dim
         qi = ix.q_layernorm(qk[..., :ix.n_heads * di].reshape(b, t, ix.n_heads, di))
@@ -149,6 +137,4 @@ class QSAAttention(nnx.Module):
         p = jax.nn.softmax(s, axis=-1)
         o = jnp.einsum("btkgs,bskd->btkgd", p.astype(vals.dtype), vals,
                        preferred_element_type=jnp.float32).astype(x.dtype)
-        o = o.reshape(b, t, self.num_heads * d) * jax.nn.sigmoid(
-            gate.reshape(b, t, -1).astype(jnp.float32)).astype(x.dtype)
-        return self.o_proj(o), (k_pages, v_pages), idx_pages, open_group
+        return self.gated_output(o, gate), (k_pages, v_pages), idx_pages, open_group
