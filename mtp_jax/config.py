@@ -317,6 +317,9 @@ class EngineConfig:
     enable_prefix_cache: bool = True
     snapshot_interval_pages: int = 4  # GDN snapshots every page_size * this many tokens
     max_prefix_snapshots: int | None = None  # None: 4 per running request
+    # Dispatch each round before reading the previous one's result (SGLang's overlap schedule,
+    # vLLM's async scheduling): the host's per-round work runs while the device computes.
+    overlap_schedule: bool = True
 
     def validate(self) -> None:
         for key in ("max_running_requests", "page_size", "max_model_len"):
@@ -338,6 +341,9 @@ class EngineConfig:
             raise ConfigError(f"max_running_requests (--max-running-requests) "
                               f"{self.max_running_requests} must be >= 1; use 8 (the default) "
                               "or the number of requests to serve at once.")
+        if not isinstance(self.overlap_schedule, bool):
+            raise ConfigError(f"overlap_schedule {self.overlap_schedule!r} must be True or "
+                              "False.")
         if self.chunked_prefill_size < 1:
             raise ConfigError(f"chunked_prefill_size {self.chunked_prefill_size} must be >= 1 "
                               "(prompt tokens per prefill chunk; default 2048).")

@@ -55,6 +55,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="prompt tokens prefilled per scheduler step")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="do not reuse KV / GDN state of shared prompt prefixes")
+    p.add_argument("--disable-overlap-schedule", action="store_true",
+                   help="wait for each round's result before dispatching the next (by default "
+                        "the next round is dispatched first, overlapping host and device work)")
     p.add_argument("--mem-fraction", type=float, default=0.9,
                    help="fraction of device memory for weights and pools, in (0, 1]")
     p.add_argument("--max-total-tokens", type=int, default=None,
@@ -139,6 +142,7 @@ def main(argv=None) -> int:
                   seed=args.seed, max_model_len=args.max_model_len, page_size=args.page_size,
                   dummy_weight=args.dummy_weight, chunked_prefill_size=args.chunked_prefill_size,
                   enable_prefix_cache=not args.disable_prefix_cache,
+                  overlap_schedule=not args.disable_overlap_schedule,
                   mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
                   compilation_cache_dir=args.compilation_cache_dir,
                   ple_backend=args.ple_backend, attention_backend=args.attention_backend,

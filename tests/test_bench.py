@@ -114,10 +114,10 @@ def test_bench_runs_exact_and_reports(cold):
     assert {p["program"] for p in plain["programs"]} == {"prefill[T=16,k=0]", "round[B=2,k=0]"}
     spec = rows[2]
     assert {p["program"] for p in spec["programs"]} == {
-        "prefill[T=16,k=2]", "round[B=2,k=2]", "overwrite_drafts[B=2,k=2]"}
+        "prefill[T=16,k=2]", "round[B=2,k=2]", "force_on_device[B=2,k=2]"}
     # the cold start compiled every engine program (none came from the fresh cache)
     for p in plain["programs"] + spec["programs"]:
-        if not p["program"].startswith("overwrite"):
+        if not p["program"].startswith("force_on_device"):
             assert p["compiles"] >= 1 and p["cache_hits"] == 0, p
     assert [s["accept_length"] for s in spec["skipped_accept_lengths"]] == [3.5]  # > k + 1
     for f, want in zip(spec["forced"], (2.5, 3.0)):
@@ -183,11 +183,25 @@ def test_accept_plan_and_drafts():
                                                           "expected": 22, "got": 99}
 
 
-def test_overwrite_keeps_pending_token():
-    nt = jnp.arange(12, dtype=jnp.int32).reshape(4, 3)
-    out = forced.overwrite_drafts(nt, np.asarray([2, 1], np.int32),
-                                  np.asarray([[70, 71], [80, 81]], np.int32))
-    np.testing.assert_array_equal(out, [[0, 1, 2], [3, 80, 81], [6, 70, 71], [9, 10, 11]])
+def test_force_on_device_matches_host_drafts():
+    """The device-side forced drafts (run between two rounds in flight) equal the host's
+    :func:`forced_drafts` for each slot's committed count, keep the pending token and leave
+    other slots alone."""
+    rng = np.random.default_rng(3)
+    vocab, k = 300, 3
+    ref = rng.integers(0, vocab, (2, 12)).tolist()
+    ref[0][4] = vocab - 1  # a wrong draft of the last id wraps to 0
+    nt = jnp.asarray(rng.integers(0, vocab, (5, k + 1)), jnp.int32)
+    step = jnp.asarray([0, 0, 3, 0, 5], jnp.int32)  # slots 2 and 4 committed 3 and 5 tokens
+    slot = np.asarray([2, 4], np.int32)
+    for m in range(k + 1):
+        want = forced.forced_drafts([ref[0][:3], ref[1][:5]], ref, m, k, vocab)
+        out = np.asarray(forced.force_on_device(jnp.array(nt), step, slot,
+                                                jnp.asarray(ref, jnp.int32), jnp.int32(m),
+                                                jnp.int32(vocab)))
+        np.testing.assert_array_equal(out[slot, 1:], want)
+        np.testing.assert_array_equal(out[:, 0], np.asarray(nt)[:, 0])
+        np.testing.assert_array_equal(out[[0, 1, 3]], np.asarray(nt)[[0, 1, 3]])
 
 
 # ---- compilation cache ----------------------------------------------------------------------

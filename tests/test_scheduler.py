@@ -89,15 +89,15 @@ def test_batch_equivalence_with_mixed_acceptance(model, solo, n):
     taken = _nan_pools(eng)
     reqs = [_req(f"b{i}", prompts[i], max_tokens=6 + i) for i in range(n)]
     accepted = []
-    orig_round = eng._run_round
+    orig_collect = eng._collect
 
-    def spy(running):
-        before = {r: r.num_accepted_tokens for r in running}
-        out = orig_round(running)
-        accepted.extend(r.num_accepted_tokens - before[r] for r in running)
+    def spy(f, later=None):
+        before = {r: r.num_accepted_tokens for r in f.rows}
+        out = orig_collect(f, later)
+        accepted.extend(r.num_accepted_tokens - before[r] for r in f.rows)
         return out
 
-    eng._run_round = spy
+    eng._collect = spy
     eng.run(reqs)
     for i, r in enumerate(reqs):
         assert r.output_ids == ref[i], r.request_id

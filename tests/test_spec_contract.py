@@ -37,7 +37,9 @@ def _state_of(engine, slot):
 
 
 def _run_recording(engine, requests):
-    """Run and record {request_id: {position: gdn state}} after every round."""
+    """Run and record {request_id: {position: gdn state}} after every round. The engines here
+    wait for each round (``overlap_schedule=False``): with overlap, the pools read after a
+    step already hold the next round, dispatched before the host's positions advanced."""
     states = {r.request_id: {} for r in requests}
 
     def on_round(reqs):
@@ -57,7 +59,7 @@ def model():
 @pytest.fixture(scope="module")
 def reference(model):
     prompts = _prompts(model.cfg.vocab_size)
-    eng = Engine(model, EngineConfig(max_running_requests=4, dtype="float32"),
+    eng = Engine(model, EngineConfig(max_running_requests=4, dtype="float32", overlap_schedule=False),
                  SpecConfig(algorithm="none"))
     reqs = _requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS + 8)
     states = _run_recording(eng, reqs)
@@ -99,7 +101,7 @@ def test_external_drafts_reproduce_plain_decoding(model, reference, k):
         truth = ref_out[pi][done:done + kk]
         return [t if i < j else (t + 1) % vocab for i, t in enumerate(truth)]
 
-    eng = Engine(model, EngineConfig(max_running_requests=8, dtype="float32"),
+    eng = Engine(model, EngineConfig(max_running_requests=8, dtype="float32", overlap_schedule=False),
                  SpecConfig(algorithm="external", num_steps=k), proposer=proposer)
     reqs = _requests(req_prompts, tags, MAX_TOKENS)
     states = _run_recording(eng, reqs)
@@ -118,7 +120,7 @@ def test_external_drafts_reproduce_plain_decoding(model, reference, k):
 @pytest.mark.parametrize("k", [1, 3])
 def test_mtp_reproduces_plain_decoding(model, reference, k):
     prompts, ref_out, ref_states = reference
-    eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32"),
+    eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", overlap_schedule=False),
                  SpecConfig(algorithm="mtp", num_steps=k))
     reqs = _requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS)
     states = _run_recording(eng, reqs)

@@ -8,20 +8,22 @@ request, it reports:
 
 * prefill tokens/s at the prompt length (median of ``--prefill-reps`` single-prompt prefills);
 * the median decode-step (k = 0) or round (k > 0) time over the timed phase, its p10 / p90 and
-  the context range covered;
+  the context range covered; rounds run overlapped as the engine serves them (the next round
+  dispatched before the previous result is read), and a round's time is the interval between
+  two results;
 * the bytes a round must move (weights, KV, GDN state, draft weights and KV), the floor at
   ``--hbm-tbps`` and the fraction of it reached;
 * k = 0: tokens/s = batch / step time, and end to end (timed tokens / wall time of the loop);
 * k > 0: for each ``--accept-lengths`` value, forced rounds whose drafts are overwritten by the
   plain-decoding continuation with the first m right (m alternating so that the mean tokens
   committed per round is that accept length; :mod:`mtp_jax.bench.forced`): the measured accept
-  length, the end-to-end tokens/s (wall time of the whole host loop, draft overwrite included),
-  the derived tokens/s (accept length x batch / median round time; the overwrite is timed apart
-  and excluded from round times) and whether the committed tokens equal plain decoding
+  length, the end-to-end tokens/s (wall time of the whole host loop), the derived tokens/s
+  (accept length x batch / median round time; the drafts are overwritten on the device between
+  two rounds in flight) and whether the committed tokens equal plain decoding
   exactly (a mismatch is printed; in float32 the exit status is then 1, in 16-bit dtypes it is
   a warning, since verify and decode shapes round differently and a near-tie of a random model
   can flip);
-* the first call of every program (prefill bucket, round bucket, draft overwrite) in seconds,
+* the first call of every program (prefill bucket, round bucket, forced drafts) in seconds,
   the XLA executables built and how many came from the persistent compilation cache, the
   compile count of the warm-up and of the timed phase (must be 0, else exit status 1);
 * peak device memory.

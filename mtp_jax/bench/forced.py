@@ -16,6 +16,7 @@ import math
 from fractions import Fraction
 
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 
@@ -62,10 +63,22 @@ def forced_drafts(outputs: list[list[int]], reference: list[list[int]], m: int, 
 
 
 @functools.partial(jax.jit, donate_argnums=(0,))
-def overwrite_drafts(next_tokens: jax.Array, slot: jax.Array, drafts: jax.Array) -> jax.Array:
-    """``next_tokens [S, k+1]`` int32 (the pools' pending token and drafts per slot; donated)
-    with ``next_tokens[slot[b], 1:] = drafts[b]`` for ``slot [B]``, ``drafts [B, k]`` int32;
-    column 0 (the pending token) is kept."""
+def force_on_device(next_tokens: jax.Array, step: jax.Array, slot: jax.Array,
+                    reference: jax.Array, m: jax.Array, vocab: jax.Array) -> jax.Array:
+    """:func:`forced_drafts` written into ``next_tokens [S, k+1]`` (donated) on the device, from
+    each slot's generated-token count ``step [S]`` (``Pools.step``, equal to the host's
+    committed count), so that it can run between two rounds without reading the first one's
+    result.
+
+    ``slot [B]`` int32; ``reference [B, L]`` int32 plain continuations; ``m`` and ``vocab``
+    int32 scalars. Draft j of row b is ``reference[b, step - 1 + j]`` for ``j <= m``, else that
+    token + 1 (mod ``vocab``). Indices past ``L - 1`` read the last reference token (the host
+    sizes the reference so that the right drafts never need them)."""
+    k = next_tokens.shape[1] - 1
+    j = jnp.arange(1, k + 1, dtype=jnp.int32)[None, :]
+    idx = jnp.clip(step[slot][:, None] - 1 + j, 0, reference.shape[1] - 1)
+    truth = jnp.take_along_axis(reference, idx, axis=1)
+    drafts = jnp.where(j <= m, truth, (truth + 1) % vocab)
     return next_tokens.at[slot, 1:].set(drafts)
 
 

@@ -8,15 +8,18 @@ Phases, with XLA compilations counted in each (:mod:`mtp_jax.bench.compiles`):
   below then find them compiled);
 * ``warmup``: every request's prefill (the first one times the prefill program's first call),
   the prefill-throughput calls, the warm-up rounds (the first one times the round program's
-  first call) and, for k > 0, the first draft overwrite;
+  first call) and, for k > 0, the first forced-draft call;
 * ``timed``: the decode (must compile nothing);
 * ``reference``: the plain-decoding reference of a k > 0 row when k = 0 was not benchmarked.
 
 k = 0: ``decode_tokens`` timed decode steps. k > 0: for each forced accept length, a fresh
 prefill of the same prompts, then forced rounds (:mod:`mtp_jax.bench.forced`) until every request
-has committed ``decode_tokens`` tokens in the timed phase. The draft overwrite after each round
-is a separate jitted call, waited for and timed on its own: it is excluded from the round times
-and included in the end-to-end wall time.
+has committed ``decode_tokens`` tokens in the timed phase. Timed rounds run as the engine runs
+them with ``overlap_schedule`` (:func:`pipelined_rounds`): round i + 1 is dispatched before
+round i's result is read, and a round's time is the interval between two results. The forced
+drafts of round i + 1 are written on the device between the two dispatches
+(:func:`~mtp_jax.bench.forced.force_on_device`); its device time is inside the round times
+(a few microseconds) and its host dispatch time is reported apart (``overwrite_ms``).
 """
 
 from __future__ import annotations
@@ -27,13 +30,16 @@ import gc
 import statistics
 import time
 
+from typing import Callable
+
 import jax
+import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.bench.compiles import CompileWatch
 from mtp_jax.bench.floor import round_bytes
 from mtp_jax.bench.forced import (accept_fraction, commits_of_round, compare_to_reference,
-                                  forced_drafts, overwrite_drafts)
+                                  force_on_device)
 from mtp_jax.cache.allocator import pages_needed
 from mtp_jax.config import EngineConfig, SpecConfig
 from mtp_jax.engine.engine import Engine, next_pow2
@@ -66,11 +72,11 @@ class Settings:
     @property
     def reference_len(self) -> int:
         """Plain-decoding tokens a forced run may need: the prefill's token, warm-up rounds
-        of up to max_k + 1 tokens, the timed tokens, the last round's overshoot, and the
-        drafts of the last round run, plus one round of slack for rows of a batch that end
-        the timed phase a round after the others."""
+        of up to max_k + 1 tokens, the timed tokens, the last round's overshoot, the round
+        dispatched ahead (overlap) and the drafts of the last round run, plus one round of
+        slack for rows of a batch that end the timed phase a round after the others."""
         k = self.max_k
-        return 1 + self.warmup_rounds * (k + 1) + self.decode_tokens + 2 * (k + 1) + k
+        return 1 + self.warmup_rounds * (k + 1) + self.decode_tokens + 3 * (k + 1) + k
 
     @property
     def max_model_len(self) -> int:
@@ -192,31 +198,43 @@ def plain_decode(eng: Engine, reqs: list[Request], s: Settings, ledger: Ledger,
     with ledger.phase(warm):
         for _ in range(s.warmup_rounds - 1):
             eng._run_round(reqs)
-    times, positions = [], []
     with ledger.phase(timed or warm):
-        t_start = time.perf_counter()
-        for _ in range(s.decode_tokens):
-            positions.append(float(np.mean([r.position for r in reqs])))
-            t0 = time.perf_counter()
-            eng._run_round(reqs)
-            times.append(time.perf_counter() - t0)
-        wall = time.perf_counter() - t_start
+        run = pipelined_rounds(eng, reqs, lambda got: len(got) >= s.decode_tokens)
     with ledger.phase(warm):
         while min(len(r.output_ids) for r in reqs) < s.reference_len:
             eng._run_round(reqs)
-    return {**_timing(times), "context": _context(positions),
-            "tokens_per_s_e2e": s.decode_tokens * len(reqs) / wall, "wall_s": wall}
+    return {**_timing(run["times"]), "context": _context(run["positions"]),
+            "tokens_per_s_e2e": s.decode_tokens * len(reqs) / run["wall"], "wall_s": run["wall"]}
 
 
-def _force(eng: Engine, reqs: list[Request], reference, m: int, k: int, vocab: int) -> float:
-    """Overwrite the drafts of ``reqs``' slots; returns the seconds it took (host + device)."""
-    t0 = time.perf_counter()
-    drafts = forced_drafts([r.output_ids for r in reqs], reference, m, k, vocab)
-    slots = np.asarray([r.slot for r in reqs], np.int32)
-    nt = overwrite_drafts(eng.pools.next_tokens, slots, drafts)
-    eng.pools = dataclasses.replace(eng.pools, next_tokens=nt)
-    jax.block_until_ready(nt)
-    return time.perf_counter() - t0
+def pipelined_rounds(eng: Engine, reqs: list[Request], done: Callable[[list[dict]], bool],
+                     before_dispatch: Callable[[int], None] | None = None) -> dict:
+    """Rounds over ``reqs`` as ``Engine.step`` runs them with ``overlap_schedule``: round i + 1
+    is dispatched before round i's result is read. Stops after the round whose result makes
+    ``done(results so far)`` true (one dict of new tokens per round), then waits for the round
+    dispatched ahead (applied, not counted). ``before_dispatch(i)`` runs before round i >= 1
+    is dispatched (device work chained between rounds).
+
+    Returns ``{"times": seconds between consecutive results (the first from the start),
+    "positions": each counted round's mean start position, "results",
+    "wall": seconds from the start to the last counted result}``."""
+    times, positions, results = [], [], []
+    t_start = t_last = time.perf_counter()
+    prev = eng._dispatch_round(reqs)
+    while True:
+        if before_dispatch is not None:
+            before_dispatch(len(results) + 1)
+        cur = eng._dispatch_round(reqs, chained=True)
+        positions.append(float(np.mean([r.position for r in reqs])))  # where prev started
+        results.append(eng._collect(prev, later=cur))
+        now = time.perf_counter()
+        times.append(now - t_last)
+        t_last, prev = now, cur
+        if done(results):
+            break
+    eng._collect(prev)
+    return {"times": times, "positions": positions, "results": results,
+            "wall": t_last - t_start}
 
 
 def forced_decode(eng: Engine, reqs: list[Request], reference, accept_length: float, k: int,
@@ -227,33 +245,39 @@ def forced_decode(eng: Engine, reqs: list[Request], reference, accept_length: fl
     vocab = eng.model.cfg.vocab_size
     a = accept_fraction(accept_length, k)
     prefill_all(eng, reqs, ledger, "warmup", programs[0] if programs else None)
-    with ledger.phase("warmup", f"overwrite_drafts[B={len(reqs)},k={k}]" if programs else None):
-        _force(eng, reqs, reference, commits_of_round(a, 0) - 1, k, vocab)
+    slots = jnp.asarray([r.slot for r in reqs], jnp.int32)
+    ref = jnp.asarray(np.asarray([list(x) for x in reference], np.int32))
+    vocab_dev = jnp.int32(vocab)
+    force_s: list[float] = []
+
+    def force_m(m: int) -> float:  # the next round's drafts, m right, written on the device
+        t0 = time.perf_counter()
+        nt = force_on_device(eng.pools.next_tokens, eng.pools.step, slots, ref, jnp.int32(m),
+                             vocab_dev)
+        eng.pools = dataclasses.replace(eng.pools, next_tokens=nt)
+        return time.perf_counter() - t0
+
+    with ledger.phase("warmup", f"force_on_device[B={len(reqs)},k={k}]" if programs else None):
+        force_m(commits_of_round(a, 0) - 1)
+        jax.block_until_ready(eng.pools.next_tokens)
     for i in range(s.warmup_rounds):
         with ledger.phase("warmup", programs[1] if programs and i == 0 else None):
             eng._run_round(reqs)
         with ledger.phase("warmup"):
             # the alternation restarts with the timed phase: its R rounds commit floor(a R)
-            m = commits_of_round(a, i + 1 if i + 1 < s.warmup_rounds else 0) - 1
-            _force(eng, reqs, reference, m, k, vocab)
-    r_idx = 0
-    times, positions, force_s, commits = [], [], [], []
-    done = [0] * len(reqs)
+            force_m(commits_of_round(a, i + 1 if i + 1 < s.warmup_rounds else 0) - 1)
+
+    def force(i: int) -> None:  # drafts of timed round i, after round i - 1 (both in flight)
+        force_s.append(force_m(commits_of_round(a, i) - 1))
+
+    def counted(results: list[dict]) -> bool:
+        return min(sum(len(new.get(r, ())) for new in results) for r in reqs) >= s.decode_tokens
+
     with ledger.phase("timed"):
-        t_start = time.perf_counter()
-        while min(done) < s.decode_tokens:
-            positions.append(float(np.mean([r.position for r in reqs])))
-            t0 = time.perf_counter()
-            new = eng._run_round(reqs)
-            times.append(time.perf_counter() - t0)
-            got = [len(new.get(r, ())) for r in reqs]
-            commits.append(float(np.mean(got)))
-            done = [d + g for d, g in zip(done, got)]
-            r_idx += 1
-            if min(done) < s.decode_tokens:
-                force_s.append(_force(eng, reqs, reference, commits_of_round(a, r_idx) - 1, k,
-                                      vocab))
-        wall = time.perf_counter() - t_start
+        run = pipelined_rounds(eng, reqs, counted, force)
+    times, positions, wall = run["times"], run["positions"], run["wall"]
+    commits = [float(np.mean([len(new.get(r, ())) for r in reqs])) for new in run["results"]]
+    done = [sum(len(new.get(r, ())) for new in run["results"]) for r in reqs]
     timing = _timing(times)
     measured = float(np.mean(commits))
     check = compare_to_reference([r.output_ids for r in reqs], reference)

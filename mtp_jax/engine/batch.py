@@ -40,15 +40,20 @@ class PrefillBatch:
 class RoundBatch:
     """One speculative round (or a decode step when k = 0) over a batch bucket.
 
+    The position of each row's pending token and its generated-token count are not here: the
+    round reads them from the pools (``Pools.position`` / ``Pools.step`` of the slot), so a round
+    can be dispatched while the previous one still runs.
+
     slot: ``[B]`` int32 (trash slot 0 for padding rows); live: ``[B]`` bool;
-    position: ``[B]`` int32 position ``c`` of the pending token (= tokens in the target KV);
     page_table: ``[B, max_pages]`` int32; pages past a row's allocation are the trash page;
-    num_draft: ``[B]`` int32 drafts verified per row (k clamped where pages, ``max_tokens`` or
-      ``max_model_len`` run out; 0 = a plain decode step);
-    limit: ``[B]`` int32, positions ``>= limit`` have no page: nothing is written there;
-    sampling: ``[B]``; step: ``[B]`` int32 generated-token count at the round's start;
+    limit: ``[B]`` int32, positions ``>= limit`` have no page: nothing is written there, and the
+      drafts are clamped so that the verify rows stay below it;
+    max_step: ``[B]`` int32, the most tokens the request may generate in all
+      (``min(max_tokens, max_model_len - prompt_len)``): drafts are clamped so that a round's
+      tokens never pass it;
+    sampling: ``[B]``;
     tokens: ``[B, k+1]`` int32 ``[pending, d_1..d_k]`` supplied by the host (external proposer);
-    ignored by MTP / plain rounds, which read the slot's ``next_tokens``;
+      ignored by MTP / plain rounds, which read the slot's ``next_tokens``;
     snap_row: ``[B]`` int32, verify row after which the GDN state reaches a prefix-cache
       boundary (-1: none); snap_id: ``[B]`` int32 snapshot id to save it in (0 = trash). The host
       keeps the snapshot only if that row was accepted.
@@ -56,12 +61,10 @@ class RoundBatch:
 
     slot: jax.Array
     live: jax.Array
-    position: jax.Array
     page_table: jax.Array
-    num_draft: jax.Array
     limit: jax.Array
+    max_step: jax.Array
     sampling: SamplingTensors
-    step: jax.Array
     tokens: jax.Array
     snap_row: jax.Array
     snap_id: jax.Array

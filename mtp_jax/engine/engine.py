@@ -104,6 +104,19 @@ class EngineStats:
     round_seconds: float = 0.0
     prefill_calls: int = 0
     rounds: int = 0
+    chained_rounds: int = 0  # rounds dispatched before the previous round's result was read
+
+
+@dataclasses.dataclass
+class InFlightRound:
+    """A dispatched round: its rows (requests, in batch order), its device output, the
+    snapshot rows/ids it was given and the host time it was dispatched at."""
+
+    rows: list[Request]
+    out: object
+    snap_row: np.ndarray
+    snap_id: np.ndarray
+    t0: float
 
 
 class Engine:
@@ -158,6 +171,8 @@ class Engine:
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
+        self._inflight: InFlightRound | None = None  # a round dispatched, result not yet read
+        self._round_clock = 0.0  # when the last round result was read
 
     # ---- pages -------------------------------------------------------------------------------
     def _outstanding_reserve(self) -> int:
@@ -330,25 +345,29 @@ class Engine:
         self.stats.prompt_tokens += n
         return n
 
-    def _run_round(self, running: list[Request]) -> dict[Request, list[int]]:
+    def _round_batch(self, running: list[Request], ahead: int) -> tuple[RoundBatch, bool]:
+        """The batch of a round over ``running``, dispatched ``ahead`` tokens at most past each
+        request's known position (the previous round, still in flight, commits up to k + 1;
+        0 when nothing is in flight). Returns ``(batch, snapshot)`` (``snapshot``: some row may
+        save a prefix-cache snapshot; only rounds with nothing in flight do)."""
         b = min(next_pow2(len(running)), next_pow2(self.cfg.max_running_requests))
         rows: list[Request | None] = list(running) + [None] * (b - len(running))
-        num_draft = np.zeros((b,), np.int32)
         limit = np.zeros((b,), np.int32)
+        max_step = np.zeros((b,), np.int32)
         for i, r in enumerate(running):
-            self._grow(r, r.position + 2 * self.k + 1)
+            self._grow(r, r.position + ahead + 2 * self.k + 1)
             limit[i] = len(r.pages) * self.page_size
-            num_draft[i] = clamp_num_draft(self.k, r.position, limit[i], len(r.output_ids),
-                                           r.params.max_tokens, len(r.prompt_ids),
-                                           self.max_model_len)
+            max_step[i] = min(r.params.max_tokens, self.max_model_len - len(r.prompt_ids))
         snap_row = np.full((b,), -1, np.int32)
         snap_id = np.zeros((b,), np.int32)
-        if self.prefix is not None:
+        if self.prefix is not None and not ahead:
             st = self.prefix.snapshot_tokens
             for i, r in enumerate(running):
+                n = clamp_num_draft(self.k, r.position, limit[i], len(r.output_ids),
+                                    r.params.max_tokens, len(r.prompt_ids), self.max_model_len)
                 # A boundary p with c < p <= c + num_draft + 1 is reached after row p - 1 - c.
                 p = (r.position // st + 1) * st
-                if p <= r.position + num_draft[i] + 1 and p not in r.snapshots:
+                if p <= r.position + n + 1 and p not in r.snapshots:
                     sid = self._take_snapshot_id()
                     if sid is not None:
                         snap_row[i], snap_id[i] = p - 1 - r.position, sid
@@ -361,28 +380,45 @@ class Engine:
         batch = RoundBatch(
             slot=np.asarray([r.slot if r else 0 for r in rows], np.int32),
             live=np.asarray([r is not None for r in rows], bool),
-            position=np.asarray([r.position if r else 0 for r in rows], np.int32),
-            page_table=np.asarray(self._table(rows)),
-            num_draft=np.asarray(num_draft), limit=np.asarray(limit),
-            sampling=self._sampling(rows),
-            step=np.asarray([len(r.output_ids) if r else 0 for r in rows], np.int32),
-            tokens=np.asarray(tokens), snap_row=snap_row, snap_id=snap_id)
+            page_table=np.asarray(self._table(rows)), limit=limit, max_step=max_step,
+            sampling=self._sampling(rows), tokens=tokens, snap_row=snap_row, snap_id=snap_id)
+        return batch, bool(np.any(snap_row >= 0))
+
+    def _dispatch_round(self, running: list[Request], chained: bool = False) -> InFlightRound:
+        """Dispatch one round over ``running`` without waiting for it. ``chained``: the
+        previous round is still in flight (its result not yet read)."""
+        batch, snapshot = self._round_batch(running, self.k + 1 if chained else 0)
         t0 = time.perf_counter()
         out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
                                               proposer=self.proposer_kind,
                                               greedy_only=_all_greedy(running),
-                                              snapshot=bool(np.any(snap_row >= 0)))
-        emitted, accepted = jax.device_get((out.emitted, out.num_accepted))
-        self.stats.round_seconds += time.perf_counter() - t0
+                                              snapshot=snapshot)
         self.stats.rounds += 1
+        self.stats.chained_rounds += int(chained)
+        return InFlightRound(list(running), out, batch.snap_row, batch.snap_id, t0)
+
+    def _collect(self, f: InFlightRound, later: InFlightRound | None = None
+                 ) -> dict[Request, list[int]]:
+        """Read round ``f``'s result and apply it on the host: append the committed tokens
+        (stops checked per token), keep or give back its snapshots, free pages past the
+        committed length, except those that ``later`` (a round dispatched after ``f``, still in
+        flight) may use. Rows of requests that had already finished are ignored."""
+        rb = np.asarray(f.out.readback)  # the round's one device-to-host copy
+        emitted, accepted, num_draft = rb[:, :self.k + 1], rb[:, self.k + 1], rb[:, self.k + 2]
+        now = time.perf_counter()  # overlapped rounds: count the time since the last read
+        self.stats.round_seconds += now - max(f.t0, self._round_clock)
+        self._round_clock = now
+        in_later = set(later.rows) if later is not None else set()
         new: dict[Request, list[int]] = {}
-        for i, r in enumerate(running):
+        for i, r in enumerate(f.rows):
+            if r.finished:  # stopped in an earlier round; this row ran on, discarded
+                continue
             n = int(accepted[i])
-            if snap_row[i] >= 0:  # keep the snapshot only if its row was committed
-                if snap_row[i] <= n:
-                    r.snapshots[int(r.position + snap_row[i] + 1)] = int(snap_id[i])
+            if f.snap_row[i] >= 0:  # keep the snapshot only if its row was committed
+                if f.snap_row[i] <= n:
+                    r.snapshots[int(r.position + f.snap_row[i] + 1)] = int(f.snap_id[i])
                 else:
-                    self.snapshot_ids.give_back([int(snap_id[i])])
+                    self.snapshot_ids.give_back([int(f.snap_id[i])])
             before = len(r.output_ids)
             kept = self._append(r, emitted[i, :n + 1].tolist())
             new[r] = r.output_ids[before:]
@@ -390,8 +426,42 @@ class Engine:
             r.num_draft_tokens += int(num_draft[i])
             r.num_accepted_tokens += min(n, kept)
             r.position += n + 1
-            self._shrink(r, r.position)
+            self._shrink(r, r.position + (2 * self.k + 1 if r in in_later else 0))
         return new
+
+    def _run_round(self, running: list[Request]) -> dict[Request, list[int]]:
+        """One round over ``running``, waited for (no overlap)."""
+        return self._collect(self._dispatch_round(running))
+
+    def _can_chain(self, running: list[Request], prev: InFlightRound) -> bool:
+        """Whether the next round over ``running`` may be dispatched before ``prev``'s result
+        is read: overlap on, drafts not from the host, every row in ``prev`` and none able to
+        reach a prefix-cache snapshot boundary in either round (those rounds run waited for,
+        with the exact snapshot row)."""
+        if not self.cfg.overlap_schedule or self.proposer_kind == "external":
+            return False
+        if not set(running) <= set(prev.rows):
+            return False
+        if self.prefix is not None:
+            st, reach = self.prefix.snapshot_tokens, 2 * (self.k + 1)
+            if any((r.position // st + 1) * st <= r.position + reach for r in running):
+                return False
+        return True
+
+    def _drain(self, new: dict[Request, list[int]]) -> None:
+        """Wait for the round in flight, if any, and apply it."""
+        f, self._inflight = self._inflight, None
+        if f is not None:
+            for r, toks in self._collect(f).items():
+                new.setdefault(r, []).extend(toks)
+
+    def _release_finished(self) -> None:
+        """Release finished requests that no round in flight still computes."""
+        busy = set(self._inflight.rows) if self._inflight is not None else set()
+        done = [r for r in self.decoding if r.finished and r not in busy]
+        for r in done:
+            self._release(r)
+        self.decoding = [r for r in self.decoding if r not in done]
 
     # ---- resizing ------------------------------------------------------------------------------
     def resize_cache(self, *, num_pages: int | None = None,
@@ -432,7 +502,8 @@ class Engine:
                                mtp=mtp, dtype=dtype)
             self.pools = dataclasses.replace(self.pools, gdn=fresh.gdn,
                                              next_tokens=fresh.next_tokens,
-                                             draft_probs=fresh.draft_probs)
+                                             draft_probs=fresh.draft_probs,
+                                             position=fresh.position, step=fresh.step)
             self.slots = FreeList(slots, "request slots")
             self.cfg = dataclasses.replace(self.cfg, max_running_requests=max_running_requests)
 
@@ -500,11 +571,11 @@ class Engine:
     def padding_round_batch(self, b: int) -> RoundBatch:
         """A round batch of ``b`` padding rows (they write only the trash page and slot)."""
         zi = np.zeros((b,), np.int32)
-        return RoundBatch(slot=zi, live=np.zeros((b,), bool), position=zi,
+        return RoundBatch(slot=zi, live=np.zeros((b,), bool),
                           page_table=np.zeros((b, self.max_pages_per_req), np.int32),
-                          num_draft=zi, limit=zi,
+                          limit=zi, max_step=zi,
                           sampling=SamplingTensors.from_params([], pad_to=b, host=True),
-                          step=zi, tokens=np.zeros((b, self.k + 1), np.int32),
+                          tokens=np.zeros((b, self.k + 1), np.int32),
                           snap_row=np.full((b,), -1, np.int32), snap_id=zi)
 
     # ---- loop --------------------------------------------------------------------------------
@@ -517,17 +588,30 @@ class Engine:
         self.waiting.append(req)
 
     def has_work(self) -> bool:
-        return bool(self.waiting or self.prefilling or self.decoding)
+        return bool(self.waiting or self.prefilling or self.decoding or self._inflight)
 
     def step(self) -> dict[Request, list[int]]:
-        """One scheduler iteration. Returns the tokens each request gained in it."""
+        """One scheduler iteration. Returns the tokens each request gained in it.
+
+        With ``overlap_schedule`` the round of this step is dispatched before the previous
+        round's result is read, so the host's work (reading, stop checks, the next batch)
+        overlaps the device's; tokens then surface one step after the round that made them.
+        Admission, prefill and rounds that may save a prefix-cache snapshot wait for the round
+        in flight first."""
         new: dict[Request, list[int]] = {}
+        if self._inflight is not None and (self.prefilling or (
+                self.waiting and self._can_admit(self.waiting[0]))):
+            self._drain(new)
+            self._release_finished()
         while self.waiting and self._can_admit(self.waiting[0]):
             req = self.waiting.popleft()
             req.slot = self.slots.take()[0]
             if self.prefix is not None:
                 self._admit_from_cache(req)
             self.prefilling.append(req)
+        if self.waiting and not (self.prefilling or self.decoding or self._inflight):
+            raise MemoryError("the next request cannot be admitted into an empty engine; "
+                              "its pages exceed the pool.")
         budget = self.chunk_size
         while self.prefilling and budget > 0:
             req = self.prefilling[0]
@@ -542,15 +626,25 @@ class Engine:
                 else:
                     self._shrink(req, req.position)
                     self.decoding.append(req)
-        if self.decoding:
-            for r, toks in self._run_round(self.decoding).items():
+        running = [r for r in self.decoding if not r.finished]
+        prev = self._inflight
+        if prev is not None and not (running and self._can_chain(running, prev)):
+            self._drain(new)
+            prev = None
+            running = [r for r in self.decoding if not r.finished]
+        if running:
+            cur = self._dispatch_round(running, chained=prev is not None)
+            self._inflight = cur
+            if prev is not None:
+                got = self._collect(prev, later=cur)
+            elif not (self.cfg.overlap_schedule and self.proposer_kind != "external"):
+                self._inflight = None
+                got = self._collect(cur)
+            else:
+                got = {}
+            for r, toks in got.items():
                 new.setdefault(r, []).extend(toks)
-            for r in [r for r in self.decoding if r.finished]:
-                self._release(r)
-            self.decoding = [r for r in self.decoding if not r.finished]
-        if not new and self.waiting and not (self.prefilling or self.decoding):
-            raise MemoryError("the next request cannot be admitted into an empty engine; "
-                              "its pages exceed the pool.")
+        self._release_finished()
         return new
 
     def run(self, requests: list[Request], on_round: Callable[[list[Request]], None] | None = None):

@@ -52,6 +52,9 @@ class LLM:
         prompts are prefilled in chunks interleaved with the running requests' rounds.
       enable_prefix_cache: reuse KV pages, GDN snapshots and draft KV of shared prompt prefixes
         (default True); ``flush_cache()`` empties it.
+      overlap_schedule: dispatch each round before reading the previous one's result, so the
+        host's per-round work runs while the device computes (default True; tokens surface
+        one round later, outputs are identical; ``False`` waits for every round).
       mem_fraction: fraction of device memory for weights and pools (default 0.9);
       max_total_tokens: KV positions for all requests together (wins over ``mem_fraction``).
       ple_backend: qwen4_exp only: where the PLE n-gram tables live, ``"disk"`` (memory-mapped,
@@ -77,6 +80,7 @@ class LLM:
                  proposer: Proposer | None = None, seed: int = 0, max_model_len: int = 4096,
                  page_size: int = 16, dummy_weight: bool = False,
                  chunked_prefill_size: int = 2048, enable_prefix_cache: bool = True,
+                 overlap_schedule: bool = True,
                  mem_fraction: float = 0.9, max_total_tokens: int | None = None,
                  ple_backend: str = "disk", attention_backend: str = "auto",
                  gdn_backend: str = "auto", moe_backend: str = "auto",
@@ -101,6 +105,7 @@ class LLM:
                                   max_model_len=max_model_len, dtype=resolve_dtype(dtype),
                                   chunked_prefill_size=chunked_prefill_size,
                                   enable_prefix_cache=enable_prefix_cache,
+                                  overlap_schedule=overlap_schedule,
                                   mem_fraction=mem_fraction, max_total_tokens=max_total_tokens)
         self.seed = seed
         self.spec = spec  # the speculative settings in use (SpecConfig)

@@ -71,7 +71,8 @@ def gdn_bytes(cfg: ModelConfig, dtype: str) -> int:
 
 def slot_bytes(cfg: ModelConfig, k: int, dtype: str, mtp: bool) -> int:
     probs = k * cfg.vocab_size * 4 if mtp else 0
-    return gdn_bytes(cfg, dtype) + (k + 1) * 4 + probs
+    # next_tokens (k + 1 int32) and the slot's position and step (int32 each)
+    return gdn_bytes(cfg, dtype) + (k + 1) * 4 + 2 * 4 + probs
 
 
 def plan_memory(cfg: ModelConfig, *, dtype: str, page_size: int, max_running_requests: int,

@@ -13,6 +13,11 @@ padding rows write to):
   rejection sampling needs them); ``[slots, 0, 0]`` otherwise.
 * ``snapshots``: GDN states saved at prefix-cache boundaries, ``[num_snapshots, ...]`` per layer
   like ``gdn`` (id 0 is the trash snapshot).
+* ``position``: ``[slots]`` int32, the position of each slot's pending token (= tokens in its
+  target KV); ``step``: ``[slots]`` int32, tokens the slot's request has generated (the
+  random-stream step of its next sampled token). Both are set by the final prefill chunk and
+  advanced by each round by the tokens it commits, on the device, so that a round can be
+  dispatched before the host has read the previous one's result (overlap scheduling).
 """
 
 from __future__ import annotations
@@ -36,6 +41,8 @@ class Pools:
     next_tokens: jax.Array
     draft_probs: jax.Array
     snapshots: LinearState
+    position: jax.Array
+    step: jax.Array
 
     @property
     def nbytes(self) -> int:
@@ -57,4 +64,5 @@ def make_pools(cfg: ModelConfig, *, num_pages: int, page_size: int, slots: int, 
     return Pools(kv=kv, draft_kv=draft, gdn=gdn,
                  next_tokens=jnp.zeros((slots, k + 1), jnp.int32),
                  draft_probs=jnp.zeros(probs_shape, jnp.float32),
-                 snapshots=gdn_of(num_snapshots + 1 if num_snapshots else 0))
+                 snapshots=gdn_of(num_snapshots + 1 if num_snapshots else 0),
+                 position=jnp.zeros((slots,), jnp.int32), step=jnp.zeros((slots,), jnp.int32))

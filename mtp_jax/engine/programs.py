@@ -10,7 +10,8 @@ once per shape bucket with the pools donated. The round is one program:
     k-1 chained draft steps                           (MTP: z fed back with the drafted token)
 
 so its only host transfer is the emitted tokens and accepted counts. With k = 0 it is a plain
-decode step.
+decode step. Each slot's position and generated-token count live in the pools and advance on
+the device, so the host can dispatch the next round before reading this one's result.
 """
 
 from __future__ import annotations
@@ -33,10 +34,24 @@ from mtp_jax.spec.accept import accept
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RoundOutput:
-    """emitted: ``[B, k+1]`` int32 (``d_1..d_n, bonus, -1...``); num_accepted: ``[B]`` int32."""
+    """emitted: ``[B, k+1]`` int32 (``d_1..d_n, bonus, -1...``); num_accepted: ``[B]`` int32;
+    num_draft: ``[B]`` int32 drafts the row verified (k clamped by :func:`clamp_drafts`);
+    readback: ``[B, k+3]`` int32, the three side by side (``emitted | num_accepted |
+    num_draft``), so that the host reads a round with one device-to-host copy."""
 
     emitted: jax.Array
     num_accepted: jax.Array
+    num_draft: jax.Array
+    readback: jax.Array
+
+
+def clamp_drafts(k: int, position, step, limit, max_step):
+    """Drafts each row can verify: at most k, with the verify positions ``position ..
+    position + n`` below ``limit`` (allocated pages) and the round's tokens (n drafts and the
+    bonus) within ``max_step - step`` (tokens the request may still generate). All ``[B]``
+    int32; returns ``[B]`` int32 in ``[0, k]`` (0 = a plain decode step)."""
+    room = jnp.minimum(limit - position, max_step - step) - 1
+    return jnp.clip(room, 0, k).astype(jnp.int32)
 
 
 def _draft_token(model, z, sampling, step, j, greedy_only):
@@ -154,6 +169,9 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, *, k: int, mtp:
         drafts, pools = _mtp_drafts(model, pools, hidden, next_ids, abatch, last,
                                     batch.step + 1, end, limit, batch.sampling, k, greedy_only)
     pools = _store_next(pools, batch.slot, first, drafts, k)
+    pools = dataclasses.replace(
+        pools, position=pools.position.at[batch.slot].set(batch.start + batch.length),
+        step=pools.step.at[batch.slot].set(jnp.ones_like(batch.slot)))
     return first, pools
 
 
@@ -166,8 +184,10 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
     Choosing them on the host keeps data-dependent conditionals, which synchronise the GPU with
     the host and split its command buffers, out of the round.
 
-    Row b verifies ``num_draft[b] <= k`` drafts: verify rows past it, and every write at or past
-    ``limit[b]``, go to the trash page, and the acceptance ignores those drafts.
+    Row b starts at the slot's ``Pools.position`` and verifies ``num_draft[b] <= k`` drafts
+    (:func:`clamp_drafts`): verify rows past it, and every write at or past ``limit[b]``, go to
+    the trash page, and the acceptance ignores those drafts. The slot's position and step
+    advance by the tokens committed (live rows only).
     Returns ``(RoundOutput, pools)``.
     """
     model = nnx.merge(graphdef, params)
@@ -176,9 +196,11 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
         tokens = batch.tokens
     else:
         tokens = pools.next_tokens[batch.slot]
+    position, step = pools.position[batch.slot], pools.step[batch.slot]
+    num_draft = clamp_drafts(k, position, step, batch.limit, batch.max_step)
     rows_idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
-    pos = batch.position[:, None] + rows_idx
-    valid = batch.live[:, None] & (rows_idx <= batch.num_draft[:, None]) & (
+    pos = position[:, None] + rows_idx
+    valid = batch.live[:, None] & (rows_idx <= num_draft[:, None]) & (
         pos < batch.limit[:, None])
     abatch = AttentionBatch(pos, valid, batch.page_table)
     view = pools.gdn.gather(batch.slot)
@@ -186,11 +208,11 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
     logits = model.logits(hidden)  # [B, k+1, V]
     if k:
         q = pools.draft_probs[batch.slot] if proposer == "mtp" else None
-        n, emitted = accept(logits, tokens[:, 1:], q, batch.sampling, batch.step,
-                            num_draft=batch.num_draft, greedy_only=greedy_only)
+        n, emitted = accept(logits, tokens[:, 1:], q, batch.sampling, step,
+                            num_draft=num_draft, greedy_only=greedy_only)
     else:
         n = jnp.zeros((b,), jnp.int32)
-        emitted = sample(logits[:, 0], batch.sampling, batch.step, salt=SALT_SAMPLE,
+        emitted = sample(logits[:, 0], batch.sampling, step, salt=SALT_SAMPLE,
                          greedy_only=greedy_only)[:, None]
     commit_len = jnp.where(batch.live, n + 1, 0)
     if snapshot:
@@ -203,10 +225,15 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
         next_ids = jnp.maximum(emitted, 0)  # x_{c+i+1} for rows i <= n; later rows are rewritten
         live_limit = jnp.where(batch.live, batch.limit, 0)
         drafts, pools = _mtp_drafts(model, pools, hidden, next_ids, abatch, n,
-                                    batch.step + n + 1, batch.position + n + 1, live_limit,
+                                    step + n + 1, position + n + 1, live_limit,
                                     batch.sampling, k, greedy_only)
     pools = _store_next(pools, batch.slot, bonus, drafts, k)
-    return RoundOutput(emitted=emitted, num_accepted=n), pools
+    advance = jnp.where(batch.live, n + 1, 0)
+    pools = dataclasses.replace(pools, position=pools.position.at[batch.slot].add(advance),
+                                step=pools.step.at[batch.slot].add(advance))
+    readback = jnp.concatenate([emitted, n[:, None], num_draft[:, None]], 1)
+    return RoundOutput(emitted=emitted, num_accepted=n, num_draft=num_draft,
+                       readback=readback), pools
 
 
 def save_snapshot(pools: Pools, slot: jax.Array, snapshot: jax.Array) -> Pools:
