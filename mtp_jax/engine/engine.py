@@ -7,12 +7,16 @@ One ``Engine`` owns a loaded model, its pools and its compiled programs. Each :m
 2. prefills up to ``chunked_prefill_size`` prompt tokens (one chunk of the oldest prefilling
    request per call; a prompt longer than that takes several steps, interleaved with rounds);
 3. runs one speculative round (a decode step when k = 0) for every decoding request in one
-   program call over a power-of-two batch bucket.
+   program call over a power-of-two batch bucket. With ``overlap_schedule`` (the default) that
+   round is dispatched before the previous round's result is read: each slot's position and
+   generated-token count advance on the device, so the host's readback, stop checks and next
+   batch run while the device computes.
 
 Pages: a request's guaranteed pages cover its committed tokens; before a round it also takes
 pages for the k+1 verify positions and the k-1 chained draft positions from the free pool when it
-can, and its k is clamped (down to 0) where it cannot, or where ``max_tokens`` or
-``max_model_len`` leave fewer tokens to emit. After the round, pages past the committed length
+can (one round's worth more when the previous round is still in flight), and its k is clamped
+(down to 0) where it cannot, or where ``max_tokens`` or ``max_model_len`` leave fewer tokens to
+emit. After the round, pages past the committed length (plus what a round in flight may use)
 are freed.
 """
 
