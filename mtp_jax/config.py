@@ -274,7 +274,7 @@ class SpecConfig:
         if self.algorithm not in SPECULATIVE_ALGORITHMS:
             raise ConfigError(f"speculative_algorithm (--speculative-algorithm) {self.algorithm!r} "
                               f"is unknown; use one of {', '.join(SPECULATIVE_ALGORITHMS)} "
-                              "(mtp also accepts nextn).")
+                              "(mtp also accepts nextn and eagle).")
         if (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
                 or not 1 <= self.num_steps <= MAX_SPECULATIVE_NUM_STEPS):
             raise ConfigError(f"speculative_num_steps (--speculative-num-steps) {self.num_steps!r} "
@@ -295,7 +295,8 @@ class SpecConfig:
 
 
 def normalize_algorithm(name: str | None) -> str:
-    """Map user spellings (None, 'NONE', 'MTP', 'nextn') to a canonical algorithm name."""
+    """Map user spellings (None, 'NONE', 'MTP', and SGLang's 'NEXTN' and 'EAGLE', which there
+    name drafting with the checkpoint's own MTP layer) to a canonical algorithm name."""
     if name is None:
         return "none"
     n = str(name).strip().lower()

@@ -29,7 +29,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the checkpoint's EOS tokens")
     p.add_argument("--speculative-algorithm", "--spec-algo", dest="speculative_algorithm",
-                   default="mtp", help="mtp (default; also nextn) or none")
+                   default="mtp", help="mtp (default; nextn and eagle, SGLang's names for "
+                   "drafting with the checkpoint's own MTP layer, are synonyms) or none")
     p.add_argument("--speculative-num-steps", type=int, default=3,
                    help="k drafted tokens per round, 1..8")
     p.add_argument("--speculative-draft-model-path", "--spec-draft-model",
@@ -84,7 +85,12 @@ def read_prompts_file(path: str, defaults: dict) -> tuple[list, list[dict]]:
     """Prompts and per-request sampling fields from a JSONL file; ``ValueError`` naming the
     line for a malformed one (bad sampling values are reported per request by ``main``)."""
     prompts, fields = [], []
-    with open(path) as f:
+    try:
+        f = open(path)
+    except OSError as e:
+        raise OSError(f"--prompts-file {path}: {e.strerror or e}; pass an existing JSONL "
+                      "file (one {\"prompt\": ...} object per line).") from None
+    with f:
         for n, line in enumerate(f, 1):
             if not line.strip():
                 continue
@@ -124,7 +130,12 @@ def main(argv=None) -> int:
     try:
         defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
-        params = SamplingParams(**defaults)
+        try:
+            params = SamplingParams(**defaults)
+        except ValueError as e:  # name the flag that set the bad field
+            field = str(e).split(" ", 1)[0]
+            flag = f" (--{field.replace('_', '-')})" if field in defaults else ""
+            raise ValueError(f"{field}{flag} {str(e).split(' ', 1)[1]}") from None
         line_errors: dict[int, str] = {}
         if args.prompts_file:
             file_prompts, file_fields = read_prompts_file(args.prompts_file, defaults)
@@ -158,6 +169,9 @@ def main(argv=None) -> int:
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    if isinstance(p, str) else p for p in prompts]
     run = [i for i in range(len(prompts)) if i not in line_errors]
+    if sys.stderr.isatty():  # a progress note for a person waiting; logs get the line below
+        print("[warm-up] compiling the programs this run calls (the compilation cache makes "
+              "the next start faster) ...", file=sys.stderr, flush=True)
     # Compile every program the run can call first, so that its seconds and tokens/s do not
     # include compilation (which the persistent cache makes fast on the next start).
     warm_s = llm.warmup([prompts[i] for i in run],

@@ -149,10 +149,12 @@ def test_sampling_params_count_and_type(llm, run_spy):
 
 
 @pytest.mark.parametrize("args,message", [
-    (["--max-tokens", "0"], "max_tokens 0 must be an int >= 1"),
-    (["--temperature", "-1"], "temperature -1.0 must be a finite number >= 0"),
-    (["--top-p", "1.5"], "top_p 1.5 must be in (0, 1]"),
-    (["--top-k", "-3"], "top_k -3 must be an int"),
+    (["--max-tokens", "0"], "max_tokens (--max-tokens) 0 must be an int >= 1"),
+    (["--temperature", "-1"], "temperature (--temperature) -1.0 must be a finite number >= 0"),
+    (["--top-p", "1.5"], "top_p (--top-p) 1.5 must be in (0, 1]"),
+    (["--top-k", "-3"], "top_k (--top-k) -3 must be an int"),
+    (["--prompts-file", "/nonexistent/p.jsonl"],
+     "--prompts-file /nonexistent/p.jsonl: No such file or directory; pass an existing JSONL"),
     (["--prompt", "hi"], "has no tokenizer files"),
 ])
 def test_cli_bad_requests(args, message, capsys):

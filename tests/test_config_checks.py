@@ -271,3 +271,14 @@ def test_docs_cli_lists_every_flag():
     assert "--dummy-weight" in flags and "--spec-algo" in flags
     missing = [f for f in flags if f"`{f}" not in doc]
     assert missing == [], f"docs/cli.md does not document {missing}"
+
+
+def test_algorithm_synonyms_documented():
+    """SGLang's names for drafting with the checkpoint's own MTP layer map to mtp, and the
+    refusal of an unknown name lists them."""
+    from mtp_jax.config import ConfigError, SpecConfig, normalize_algorithm
+
+    assert [normalize_algorithm(n) for n in ("MTP", "NEXTN", "eagle", None, "off")] == [
+        "mtp", "mtp", "mtp", "none", "none"]
+    with pytest.raises(ConfigError, match="mtp also accepts nextn and eagle"):
+        SpecConfig(algorithm="medusa").validate()
