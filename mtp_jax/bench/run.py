@@ -211,7 +211,8 @@ def pipelined_rounds(eng: Engine, reqs: list[Request], done: Callable[[list[dict
                      before_dispatch: Callable[[int], None] | None = None) -> dict:
     """Rounds over ``reqs`` as ``Engine.step`` runs them with ``overlap_schedule``: round i + 1
     is dispatched before round i's result is read. Stops after the round whose result makes
-    ``done(results so far)`` true (one dict of new tokens per round), then waits for the round
+    ``done(results so far)`` true (one dict of new tokens per round; called once after each
+    result, inside the timed loop, so it should be cheap), then waits for the round
     dispatched ahead (applied, not counted). ``before_dispatch(i)`` runs before round i >= 1
     is dispatched (device work chained between rounds).
 
@@ -270,8 +271,13 @@ def forced_decode(eng: Engine, reqs: list[Request], reference, accept_length: fl
     def force(i: int) -> None:  # drafts of timed round i, after round i - 1 (both in flight)
         force_s.append(force_m(commits_of_round(a, i) - 1))
 
+    tally = [0] * len(reqs)  # tokens each request committed so far (kept incrementally: the
+    # check runs inside the timed loop)
+
     def counted(results: list[dict]) -> bool:
-        return min(sum(len(new.get(r, ())) for new in results) for r in reqs) >= s.decode_tokens
+        for i, r in enumerate(reqs):
+            tally[i] += len(results[-1].get(r, ()))
+        return min(tally) >= s.decode_tokens
 
     with ledger.phase("timed"):
         run = pipelined_rounds(eng, reqs, counted, force)
