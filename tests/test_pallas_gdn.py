@@ -97,16 +97,23 @@ def test_masked_rows_leave_state_unchanged(backend):
     assert np.array_equal(np.asarray(gdn_commit(q, k, v, zero, zero, new, backend=backend)), new)
 
 
+def _assert_window_equals_row_by_row(q, k, v, g, beta, state, backend):
+    """Row t of a verify window equals a one-row verify after committing rows < t one at a
+    time; returns the state after committing every row that way."""
+    window = np.asarray(gdn_verify(q, k, v, g, beta, state, backend=backend))
+    s = state
+    for t in range(q.shape[1]):
+        row = tuple(a[:, t:t + 1] for a in (q, k, v, g, beta))
+        _close(window[:, t:t + 1], gdn_verify(*row, s, backend=backend), 1e-6)
+        s = gdn_commit(*row, s, backend=backend)
+    return s
+
+
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_verify_window_equals_decoding_row_by_row(backend):
     """Row t of a verify equals a one-row verify after committing rows < t one at a time."""
     q, k, v, g, beta, state = _inputs(11, 3, 4, 2, 128, 128)
-    window = np.asarray(gdn_verify(q, k, v, g, beta, state, backend=backend))
-    s = state
-    for t in range(4):
-        row = tuple(a[:, t:t + 1] for a in (q, k, v, g, beta))
-        _close(window[:, t:t + 1], gdn_verify(*row, s, backend=backend), 1e-6)
-        s = gdn_commit(*row, s, backend=backend)
+    s = _assert_window_equals_row_by_row(q, k, v, g, beta, state, backend)
     _close(s, gdn_commit(q, k, v, g, beta, state, backend=backend), 1e-6)
 
 
@@ -159,9 +166,4 @@ def test_gpu_masked_rows_and_row_by_row(backend):
     head = lambda a: a[1:2, :1]  # batch 1 has length 1
     one = gdn_commit(head(q), head(k), head(v), head(g), head(beta), state[1:2], backend=backend)
     _close(new[1:2], one, 1e-6)
-    window = np.asarray(gdn_verify(q, k, v, g, beta, state, backend=backend))
-    s = state
-    for t in range(4):
-        row = tuple(a[:, t:t + 1] for a in (q, k, v, g, beta))
-        _close(window[:, t:t + 1], gdn_verify(*row, s, backend=backend), 1e-6)
-        s = gdn_commit(*row, s, backend=backend)
+    s = _assert_window_equals_row_by_row(q, k, v, g, beta, state, backend)

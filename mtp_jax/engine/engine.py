@@ -38,7 +38,7 @@ from mtp_jax.engine.batch import PrefillBatch, RoundBatch
 from mtp_jax.engine.memory import plan_memory, weights_bytes
 from mtp_jax.engine.pools import Pools, make_pools
 from mtp_jax.cache.radix import RadixCache
-from mtp_jax.engine.programs import LOAD_SNAPSHOT, SAVE_SNAPSHOT
+from mtp_jax.engine.programs import LOAD_SNAPSHOT, SAVE_SNAPSHOT, RoundOutput
 from mtp_jax.engine.requests import Request
 from mtp_jax.models.loader import DTYPES, LoadedModel
 from mtp_jax.sampling import SamplingTensors
@@ -176,6 +176,8 @@ class Engine:
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
         self._inflight: InFlightRound | None = None  # a round dispatched, result not yet read
+        # Rounds may be dispatched before the previous result is read (not with host drafts).
+        self.overlap = engine_cfg.overlap_schedule and self.proposer_kind != "external"
         self._round_clock = 0.0  # when the last round result was read
 
     # ---- pages -------------------------------------------------------------------------------
@@ -407,8 +409,8 @@ class Engine:
         (stops checked per token), keep or give back its snapshots, free pages past the
         committed length, except those that ``later`` (a round dispatched after ``f``, still in
         flight) may use. Rows of requests that had already finished are ignored."""
-        rb = np.asarray(f.out.readback)  # the round's one device-to-host copy
-        emitted, accepted, num_draft = rb[:, :self.k + 1], rb[:, self.k + 1], rb[:, self.k + 2]
+        host = RoundOutput(np.asarray(f.out.readback))  # the round's one device-to-host copy
+        emitted, accepted, num_draft = host.emitted, host.num_accepted, host.num_draft
         now = time.perf_counter()  # overlapped rounds: count the time since the last read
         self.stats.round_seconds += now - max(f.t0, self._round_clock)
         self._round_clock = now
@@ -442,7 +444,7 @@ class Engine:
         is read: overlap on, drafts not from the host, every row in ``prev`` and none able to
         reach a prefix-cache snapshot boundary in either round (those rounds run waited for,
         with the exact snapshot row)."""
-        if not self.cfg.overlap_schedule or self.proposer_kind == "external":
+        if not self.overlap:
             return False
         if not set(running) <= set(prev.rows):
             return False
@@ -641,7 +643,7 @@ class Engine:
             self._inflight = cur
             if prev is not None:
                 got = self._collect(prev, later=cur)
-            elif not (self.cfg.overlap_schedule and self.proposer_kind != "external"):
+            elif not self.overlap:
                 self._inflight = None
                 got = self._collect(cur)
             else:

@@ -34,15 +34,24 @@ from mtp_jax.spec.accept import accept
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RoundOutput:
-    """emitted: ``[B, k+1]`` int32 (``d_1..d_n, bonus, -1...``); num_accepted: ``[B]`` int32;
-    num_draft: ``[B]`` int32 drafts the row verified (k clamped by :func:`clamp_drafts`);
-    readback: ``[B, k+3]`` int32, the three side by side (``emitted | num_accepted |
-    num_draft``), so that the host reads a round with one device-to-host copy."""
+    """A round's result as one ``readback [B, k+3]`` int32 array, so that the host reads it with
+    one device-to-host copy (``RoundOutput(np.asarray(out.readback))`` is its host copy):
+    ``emitted [B, k+1]`` (``d_1..d_n, bonus, -1...``) | ``num_accepted [B]`` | ``num_draft
+    [B]`` (drafts the row verified, k clamped by :func:`clamp_drafts`)."""
 
-    emitted: jax.Array
-    num_accepted: jax.Array
-    num_draft: jax.Array
     readback: jax.Array
+
+    @property
+    def emitted(self):
+        return self.readback[:, :-2]
+
+    @property
+    def num_accepted(self):
+        return self.readback[:, -2]
+
+    @property
+    def num_draft(self):
+        return self.readback[:, -1]
 
 
 def clamp_drafts(k: int, position, step, limit, max_step):
@@ -57,22 +66,16 @@ def clamp_drafts(k: int, position, step, limit, max_step):
 def _draft_token(model, z, sampling, step, j, greedy_only):
     """Draft token j (0-based) from MTP hidden ``z [B, H]``: argmax for greedy rows, else a draw
     from the filtered draft distribution q, which is returned for rejection sampling (greedy
-    rows' q is never read). When every row is greedy the filtering is skipped at run time, or
-    not traced at all with ``greedy_only`` (static)."""
+    rows' q is never read). With ``greedy_only`` (static; the host picks it when every row is
+    greedy) the filtering is not traced; otherwise some row samples, so no run-time test of an
+    all-greedy batch is made (on a GPU it would be a host round trip per draft step)."""
     logits = model.logits(z)
     greedy_tok = jnp.argmax(logits, -1).astype(jnp.int32)
     if greedy_only:
         return greedy_tok, jnp.zeros(logits.shape, jnp.float32)
-
-    def sampled(_):
-        q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
-        drawn = categorical(row_keys(sampling.seed, step, SALT_DRAFT + j), q)
-        return jnp.where(sampling.is_greedy, greedy_tok, drawn), q
-
-    def greedy(_):
-        return greedy_tok, jnp.zeros(logits.shape, jnp.float32)
-
-    return jax.lax.cond(jnp.all(sampling.is_greedy), greedy, sampled, None)
+    q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    drawn = categorical(row_keys(sampling.seed, step, SALT_DRAFT + j), q)
+    return jnp.where(sampling.is_greedy, greedy_tok, drawn), q
 
 
 def _chain(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, step, k, greedy_only):
@@ -231,9 +234,7 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
     advance = jnp.where(batch.live, n + 1, 0)
     pools = dataclasses.replace(pools, position=pools.position.at[batch.slot].add(advance),
                                 step=pools.step.at[batch.slot].add(advance))
-    readback = jnp.concatenate([emitted, n[:, None], num_draft[:, None]], 1)
-    return RoundOutput(emitted=emitted, num_accepted=n, num_draft=num_draft,
-                       readback=readback), pools
+    return RoundOutput(jnp.concatenate([emitted, n[:, None], num_draft[:, None]], 1)), pools
 
 
 def save_snapshot(pools: Pools, slot: jax.Array, snapshot: jax.Array) -> Pools:
