@@ -250,11 +250,17 @@ class SpecConfig:
     ``algorithm``: ``"none"`` (plain decoding), ``"mtp"`` (the checkpoint's ``mtp.*`` layer
     drafts) or ``"external"`` (a host callable drafts, see ``mtp_jax.spec.external``).
     ``num_steps`` is ``speculative_num_steps`` (k drafted tokens per round, 1..8).
+    ``draft_vocab_size`` / ``token_map_path`` (``speculative_draft_vocab_size`` /
+    ``speculative_token_map``, MTP only): the draft scores only a hot subset of N token ids
+    (FR-Spec; the N lowest ids, the map's ids, or the map's first N; see
+    :mod:`mtp_jax.spec.draft_vocab`). ``None``/``None`` is the full vocabulary.
     """
 
     algorithm: str = "mtp"
     num_steps: int = 3
     draft_model_path: str | None = None
+    draft_vocab_size: int | None = None
+    token_map_path: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -285,6 +291,11 @@ class SpecConfig:
                               f"{self.draft_model_path!r} was given but speculative_algorithm is "
                               f"{self.algorithm!r}; it only applies with speculative_algorithm="
                               "'mtp'. Drop the path or use --speculative-algorithm mtp.")
+        if self.draft_vocab_size is not None or self.token_map_path is not None:
+            from mtp_jax.spec.draft_vocab import hot_token_ids
+
+            hot_token_ids(self.algorithm, self.draft_vocab_size, self.token_map_path,
+                          None if model is None else model.vocab_size)
         if model is not None and self.algorithm == "mtp":
             if not model.has_mtp and not self.draft_model_path:
                 raise ConfigError("speculative_algorithm='mtp' but the checkpoint's config declares "

@@ -37,6 +37,15 @@ def build_parser() -> argparse.ArgumentParser:
                    dest="speculative_draft_model_path", default=None,
                    help="folder holding the mtp.* draft, or a Hugging Face repo id (name or "
                         "org/name) downloaded at load (default: the target checkpoint)")
+    p.add_argument("--speculative-draft-vocab-size", type=int, default=None,
+                   help="MTP draft scores only N hot token ids (FR-Spec): the first N of "
+                        "--speculative-token-map, else the N lowest ids (BPE merge order, a "
+                        "heuristic); output stays exact, the draft's LM head reads ~V/N times "
+                        "fewer bytes (default: full vocabulary)")
+    p.add_argument("--speculative-token-map", default=None,
+                   help="file of hot token ids for the MTP draft (.npy int array, .json list, "
+                        "or text with one id per line), in order (SGLang's "
+                        "speculative_token_map)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto = bfloat16 on GPU, float32 on CPU")
     p.add_argument("--max-running-requests", type=int, default=8,
@@ -150,6 +159,8 @@ def main(argv=None) -> int:
                   speculative_algorithm=args.speculative_algorithm,
                   speculative_num_steps=args.speculative_num_steps,
                   speculative_draft_model_path=args.speculative_draft_model_path,
+                  speculative_draft_vocab_size=args.speculative_draft_vocab_size,
+                  speculative_token_map=args.speculative_token_map,
                   seed=args.seed, max_model_len=args.max_model_len, page_size=args.page_size,
                   dummy_weight=args.dummy_weight, chunked_prefill_size=args.chunked_prefill_size,
                   enable_prefix_cache=not args.disable_prefix_cache,
@@ -190,6 +201,8 @@ def main(argv=None) -> int:
     print(f"[model] {args.model or 'built-in default (random weights, real Qwen3.5 tokenizer)'}"
           f"; speculative_algorithm={llm.spec.algorithm}"
           + (f" (k={llm.spec.num_steps})" if llm.spec.enabled else "")
+          + (f"; draft vocabulary {llm.engine.draft_vocab_size} hot ids"
+             if getattr(llm.engine, "draft_vocab_size", None) else "")
           + ("" if args.prompt or args.prompts_file else f"; prompt {DEFAULT_PROMPT!r}"),
           file=sys.stderr)
     print(f"[warm-up] programs compiled or loaded from the compilation cache in {warm_s:.1f}s",

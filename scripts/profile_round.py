@@ -56,7 +56,7 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
-def analyse(trace_dir: str, rounds: int) -> str:
+def analyse(trace_dir: str, rounds: int, sequence: int = 0) -> str:
     path = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)[-1]
     events = json.load(gzip.open(path))["traceEvents"]
     procs = {e["pid"]: e["args"]["name"] for e in events
@@ -109,13 +109,21 @@ def analyse(trace_dir: str, rounds: int) -> str:
     out.append("by category (kernels/round, ms/round, mean us):")
     for name, (n, us) in sorted(by_cat.items(), key=lambda kv: -kv[1][1]):
         out.append(f"  {name:24s} {n / rounds:7.1f} {us / rounds / 1e3:8.3f} {us / n:8.1f}")
+    if sequence:
+        out.append(f"first {sequence} kernels of the trace in order (start us, gap us, dur us, name):")
+        ordered = sorted(evs, key=lambda e: e["ts"])
+        t0, end = ordered[0]["ts"], ordered[0]["ts"]
+        for e in ordered[:sequence]:
+            out.append(f"  {e['ts'] - t0:9.1f} {e['ts'] - end:7.1f} {e['dur']:7.1f}  {e['name'][:90]}")
+            end = max(end, e["ts"] + e["dur"])
     out.append("top kernels (ms/round, count/round, mean us, name):")
     for name, (n, us) in sorted(by_name.items(), key=lambda kv: -kv[1][1])[:40]:
         out.append(f"  {us / rounds / 1e3:7.3f} x{n / rounds:<6.1f} {us / n:8.1f}  {name[:110]}")
     return "\n".join(out)
 
 
-def profile(model, cfg, k: int, batch: int, prompt_len: int, rounds: int, out: str) -> str:
+def profile(model, cfg, k: int, batch: int, prompt_len: int, rounds: int, out: str,
+            sequence: int = 0) -> str:
     eng = Engine(model, EngineConfig(max_running_requests=batch, max_model_len=prompt_len + 512,
                                      chunked_prefill_size=prompt_len, dtype=model.dtype,
                                      enable_prefix_cache=False),
@@ -139,7 +147,7 @@ def profile(model, cfg, k: int, batch: int, prompt_len: int, rounds: int, out: s
         jax.block_until_ready(eng.pools)
     head = (f"=== k={k} batch={batch} prompt={prompt_len}: median wall "
             f"{statistics.median(times) * 1e3:.3f} ms/round (untraced) ===")
-    return head + "\n" + analyse(trace_dir, rounds)
+    return head + "\n" + analyse(trace_dir, rounds, sequence)
 
 
 def main() -> None:
@@ -150,13 +158,16 @@ def main() -> None:
     p.add_argument("--prompt-len", type=int, default=1024)
     p.add_argument("--rounds", type=int, default=20)
     p.add_argument("--dtype", default="bfloat16")
+    p.add_argument("--sequence", type=int, default=0,
+                   help="also list the first N kernels of the trace in order, with gaps")
     p.add_argument("--out", required=True)
     args = p.parse_args()
     cfg = load_config(args.config)
     model = load_model(cfg=cfg, dtype=args.dtype, dummy_weight=True, with_mtp=any(args.k))
     report = []
     for k in args.k:
-        text = profile(model, cfg, k, args.batch, args.prompt_len, args.rounds, args.out)
+        text = profile(model, cfg, k, args.batch, args.prompt_len, args.rounds, args.out,
+                       args.sequence)
         print(text, flush=True)
         report.append(text)
     name = os.path.splitext(os.path.basename(args.config))[0]

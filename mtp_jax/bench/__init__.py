@@ -28,6 +28,11 @@ request, it reports:
   compile count of the warm-up and of the timed phase (must be 0, else exit status 1);
 * peak device memory.
 
+``--draft-vocab-size N``: the k > 0 rows' MTP draft scores only the N lowest token ids
+(``speculative_draft_vocab_size``), and the floor counts N rows of the draft's LM head instead of
+V; recorded as ``draft_vocab_size`` in each row (``None`` for k = 0). The forced drafts overwrite
+the draft's tokens, so the timing shows the cheaper draft at the forced accept lengths.
+
 Output: markdown tables on stdout (pasteable into docs/benchmarks.md), progress on stderr,
 and a JSON file (``--out``: ``{"meta": {date, commit, jax version, device kind, XLA_FLAGS,
 ...}, "results": [one object per row]}``), rewritten after each row.

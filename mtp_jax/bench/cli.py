@@ -43,6 +43,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--engine-warmup", action="store_true",
                    help="also time Engine.warmup() (every prefill and batch bucket of the "
                         "engine, as a server start-up compiles them) before each row")
+    p.add_argument("--draft-vocab-size", type=int, default=None,
+                   help="k > 0 rows: the MTP draft scores only the N lowest token ids "
+                        "(speculative_draft_vocab_size); the floor counts N draft LM-head rows "
+                        "(default: the full vocabulary)")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
@@ -78,7 +82,8 @@ def _kernels(model) -> dict | None:
 def _progress(r: dict) -> str:
     tps = (f"{r['tokens_per_s']:.1f}" if not r["k"] else " / ".join(
         f"{v:.1f}" for v in r["tokens_per_s_at_accept_length"].values()))
-    return (f"{r['config']} B={r['batch']} k={r['k']} round={r['round_ms']:.2f}ms "
+    n = f" N={r['draft_vocab_size']}" if r.get("draft_vocab_size") else ""
+    return (f"{r['config']} B={r['batch']} k={r['k']}{n} round={r['round_ms']:.2f}ms "
             f"floor={r['floor_ms']:.2f}ms ({r['fraction_of_floor']:.0%}) tok/s={tps} "
             f"exact={r['exact']} startup={r['startup_s']:.1f}s ({r['startup_from_cache']}) "
             f"timed_compiles={r['compiles_timed']}")
@@ -104,7 +109,7 @@ def main(argv=None, description: str | None = None) -> int:
                      warmup_rounds=args.warmup_rounds, page_size=args.page_size,
                      hbm_tbps=args.hbm_tbps, accept_lengths=tuple(args.accept_lengths),
                      prefill_reps=args.prefill_reps, max_k=max(ks),
-                     engine_warmup=args.engine_warmup)
+                     engine_warmup=args.engine_warmup, draft_vocab_size=args.draft_vocab_size)
         s.validate()
         for k in ks:
             if k and not any(1 <= a <= k + 1 for a in s.accept_lengths):
@@ -112,6 +117,11 @@ def main(argv=None, description: str | None = None) -> int:
                                  f"forced with k={k} (a round commits 1..{k + 1} tokens).")
         backends = backend_kwargs(args)
         configs = [(path, load_config(path)) for path in args.config]
+        for path, cfg in configs:
+            if s.draft_vocab_size is not None and s.draft_vocab_size > cfg.vocab_size:
+                raise ValueError(f"--draft-vocab-size {s.draft_vocab_size} is larger than the "
+                                 f"vocabulary of {path} ({cfg.vocab_size}); pick N <= "
+                                 f"{cfg.vocab_size}.")
         cache_dir = enable_compilation_cache(args.compilation_cache_dir)
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

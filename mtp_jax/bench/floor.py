@@ -2,7 +2,8 @@
 
 Weights read (the embedding only for the rows used; routed experts only for the experts hit
 under uniform routing), KV read over the context, GDN state read by the verify and read +
-written by the commit, and for k > 0 the MTP draft's weights and KV over its k calls.
+written by the commit, and for k > 0 the MTP draft's weights and KV over its k calls (with a
+reduced draft vocabulary of N hot ids, the draft's LM head reads N rows instead of V).
 """
 
 from __future__ import annotations
@@ -49,8 +50,10 @@ def forward_weight_bytes(cfg: ModelConfig, tensors: dict, tokens: int, itemsize:
     return total
 
 
-def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: int) -> dict:
-    """Bytes a round (k > 0) or decode step (k = 0) moves, by kind."""
+def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: int,
+                draft_vocab_size: int | None = None) -> dict:
+    """Bytes a round (k > 0) or decode step (k = 0) moves, by kind. ``draft_vocab_size``: the
+    draft's LM head has that many rows (hot token ids) instead of ``vocab_size``."""
     target = names.target_tensors(cfg)
     lm_head = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
     if cfg.tie_word_embeddings:
@@ -64,7 +67,8 @@ def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: in
     # verify reads the state; the commit reads it and writes it back (k > 0), decode the same.
     out["gdn_state"] = batch * state * 3
     if k:
-        draft = {**names.mtp_tensors(cfg), **lm_head}
+        draft_rows = cfg.vocab_size if draft_vocab_size is None else draft_vocab_size
+        draft = {**names.mtp_tensors(cfg), "lm_head.weight": (draft_rows, cfg.hidden_size)}
         out["draft_weights"] = (forward_weight_bytes(cfg, draft, batch * (k + 1), itemsize)
                                 + (k - 1) * forward_weight_bytes(cfg, draft, batch, itemsize))
         out["draft_kv_read"] = k * batch * context * kv_per_token * cfg.mtp_num_hidden_layers

@@ -60,6 +60,7 @@ class Settings:
     prefill_reps: int = 3
     max_k: int = 3
     engine_warmup: bool = False
+    draft_vocab_size: int | None = None  # k > 0 rows: the MTP draft scores the N lowest ids
 
     def validate(self) -> None:
         for name in ("prompt_len", "decode_tokens", "warmup_rounds", "prefill_reps"):
@@ -68,6 +69,10 @@ class Settings:
                                  ">= 1.")
         if not 0 <= self.max_k <= 8:
             raise ValueError(f"--k {self.max_k} must be in 0..8.")
+        if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
+            raise ValueError(f"--draft-vocab-size {self.draft_vocab_size} must be >= 1 (hot "
+                             "token ids of the draft's LM head), or omitted for the full "
+                             "vocabulary.")
 
     @property
     def reference_len(self) -> int:
@@ -119,8 +124,10 @@ class Ledger:
 
 
 def make_engine(model, batch: int, k: int, s: Settings) -> Engine:
-    """An engine for ``batch`` requests plus one slot for the prefill-throughput prompt."""
-    spec = SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3)
+    """An engine for ``batch`` requests plus one slot for the prefill-throughput prompt (k > 0:
+    with the reduced draft vocabulary of ``s.draft_vocab_size``, if set)."""
+    spec = SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3,
+                      draft_vocab_size=s.draft_vocab_size if k else None)
     return Engine(model, EngineConfig(max_running_requests=batch + 1, page_size=s.page_size,
                                       max_model_len=s.max_model_len,
                                       chunked_prefill_size=s.prompt_len,
@@ -327,7 +334,8 @@ def bench_one(model, batch: int, k: int, s: Settings,
         eng = make_engine(model, batch, k, s)
     names = _bucket_names(eng, batch, k, s)
     res: dict = {"batch": batch, "k": k, "prompt_len": s.prompt_len,
-                 "decode_tokens": s.decode_tokens}
+                 "decode_tokens": s.decode_tokens,
+                 "draft_vocab_size": s.draft_vocab_size if k else None}
     if s.engine_warmup:
         with ledger.phase("engine_warmup") as w:
             eng.warmup()
@@ -377,7 +385,8 @@ def bench_one(model, batch: int, k: int, s: Settings,
     res["prefill_s"] = prefill_s
     res["prefill_tokens_per_s"] = s.prompt_len / prefill_s
     itemsize = 2 if model.dtype != "float32" else 4
-    by = round_bytes(cfg, batch, k, round(res["context"]["mean"]), itemsize)
+    by = round_bytes(cfg, batch, k, round(res["context"]["mean"]), itemsize,
+                     draft_vocab_size=res["draft_vocab_size"])
     floor = by["total"] / (s.hbm_tbps * 1e12)
     res["bytes"] = {name: float(v) for name, v in by.items()}
     res["floor_ms"] = floor * 1e3

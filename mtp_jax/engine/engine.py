@@ -40,8 +40,10 @@ from mtp_jax.engine.pools import Pools, make_pools
 from mtp_jax.cache.radix import RadixCache
 from mtp_jax.engine.programs import LOAD_SNAPSHOT, SAVE_SNAPSHOT, RoundOutput
 from mtp_jax.engine.requests import Request
+from mtp_jax.models.draft_head import draft_head_bytes, with_draft_head
 from mtp_jax.models.loader import DTYPES, LoadedModel
 from mtp_jax.sampling import SamplingTensors
+from mtp_jax.spec.draft_vocab import hot_token_ids
 from mtp_jax.spec.external import Proposer, propose
 
 MIN_PREFILL_BUCKET = 16
@@ -134,9 +136,13 @@ class Engine:
         if spec.algorithm == "external" and proposer is None:
             raise ConfigError("speculative_algorithm='external' needs a proposer callable "
                               "(request_id, token_ids_so_far, k) -> k token ids.")
+        hot = hot_token_ids(spec.algorithm, spec.draft_vocab_size, spec.token_map_path,
+                            model.cfg.vocab_size)
+        model = with_draft_head(model, hot)  # the draft's hot-id LM head, gathered once
         self.model, self.cfg, self.spec = model, engine_cfg, spec
         self.proposer, self.tokenizer = proposer, tokenizer
         self.k = spec.k
+        self.draft_vocab_size = None if hot is None else int(hot.size)  # None: all V ids
         self.proposer_kind = spec.algorithm
         mc = model.cfg
         self.max_model_len = min(engine_cfg.max_model_len, mc.max_position_embeddings)
@@ -154,7 +160,9 @@ class Engine:
         self.plan = plan_memory(mc, dtype=model.dtype, page_size=self.page_size,
                                 max_running_requests=engine_cfg.max_running_requests,
                                 max_model_len=self.max_model_len, k=self.k, mtp=mtp,
-                                weights_bytes=weights_bytes(mc, model.dtype, model.has_mtp),
+                                weights_bytes=weights_bytes(mc, model.dtype, model.has_mtp)
+                                + (0 if hot is None else draft_head_bytes(mc, hot.size,
+                                                                          model.dtype)),
                                 device_bytes=stats.get("bytes_limit"),
                                 mem_fraction=engine_cfg.mem_fraction,
                                 max_total_tokens=engine_cfg.max_total_tokens,

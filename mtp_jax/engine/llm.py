@@ -45,6 +45,14 @@ class LLM:
       speculative_num_steps: k drafted tokens per round, 1..8 (default 3).
       speculative_draft_model_path: a folder holding the ``mtp.*`` draft tensors (default: the
         target checkpoint itself).
+      speculative_draft_vocab_size, speculative_token_map: MTP only; the draft scores only a
+        hot subset of N token ids (FR-Spec, SGLang's ``speculative_token_map``), which cuts the
+        draft's LM-head bytes by about V/N. The map is a ``.npy`` / ``.json`` / text file of
+        token ids (the hot set, in order); a size alone takes the N lowest ids (a heuristic:
+        BPE ids follow merge order, so low ids are frequent; a map counted on real traffic is
+        better); both: the map's first N. Output stays exact (greedy: plain decoding; sampled:
+        the target's distribution); the accept length may drop a little. Default: the full
+        vocabulary. See :mod:`mtp_jax.spec.draft_vocab`.
       proposer: for ``"external"``: ``(request_id, token_ids_so_far, k) -> k token ids``.
       seed: base seed of sampled requests without their own seed.
       max_model_len, page_size: KV sizing (tokens).
@@ -77,6 +85,8 @@ class LLM:
     def __init__(self, model: str | None = None, *, dtype: str = "auto",
                  max_running_requests: int = 8, speculative_algorithm: str | None = "mtp",
                  speculative_num_steps: int = 3, speculative_draft_model_path: str | None = None,
+                 speculative_draft_vocab_size: int | None = None,
+                 speculative_token_map: str | None = None,
                  proposer: Proposer | None = None, seed: int = 0, max_model_len: int = 4096,
                  page_size: int = 16, dummy_weight: bool = False,
                  chunked_prefill_size: int = 2048, enable_prefix_cache: bool = True,
@@ -100,7 +110,9 @@ class LLM:
             model = default_model_path()
         algorithm = normalize_algorithm(speculative_algorithm)
         spec = SpecConfig(algorithm=algorithm, num_steps=speculative_num_steps,
-                          draft_model_path=speculative_draft_model_path)
+                          draft_model_path=speculative_draft_model_path,
+                          draft_vocab_size=speculative_draft_vocab_size,
+                          token_map_path=speculative_token_map)
         engine_cfg = EngineConfig(max_running_requests=max_running_requests, page_size=page_size,
                                   max_model_len=max_model_len, dtype=resolve_dtype(dtype),
                                   chunked_prefill_size=chunked_prefill_size,
@@ -139,6 +151,11 @@ class LLM:
         from mtp_jax.models.qwen4_exp.loader import load_qwen4_exp
         from mtp_jax.tokenizer import Tokenizer
 
+        if spec.draft_vocab_size is not None or spec.token_map_path is not None:
+            raise ConfigError("speculative_draft_vocab_size (--speculative-draft-vocab-size) / "
+                              "speculative_token_map (--speculative-token-map) restrict the MTP "
+                              "draft's vocabulary, but qwen4_exp runs without speculation for "
+                              "now; drop them.")
         if spec.enabled:
             raise ConfigError(f"speculative_algorithm {spec.algorithm!r} is not supported for "
                               "qwen4_exp yet (its verify/commit programs are not built); use "

@@ -10,7 +10,8 @@ once per shape bucket with the pools donated. The round is one program:
     k-1 chained draft steps                           (MTP: z fed back with the drafted token)
 
 so its only host transfer is the emitted tokens and accepted counts. With k = 0 it is a plain
-decode step. Each slot's position and generated-token count live in the pools and advance on
+decode step, whose GDN layers use the decode form (output and new state in one pass, no
+commit) unless a prefix-cache snapshot is saved in the round. Each slot's position and generated-token count live in the pools and advance on
 the device, so the host can dispatch the next round before reading this one's result.
 """
 
@@ -68,14 +69,24 @@ def _draft_token(model, z, sampling, step, j, greedy_only):
     from the filtered draft distribution q, which is returned for rejection sampling (greedy
     rows' q is never read). With ``greedy_only`` (static; the host picks it when every row is
     greedy) the filtering is not traced; otherwise some row samples, so no run-time test of an
-    all-greedy batch is made (on a GPU it would be a host round trip per draft step)."""
-    logits = model.logits(z)
+    all-greedy batch is made (on a GPU it would be a host round trip per draft step).
+
+    With a reduced draft vocabulary (``model.draft_head``: N hot ids) the draft scores only the
+    hot ids: the argmax / draw over the N logits is mapped to its full id, and q (filtered over
+    the N logits) is scattered into ``[B, V]``, zero outside the hot set, so the accept step
+    sees the distribution the draft really sampled from. Returns ``(tokens [B] int32,
+    q [B, V] float32)``."""
+    logits, hot = model.draft_logits(z)  # [B, N]; hot [N] int32, None: N = V, column = id
+    to_id = (lambda i: i) if hot is None else (lambda i: jnp.take(hot, i))
     greedy_tok = jnp.argmax(logits, -1).astype(jnp.int32)
     if greedy_only:
-        return greedy_tok, jnp.zeros(logits.shape, jnp.float32)
+        return to_id(greedy_tok), jnp.zeros((z.shape[0], model.cfg.vocab_size), jnp.float32)
     q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
     drawn = categorical(row_keys(sampling.seed, step, SALT_DRAFT + j), q)
-    return jnp.where(sampling.is_greedy, greedy_tok, drawn), q
+    if hot is not None:
+        q = jnp.zeros((q.shape[0], model.cfg.vocab_size), jnp.float32).at[:, hot].set(
+            q, unique_indices=True)
+    return to_id(jnp.where(sampling.is_greedy, greedy_tok, drawn)), q
 
 
 def _chain(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, step, k, greedy_only):
@@ -190,7 +201,10 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
     Row b starts at the slot's ``Pools.position`` and verifies ``num_draft[b] <= k`` drafts
     (:func:`clamp_drafts`): verify rows past it, and every write at or past ``limit[b]``, go to
     the trash page, and the acceptance ignores those drafts. The slot's position and step
-    advance by the tokens committed (live rows only).
+    advance by the tokens committed (live rows only). With ``k = 0`` and no snapshot, a model
+    whose ``gdn_modes`` has ``"decode"`` runs its GDN layers in the decode form (new states
+    returned directly, equal to verify + commit of the row), so no commit is traced; other
+    models take the verify + commit path.
     Returns ``(RoundOutput, pools)``.
     """
     model = nnx.merge(graphdef, params)
@@ -207,7 +221,10 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
         pos < batch.limit[:, None])
     abatch = AttentionBatch(pos, valid, batch.page_table)
     view = pools.gdn.gather(batch.slot)
-    hidden, kv, rows = model(tokens, abatch, pools.kv, view, "verify")
+    # k = 0 (no snapshot replay): the GDN layers' decode form returns the new states directly,
+    # equal to verify + commit of the one row (not-valid rows keep theirs), so no commit runs.
+    decode = k == 0 and not snapshot and "decode" in getattr(model, "gdn_modes", ())
+    hidden, kv, rows = model(tokens, abatch, pools.kv, view, "decode" if decode else "verify")
     logits = model.logits(hidden)  # [B, k+1, V]
     if k:
         q = pools.draft_probs[batch.slot] if proposer == "mtp" else None
@@ -220,7 +237,7 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
     commit_len = jnp.where(batch.live, n + 1, 0)
     if snapshot:
         pools = _save_round_snapshots(model, pools, view, rows, batch)
-    view = model.commit(view, rows, commit_len)
+    view = rows if decode else model.commit(view, rows, commit_len)
     pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, view))
     bonus = _row(emitted, n)
     drafts = None
@@ -261,11 +278,18 @@ class Programs:
     packed int32 buffer (:mod:`mtp_jax.engine.packing`), so a call costs one host-to-device
     copy. Pools are donated. Shapes and the static keywords (``k``, ``mtp``, ``proposer``,
     ``greedy_only``, ``snapshot``) key the compile caches: one program per bucket and variant.
+
+    With ``executables`` (what :func:`make_programs` gives), calls run the compiled program of
+    their shapes from an :class:`~mtp_jax.engine.executable_cache.ExecutableTable`: loaded from
+    the executable cache on disk without tracing when it is there, else traced, compiled and
+    saved (nothing on disk when the compilation cache is ``none``). The jitted functions stay
+    the reference (``.lower`` for inspection) and serve calls when ``executables`` is None.
     """
 
     prefill_jit: object
     round_jit: object
     treedef: object
+    executables: object = None  # ExecutableTable | None
 
     def leaves(self, params) -> tuple:
         return tuple(jax.tree_util.tree_leaves(params))
@@ -273,18 +297,28 @@ class Programs:
     def prefill(self, leaves, pools, batch: PrefillBatch, **static):
         """:func:`prefill` on a batch of numpy arrays; returns ``(first_token, pools)``."""
         buf, spec = pack(batch)
+        if self.executables is not None:
+            return self.executables.call("prefill", self.prefill_jit, leaves, pools, buf, spec,
+                                         static)
         return self.prefill_jit(leaves, pools, buf, spec=spec, **static)
 
     def round(self, leaves, pools, batch: RoundBatch, **static):
         """:func:`spec_round` on a batch of numpy arrays; returns ``(RoundOutput, pools)``."""
         buf, spec = pack(batch)
+        if self.executables is not None:
+            return self.executables.call("round", self.round_jit, leaves, pools, buf, spec,
+                                         static)
         return self.round_jit(leaves, pools, buf, spec=spec, **static)
 
     def compiled_count(self) -> int:
-        return self.prefill_jit._cache_size() + self.round_jit._cache_size()
+        """Programs compiled or loaded so far: the jit caches plus the executable table."""
+        n = self.prefill_jit._cache_size() + self.round_jit._cache_size()
+        return n + (len(self.executables) if self.executables is not None else 0)
 
 
 def make_programs(graphdef, params) -> Programs:
+    from mtp_jax.engine.executable_cache import ExecutableTable
+
     treedef = jax.tree_util.tree_structure(params)
     params_of = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
 
@@ -301,4 +335,4 @@ def make_programs(graphdef, params) -> Programs:
                             donate_argnums=(1,)),
         round_jit=jax.jit(round_, static_argnames=("spec", "k", "proposer", "greedy_only",
                                                    "snapshot"), donate_argnums=(1,)),
-        treedef=treedef)
+        treedef=treedef, executables=ExecutableTable(graphdef))

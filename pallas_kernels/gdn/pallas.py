@@ -7,9 +7,12 @@ Per value head the state ``S [Dk, Dv]`` evolves row by row (see ``reference.py``
 Column ``j`` of ``S`` only needs ``v_t[j]``, so the grid is ``(B, H, Dv // block_v)`` and each
 program keeps its ``[Dk, block_v]`` tile of ``S`` in registers across all ``T`` rows (the row
 loop is unrolled; ``T`` is static). :func:`gdn_verify_pallas` reads the state once and writes
-only ``o``; :func:`gdn_commit_pallas` reads and writes the state once and writes no ``o``. Both
-run the same per-row code (:func:`_rows`), so a verify's row ``t`` equals what a commit of
-``t + 1`` rows followed by a one-row verify gives, up to the compiler's instruction choice.
+only ``o``; :func:`gdn_commit_pallas` reads and writes the state once and writes no ``o``;
+:func:`gdn_decode_pallas` (one row, ``T = 1``) reads the state once and writes both ``o`` and
+the new state, so a plain decode step needs no separate commit. All run the same per-row code
+(:func:`_rows`), so a verify's row ``t`` equals what a commit of ``t + 1`` rows followed by a
+one-row verify gives, and a decode equals a one-row verify plus commit, up to the compiler's
+instruction choice.
 
 All kernel arrays must have power-of-two shapes for Triton: ``T``, ``Dk`` and ``block_v``
 (``api.py`` pads ``T`` with ``g = beta = 0`` rows, which change nothing).
@@ -53,6 +56,15 @@ def _commit_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, out_ref, *, n_rows:
     out_ref[...] = _rows(s_ref[...], q_ref, k_ref, v_ref, g_ref, b_ref, n_rows)
 
 
+def _decode_kernel(q_ref, k_ref, v_ref, g_ref, b_ref, s_ref, o_ref, out_ref, *, n_rows: int):
+    """Verify and commit in one pass: ``o`` rows and the new state tile (``out_ref`` may alias
+    ``s_ref``: the tile is read whole before it is written)."""
+    def emit(t, o_t):
+        o_ref[t, :] = o_t
+
+    out_ref[...] = _rows(s_ref[...], q_ref, k_ref, v_ref, g_ref, b_ref, n_rows, emit)
+
+
 def default_tiling(batch: int, heads: int, dv: int) -> tuple[int, int]:
     """``(block_v, num_warps)``: the widest ``block_v`` in (64, 32, 16) that still gives about
     two programs per SM; 4 warps (a ``[128, 64]`` f32 tile is 64 registers a thread).
@@ -91,28 +103,32 @@ def _check(q, k, v, g, beta, state, block_v: int):
         raise ValueError(f"gdn: Dv={dv} is not a multiple of block_v={block_v}.")
 
 
-def _call(q, k, v, g, beta, state, block_v, num_warps, interpret, *, commit: bool):
-    """The verify (``o``) or commit (new state, aliasing ``state``) ``pallas_call``."""
+def _call(q, k, v, g, beta, state, block_v, num_warps, interpret, *, mode: str):
+    """The ``pallas_call`` of ``mode``: ``"verify"`` (``o``), ``"commit"`` (new state, aliasing
+    ``state``) or ``"decode"`` (``(o, new state)``, the state aliasing ``state``)."""
     b, t, h, dk = q.shape
     dv = v.shape[-1]
     bv0, nw0 = default_tiling(b, h, dv)
     block_v, num_warps = block_v or bv0, num_warps or nw0
     _check(q, k, v, g, beta, state, block_v)
     in_specs, o_spec, s_spec = _specs(t, dk, block_v)
-    if commit:
-        kernel, out_spec, out_shape, aliases = _commit_kernel, s_spec, state.shape, {5: 0}
-    else:
-        kernel, out_spec, out_shape, aliases = _verify_kernel, o_spec, (b, t, h, dv), {}
+    o_shape = jax.ShapeDtypeStruct((b, t, h, dv), jnp.float32)
+    s_shape = jax.ShapeDtypeStruct(state.shape, jnp.float32)
+    kernel, out_specs, out_shape, aliases = {
+        "verify": (_verify_kernel, o_spec, o_shape, {}),
+        "commit": (_commit_kernel, s_spec, s_shape, {5: 0}),
+        "decode": (_decode_kernel, [o_spec, s_spec], [o_shape, s_shape], {5: 1}),
+    }[mode]
     return pl.pallas_call(
         functools.partial(kernel, n_rows=t),
         grid=(b, h, dv // block_v),
         in_specs=in_specs,
-        out_specs=out_spec,
-        out_shape=jax.ShapeDtypeStruct(out_shape, jnp.float32),
+        out_specs=out_specs,
+        out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret,
-        name="gdn_commit" if commit else "gdn_verify",
+        name=f"gdn_{mode}",
     )(q, k, v, g, beta, state)
 
 
@@ -126,7 +142,7 @@ def gdn_verify_pallas(q, k, v, g, beta, state, *, block_v: int | None = None,
     default to :func:`default_tiling`. Returns ``o [B, T, H, Dv]`` float32.
     Raises ValueError on a shape, dtype or tiling the kernel cannot take.
     """
-    return _call(q, k, v, g, beta, state, block_v, num_warps, interpret, commit=False)
+    return _call(q, k, v, g, beta, state, block_v, num_warps, interpret, mode="verify")
 
 
 @functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
@@ -137,4 +153,23 @@ def gdn_commit_pallas(q, k, v, g, beta, state, *, block_v: int | None = None,
     Returns the new state ``[B, H, Dk, Dv]`` float32. The output aliases ``state`` (each program
     reads its tile before writing it), so a donated state is updated in place.
     """
-    return _call(q, k, v, g, beta, state, block_v, num_warps, interpret, commit=True)
+    return _call(q, k, v, g, beta, state, block_v, num_warps, interpret, mode="commit")
+
+
+@functools.partial(jax.jit, static_argnames=("block_v", "num_warps", "interpret"))
+def gdn_decode_pallas(q, k, v, g, beta, state, *, block_v: int | None = None,
+                      num_warps: int | None = None, interpret: bool = False):
+    """One decode row: outputs and the new state from one read of ``state``.
+
+    Args as :func:`gdn_verify_pallas` with ``T = 1`` (q, k ``[B, 1, H, Dk]``, v ``[B, 1, H, Dv]``,
+    g, beta ``[B, 1, H]``, state ``[B, H, Dk, Dv]``, float32). Returns ``(o [B, 1, H, Dv], new
+    state [B, H, Dk, Dv])``, both float32: the per-row code and tiling of verify and commit, so
+    ``o`` is the one-row verify's and the state the one-row commit's (up to the compiler's
+    instruction choice). The new state aliases ``state`` (each program reads its tile before
+    writing it), so a donated state is updated in place; a row with ``g = beta = 0`` leaves it
+    unchanged exactly. Raises ValueError when ``T != 1`` or as :func:`gdn_verify_pallas`.
+    """
+    if q.shape[1] != 1:
+        raise ValueError(f"gdn decode: T={q.shape[1]} rows; the decode kernel takes one row "
+                         "per request (use gdn_verify_pallas + gdn_commit_pallas for a window).")
+    return _call(q, k, v, g, beta, state, block_v, num_warps, interpret, mode="decode")

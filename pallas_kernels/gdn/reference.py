@@ -31,17 +31,37 @@ def gdn_recurrent_reference(q, k, v, g, beta, state, unroll: int | bool = 1):
       ``(o [B, T, H, Dv] float32, final state [B, H, Dk, Dv])``.
     """
 
-    def step(s, xs):
-        q_t, k_t, v_t, g_t, b_t = xs
-        s = s * jnp.exp(g_t)[..., None, None]
-        kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
-        delta = (v_t - kv_mem) * b_t[..., None]
-        s = s + k_t[..., :, None] * delta[..., None, :]
-        return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
-
     xs = tuple(jnp.moveaxis(a, 1, 0) for a in (q, k, v, g, beta))
-    state, o = jax.lax.scan(step, state, xs, unroll=unroll)
+    state, o = jax.lax.scan(_step, state, xs, unroll=unroll)
     return jnp.moveaxis(o, 0, 1), state
+
+
+def _step(s, xs):
+    """One row of the step form: ``s [B, H, Dk, Dv]``, ``xs = (q_t, k_t [B, H, Dk], v_t
+    [B, H, Dv], g_t, beta_t [B, H])`` -> ``(new s, o_t [B, H, Dv])``."""
+    q_t, k_t, v_t, g_t, b_t = xs
+    s = s * jnp.exp(g_t)[..., None, None]
+    kv_mem = jnp.einsum("bhkv,bhk->bhv", s, k_t)
+    delta = (v_t - kv_mem) * b_t[..., None]
+    s = s + k_t[..., :, None] * delta[..., None, :]
+    return s, jnp.einsum("bhkv,bhk->bhv", s, q_t)
+
+
+def gdn_decode_reference(q, k, v, g, beta, state):
+    """One decode row of the step form: outputs and the new state from one read of ``state``.
+
+    Args: as :func:`gdn_recurrent_reference` with ``T = 1`` (q, k ``[B, 1, H, Dk]``, v
+    ``[B, 1, H, Dv]``, g, beta ``[B, 1, H]``, state ``[B, H, Dk, Dv]``, float32).
+    Returns ``(o [B, 1, H, Dv], new state [B, H, Dk, Dv])``: the same per-row arithmetic as the
+    step form, so equal to its ``(o, state)`` for one row; a row with ``g = beta = 0`` returns
+    ``state`` unchanged exactly.
+    Raises ValueError when ``T != 1``.
+    """
+    if q.shape[1] != 1:
+        raise ValueError(f"gdn decode: T={q.shape[1]} rows; decode takes one row per request "
+                         "(use gdn_recurrent_reference / verify + commit for a window).")
+    s, o = _step(state, tuple(a[:, 0] for a in (q, k, v, g, beta)))
+    return o[:, None], s
 
 
 def gdn_chunked_reference(q, k, v, g, beta, state, chunk_size: int = 64):

@@ -1,8 +1,18 @@
 """Routed-experts entry point of the sparse MoE block; picks an implementation.
 
-Backends: ``xla`` (runs anywhere) and ``pallas`` (Triton grouped matmuls, NVIDIA GPU; on
-other platforms only with ``interpret=True``). Both return what
-:func:`~pallas_kernels.moe.reference.moe_experts_reference` returns.
+Backends: ``xla`` (runs anywhere) and ``pallas`` (Triton kernels, NVIDIA GPU; on other
+platforms only with ``interpret=True``). Both return what
+:func:`~pallas_kernels.moe.reference.moe_experts_reference` returns;
+:func:`moe_experts_weighted` also sums each token's pairs with its routing weights.
+
+The ``pallas`` backend has two kernels, split on the pairs ``P = N * top_k``:
+
+* few pairs (decode, verify: ``P <= E * FEW_KERNEL_MAX_PAIRS_PER_EXPERT``): per-pair matvecs
+  streaming the chosen experts' weights (:mod:`pallas_kernels.moe.few`); shapes whose H or I
+  is not a multiple of 16 take the ``xla`` backend instead (the kernels' tiles are powers of
+  two >= 16 dividing H and I);
+* many pairs (prefill), or whenever grouped-matmul ``tiles`` are given: grouped matmuls over
+  expert-aligned row blocks (:mod:`pallas_kernels.moe.pallas`).
 
 The ``xla`` backend has two forms, split on the number of (token, expert) pairs ``P = N * top_k``:
 
@@ -21,11 +31,14 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.moe.few import (FewTiles, few_supported, moe_experts_few,
+                                    moe_experts_few_weighted)
 from pallas_kernels.moe.pallas import MoeTiles, default_tiles, moe_experts_pallas, route_blocks
 from pallas_kernels.moe.reference import check_moe_shapes
 
 BACKENDS = ("xla", "pallas")
 FEW_PAIRS_PER_EXPERT = 1.0  # xla: gather-reduce form below E * this many pairs, blocks above
+FEW_KERNEL_MAX_PAIRS_PER_EXPERT = 1.0  # pallas: few-pairs kernels up to E * this many pairs
 
 # Contract lhs dim 1 (H or I) with the weights' last dim; lhs rows ragged over the experts.
 _STORED_LAYOUT = jax.lax.RaggedDotDimensionNumbers(
@@ -85,16 +98,26 @@ def moe_experts_xla_ragged(x, expert_ids, gate_up, down) -> jax.Array:
     return y[inverse].astype(x.dtype).reshape(n, top_k, -1)
 
 
+def _few_kernel(p: int, num_experts: int, hidden: int, inter: int, tiles) -> bool | None:
+    """``pallas`` backend: True for the few-pairs kernels, None for the XLA escape (few pairs
+    but H or I not a multiple of 16), False for the grouped kernels."""
+    if tiles is not None or p > num_experts * FEW_KERNEL_MAX_PAIRS_PER_EXPERT:
+        return False
+    return True if few_supported(hidden, inter) else None
+
+
 def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up: jax.Array, down: jax.Array, *,
                 backend: str = "xla", tiles: MoeTiles | None = None,
-                interpret: bool = False) -> jax.Array:
+                few_tiles: FewTiles | None = None, interpret: bool = False) -> jax.Array:
     """Routed SwiGLU experts, one output row per (token, expert) pair.
 
     Args:
       x: ``[N, H]``; expert_ids: ``[N, top_k]`` int in ``[0, E)``; gate_up: ``[E, 2I, H]`` (gate
       rows first); down: ``[E, H, I]`` (the HF checkpoint tensors as stored).
       backend: one of :data:`BACKENDS`.
-      tiles: ``pallas`` only, static tiling (default by the pairs per expert).
+      tiles: ``pallas`` only, grouped-matmul tiling; giving it forces the grouped kernels
+        (default: by the pairs per expert).
+      few_tiles: ``pallas`` only, tiling of the few-pairs kernels (default: by the pairs).
       interpret: ``pallas`` only, run in the Pallas interpreter (tests without a GPU).
     Returns:
       ``[N, top_k, H]`` in ``x.dtype`` (float32 accumulation).
@@ -102,11 +125,47 @@ def moe_experts(x: jax.Array, expert_ids: jax.Array, gate_up: jax.Array, down: j
       ValueError: unknown backend, operand shapes that do not fit together, or (Pallas's own
         error) ``pallas`` on a CPU without ``interpret``.
     """
-    check_moe_shapes(x, expert_ids, gate_up, down)
+    n, top_k, num_experts, hidden, inter = check_moe_shapes(x, expert_ids, gate_up, down)
     if backend == "pallas":
-        return moe_experts_pallas(x, expert_ids, gate_up, down, tiles=tiles, interpret=interpret)
+        few = _few_kernel(n * top_k, num_experts, hidden, inter, tiles)
+        if few:
+            return moe_experts_few(x, expert_ids, gate_up, down, tiles=few_tiles,
+                                   interpret=interpret)
+        if few is False:
+            return moe_experts_pallas(x, expert_ids, gate_up, down, tiles=tiles,
+                                      interpret=interpret)
+        backend = "xla"
     if backend != "xla":
         raise ValueError(f"MoE backend {backend!r} is not available; use one of {BACKENDS}.")
     if expert_ids.size < gate_up.shape[0] * FEW_PAIRS_PER_EXPERT:
         return moe_experts_xla_few(x, expert_ids, gate_up, down)
     return moe_experts_xla_blocks(x, expert_ids, gate_up, down)
+
+
+def moe_experts_weighted(x: jax.Array, expert_ids: jax.Array, weights: jax.Array,
+                         gate_up: jax.Array, down: jax.Array, *, backend: str = "xla",
+                         tiles: MoeTiles | None = None, few_tiles: FewTiles | None = None,
+                         interpret: bool = False) -> jax.Array:
+    """Routed-experts output of a sparse MoE block: ``out[n] = sum_j weights[n, j] *
+    expert_{ids[n, j]}(x[n])`` (HF ``Qwen3_5MoeExperts`` with its routing weights).
+
+    Args:
+      weights: ``[N, top_k]`` routing weights (used in float32); the rest as in
+        :func:`moe_experts`.
+    Returns:
+      ``[N, H]`` in ``x.dtype``. The few-pairs kernels fuse the sum (float32, rounded once);
+      the other paths round each pair's output to ``x.dtype`` first and sum in float32.
+    Raises:
+      ValueError: as :func:`moe_experts`, or ``weights`` not shaped like ``expert_ids``.
+    """
+    n, top_k, num_experts, hidden, inter = check_moe_shapes(x, expert_ids, gate_up, down)
+    if weights.shape != expert_ids.shape:
+        raise ValueError(f"weights {weights.shape} must have the shape of expert_ids "
+                         f"{expert_ids.shape} (one routing weight per (token, expert) pair).")
+    if backend == "pallas" and _few_kernel(n * top_k, num_experts, hidden, inter, tiles):
+        return moe_experts_few_weighted(x, expert_ids, weights, gate_up, down, tiles=few_tiles,
+                                        interpret=interpret)
+    y = moe_experts(x, expert_ids, gate_up, down, backend=backend, tiles=tiles,
+                    few_tiles=few_tiles, interpret=interpret)  # [N, top_k, H]
+    out = jnp.sum(y.astype(jnp.float32) * weights.astype(jnp.float32)[..., None], axis=1)
+    return out.astype(x.dtype)

@@ -6,10 +6,12 @@
     o = gated_delta_rule(q, k, v, g, beta)    # pallas_kernels.gdn.reference
     out = out_proj(norm(o) * w * silu(in_proj_z x))
 
-Three uses: ``prefill`` (chunked form, writes the state), ``verify`` (step form, leaves the live
-state untouched and returns the per-row inputs) and :func:`commit` (replays the accepted rows
+Four uses: ``prefill`` (chunked form, writes the state), ``verify`` (step form, leaves the live
+state untouched and returns the per-row inputs), :func:`commit` (replays the accepted rows
 of a verify onto the live state with the step form, so the result equals decoding them one by
-one). Source: HF transformers ``qwen3_5`` (``Qwen3_5GatedDeltaNet``).
+one) and ``decode`` (one row per request, speculation off: the step form's output and new
+state from one read of the state, equal to a one-row verify plus commit).
+Source: HF transformers ``qwen3_5`` (``Qwen3_5GatedDeltaNet``).
 """
 
 from __future__ import annotations
@@ -23,7 +25,7 @@ from flax import nnx
 from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import Linear, rms_normalize
-from pallas_kernels.gdn.api import gdn_commit, gdn_verify
+from pallas_kernels.gdn.api import gdn_commit, gdn_decode, gdn_verify
 from pallas_kernels.gdn.reference import gdn_chunked_reference
 
 
@@ -139,6 +141,23 @@ class GatedDeltaNet(nnx.Module):
         o = gdn_verify(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent,
                        backend=self.backend)
         return self._output(o, x), rows
+
+    def decode(self, x, state, valid):
+        """One decode row per request (``x [B, 1, H]``): the step form's output and new state
+        from one read of the state (:func:`pallas_kernels.gdn.api.gdn_decode`), equal to
+        :meth:`verify` followed by :func:`commit` of that row. A request whose row is not
+        ``valid [B, 1]`` (a padding row) keeps its recurrent state (its ``g = beta = 0``) and its
+        conv window (length 0). Returns ``(out [B, 1, H], (recurrent, conv))``.
+        Raises ValueError when ``T != 1`` (a window needs verify + commit)."""
+        if x.shape[1] != 1:
+            raise ValueError(f"GatedDeltaNet.decode: T={x.shape[1]} rows; decode takes one row "
+                             "per request (use verify + commit for a window).")
+        recurrent, conv = state
+        rows = self._rows(x, conv, valid)
+        o, recurrent = gdn_decode(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent,
+                                  backend=self.backend)
+        length = jnp.sum(valid, axis=1).astype(jnp.int32)
+        return self._output(o, x), (recurrent, conv_window(conv, rows.qkv, length))
 
 
 class _Conv(nnx.Module):

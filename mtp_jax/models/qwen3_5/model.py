@@ -49,6 +49,8 @@ class DecoderLayer(nnx.Module):
             return out, kv, None
         if gdn_mode == "prefill":
             out, gdn = self.linear_attn.prefill(hn, gdn, batch.valid)
+        elif gdn_mode == "decode":
+            out, gdn = self.linear_attn.decode(hn, gdn, batch.valid)
         else:
             out, gdn = self.linear_attn.verify(hn, gdn, batch.valid)
         return out, None, gdn
@@ -61,6 +63,10 @@ class DecoderLayer(nnx.Module):
 
 class Qwen35Model(nnx.Module):
     """Embedding, decoder layers, final norm, LM head and (optionally) the ``mtp`` draft."""
+
+    # The ``gdn_mode`` values of :meth:`__call__` (a capability read by the round program:
+    # ``"decode"`` lets a plain decode round skip :meth:`commit`).
+    gdn_modes = ("prefill", "verify", "decode")
 
     def __init__(self, cfg: ModelConfig, dtype, with_mtp: bool = False):
         from mtp_jax.models.qwen3_5.mtp import MTPDraft
@@ -78,12 +84,23 @@ class Qwen35Model(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size,
                                                                     cfg.vocab_size, dtype)
         self.mtp = MTPDraft(cfg, dtype) if with_mtp else None
+        # The draft's reduced LM head (hot token ids), set after load by
+        # mtp_jax.models.draft_head.with_draft_head; None: the draft scores the full vocabulary.
+        self.draft_head = None
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """``hidden [..., H]`` (after the final norm) -> ``logits [..., V]`` float32."""
         if self.lm_head is None:
             return self.embed_tokens.attend(hidden).astype(jnp.float32)
         return self.lm_head(hidden).astype(jnp.float32)
+
+    def draft_logits(self, z: jax.Array):
+        """The MTP draft's logits: ``z [..., H]`` (after ``mtp.norm``) -> ``(logits [..., N]
+        float32, ids [N] int32)`` over the hot token ids of :attr:`draft_head`, or
+        ``(logits(z) [..., V], None)`` without one (column i is token id i)."""
+        if self.draft_head is None:
+            return self.logits(z), None
+        return self.draft_head(z), self.draft_head.ids[...]
 
     def __call__(self, input_ids: jax.Array, batch: AttentionBatch, kv: PagedKV,
                  gdn: LinearState, gdn_mode: str = "prefill"):
@@ -94,11 +111,18 @@ class Qwen35Model(nnx.Module):
           batch: row positions / validity / page tables.
           kv: the target's paged KV (all attention layers).
           gdn: GDN state batch view ``[B, ...]`` per layer.
-          gdn_mode: ``"prefill"`` (chunked form, returns the new states) or ``"verify"``
-            (step form, states untouched, returns ``GDNRows`` per GDN layer for :meth:`commit`).
+          gdn_mode: ``"prefill"`` (chunked form, returns the new states), ``"verify"``
+            (step form, states untouched, returns ``GDNRows`` per GDN layer for :meth:`commit`)
+            or ``"decode"`` (``T = 1``: step form, returns the new states, equal to a verify
+            plus a commit of the valid rows).
         Returns:
           ``(hidden [B, T, H] after the final norm, new kv, new LinearState | tuple[GDNRows])``.
+        Raises:
+          ValueError: an unknown ``gdn_mode``, or ``"decode"`` with ``T != 1``.
         """
+        if gdn_mode not in self.gdn_modes:
+            raise ValueError(f"gdn_mode {gdn_mode!r} is unknown; use one of {self.gdn_modes}.")
+        writes_state = gdn_mode != "verify"
         x = self.embed_tokens(input_ids)
         ks, vs = list(kv.k), list(kv.v)
         rec, conv = list(gdn.recurrent), list(gdn.conv)
@@ -109,12 +133,12 @@ class Qwen35Model(nnx.Module):
                 x, (ks[i], vs[i]), _ = layer(x, batch, kv=(ks[i], vs[i]))
             else:
                 x, _, out = layer(x, batch, gdn=(rec[i], conv[i]), gdn_mode=gdn_mode)
-                if gdn_mode == "prefill":
+                if writes_state:
                     rec[i], conv[i] = out
                 else:
                     rows[i] = out
         new_kv = PagedKV(tuple(ks), tuple(vs))
-        new_gdn = LinearState(tuple(rec), tuple(conv)) if gdn_mode == "prefill" else tuple(rows)
+        new_gdn = LinearState(tuple(rec), tuple(conv)) if writes_state else tuple(rows)
         return self.norm(x), new_kv, new_gdn
 
     def commit(self, gdn: LinearState, rows: tuple[GDNRows, ...],

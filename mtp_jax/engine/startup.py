@@ -1,0 +1,38 @@
+"""Build the programs a warm-up will call before it runs, compiling them on threads.
+
+A warm-up (``Engine.warmup``) calls its programs one after another, each waiting for the one
+before it (the pools pass from call to call), so the programs missing from the executable
+cache are compiled one at a time. :func:`build_ahead` first runs the warm-up dry, with the
+program table recording instead of running (:meth:`ExecutableTable.recording`), then builds
+what it recorded with :meth:`ExecutableTable.build`: loaded from disk where saved, otherwise
+traced and lowered in turn and compiled on :func:`~mtp_jax.engine.executable_cache.compile_workers`
+threads (XLA releases the GIL while it compiles). The real warm-up after it finds every program
+in memory.
+"""
+
+from __future__ import annotations
+
+import time
+from typing import Callable
+
+
+def build_ahead(programs, run: Callable[[], object], workers: int | None = None) -> float:
+    """Run ``run()`` (a warm-up whose program outputs are only passed on, never read) with
+    ``programs``' table recording, then build every recorded program. Returns seconds.
+
+    Does nothing (returns 0.0) when ``programs`` has no executable table.
+    """
+    table = getattr(programs, "executables", None)
+    if table is None:
+        return 0.0
+    t0 = time.perf_counter()
+    with table.recording() as calls:
+        run()
+    table.build(calls, workers=workers)
+    return time.perf_counter() - t0
+
+
+def build_warmup_programs(engine, workers: int | None = None, **warmup_kwargs) -> float:
+    """:func:`build_ahead` of ``engine.warmup(**warmup_kwargs)``; call the warm-up itself after
+    it (then it loads nothing and compiles nothing). Returns seconds."""
+    return build_ahead(engine.programs, lambda: engine.warmup(**warmup_kwargs), workers)
