@@ -31,3 +31,20 @@ def pytest_configure(config):
 
     # Golden comparisons are float32 at 1e-4: keep GPUs from using TF32 for float32 matmuls.
     jax.config.update("jax_default_matmul_precision", "highest")
+
+
+@pytest.fixture(scope="module")
+def restore_jax_cache_config():
+    """Put back jax's compilation-cache settings (folder, thresholds) after a module whose tests
+    switch the persistent cache on, and reset jax's open cache."""
+    import jax
+
+    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
+            "jax_persistent_cache_min_entry_size_bytes")
+    saved = {k: getattr(jax.config, k) for k in keys}
+    yield
+    from jax._src import compilation_cache as cc
+
+    cc.reset_cache()
+    for k, v in saved.items():
+        jax.config.update(k, v)

@@ -43,16 +43,8 @@ ARGS = ["--batch", "2", "--prompt-len", "16", "--decode-tokens", str(DECODE),
 
 
 @pytest.fixture(scope="module", autouse=True)
-def restore_jax_cache():
-    keys = ("jax_compilation_cache_dir", "jax_persistent_cache_min_compile_time_secs",
-            "jax_persistent_cache_min_entry_size_bytes")
-    saved = {k: getattr(jax.config, k) for k in keys}
+def _restore_jax_cache(restore_jax_cache_config):
     yield
-    from jax._src import compilation_cache as cc
-
-    cc.reset_cache()
-    for k, v in saved.items():
-        jax.config.update(k, v)
 
 
 @pytest.fixture(scope="module")
