@@ -10,9 +10,11 @@ must not compile). Issue 5's targets on the GPU machine: warm-up <= 120 s cold, 
     python scripts/time_startup.py                   # the built-in default model
     python scripts/time_startup.py --config configs/Qwen3.5-2B.json --mode jit   # before: the
         # jitted functions with jax's persistent cache only (per-call seconds)
-    python scripts/time_startup.py --config ... --parallel   # record the warm-up's calls,
-        # then trace them in turn and compile them on $MTP_JAX_COMPILE_THREADS threads
-        # (default min(4, cpus // 4) with >= 8 cpus) before the warm-up runs
+    python scripts/time_startup.py --config ... --threads 1   # compile one at a time
+
+As ``Engine.warmup`` does, the table mode first records the warm-up's calls, then traces them
+in turn and compiles them on $MTP_JAX_COMPILE_THREADS threads (default min(4, cpus // 4) with
+>= 8 cpus; ``--threads``), then runs the warm-up (timed call by call).
 
 The defaults match ``python -m mtp_jax.bench --batch 1 --prompt-len 1024 --engine-warmup``:
 max_running_requests 2, chunked_prefill_size 1024, k 3, no prefix cache (18 programs).
@@ -48,8 +50,6 @@ def parse(argv=None):
     p.add_argument("--mode", choices=("table", "jit"), default="table",
                    help="table: the executable cache (default); jit: the jitted functions with "
                         "jax's persistent cache only (the old path)")
-    p.add_argument("--parallel", action="store_true",
-                   help="build every program of the warm-up first (compiles on threads)")
     p.add_argument("--threads", type=int, default=None, help="sets $MTP_JAX_COMPILE_THREADS")
     p.add_argument("--cache-dir", default=None,
                    help="cache folder (default: a new temporary folder, removed at the end)")
@@ -146,7 +146,7 @@ def child(args) -> dict:
     table = programs.executables
     t0 = time.perf_counter()
     build_s = 0.0
-    if args.parallel and table is not None:
+    if table is not None:  # what Engine.warmup does first, timed apart
         build_s = startup.build_warmup_programs(eng, sampled=not args.greedy_only)
     eng.programs = TimedPrograms(programs)
     eng.warmup(sampled=not args.greedy_only)
@@ -190,7 +190,7 @@ def show(name: str, r: dict) -> None:
                ("trace_s", "lower_s", "compile_s", "load_s", "save_s")}
         print("  steps total: " + " ".join(f"{k[:-2]} {v:.1f}s" for k, v in tot.items()))
     print(f"  load model {r['load_s']:.1f}s, engine {r['engine_s']:.1f}s, warm-up "
-          f"{r['warmup_s']:.1f}s (of it parallel build {r['build_s']:.1f}s), second warm-up "
+          f"{r['warmup_s']:.1f}s (of it build ahead {r['build_s']:.1f}s), second warm-up "
           f"{r['second_warmup_s']:.2f}s, compiles after warm-up {r['compiled_after_warmup']}, "
           f"process {r['process_s']:.1f}s, table {r['table']}")
 

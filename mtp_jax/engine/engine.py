@@ -34,6 +34,7 @@ import numpy as np
 
 from mtp_jax.cache.allocator import FreeList, pages_needed
 from mtp_jax.config import ConfigError, EngineConfig, SpecConfig
+from mtp_jax.engine import startup
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
 from mtp_jax.engine.memory import plan_memory, weights_bytes
 from mtp_jax.engine.pools import Pools, make_pools
@@ -538,16 +539,29 @@ class Engine:
         return out
 
     def warmup(self, sampled: bool = True, max_batch: int | None = None,
-               max_prompt_len: int | None = None) -> float:
+               max_prompt_len: int | None = None, workers: int | None = None) -> float:
         """Compile the programs this engine can call, with rows that write only to the trash
         page and slot, so that no compile happens while requests are served. Returns seconds.
 
         Covers each prefill length bucket and each batch bucket's round, in the greedy-only
         variant and, with ``sampled``, the sampling one, plus the rounds' snapshot variants when
         the prefix cache is on. ``max_batch`` (requests at once) and ``max_prompt_len``
-        (tokens) limit it to the buckets such a workload can reach.
+        (tokens) limit it to the buckets such a workload can reach. Programs missing from
+        memory and from the executable cache are first built together
+        (:func:`mtp_jax.engine.startup.build_ahead`, compiling on ``workers`` threads; default
+        :func:`mtp_jax.engine.executable_cache.compile_workers`), then the warm-up runs them.
         """
         t0 = time.perf_counter()
+        run = self.warmup_calls(sampled, max_batch, max_prompt_len)
+        startup.build_ahead(self.programs, run, workers)
+        run()
+        jax.block_until_ready(self.pools)
+        return time.perf_counter() - t0
+
+    def warmup_calls(self, sampled: bool = True, max_batch: int | None = None,
+                     max_prompt_len: int | None = None) -> Callable[[], None]:
+        """The program calls of :meth:`warmup` (same arguments), as a function that makes them
+        (each passes the pools on) without building anything ahead."""
         prefill = self.prefill_buckets()
         if max_prompt_len is not None:
             longest = min(max_prompt_len, self.chunk_size)
@@ -557,10 +571,11 @@ class Engine:
         rounds = self.batch_buckets()
         if max_batch is not None:
             rounds = [b for b in rounds if b <= next_pow2(max(1, max_batch))]
-        for greedy_only in (True, False) if sampled else (True,):
-            self._warmup_variant(greedy_only, prefill, rounds)
-        jax.block_until_ready(self.pools)
-        return time.perf_counter() - t0
+
+        def run() -> None:
+            for greedy_only in (True, False) if sampled else (True,):
+                self._warmup_variant(greedy_only, prefill, rounds)
+        return run
 
     def _warmup_variant(self, greedy_only: bool, prefill_buckets, batch_buckets) -> None:
         mtp = self.proposer_kind == "mtp"

@@ -1,8 +1,9 @@
 """Build the programs a warm-up will call before it runs, compiling them on threads.
 
 A warm-up (``Engine.warmup``) calls its programs one after another, each waiting for the one
-before it (the pools pass from call to call), so the programs missing from the executable
-cache are compiled one at a time. :func:`build_ahead` first runs the warm-up dry, with the
+before it (the pools pass from call to call), so run as it is, the programs missing from the
+executable cache would be compiled one at a time. :func:`build_ahead` (which ``Engine.warmup``
+calls first) runs the warm-up dry, with the
 program table recording instead of running (:meth:`ExecutableTable.recording`), then builds
 what it recorded with :meth:`ExecutableTable.build`: loaded from disk where saved, otherwise
 traced and lowered in turn and compiled on :func:`~mtp_jax.engine.executable_cache.compile_workers`
@@ -33,6 +34,7 @@ def build_ahead(programs, run: Callable[[], object], workers: int | None = None)
 
 
 def build_warmup_programs(engine, workers: int | None = None, **warmup_kwargs) -> float:
-    """:func:`build_ahead` of ``engine.warmup(**warmup_kwargs)``; call the warm-up itself after
-    it (then it loads nothing and compiles nothing). Returns seconds."""
-    return build_ahead(engine.programs, lambda: engine.warmup(**warmup_kwargs), workers)
+    """:func:`build_ahead` of ``engine.warmup(**warmup_kwargs)``'s calls, without running them;
+    a warm-up after it loads nothing and compiles nothing (``Engine.warmup`` does both steps
+    itself). Returns seconds."""
+    return build_ahead(engine.programs, engine.warmup_calls(**warmup_kwargs), workers)
