@@ -17,7 +17,7 @@ in turn and compiles them on $MTP_JAX_COMPILE_THREADS threads (default min(4, cp
 >= 8 cpus; ``--threads``), then runs the warm-up (timed call by call).
 
 The defaults match ``python -m mtp_jax.bench --batch 1 --prompt-len 1024 --engine-warmup``:
-max_running_requests 2, chunked_prefill_size 1024, k 3, no prefix cache (18 programs).
+max_running_requests 2, chunked_prefill_size 1024, k 3, no prefix cache (11 programs: 7 prefill buckets, 2 round buckets x greedy and sampled).
 """
 
 from __future__ import annotations

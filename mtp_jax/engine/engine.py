@@ -64,6 +64,12 @@ def clamp_num_draft(k: int, position: int, allocated_tokens: int, emitted: int,
     return max(0, min(k, room_pages, room_tokens))
 
 
+# Prefill programs are compiled in their sampling variant only; it serves greedy requests with
+# the same tokens (argmax for greedy rows), and its extra draft-filtering work is small next to
+# a prefill, while a greedy-only variant would add one program per prefill bucket to start-up.
+PREFILL_GREEDY_ONLY = False
+
+
 def _all_greedy(reqs: Iterable[Request]) -> bool:
     """Every request greedy: the programs' greedy-only variant (no sampling path) serves them."""
     return all(r.params.temperature <= 0 for r in reqs)
@@ -347,7 +353,7 @@ class Engine:
         t0 = time.perf_counter()
         first, self.pools = self.programs.prefill(self._leaves, self.pools, batch, k=self.k,
                                                   mtp=self.proposer_kind == "mtp",
-                                                  greedy_only=_all_greedy([req]))
+                                                  greedy_only=PREFILL_GREEDY_ONLY)
         req.prefilled += n
         if self.prefix is not None:
             self._snapshot_after_chunk(req)
@@ -543,9 +549,9 @@ class Engine:
         """Compile the programs this engine can call, with rows that write only to the trash
         page and slot, so that no compile happens while requests are served. Returns seconds.
 
-        Covers each prefill length bucket and each batch bucket's round, in the greedy-only
-        variant and, with ``sampled``, the sampling one, plus the rounds' snapshot variants when
-        the prefix cache is on. ``max_batch`` (requests at once) and ``max_prompt_len``
+        Covers each prefill length bucket (one variant, :data:`PREFILL_GREEDY_ONLY`) and each
+        batch bucket's round, in the greedy-only variant and, with ``sampled``, the sampling
+        one, plus the rounds' snapshot variants when the prefix cache is on. ``max_batch`` (requests at once) and ``max_prompt_len``
         (tokens) limit it to the buckets such a workload can reach. Programs missing from
         memory and from the executable cache are first built together
         (:func:`mtp_jax.engine.startup.build_ahead`, compiling on ``workers`` threads; default
@@ -573,11 +579,12 @@ class Engine:
             rounds = [b for b in rounds if b <= next_pow2(max(1, max_batch))]
 
         def run() -> None:
+            self._warmup_prefill(prefill)
             for greedy_only in (True, False) if sampled else (True,):
-                self._warmup_variant(greedy_only, prefill, rounds)
+                self._warmup_rounds(greedy_only, rounds)
         return run
 
-    def _warmup_variant(self, greedy_only: bool, prefill_buckets, batch_buckets) -> None:
+    def _warmup_prefill(self, prefill_buckets) -> None:
         mtp = self.proposer_kind == "mtp"
         for t in prefill_buckets:
             z = np.zeros((1, t), np.int32)
@@ -589,7 +596,9 @@ class Engine:
                 sampling=SamplingTensors.from_params([], pad_to=1, host=True),
                 step=np.zeros((1,), np.int32))
             _, self.pools = self.programs.prefill(self._leaves, self.pools, batch, k=self.k,
-                                                  mtp=mtp, greedy_only=greedy_only)
+                                                  mtp=mtp, greedy_only=PREFILL_GREEDY_ONLY)
+
+    def _warmup_rounds(self, greedy_only: bool, batch_buckets) -> None:
         for b, snapshot in itertools.product(batch_buckets,
                                              (False, True) if self.prefix else (False,)):
             batch = self.padding_round_batch(b)

@@ -332,46 +332,49 @@ class ExecutableTable:
         self._compiled[key] = (compiled, _keeps_pool_shapes(compiled, pools_signature(pools)))
 
     def build(self, calls: list[Call], workers: int | None = None) -> None:
-        """Put the program of every call in memory: already there, loaded from disk, or traced
-        and lowered in turn and compiled on ``workers`` threads (default
-        :func:`compile_workers`), then saved."""
+        """Put the program of every call in memory: already there, loaded from disk (on
+        ``workers`` threads), or traced and lowered in turn and compiled on ``workers`` threads
+        (default :func:`compile_workers`), then saved."""
         folder = cache_dir()
         store = ExecutableStore(folder) if folder is not None else None
         environment = ek.environment_digest() if store is not None else ""
-        todo, seen = [], set()
+        workers = compile_workers() if workers is None else workers
+        pending, seen = [], set()
         for c in calls:
-            mkey = c.key
-            if mkey in self._compiled or mkey in seen:
+            if c.key in self._compiled or c.key in seen:
                 continue
-            seen.add(mkey)
-            key = self.disk_key(c, environment) if store is not None else ""
-            if store is not None:
+            seen.add(c.key)
+            pending.append((c, self.disk_key(c, environment) if store is not None else ""))
+        loaded = [None] * len(pending)
+        if store is not None:
+            initialize_custom_call_libraries()  # once, before any thread loads
+
+            def load(item):
                 t0 = time.perf_counter()
-                compiled = store.load(c.name, key, input_devices(c.pools))
-                if compiled is not None:
-                    seconds = time.perf_counter() - t0
-                    self.loads += 1
-                    self._add(mkey, compiled, c.pools)
-                    self.records.append(Record(c.describe(), "disk", key[:16], load_s=seconds))
-                    _report_load(seconds)
-                    continue
+                compiled = store.load(item[0].name, item[1], input_devices(item[0].pools))
+                return compiled, time.perf_counter() - t0
+            loaded = _map(load, pending, workers)
+        todo = []
+        for (c, key), got in zip(pending, loaded):
+            if got is not None and got[0] is not None:
+                compiled, seconds = got
+                self.loads += 1
+                self._add(c.key, compiled, c.pools)
+                self.records.append(Record(c.describe(), "disk", key[:16], load_s=seconds))
+                _report_load(seconds)
+                continue
             t0 = time.perf_counter()
             traced = c.fn.trace(c.leaves, c.pools, c.buf, spec=c.spec, **c.static)
             t1 = time.perf_counter()
             lowered = traced.lower()
             self.traces += 1
-            todo.append((c, mkey, key, lowered,
+            todo.append((c, c.key, key, lowered,
                          Record(c.describe(), "built", key[:16], trace_s=t1 - t0,
                                 lower_s=time.perf_counter() - t1)))
         if not todo:
             return
-        workers = compile_workers() if workers is None else workers
         with _without_jax_cache(store is not None):
-            if workers > 1 and len(todo) > 1:
-                with concurrent.futures.ThreadPoolExecutor(min(workers, len(todo))) as pool:
-                    done = list(pool.map(lambda t: _timed_compile(t[3]), todo))
-            else:
-                done = [_timed_compile(t[3]) for t in todo]
+            done = _map(lambda t: _timed_compile(t[3]), todo, workers)
         for (c, mkey, key, _, rec), (compiled, seconds) in zip(todo, done):
             self.compiles += 1
             self._add(mkey, compiled, c.pools)
@@ -413,6 +416,15 @@ def _report_load(seconds: float) -> None:
 
     monitoring.record_event_duration_secs(BACKEND_COMPILE_EVENT, seconds)
     monitoring.record_event(CACHE_HIT_EVENT)
+
+
+def _map(fn, items: list, workers: int) -> list:
+    """``[fn(x) for x in items]``, on up to ``workers`` threads when there are several items
+    (XLA releases the GIL while it compiles or loads)."""
+    if workers > 1 and len(items) > 1:
+        with concurrent.futures.ThreadPoolExecutor(min(workers, len(items))) as pool:
+            return list(pool.map(fn, items))
+    return [fn(x) for x in items]
 
 
 def _timed_compile(lowered):
