@@ -551,9 +551,10 @@ class Engine:
 
         Covers each prefill length bucket (one variant, :data:`PREFILL_GREEDY_ONLY`) and each
         batch bucket's round, in the greedy-only variant and, with ``sampled``, the sampling
-        one, plus the rounds' snapshot variants when the prefix cache is on. ``max_batch`` (requests at once) and ``max_prompt_len``
-        (tokens) limit it to the buckets such a workload can reach. Programs missing from
-        memory and from the executable cache are first built together
+        one, plus the rounds' snapshot variants when the prefix cache is on. ``max_batch``
+        (requests at once) and ``max_prompt_len`` (tokens) limit it to the buckets such a
+        workload can reach. Programs missing from memory and from the executable cache are
+        first built together
         (:func:`mtp_jax.engine.startup.build_ahead`, compiling on ``workers`` threads; default
         :func:`mtp_jax.engine.executable_cache.compile_workers`), then the warm-up runs them.
         """

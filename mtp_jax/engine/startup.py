@@ -3,9 +3,8 @@
 A warm-up (``Engine.warmup``) calls its programs one after another, each waiting for the one
 before it (the pools pass from call to call), so run as it is, the programs missing from the
 executable cache would be compiled one at a time. :func:`build_ahead` (which ``Engine.warmup``
-calls first) runs the warm-up dry, with the
-program table recording instead of running (:meth:`ExecutableTable.recording`), then builds
-what it recorded with :meth:`ExecutableTable.build`: loaded from disk where saved, otherwise
+calls first) runs the warm-up dry, with the program table recording instead of running
+(:meth:`ExecutableTable.recording`), then builds what it recorded with :meth:`ExecutableTable.build`: loaded from disk where saved, otherwise
 traced and lowered in turn and compiled on :func:`~mtp_jax.engine.executable_cache.compile_workers`
 threads (XLA releases the GIL while it compiles). The real warm-up after it finds every program
 in memory.
