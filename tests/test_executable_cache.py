@@ -325,3 +325,17 @@ def test_build_ahead_compiles_the_warmup_on_threads(model, tmp_path):
         eng.warmup(sampled=False)
     assert jt.count == 0 and _traces(m) == 3 and len(t) == 3
     assert _generate(eng) == _generate(_engine(_fresh(model, table=False)))
+
+
+def test_warmup_loads_saved_programs_on_threads(model, cold, tmp_path):
+    """``Engine.warmup(workers=2)`` on a filled cache loads every program (on two threads),
+    traces none, and the engine makes the tokens the cold build made."""
+    folder = tmp_path / "xla"
+    shutil.copytree(cold[0], folder)
+    _use_cache(folder)
+    m = _fresh(model)
+    eng = _engine(m)
+    eng.warmup(sampled=False, workers=2)
+    t = m.programs.executables
+    assert (t.loads, t.traces, t.compiles) == (3, 0, 0) and _traces(m) == 0
+    assert _generate(eng) == cold[1]
