@@ -267,7 +267,7 @@ def test_plain_round_skips_commit_and_falls_back_without_decode(monkeypatch):
     calls = []
     original = Qwen35Model.commit
     monkeypatch.setattr(Qwen35Model, "commit",
-                        lambda self, *a: calls.append(1) or original(self, *a))
+                        lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, 300, n).tolist() for n in (4, 9)]
     load = lambda: load_model(fixture_path("tiny_dense"), "float32", with_mtp=False,

@@ -138,13 +138,14 @@ def _store_next(pools: Pools, slot, pending, drafts, k: int) -> Pools:
     return dataclasses.replace(pools, next_tokens=pools.next_tokens.at[slot].set(row))
 
 
-def _save_round_snapshots(model, pools: Pools, view, rows, batch: RoundBatch) -> Pools:
+def _save_round_snapshots(model, pools: Pools, rows, batch: RoundBatch) -> Pools:
     """Save the GDN state after verify row ``snap_row[b]`` into ``snap_id[b]`` (rows with
     ``snap_row < 0`` write the trash snapshot 0). A second replay: the host traces this only
     into the round variant it calls when some row crosses a prefix-cache boundary, so other
     rounds carry neither its cost nor a conditional."""
     if not pools.snapshots.recurrent or pools.snapshots.recurrent[0].shape[0] == 0:
         return pools
+    view = pools.gdn.gather(batch.slot)
     state = model.commit(view, rows, jnp.maximum(batch.snap_row + 1, 0))
     snapshots = pools.snapshots.scatter(jnp.where(batch.snap_row >= 0, batch.snap_id, 0), state)
     return dataclasses.replace(pools, snapshots=snapshots)
@@ -220,11 +221,13 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
     valid = batch.live[:, None] & (rows_idx <= num_draft[:, None]) & (
         pos < batch.limit[:, None])
     abatch = AttentionBatch(pos, valid, batch.page_table)
-    view = pools.gdn.gather(batch.slot)
     # k = 0 (no snapshot replay): the GDN layers' decode form returns the new states directly,
     # equal to verify + commit of the one row (not-valid rows keep theirs), so no commit runs.
+    # The layers address the state pools by slot (the fused Pallas kernels in place; the XLA
+    # path gathers and scatters per layer).
     decode = k == 0 and not snapshot and "decode" in getattr(model, "gdn_modes", ())
-    hidden, kv, rows = model(tokens, abatch, pools.kv, view, "decode" if decode else "verify")
+    hidden, kv, rows = model(tokens, abatch, pools.kv, pools.gdn,
+                             "decode" if decode else "verify", slots=batch.slot)
     logits = model.logits(hidden)  # [B, k+1, V]
     if k:
         q = pools.draft_probs[batch.slot] if proposer == "mtp" else None
@@ -236,9 +239,9 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
                          greedy_only=greedy_only)[:, None]
     commit_len = jnp.where(batch.live, n + 1, 0)
     if snapshot:
-        pools = _save_round_snapshots(model, pools, view, rows, batch)
-    view = rows if decode else model.commit(view, rows, commit_len)
-    pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, view))
+        pools = _save_round_snapshots(model, pools, rows, batch)
+    gdn = rows if decode else model.commit(pools.gdn, rows, commit_len, slots=batch.slot)
+    pools = dataclasses.replace(pools, kv=kv, gdn=gdn)
     bonus = _row(emitted, n)
     drafts = None
     if proposer == "mtp":

@@ -30,16 +30,21 @@ from jax.experimental.pallas import triton as plgpu
 SM_COUNT = 132  # H200 streaming multiprocessors
 
 
+def step(s, k_t, v_t, g_t, b_t):
+    """One row of the step form on a state tile ``s [Dk, BV]``: ``k_t [Dk]``, ``v_t [BV]``,
+    scalars ``g_t``, ``b_t``. Every step-form kernel (here and in :mod:`.fused`) runs this code,
+    so a verify, a commit and a decode agree row for row."""
+    # The select makes a g = 0 row's decay exactly 1 whatever exp's accuracy.
+    s = s * jnp.where(g_t == 0.0, 1.0, jnp.exp(g_t))
+    kv = jnp.sum(s * k_t[:, None], axis=0)  # S^T k: [BV]
+    delta = (v_t - kv) * b_t
+    return s + k_t[:, None] * delta[None, :]
+
+
 def _rows(s, q_ref, k_ref, v_ref, g_ref, b_ref, n_rows: int, emit=None):
     """Apply ``n_rows`` rows to the tile ``s [Dk, BV]``; calls ``emit(t, o_t [BV])`` if given."""
     for t in range(n_rows):
-        k_t = k_ref[t, :]  # [Dk]
-        g_t = g_ref[t]
-        # The select makes a g = 0 row's decay exactly 1 whatever exp's accuracy.
-        s = s * jnp.where(g_t == 0.0, 1.0, jnp.exp(g_t))
-        kv = jnp.sum(s * k_t[:, None], axis=0)  # S^T k: [BV]
-        delta = (v_ref[t, :] - kv) * b_ref[t]
-        s = s + k_t[:, None] * delta[None, :]
+        s = step(s, k_ref[t, :], v_ref[t, :], g_ref[t], b_ref[t])
         if emit is not None:
             emit(t, jnp.sum(s * q_ref[t, :][:, None], axis=0))
     return s

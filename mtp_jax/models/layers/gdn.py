@@ -7,10 +7,17 @@
     out = out_proj(norm(o) * w * silu(in_proj_z x))
 
 Four uses: ``prefill`` (chunked form, writes the state), ``verify`` (step form, leaves the live
-state untouched and returns the per-row inputs), :func:`commit` (replays the accepted rows
+state untouched and returns the per-row inputs), ``commit`` (replays the accepted rows
 of a verify onto the live state with the step form, so the result equals decoding them one by
 one) and ``decode`` (one row per request, speculation off: the step form's output and new
 state from one read of the state, equal to a one-row verify plus commit).
+
+``verify``, ``decode`` and ``commit`` take either a batch view of the states (``[B, ...]``) or,
+with ``slots [B]``, the whole pool (``[S, ...]``), which they read and write at those slots.
+With the ``pallas`` GDN backend the step form runs as the fused slot-addressed kernels of
+:mod:`pallas_kernels.gdn.fused` (conv, norms, gates and recurrence; no gather or scatter of the
+states) and a verify returns :class:`GDNConvRows`; the ``xla`` backend gathers the slots'
+states, runs the XLA code below and scatters them back.
 Source: HF transformers ``qwen3_5`` (``Qwen3_5GatedDeltaNet``).
 """
 
@@ -26,6 +33,7 @@ from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import Linear, rms_normalize
 from pallas_kernels.gdn.api import gdn_commit, gdn_decode, gdn_verify
+from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step
 from pallas_kernels.gdn.reference import gdn_chunked_reference
 
 
@@ -44,6 +52,33 @@ class GDNRows:
     g: jax.Array
     beta: jax.Array
     qkv: jax.Array
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class GDNConvRows:
+    """Per-row inputs of a verify window on the fused Pallas path, kept for the commit.
+
+    conv: ``[B, T, C]`` conv + SiLU outputs (model dtype); a, b: ``[B, T, Hv]`` the raw
+    ``in_proj_a`` / ``in_proj_b`` outputs; valid: ``[B, T]`` bool; qkv: ``[B, T, C]`` raw conv
+    inputs (model dtype).
+    """
+
+    conv: jax.Array
+    a: jax.Array
+    b: jax.Array
+    valid: jax.Array
+    qkv: jax.Array
+
+
+def gather_states(pool: tuple[jax.Array, jax.Array], slots: jax.Array):
+    """``(recurrent, conv)`` pools ``[S, ...]`` -> the batch view ``[B, ...]`` of ``slots``."""
+    return tuple(a[slots] for a in pool)
+
+
+def scatter_states(pool: tuple[jax.Array, jax.Array], slots: jax.Array, view):
+    """Write the batch view ``view`` back into the pools at ``slots``."""
+    return tuple(a.at[slots].set(v.astype(a.dtype)) for a, v in zip(pool, view))
 
 
 def conv_window(conv_state: jax.Array, qkv: jax.Array, length: jax.Array) -> jax.Array:
@@ -133,31 +168,89 @@ class GatedDeltaNet(nnx.Module):
         length = jnp.sum(valid, axis=1).astype(jnp.int32)
         return self._output(o, x), (recurrent, conv_window(conv, rows.qkv, length))
 
-    def verify(self, x, state, valid):
+    def verify(self, x, state, valid, slots=None):
         """Step form over the rows of a verify window from the live state, which it does not
-        change. Returns ``(out [B, T, H], GDNRows)`` for :func:`commit`."""
-        recurrent, conv = state
+        change. ``state``: the batch view, or the pools when ``slots [B]`` is given.
+        Returns ``(out [B, T, H], GDNRows | GDNConvRows)`` for :meth:`commit`."""
+        if self.backend == "pallas":
+            return self._verify_fused(x, state, valid, _slots_of(slots, x))
+        recurrent, conv = state if slots is None else gather_states(state, slots)
         rows = self._rows(x, conv, valid)
         o = gdn_verify(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent,
                        backend=self.backend)
         return self._output(o, x), rows
 
-    def decode(self, x, state, valid):
+    def decode(self, x, state, valid, slots=None):
         """One decode row per request (``x [B, 1, H]``): the step form's output and new state
-        from one read of the state (:func:`pallas_kernels.gdn.api.gdn_decode`), equal to
-        :meth:`verify` followed by :func:`commit` of that row. A request whose row is not
-        ``valid [B, 1]`` (a padding row) keeps its recurrent state (its ``g = beta = 0``) and its
-        conv window (length 0). Returns ``(out [B, 1, H], (recurrent, conv))``.
+        from one read of the state (:func:`pallas_kernels.gdn.api.gdn_decode`, or the fused
+        kernels with the ``pallas`` backend), equal to :meth:`verify` followed by
+        :meth:`commit` of that row. A request whose row is not ``valid [B, 1]`` (a padding row)
+        keeps its recurrent state (its ``g = beta = 0``) and its conv window (length 0).
+        ``state``: the batch view, or the pools when ``slots [B]`` is given.
+        Returns ``(out [B, 1, H], new (recurrent, conv))`` in the form ``state`` came in.
         Raises ValueError when ``T != 1`` (a window needs verify + commit)."""
         if x.shape[1] != 1:
             raise ValueError(f"GatedDeltaNet.decode: T={x.shape[1]} rows; decode takes one row "
                              "per request (use verify + commit for a window).")
-        recurrent, conv = state
+        if self.backend == "pallas":
+            return self._decode_fused(x, state, valid, _slots_of(slots, x))
+        recurrent, conv = state if slots is None else gather_states(state, slots)
         rows = self._rows(x, conv, valid)
         o, recurrent = gdn_decode(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent,
                                   backend=self.backend)
         length = jnp.sum(valid, axis=1).astype(jnp.int32)
-        return self._output(o, x), (recurrent, conv_window(conv, rows.qkv, length))
+        new = (recurrent, conv_window(conv, rows.qkv, length))
+        return self._output(o, x), new if slots is None else scatter_states(state, slots, new)
+
+    def commit(self, state, rows, length: jax.Array, slots=None):
+        """Apply the first ``length [B]`` rows of a verify window (its ``GDNRows`` or
+        ``GDNConvRows``) to ``state``: the batch view, or the pools when ``slots [B]`` is
+        given. Returns the new ``(recurrent, conv)`` in the form ``state`` came in."""
+        if isinstance(rows, GDNConvRows):
+            return self._commit_fused(state, rows, length, _slots_of(slots, rows.qkv))
+        view = state if slots is None else gather_states(state, slots)
+        new = commit(view, rows, length, self.backend)
+        return new if slots is None else scatter_states(state, slots, new)
+
+    # The fused Pallas path (pallas_kernels.gdn.fused): states addressed by slot in place.
+
+    def _gate_inputs(self, x):
+        return (self.in_proj_a(x), self.in_proj_b(x), self.A_log[...], self.dt_bias[...])
+
+    def _conv_weight(self):
+        return self.conv1d.weight[...][:, 0, :]
+
+    def _verify_fused(self, x, state, valid, slots):
+        recurrent, window = state
+        qkv = self.in_proj_qkv(x)
+        conv = gdn_conv_rows(qkv, self._conv_weight(), window, slots)
+        a, b, a_log, dt_bias = self._gate_inputs(x)
+        o = gdn_step(conv, a, b, a_log, dt_bias, valid, recurrent, slots, num_k_heads=self.hk,
+                     mode="verify")
+        return self._output(o, x), GDNConvRows(conv=conv, a=a, b=b, valid=valid, qkv=qkv)
+
+    def _decode_fused(self, x, state, valid, slots):
+        recurrent, window = state
+        length = jnp.sum(valid, axis=1).astype(jnp.int32)
+        conv, window = gdn_conv_rows(self.in_proj_qkv(x), self._conv_weight(), window, slots,
+                                     length)
+        a, b, a_log, dt_bias = self._gate_inputs(x)
+        o, recurrent = gdn_step(conv, a, b, a_log, dt_bias, valid, recurrent, slots,
+                                num_k_heads=self.hk, mode="decode")
+        return self._output(o, x), (recurrent, window)
+
+    def _commit_fused(self, state, rows: GDNConvRows, length, slots):
+        recurrent, window = state
+        keep = rows.valid & (jnp.arange(rows.valid.shape[1])[None, :] < length[:, None])
+        recurrent = gdn_step(rows.conv, rows.a, rows.b, self.A_log[...], self.dt_bias[...],
+                             keep, recurrent, slots, num_k_heads=self.hk, mode="commit")
+        _, window = gdn_conv_rows(rows.qkv, self._conv_weight(), window, slots, length)
+        return recurrent, window
+
+
+def _slots_of(slots, x):
+    """``slots``, or ``arange(B)`` for a batch view (row b is state b)."""
+    return jnp.arange(x.shape[0], dtype=jnp.int32) if slots is None else slots
 
 
 class _Conv(nnx.Module):

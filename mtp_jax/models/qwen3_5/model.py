@@ -39,10 +39,10 @@ class DecoderLayer(nnx.Module):
         self.mlp = (SparseMoE(cfg, dtype, backend=kernels_of(cfg).moe) if cfg.is_moe
                     else MLP(h, cfg.intermediate_size, dtype))
 
-    def mix(self, x, batch: AttentionBatch, kv, gdn, gdn_mode: str):
+    def mix(self, x, batch: AttentionBatch, kv, gdn, gdn_mode: str, slots=None):
         """Run the token mixer. ``kv``: this layer's ``(k_pages, v_pages)`` (attention layers);
-        ``gdn``: its ``(recurrent, conv)`` batch view (GDN layers). Returns
-        ``(out, new kv or None, new gdn state or GDNRows or None)``."""
+        ``gdn``: its ``(recurrent, conv)`` batch view, or its pools with ``slots`` (GDN
+        layers). Returns ``(out, new kv or None, new gdn state or verify rows or None)``."""
         hn = self.input_layernorm(x)
         if self.layer_type == "full_attention":
             out, kv = self.self_attn(hn, batch, kv)
@@ -50,13 +50,13 @@ class DecoderLayer(nnx.Module):
         if gdn_mode == "prefill":
             out, gdn = self.linear_attn.prefill(hn, gdn, batch.valid)
         elif gdn_mode == "decode":
-            out, gdn = self.linear_attn.decode(hn, gdn, batch.valid)
+            out, gdn = self.linear_attn.decode(hn, gdn, batch.valid, slots)
         else:
-            out, gdn = self.linear_attn.verify(hn, gdn, batch.valid)
+            out, gdn = self.linear_attn.verify(hn, gdn, batch.valid, slots)
         return out, None, gdn
 
-    def __call__(self, x, batch, kv=None, gdn=None, gdn_mode="prefill"):
-        out, kv, gdn = self.mix(x, batch, kv, gdn, gdn_mode)
+    def __call__(self, x, batch, kv=None, gdn=None, gdn_mode="prefill", slots=None):
+        out, kv, gdn = self.mix(x, batch, kv, gdn, gdn_mode, slots)
         h = x + out
         return h + self.mlp(self.post_attention_layernorm(h)), kv, gdn
 
@@ -103,25 +103,33 @@ class Qwen35Model(nnx.Module):
         return self.draft_head(z), self.draft_head.ids[...]
 
     def __call__(self, input_ids: jax.Array, batch: AttentionBatch, kv: PagedKV,
-                 gdn: LinearState, gdn_mode: str = "prefill"):
+                 gdn: LinearState, gdn_mode: str = "prefill", slots: jax.Array | None = None):
         """Target forward.
 
         Args:
           input_ids: ``[B, T]`` int32.
           batch: row positions / validity / page tables.
           kv: the target's paged KV (all attention layers).
-          gdn: GDN state batch view ``[B, ...]`` per layer.
+          gdn: GDN state batch view ``[B, ...]`` per layer, or (with ``slots``) the pools.
           gdn_mode: ``"prefill"`` (chunked form, returns the new states), ``"verify"``
             (step form, states untouched, returns ``GDNRows`` per GDN layer for :meth:`commit`)
             or ``"decode"`` (``T = 1``: step form, returns the new states, equal to a verify
             plus a commit of the valid rows).
+          slots: ``[B]`` int32 (``"verify"``, ``"decode"``): ``gdn`` is the state pool and row b
+            reads (and a decode writes) slot ``slots[b]`` in place; the returned state is then
+            the new pool. ``None``: ``gdn`` is a batch view.
         Returns:
-          ``(hidden [B, T, H] after the final norm, new kv, new LinearState | tuple[GDNRows])``.
+          ``(hidden [B, T, H] after the final norm, new kv, new LinearState | tuple of verify
+          rows)``.
         Raises:
-          ValueError: an unknown ``gdn_mode``, or ``"decode"`` with ``T != 1``.
+          ValueError: an unknown ``gdn_mode``, ``"decode"`` with ``T != 1``, or ``slots`` with
+            ``"prefill"``.
         """
         if gdn_mode not in self.gdn_modes:
             raise ValueError(f"gdn_mode {gdn_mode!r} is unknown; use one of {self.gdn_modes}.")
+        if slots is not None and gdn_mode == "prefill":
+            raise ValueError("slots: prefill takes a batch view of the GDN states (gather them "
+                             "first); slots are for 'verify' and 'decode'.")
         writes_state = gdn_mode != "verify"
         x = self.embed_tokens(input_ids)
         ks, vs = list(kv.k), list(kv.v)
@@ -132,7 +140,8 @@ class Qwen35Model(nnx.Module):
             if layer.layer_type == "full_attention":
                 x, (ks[i], vs[i]), _ = layer(x, batch, kv=(ks[i], vs[i]))
             else:
-                x, _, out = layer(x, batch, gdn=(rec[i], conv[i]), gdn_mode=gdn_mode)
+                x, _, out = layer(x, batch, gdn=(rec[i], conv[i]), gdn_mode=gdn_mode,
+                                  slots=slots)
                 if writes_state:
                     rec[i], conv[i] = out
                 else:
@@ -141,10 +150,12 @@ class Qwen35Model(nnx.Module):
         new_gdn = LinearState(tuple(rec), tuple(conv)) if writes_state else tuple(rows)
         return self.norm(x), new_kv, new_gdn
 
-    def commit(self, gdn: LinearState, rows: tuple[GDNRows, ...],
-               length: jax.Array) -> LinearState:
-        """Apply the first ``length [B]`` verify rows of every GDN layer to the batch view."""
-        backend = kernels_of(self.cfg).gdn
-        out = [commit((r, c), w, length, backend)
-               for r, c, w in zip(gdn.recurrent, gdn.conv, rows)]
+    def commit(self, gdn: LinearState, rows: tuple, length: jax.Array,
+               slots: jax.Array | None = None) -> LinearState:
+        """Apply the first ``length [B]`` verify rows of every GDN layer to the batch view, or
+        (with ``slots [B]``) to the pools at those slots in place."""
+        mixers = [layer.linear_attn for layer in self.layers
+                  if layer.layer_type != "full_attention"]
+        out = [m.commit((r, c), w, length, slots)
+               for m, r, c, w in zip(mixers, gdn.recurrent, gdn.conv, rows)]
         return LinearState(tuple(o[0] for o in out), tuple(o[1] for o in out))

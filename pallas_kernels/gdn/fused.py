@@ -1,0 +1,260 @@
+"""Fused Pallas (Triton lowering) kernels of a GDN layer's step form, addressing the state pools
+by slot.
+
+A decode step or a verify window of a ``linear_attention`` layer, from the in-projections on,
+is two kernels:
+
+* :func:`gdn_conv_rows`: the causal depthwise conv and SiLU of ``T`` raw rows ``qkv`` against
+  the slot's conv window (pool ``[S, C, K-1]``), rounded to the model dtype as the XLA path
+  does; with ``length`` it also moves the window past the first ``length[b]`` rows, in place.
+* :func:`gdn_step`: per (request, value head, value block), the L2 norms of q and k (q scaled by
+  ``Dk**-0.5``), the gates ``beta = sigmoid(b)`` and ``g = -exp(A_log) softplus(a + dt_bias)``
+  (both 0 on rows that are not kept, which leaves the state unchanged exactly), then the step
+  form on the slot's ``[Dk, block_v]`` tile of the recurrent pool ``[S, Hv, Dk, Dv]``:
+  ``verify`` (outputs; the pool is only read), ``commit`` (the pool written in place) or
+  ``decode`` (both from one read).
+
+Neither gathers the states into a batch view nor scatters them back, and no XLA kernel runs
+between the in-projections and the recurrence. ``verify``, ``commit`` and ``decode`` run the
+same per-row code (:func:`_prep`, :func:`pallas_kernels.gdn.pallas.step`), so a commit of ``n``
+rows gives the state that ``n`` decode steps give. Formulas: HF transformers ``qwen3_5``
+(``Qwen3_5GatedDeltaNet``), as in :mod:`mtp_jax.models.layers.gdn`.
+
+Two rows of a batch may share a slot only if neither changes it (padding rows on the trash
+slot, kept nowhere); a live slot appears once. Triton needs power-of-two arrays inside a
+kernel: ``T`` is padded here, and ``Dk`` and the value block must be powers of two.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.gdn.pallas import default_tiling, step
+
+F32 = jnp.float32
+MODES = ("verify", "commit", "decode")
+CONV_BLOCK = 256  # channels per conv program (at most)
+
+
+def _interpret(interpret: bool | None) -> bool:
+    return jax.default_backend() != "gpu" if interpret is None else interpret
+
+
+def _pad_rows(t: int) -> int:
+    return 1 << max(t - 1, 0).bit_length()
+
+
+def _pad_axis1(a: jax.Array, tp: int) -> jax.Array:
+    t = a.shape[1]
+    return a if tp == t else jnp.pad(a, [(0, 0), (0, tp - t)] + [(0, 0)] * (a.ndim - 2))
+
+
+def _whole(shape) -> pl.BlockSpec:
+    """The whole array as one block (the kernel indexes it itself, e.g. by slot)."""
+    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
+
+
+# ---------------------------------------------------------------- conv ----------------------
+
+
+def _conv_kernel(slot_ref, length_ref, qkv_ref, w_ref, win_ref, out_ref, *win_out,
+                 n_rows: int, width: int, kernel: int):
+    """One (request, channel block). ``ext`` = the window's K-1 columns then the T new rows;
+    row t's output is ``silu(sum_i ext[t + i] * w[:, i])``."""
+    bi = pl.program_id(0)
+    cs = pl.ds(pl.multiple_of(pl.program_id(1) * width, width), width)
+    slot = slot_ref[bi]
+    ext = [win_ref[slot, cs, i].astype(F32) for i in range(kernel - 1)]
+    ext += [qkv_ref[bi, t, cs].astype(F32) for t in range(n_rows)]
+    w = [w_ref[cs, i].astype(F32) for i in range(kernel)]
+    for t in range(n_rows):
+        acc = ext[t] * w[0]
+        for i in range(1, kernel):
+            acc = acc + ext[t + i] * w[i]
+        out_ref[bi, t, cs] = jax.nn.silu(acc).astype(out_ref.dtype)
+    if win_out:
+        n = length_ref[bi]
+        for i in range(kernel - 1):
+            new = ext[i]
+            for m in range(1, n_rows + 1):
+                new = jnp.where(n == m, ext[i + m], new)
+            win_out[0][slot, cs, i] = new.astype(win_out[0].dtype)
+
+
+def gdn_conv_rows(qkv: jax.Array, weight: jax.Array, window: jax.Array, slot: jax.Array,
+                  length: jax.Array | None = None, *, interpret: bool | None = None):
+    """Causal depthwise conv + SiLU of ``T`` rows against each slot's conv window.
+
+    Args:
+      qkv: ``[B, T, C]`` raw conv inputs (model dtype).
+      weight: ``[C, K]`` conv taps (``conv1d.weight[:, 0, :]``).
+      window: ``[S, C, K-1]`` the pool of windows (last K-1 raw inputs per slot).
+      slot: ``[B]`` int32 slot of each request, in ``[0, S)``.
+      length: ``[B]`` int32 in ``[0, T]``: rows to move the window past (``None``: leave the
+        pool alone). The new window ends at row ``length - 1`` (unchanged for 0).
+      interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
+    Returns:
+      ``conv [B, T, C]`` in ``qkv.dtype``, or ``(conv, new window pool)`` with ``length``; the
+      pool output aliases ``window`` (updated in place when the caller donates it).
+    Raises:
+      ValueError: shapes that do not fit, or ``C`` not a multiple of 16.
+    """
+    b, t, c = qkv.shape
+    s, c2, km1 = window.shape
+    if weight.shape != (c, km1 + 1) or c2 != c or slot.shape != (b,):
+        raise ValueError(f"gdn_conv_rows: qkv {qkv.shape}, weight {weight.shape}, window "
+                         f"{window.shape}, slot {slot.shape} do not fit (qkv [B,T,C], weight "
+                         "[C,K], window [S,C,K-1], slot [B]).")
+    width = min(c & -c, CONV_BLOCK)
+    if width < 16:
+        raise ValueError(f"gdn_conv_rows: conv_dim {c} must be a multiple of 16 (Triton blocks "
+                         "are powers of two); use the XLA backend.")
+    tp = _pad_rows(t)
+    write = length is not None
+    length = jnp.zeros((b,), jnp.int32) if length is None else length.astype(jnp.int32)
+    out_shape = [jax.ShapeDtypeStruct((b, tp, c), qkv.dtype)]
+    if write:
+        out_shape.append(jax.ShapeDtypeStruct(window.shape, window.dtype))
+    outs = pl.pallas_call(
+        functools.partial(_conv_kernel, n_rows=tp, width=width, kernel=km1 + 1),
+        grid=(b, c // width),
+        in_specs=[_whole((b,)), _whole((b,)), _whole((b, tp, c)), _whole(weight.shape),
+                  _whole(window.shape)],
+        out_specs=[_whole(o.shape) for o in out_shape],
+        out_shape=out_shape,
+        input_output_aliases={4: 1} if write else {},
+        compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
+        interpret=_interpret(interpret),
+        name="gdn_conv_write" if write else "gdn_conv",
+    )(slot.astype(jnp.int32), length, _pad_axis1(qkv, tp), weight, window)
+    conv = outs[0][:, :t]
+    return (conv, outs[1]) if write else conv
+
+
+# ---------------------------------------------------------------- step ----------------------
+
+
+def _l2(a: jax.Array) -> jax.Array:
+    return a * jax.lax.rsqrt(jnp.sum(a * a) + 1e-6)
+
+
+def _prep(conv_ref, a_ref, b_ref, keep_ref, bi, t, h, kh, j, alog, dtb, *, hk, dk, bv, dv,
+          need_q: bool):
+    """Row ``t`` of request ``bi`` for value head ``h`` (key head ``kh``), value block ``j``:
+    ``(q [Dk] or None, k [Dk], v [bv], g, beta)`` float32."""
+    row = lambda off, n: conv_ref[bi, t, pl.ds(off, n)].astype(F32)
+    q = _l2(row(kh * dk, dk)) * (dk ** -0.5) if need_q else None
+    k = _l2(row(hk * dk + kh * dk, dk))
+    v = row(2 * hk * dk + h * dv + j * bv, bv)
+    keep = keep_ref[bi, t] != 0
+    beta = jax.nn.sigmoid(b_ref[bi, t, h].astype(F32))
+    g = -jnp.exp(alog) * jax.nn.softplus(a_ref[bi, t, h].astype(F32) + dtb)
+    return q, k, v, jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
+
+
+def _step_kernel(slot_ref, keep_ref, conv_ref, a_ref, b_ref, alog_ref, dtb_ref, s_ref, *outs,
+                 n_rows: int, hk: int, rep: int, dv: int, mode: str):
+    """One (request, value head, value block). ``s_ref``: ``[S, Dk, bv]`` (this head's and
+    block's column of the pool); outs: ``o [T, bv]`` (verify, decode) then the state (commit,
+    decode), which aliases the pool: the tile is read whole before it is written."""
+    bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    _, dk, bv = s_ref.shape
+    slot = slot_ref[bi]
+    s = s_ref[slot]
+    alog, dtb = alog_ref[h], dtb_ref[h]
+    for t in range(n_rows):
+        q, k, v, g, beta = _prep(conv_ref, a_ref, b_ref, keep_ref, bi, t, h, h // rep, j,
+                                 alog, dtb, hk=hk, dk=dk, bv=bv, dv=dv,
+                                 need_q=mode != "commit")
+        s = step(s, k, v, g, beta)
+        if mode != "commit":
+            outs[0][t, :] = jnp.sum(s * q[:, None], axis=0)
+    if mode != "verify":
+        outs[-1][slot] = s
+
+
+def _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, hk, mode):
+    if mode not in MODES:
+        raise ValueError(f"gdn_step: mode {mode!r} is unknown; use one of {MODES}.")
+    bsz, t, c = conv.shape
+    _, hv, dk, dv = state.shape
+    want = {"a": (a.shape, (bsz, t, hv)), "b": (b.shape, (bsz, t, hv)),
+            "A_log": (a_log.shape, (hv,)), "dt_bias": (dt_bias.shape, (hv,)),
+            "keep": (keep.shape, (bsz, t)), "slot": (slot.shape, (bsz,)),
+            "conv": (c, 2 * hk * dk + hv * dv)}
+    for name, (got, expected) in want.items():
+        if got != expected:
+            raise ValueError(f"gdn_step: {name} has shape {got}, expected {expected} (conv "
+                             "[B,T,2*Hk*Dk+Hv*Dv], a,b [B,T,Hv], A_log,dt_bias [Hv], keep [B,T], "
+                             "state [S,Hv,Dk,Dv], slot [B]).")
+    if hv % hk:
+        raise ValueError(f"gdn_step: Hv={hv} is not a multiple of Hk={hk}.")
+    if dk & (dk - 1) or state.dtype != F32:
+        raise ValueError(f"gdn_step: Dk={dk} must be a power of two and the state float32 "
+                         f"(got {state.dtype}); use the XLA backend.")
+
+
+def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
+             dt_bias: jax.Array, keep: jax.Array, state: jax.Array, slot: jax.Array, *,
+             num_k_heads: int, mode: str, block_v: int | None = None,
+             num_warps: int | None = None, interpret: bool | None = None):
+    """Gates, q/k norms and the step-form recurrence of ``T`` rows on the slots' states.
+
+    Args:
+      conv: ``[B, T, C]`` outputs of :func:`gdn_conv_rows`, ``C = 2 Hk Dk + Hv Dv`` laid out
+        ``[q heads | k heads | v heads]``; value head ``h`` reads key head ``h // (Hv / Hk)``.
+      a, b: ``[B, T, Hv]`` the raw ``in_proj_a`` / ``in_proj_b`` outputs.
+      a_log, dt_bias: ``[Hv]`` the layer's ``A_log`` and ``dt_bias``.
+      keep: ``[B, T]`` bool: rows applied to the state (others get ``g = beta = 0``).
+      state: ``[S, Hv, Dk, Dv]`` float32 recurrent pool; slot ``[B]`` int32 rows into it.
+      num_k_heads: ``Hk``.
+      mode: ``"verify"`` -> ``o``; ``"commit"`` -> new pool; ``"decode"`` -> ``(o, new pool)``.
+      block_v, num_warps: tiling (default :func:`pallas_kernels.gdn.pallas.default_tiling`).
+      interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
+    Returns:
+      ``o [B, T, Hv, Dv]`` float32 and/or the new pool (aliasing ``state``: updated in place
+      when the caller donates it), per ``mode``.
+    Raises:
+      ValueError: unknown mode, shapes that do not fit, or sizes Triton cannot take.
+    """
+    _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, num_k_heads, mode)
+    bsz, t, _ = conv.shape
+    _, hv, dk, dv = state.shape
+    bv0, nw0 = default_tiling(bsz, hv, dv)
+    block_v, num_warps = block_v or bv0, num_warps or nw0
+    if dv % block_v or block_v & (block_v - 1):
+        raise ValueError(f"gdn_step: block_v={block_v} must be a power of two dividing Dv={dv}.")
+    tp = _pad_rows(t)
+    conv, a, b = (_pad_axis1(x, tp) for x in (conv, a, b))
+    keep = _pad_axis1(keep.astype(jnp.int32), tp)
+    state_spec = pl.BlockSpec((state.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
+    o_spec = pl.BlockSpec((None, tp, None, block_v), lambda i, h, j: (i, 0, h, j))
+    o_shape = jax.ShapeDtypeStruct((bsz, tp, hv, dv), F32)
+    s_shape = jax.ShapeDtypeStruct(state.shape, F32)
+    out_specs, out_shape, aliases = {
+        "verify": ([o_spec], [o_shape], {}),
+        "commit": ([state_spec], [s_shape], {7: 0}),
+        "decode": ([o_spec, state_spec], [o_shape, s_shape], {7: 1}),
+    }[mode]
+    outs = pl.pallas_call(
+        functools.partial(_step_kernel, n_rows=tp, hk=num_k_heads, rep=hv // num_k_heads,
+                          dv=dv, mode=mode),
+        grid=(bsz, hv, dv // block_v),
+        in_specs=[_whole((bsz,)), _whole((bsz, tp)), _whole(conv.shape), _whole(a.shape),
+                  _whole(b.shape), _whole((hv,)), _whole((hv,)), state_spec],
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=_interpret(interpret),
+        name=f"gdn_fused_{mode}",
+    )(slot.astype(jnp.int32), keep, conv, a, b, a_log.astype(F32), dt_bias.astype(F32), state)
+    if mode == "commit":
+        return outs[0]
+    o = outs[0][:, :t]
+    return o if mode == "verify" else (o, outs[1])

@@ -1,0 +1,232 @@
+"""Fused slot-addressed GDN kernels (conv rows + gates/norms/recurrence) against a float64 numpy
+re-derivation of the layer's step form (HF ``Qwen3_5GatedDeltaNet``), and their exactness rule:
+a commit of n rows gives bitwise the state of n decode steps.
+
+CPU: interpret-mode numerics and the Triton lowering; GPU (``-m gpu``): compiled at real shapes.
+Inputs are fresh random values (never zeros); slots are in random order with untouched slots
+between them.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step
+from tests.triton_lowering import lower_for_cuda
+
+
+def _case(seed, b, t, hk, hv, dk, dv, kernel=4, slots=7, dtype=np.float32):
+    rng = np.random.default_rng(seed)
+    c = 2 * hk * dk + hv * dv
+    n = lambda *s: rng.standard_normal(s).astype(np.float32)
+    return dict(
+        qkv=n(b, t, c).astype(dtype), weight=(0.5 * n(c, kernel)).astype(dtype),
+        window=n(slots, c, kernel - 1).astype(dtype),
+        a=n(b, t, hv).astype(dtype), b=n(b, t, hv).astype(dtype),
+        a_log=n(hv) * 0.5, dt_bias=n(hv) * 0.5,
+        state=0.3 * n(slots, hv, dk, dv),
+        slot=rng.permutation(np.arange(1, slots))[:b].astype(np.int32), hk=hk)
+
+
+def _np_conv(qkv, weight, window, slot, out_dtype):
+    """float64 conv + silu, rounded to the model dtype like the layer; ``[B, T, C]``."""
+    b, t, _ = qkv.shape
+    ext = np.concatenate([np.swapaxes(window[slot], 1, 2), qkv], axis=1).astype(np.float64)
+    w = weight.astype(np.float64)
+    km1 = window.shape[-1]
+    conv = sum(ext[:, i:i + t] * w[:, i] for i in range(km1 + 1))
+    return (conv / (1 + np.exp(-conv))).astype(out_dtype).astype(np.float64)
+
+
+def _np_step(conv, a, b, a_log, dt_bias, keep, state, slot, hk):
+    """float64 norms, gates and step form; returns ``(o [B,T,Hv,Dv], new pool)``."""
+    bsz, t, _ = conv.shape
+    _, hv, dk, dv = state.shape
+    rep = hv // hk
+    q = conv[..., :hk * dk].reshape(bsz, t, hk, dk)
+    k = conv[..., hk * dk:2 * hk * dk].reshape(bsz, t, hk, dk)
+    v = conv[..., 2 * hk * dk:].reshape(bsz, t, hv, dv)
+    l2 = lambda x: x / np.sqrt(np.sum(x * x, -1, keepdims=True) + 1e-6)
+    q = np.repeat(l2(q), rep, axis=2) * dk ** -0.5
+    k = np.repeat(l2(k), rep, axis=2)
+    beta = 1 / (1 + np.exp(-b.astype(np.float64)))
+    g = -np.exp(a_log.astype(np.float64)) * np.logaddexp(0, a.astype(np.float64) + dt_bias)
+    g, beta = np.where(keep[..., None], g, 0), np.where(keep[..., None], beta, 0)
+    pool = state.astype(np.float64).copy()
+    o = np.zeros((bsz, t, hv, dv))
+    for i in range(bsz):
+        s = pool[slot[i]]
+        for r in range(t):
+            s = s * np.exp(g[i, r])[:, None, None]
+            kv = np.einsum("hkv,hk->hv", s, k[i, r])
+            s = s + k[i, r][:, :, None] * ((v[i, r] - kv) * beta[i, r][:, None])[:, None, :]
+            o[i, r] = np.einsum("hkv,hk->hv", s, q[i, r])
+        pool[slot[i]] = s
+    return o, pool
+
+
+def _close(got, want, rtol, atol):
+    np.testing.assert_allclose(np.asarray(got, np.float64), want, rtol=rtol, atol=atol)
+
+
+@pytest.mark.parametrize("b,t,hk,hv,dk,dv,dtype", [
+    (2, 1, 2, 4, 16, 32, np.float32),
+    (3, 4, 2, 2, 32, 16, np.float32),
+    (2, 3, 1, 3, 16, 16, ml_dtypes.bfloat16),
+])
+def test_conv_rows_and_window_match_numpy(b, t, hk, hv, dk, dv, dtype):
+    c = _case(1, b, t, hk, hv, dk, dv, dtype=dtype)
+    length = np.array([t, 0, t - 1][:b], np.int32)
+    conv = gdn_conv_rows(jnp.asarray(c["qkv"]), jnp.asarray(c["weight"]),
+                         jnp.asarray(c["window"]), jnp.asarray(c["slot"]), interpret=True)
+    conv2, window = gdn_conv_rows(jnp.asarray(c["qkv"]), jnp.asarray(c["weight"]),
+                                  jnp.asarray(c["window"]), jnp.asarray(c["slot"]),
+                                  jnp.asarray(length), interpret=True)
+    want = _np_conv(c["qkv"], c["weight"], c["window"], c["slot"], dtype)
+    ulp = 2.0 ** -7 if dtype == ml_dtypes.bfloat16 else 1e-5
+    _close(conv, want, rtol=ulp, atol=ulp)
+    np.testing.assert_array_equal(np.asarray(conv2), np.asarray(conv))
+    # The window moves past `length` rows of [old window | rows]; other slots stay as they were.
+    ext = np.concatenate([np.swapaxes(c["window"][c["slot"]], 1, 2), c["qkv"]], axis=1)
+    km1 = c["window"].shape[-1]
+    expect = c["window"].copy()
+    for i, s in enumerate(c["slot"]):
+        expect[s] = ext[i, length[i]:length[i] + km1].T
+    np.testing.assert_array_equal(np.asarray(window), expect)
+
+
+@pytest.mark.parametrize("b,t,hk,hv,dk,dv,block_v", [
+    (2, 1, 2, 4, 16, 32, 16),
+    (3, 4, 2, 2, 32, 16, 16),
+    (2, 3, 1, 3, 16, 32, 32),
+])
+def test_step_modes_match_numpy(b, t, hk, hv, dk, dv, block_v):
+    c = _case(2, b, t, hk, hv, dk, dv)
+    conv = _np_conv(c["qkv"], c["weight"], c["window"], c["slot"], np.float32)
+    rng = np.random.default_rng(3)
+    keep = rng.random((b, t)) < 0.7
+    keep[:, 0] = True
+    args = (jnp.asarray(conv, jnp.float32), jnp.asarray(c["a"]), jnp.asarray(c["b"]),
+            jnp.asarray(c["a_log"]), jnp.asarray(c["dt_bias"]), jnp.asarray(keep))
+    run = functools.partial(gdn_step, num_k_heads=hk, block_v=block_v, interpret=True)
+    o_want, pool_want = _np_step(conv, c["a"], c["b"], c["a_log"], c["dt_bias"], keep,
+                                 c["state"], c["slot"], hk)
+    o = run(*args, jnp.asarray(c["state"]), jnp.asarray(c["slot"]), mode="verify")
+    pool = run(*args, jnp.asarray(c["state"]), jnp.asarray(c["slot"]), mode="commit")
+    _close(o, o_want, rtol=1e-4, atol=1e-5)
+    _close(pool, pool_want, rtol=1e-4, atol=1e-5)
+    untouched = np.setdiff1d(np.arange(c["state"].shape[0]), c["slot"])
+    np.testing.assert_array_equal(np.asarray(pool)[untouched], c["state"][untouched])
+    if t == 1:
+        o_d, pool_d = run(*args, jnp.asarray(c["state"]), jnp.asarray(c["slot"]), mode="decode")
+        # Same code; the interpreter's XLA may order the output reduction differently.
+        np.testing.assert_allclose(np.asarray(o_d), np.asarray(o), rtol=1e-5, atol=1e-7)
+        np.testing.assert_array_equal(np.asarray(pool_d), np.asarray(pool))
+
+
+def _decode_steps(c, n, hk, interpret=True):
+    """``n`` decode steps (conv with window write, then the fused decode) from the case's pools;
+    returns the final ``(state pool, window pool)``."""
+    window, state = jnp.asarray(c["window"]), jnp.asarray(c["state"])
+    slot = jnp.asarray(c["slot"])
+    b = slot.shape[0]
+    for r in range(n):
+        conv, window = gdn_conv_rows(jnp.asarray(c["qkv"][:, r:r + 1]), jnp.asarray(c["weight"]),
+                                     window, slot, jnp.ones((b,), jnp.int32),
+                                     interpret=interpret)
+        _, state = gdn_step(conv, jnp.asarray(c["a"][:, r:r + 1]),
+                            jnp.asarray(c["b"][:, r:r + 1]), jnp.asarray(c["a_log"]),
+                            jnp.asarray(c["dt_bias"]), jnp.ones((b, 1), bool), state, slot,
+                            num_k_heads=hk, mode="decode", interpret=interpret)
+    return state, window
+
+
+def _commit_rows(c, n, hk, interpret=True):
+    """A verify window of all T rows, committing the first ``n``; returns the pools."""
+    window, state = jnp.asarray(c["window"]), jnp.asarray(c["state"])
+    slot = jnp.asarray(c["slot"])
+    b, t = c["qkv"].shape[:2]
+    conv = gdn_conv_rows(jnp.asarray(c["qkv"]), jnp.asarray(c["weight"]), window, slot,
+                         interpret=interpret)
+    keep = jnp.broadcast_to(jnp.arange(t) < n, (b, t))
+    state = gdn_step(conv, jnp.asarray(c["a"]), jnp.asarray(c["b"]), jnp.asarray(c["a_log"]),
+                     jnp.asarray(c["dt_bias"]), keep, state, slot, num_k_heads=hk,
+                     mode="commit", interpret=interpret)
+    _, window = gdn_conv_rows(jnp.asarray(c["qkv"]), jnp.asarray(c["weight"]), window, slot,
+                              jnp.full((b,), n, jnp.int32), interpret=interpret)
+    return state, window
+
+
+@pytest.mark.parametrize("n", [1, 3])
+def test_commit_of_n_rows_equals_n_decode_steps(n):
+    """Bitwise on the GPU (the test below), where every mode compiles the same per-row code;
+    the interpreter's XLA fuses each program its own way, so here up to float32 rounding."""
+    c = _case(4, 2, 4, 2, 4, 16, 32, dtype=ml_dtypes.bfloat16)
+    state, window = _commit_rows(c, n, 2)
+    state_d, window_d = _decode_steps(c, n, 2)
+    np.testing.assert_array_equal(np.asarray(window), np.asarray(window_d))
+    np.testing.assert_allclose(np.asarray(state), np.asarray(state_d), rtol=1e-5, atol=1e-6)
+    assert not np.array_equal(np.asarray(state), c["state"])
+
+
+def test_bad_shapes_are_refused():
+    c = _case(5, 2, 1, 2, 2, 16, 16)
+    with pytest.raises(ValueError, match="mode"):
+        gdn_step(jnp.zeros((2, 1, 96)), c["a"], c["b"], c["a_log"], c["dt_bias"],
+                 jnp.ones((2, 1), bool), jnp.asarray(c["state"]), c["slot"], num_k_heads=2,
+                 mode="prefill")
+    with pytest.raises(ValueError, match="conv has shape"):
+        gdn_step(jnp.zeros((2, 1, 80)), c["a"], c["b"], c["a_log"], c["dt_bias"],
+                 jnp.ones((2, 1), bool), jnp.asarray(c["state"]), c["slot"], num_k_heads=2,
+                 mode="verify")
+    with pytest.raises(ValueError, match="window"):
+        gdn_conv_rows(jnp.asarray(c["qkv"]), jnp.asarray(c["weight"])[:, :3],
+                      jnp.asarray(c["window"]), c["slot"])
+
+
+def test_kernels_lower_to_triton():
+    c = _case(6, 2, 4, 2, 4, 128, 128, dtype=ml_dtypes.bfloat16)
+    hk = 2
+
+    def fn(qkv, weight, window, a, b, a_log, dt_bias, state, slot):
+        conv, window = gdn_conv_rows(qkv, weight, window, slot, jnp.full((2,), 2, jnp.int32),
+                                     interpret=False)
+        keep = jnp.ones(a.shape[:2], bool)
+        o = gdn_step(conv, a, b, a_log, dt_bias, keep, state, slot, num_k_heads=hk,
+                     mode="verify", interpret=False)
+        state = gdn_step(conv, a, b, a_log, dt_bias, keep, state, slot, num_k_heads=hk,
+                         mode="commit", interpret=False)
+        o1, state = gdn_step(conv[:, :1], a[:, :1], b[:, :1], a_log, dt_bias, keep[:, :1],
+                             state, slot, num_k_heads=hk, mode="decode", interpret=False)
+        return o, o1, state, window
+
+    text = lower_for_cuda(fn, *(jnp.asarray(c[k]) for k in (
+        "qkv", "weight", "window", "a", "b", "a_log", "dt_bias", "state", "slot")))
+    for name in ("gdn_conv_write", "gdn_fused_verify", "gdn_fused_commit", "gdn_fused_decode"):
+        assert name in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hv", [(1, 16), (1, 48), (8, 32), (32, 48)])
+def test_gpu_matches_numpy_and_commit_equals_decodes(b, hv):
+    c = _case(7, b, 4, 16, hv, 128, 128, slots=b + 3, dtype=ml_dtypes.bfloat16)
+    conv = np.asarray(gdn_conv_rows(jnp.asarray(c["qkv"]), jnp.asarray(c["weight"]),
+                                    jnp.asarray(c["window"]), jnp.asarray(c["slot"])))
+    _close(conv, _np_conv(c["qkv"], c["weight"], c["window"], c["slot"], ml_dtypes.bfloat16),
+           rtol=2.0 ** -7, atol=2.0 ** -7)
+    conv64 = conv.astype(np.float64)
+    keep = np.ones((b, 4), bool)
+    o = gdn_step(jnp.asarray(conv), jnp.asarray(c["a"]), jnp.asarray(c["b"]),
+                 jnp.asarray(c["a_log"]), jnp.asarray(c["dt_bias"]), jnp.asarray(keep),
+                 jnp.asarray(c["state"]), jnp.asarray(c["slot"]), num_k_heads=16, mode="verify")
+    o_want, _ = _np_step(conv64, c["a"], c["b"], c["a_log"], c["dt_bias"], keep, c["state"],
+                         c["slot"], 16)
+    _close(o, o_want, rtol=1e-3, atol=1e-4)
+    for got, want in zip(_commit_rows(c, 3, 16, False), _decode_steps(c, 3, 16, False)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
