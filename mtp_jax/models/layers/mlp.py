@@ -15,6 +15,7 @@ from flax import nnx
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.layers.basic import Linear
 from pallas_kernels.moe import moe_experts_weighted
+from pallas_kernels.moe.router import MAX_EXPERTS, route_topk
 
 
 class MLP(nnx.Module):
@@ -57,6 +58,11 @@ class Experts(nnx.Module):
 
 
 class SparseMoE(nnx.Module):
+    """Routed experts plus the gated shared expert. With the ``pallas`` MoE backend the routing
+    (softmax, top-k, renormalisation) is one Triton kernel
+    (:func:`pallas_kernels.moe.router.route_topk`) when the expert count is a power of two up
+    to 1024 (every released shape), else XLA's softmax and top-k."""
+
     def __init__(self, cfg: ModelConfig, dtype, backend: str = "xla"):
         h = cfg.hidden_size
         self.backend = backend
@@ -67,13 +73,16 @@ class SparseMoE(nnx.Module):
         self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, dtype)
         self.shared_expert_gate = Linear(h, 1, dtype)
 
+    def _router_backend(self) -> str:
+        e = self.gate.weight.shape[0]
+        fits = e & (e - 1) == 0 and e <= MAX_EXPERTS
+        return "pallas" if self.backend == "pallas" and fits else "xla"
+
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        probs = jax.nn.softmax(self.gate(x2).astype(jnp.float32), axis=-1)
-        weights, ids = jax.lax.top_k(probs, self.top_k)
-        if self.norm_topk_prob:
-            weights = weights / jnp.sum(weights, axis=-1, keepdims=True)
+        weights, ids = route_topk(self.gate(x2), self.top_k, normalize=self.norm_topk_prob,
+                                  backend=self._router_backend())
         routed = self.experts(x2, ids, weights)
         shared = self.shared_expert(x2) * jax.nn.sigmoid(
             self.shared_expert_gate(x2).astype(jnp.float32)).astype(x2.dtype)
