@@ -78,7 +78,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ple-backend", default="disk", choices=["disk", "memory"],
                    help="qwen4_exp: PLE n-gram tables memory-mapped from disk or in host RAM")
     for op, what in (("attention", "paged attention (decode/verify rows)"),
-                     ("gdn", "the GDN verify/commit recurrence"), ("moe", "the MoE experts")):
+                     ("gdn", "the GDN decode/verify/commit step form"),
+                     ("moe", "the MoE experts and router")):
         p.add_argument(f"--{op}-backend", default="auto", choices=["auto", "xla", "pallas"],
                        help=f"implementation of {what}: pallas (GPU kernels), xla, or auto "
                             "(pallas where checked faster on a GPU, else xla)")
