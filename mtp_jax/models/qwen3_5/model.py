@@ -19,7 +19,7 @@ from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.attention import GatedAttention
 from mtp_jax.models.layers.basic import Embed, Linear, RMSNorm
-from mtp_jax.models.layers.gdn import GatedDeltaNet, GDNRows, commit
+from mtp_jax.models.layers.gdn import GatedDeltaNet
 from mtp_jax.models.layers.mlp import MLP, SparseMoE
 
 
@@ -112,7 +112,8 @@ class Qwen35Model(nnx.Module):
           kv: the target's paged KV (all attention layers).
           gdn: GDN state batch view ``[B, ...]`` per layer, or (with ``slots``) the pools.
           gdn_mode: ``"prefill"`` (chunked form, returns the new states), ``"verify"``
-            (step form, states untouched, returns ``GDNRows`` per GDN layer for :meth:`commit`)
+            (step form, states untouched, returns per GDN layer the rows :meth:`commit` takes:
+            ``GDNRows``, or ``GDNConvRows`` on the fused Pallas path)
             or ``"decode"`` (``T = 1``: step form, returns the new states, equal to a verify
             plus a commit of the valid rows).
           slots: ``[B]`` int32 (``"verify"``, ``"decode"``): ``gdn`` is the state pool and row b
@@ -134,7 +135,7 @@ class Qwen35Model(nnx.Module):
         x = self.embed_tokens(input_ids)
         ks, vs = list(kv.k), list(kv.v)
         rec, conv = list(gdn.recurrent), list(gdn.conv)
-        rows: list[GDNRows] = [None] * len(rec)
+        rows: list = [None] * len(rec)  # GDNRows, or GDNConvRows (fused Pallas path)
         for layer in self.layers:
             i = layer.cache_index
             if layer.layer_type == "full_attention":
