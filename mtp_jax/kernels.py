@@ -32,15 +32,18 @@ class KernelBackends:
     @classmethod
     def resolve(cls, attention: str | None = "auto", gdn: str | None = "auto",
                 moe: str | None = "auto", platform: str | None = None,
-                dtype: str | None = None) -> "KernelBackends":
+                dtype: str | None = None,
+                gdn_dims: tuple[int, int, int] | None = None) -> "KernelBackends":
         """Validate the user's choices and resolve ``auto``.
 
         ``platform``: the JAX backend (``"gpu"``, ``"cpu"``; default: ``jax.default_backend()``).
         ``dtype``: the model dtype when known; the attention and MoE kernels' tiles are sized
         for 16-bit weights and K/V (float32 ones exceed the H200's shared memory), so ``auto``
         takes XLA for them in float32.
-        Raises ConfigError for an unknown choice, ``pallas`` without a GPU, or a 16-bit-only
-        kernel asked for with float32.
+        ``gdn_dims``: the model's ``(linear_key_head_dim, linear_value_head_dim, conv width)``
+        when known; sizes the fused GDN kernels cannot take make ``auto`` take XLA for GDN.
+        Raises ConfigError for an unknown choice, ``pallas`` without a GPU, a 16-bit-only
+        kernel asked for with float32, or the GDN kernels asked for with sizes they cannot take.
         """
         chosen = {"attention": attention, "gdn": gdn, "moe": moe}
         for op, value in chosen.items():
@@ -65,10 +68,31 @@ class KernelBackends:
                 raise ConfigError(f"{op}_backend 'pallas' needs 16-bit weights (its tiles are "
                                   "sized for bfloat16/float16) but dtype is float32; use "
                                   f"--{op}-backend xla or --dtype bfloat16.")
+            misfit = _gdn_misfit(gdn_dims) if op == "gdn" and on_gpu else None
+            if value == "pallas" and misfit:
+                raise ConfigError(f"gdn_backend 'pallas' cannot run this model: {misfit} (the "
+                                  "Triton kernels need power-of-two blocks); use --gdn-backend "
+                                  "xla or auto.")
             if value == "auto":
-                value = "pallas" if on_gpu and op in AUTO_PALLAS_ON_GPU and not wide else "xla"
+                value = ("pallas" if on_gpu and op in AUTO_PALLAS_ON_GPU and not wide
+                         and not misfit else "xla")
             out[op] = value
         return cls(**out)
+
+
+def _gdn_misfit(gdn_dims) -> str | None:
+    if gdn_dims is None:
+        return None
+    from pallas_kernels.gdn.fused import unsupported_shape
+
+    return unsupported_shape(*gdn_dims)
+
+
+def gdn_dims_of(cfg) -> tuple[int, int, int] | None:
+    """``(Dk, Dv, conv width)`` of a model config with GDN layers, else ``None``."""
+    if "linear_attention" not in getattr(cfg, "layer_types", ()):
+        return None
+    return cfg.linear_key_head_dim, cfg.linear_value_head_dim, cfg.linear_conv_dim
 
 
 def kernels_of(cfg) -> KernelBackends:

@@ -27,6 +27,34 @@ def test_unknown_backend_names_value_and_flag(op):
         KernelBackends.resolve(**{op: "triton"}, platform="gpu")
 
 
+def test_gdn_sizes_the_fused_kernels_cannot_take():
+    """Released shapes fit; a value head of 24 or a key head of 96 does not: ``auto`` takes
+    XLA for GDN, an explicit ``pallas`` is refused naming the size."""
+    assert KernelBackends.resolve(platform="gpu", gdn_dims=(128, 128, 10240)).gdn == "pallas"
+    for dims, name in (((128, 24, 4480), "linear_value_head_dim 24"),
+                       ((96, 128, 8192), "linear_key_head_dim 96")):
+        assert KernelBackends.resolve(platform="gpu", gdn_dims=dims).gdn == "xla"
+        with pytest.raises(ConfigError, match=f"{name}.*--gdn-backend xla"):
+            KernelBackends.resolve(gdn="pallas", platform="gpu", gdn_dims=dims)
+
+
+def test_every_released_qwen3_5_shape_fits_the_gdn_kernels():
+    import glob
+    import os
+
+    from mtp_jax.bench.floor import load_config
+    from mtp_jax.kernels import gdn_dims_of
+
+    root = os.path.join(os.path.dirname(__file__), "..", "configs")
+    checked = 0
+    for path in sorted(glob.glob(os.path.join(root, "Qwen3.[56]-*.json"))):
+        dims = gdn_dims_of(load_config(path))
+        assert dims is not None, path
+        assert KernelBackends.resolve(platform="gpu", gdn_dims=dims).gdn == "pallas", path
+        checked += 1
+    assert checked >= 8
+
+
 def test_pallas_without_gpu_is_refused():
     with pytest.raises(ConfigError, match="needs a CUDA GPU.*--gdn-backend xla"):
         KernelBackends.resolve(gdn="pallas", platform="cpu")

@@ -69,8 +69,9 @@ class LLM:
         default) or ``"memory"`` (host RAM). qwen4_exp runs plain decoding, one request at a
         time, for now.
       attention_backend, gdn_backend, moe_backend: ``"auto"`` (default), ``"xla"`` or
-        ``"pallas"``: the implementation of paged attention, the GDN verify/commit recurrence
-        and the MoE experts (:mod:`mtp_jax.kernels`); ``pallas`` needs a CUDA GPU.
+        ``"pallas"``: the implementation of paged attention, the GDN decode/verify/commit step
+        form and the MoE experts and router (:mod:`mtp_jax.kernels`); ``pallas`` needs a CUDA
+        GPU.
       compilation_cache_dir: persistent XLA compilation cache folder (compiled programs reused
         by the next process); ``None``: ``$MTP_JAX_COMPILATION_CACHE``, else the folder jax
         already uses, else ``~/.cache/mtp_jax/xla``; ``"none"``/``"off"``: no cache

@@ -20,7 +20,7 @@ from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.checks import check_before_load, check_draft_folder  # noqa: F401 (re-export)
 from mtp_jax.config import ConfigError, ModelConfig, SpecConfig
-from mtp_jax.kernels import KernelBackends
+from mtp_jax.kernels import KernelBackends, gdn_dims_of
 from mtp_jax.models.registry import model_spec
 from mtp_jax.weights import names
 from mtp_jax.weights.safetensors_reader import load_tensors
@@ -204,8 +204,9 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
       dummy_weight: random weights instead of the checkpoint's (for benchmarks/tests).
       draft_path: a separate folder to read the ``mtp.*`` tensors from (default: ``path``).
       attention_backend, gdn_backend, moe_backend: ``"auto"``, ``"xla"`` or ``"pallas"``, the
-        implementation of paged attention, the GDN verify/commit recurrence and the MoE experts
-        (:class:`mtp_jax.kernels.KernelBackends`).
+        implementation of paged attention, the GDN decode/verify/commit step form and the MoE
+        experts and router (:class:`mtp_jax.kernels.KernelBackends`; ``auto`` takes XLA for GDN
+        layers whose head sizes the kernels cannot take).
     Raises:
       ConfigError: bad config (before any tensor is read; see :mod:`mtp_jax.checks`);
       CheckpointError: bad files or missing/unexpected tensors (before any tensor data is read,
@@ -244,7 +245,7 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
     if with_mtp and not cfg.has_mtp:
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=1)
     cfg = dataclasses.replace(cfg, kernels=KernelBackends.resolve(
-        attention_backend, gdn_backend, moe_backend, dtype=dtype))
+        attention_backend, gdn_backend, moe_backend, dtype=dtype, gdn_dims=gdn_dims_of(cfg)))
     graphdef, abstract = abstract_model(cfg, dtype, with_mtp)
     expected = expected_tensors(abstract)
     if dummy_weight:

@@ -59,6 +59,18 @@ def _whole(shape) -> pl.BlockSpec:
     return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
 
 
+def unsupported_shape(dk: int, dv: int, conv_dim: int) -> str | None:
+    """Why these kernels cannot take a layer with key/value head sizes ``dk``/``dv`` and conv
+    width ``conv_dim`` (Triton needs power-of-two blocks), or ``None`` when they can."""
+    if dk < 1 or dk & (dk - 1):
+        return f"linear_key_head_dim {dk} is not a power of two"
+    if dv % 16 and dv not in (1, 2, 4, 8):
+        return f"linear_value_head_dim {dv} is not a multiple of 16"
+    if conv_dim % 16:
+        return f"the conv width {conv_dim} is not a multiple of 16"
+    return None
+
+
 # ---------------------------------------------------------------- conv ----------------------
 
 
