@@ -285,7 +285,8 @@ class SpecConfig:
                 or not 1 <= self.num_steps <= MAX_SPECULATIVE_NUM_STEPS):
             raise ConfigError(f"speculative_num_steps (--speculative-num-steps) {self.num_steps!r} "
                               f"is outside 1..{MAX_SPECULATIVE_NUM_STEPS}; pick k in that range "
-                              "(3 is a good default).")
+                              "(3 is a good default), or turn speculation off with "
+                              "--speculative-algorithm none.")
         if self.draft_model_path and self.algorithm != "mtp":
             raise ConfigError(f"speculative_draft_model_path (--speculative-draft-model-path) "
                               f"{self.draft_model_path!r} was given but speculative_algorithm is "
