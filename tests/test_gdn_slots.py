@@ -95,3 +95,25 @@ def test_slot_addressed_steps_equal_batch_view_steps(tiny, backend):  # noqa: F8
     with pytest.raises(ValueError, match="slots: prefill"):
         model(ids, win, kv, gdn, "prefill", slots=slots)
 
+
+
+def test_fused_pallas_steps_match_the_xla_reference(tiny):  # noqa: F811
+    """The same decode step and verify + commit on the pools, through the fused Pallas kernels
+    (interpret mode) and through the XLA reference: hidden states and new pools agree."""
+    out = {}
+    for backend in ("xla", "pallas"):
+        model = _with_gdn_backend(tiny, backend)
+        rng = np.random.default_rng(13)  # the same pools, tokens and slots for both
+        gdn, kv, table, slots = _prefilled(model, rng)
+        tok = jnp.asarray(rng.integers(2, model.cfg.vocab_size, (B, 1)), jnp.int32)
+        step = AttentionBatch(jnp.full((B, 1), PROMPT, jnp.int32), jnp.ones((B, 1), bool), table)
+        h_d, _, pool_d = model(tok, step, kv, gdn, "decode", slots=slots)
+        ids = jnp.asarray(rng.integers(2, model.cfg.vocab_size, (B, 4)), jnp.int32)
+        win = AttentionBatch(PROMPT + jnp.broadcast_to(jnp.arange(4, dtype=jnp.int32), (B, 4)),
+                             jnp.ones((B, 4), bool), table)
+        h_v, _, rows = model(ids, win, kv, gdn, "verify", slots=slots)
+        pool_c = model.commit(gdn, rows, jnp.asarray([4, 1, 2], jnp.int32), slots=slots)
+        out[backend] = [h_d, h_v] + list(pool_d.recurrent + pool_d.conv + pool_c.recurrent
+                                          + pool_c.conv)
+    for a, b in zip(out["pallas"], out["xla"]):
+        np.testing.assert_allclose(np.asarray(a), np.asarray(b), rtol=1e-4, atol=1e-5)
