@@ -75,7 +75,7 @@ def test_decode_overlaps_ple_lookup_with_stop_checks_and_next_head(monkeypatch):
     checks, times out here). Tokens stay equal to transformers' greedy ones."""
     import threading
 
-    from mtp_jax.engine import engine as engine_mod
+    from mtp_jax.engine import stops as stops_mod
     from mtp_jax.models.qwen4_exp import loader
 
     g = np.load(CKPT + "/golden.npz")
@@ -84,7 +84,7 @@ def test_decode_overlaps_ple_lookup_with_stop_checks_and_next_head(monkeypatch):
     main = threading.main_thread
 
     real_start, real_lookup = loader.LoadedQwen4Exp.start_step, loader.LoadedQwen4Exp.lookup
-    real_append = engine_mod.append_tokens
+    real_append = stops_mod.append_tokens
 
     def start_step(self, cache, ids):
         events.append(("head", cache.length))
@@ -107,7 +107,7 @@ def test_decode_overlaps_ple_lookup_with_stop_checks_and_next_head(monkeypatch):
 
     monkeypatch.setattr(loader.LoadedQwen4Exp, "start_step", start_step)
     monkeypatch.setattr(loader.LoadedQwen4Exp, "lookup", lookup)
-    monkeypatch.setattr(engine_mod, "append_tokens", append_tokens)
+    monkeypatch.setattr(stops_mod, "append_tokens", append_tokens)
     llm = LLM(CKPT, dtype="float32", speculative_algorithm="none")
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))
     assert out[0].token_ids == g["greedy_tokens"][0].tolist()

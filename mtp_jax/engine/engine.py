@@ -41,6 +41,7 @@ from mtp_jax.engine.pools import Pools, make_pools
 from mtp_jax.cache.radix import RadixCache
 from mtp_jax.engine.programs import LOAD_SNAPSHOT, SAVE_SNAPSHOT, RoundOutput
 from mtp_jax.engine.requests import Request
+from mtp_jax.engine.stops import append_tokens
 from mtp_jax.models.draft_head import draft_head_bytes, with_draft_head
 from mtp_jax.models.loader import DTYPES, LoadedModel
 from mtp_jax.sampling import SamplingTensors
@@ -73,39 +74,6 @@ PREFILL_GREEDY_ONLY = False
 def _all_greedy(reqs: Iterable[Request]) -> bool:
     """Every request greedy: the programs' greedy-only variant (no sampling path) serves them."""
     return all(r.params.temperature <= 0 for r in reqs)
-
-
-def append_tokens(req: Request, tokens: Iterable[int], eos_ids, tokenizer,
-                  max_model_len: int) -> int:
-    """Append committed tokens one by one, applying every stop (EOS unless ``ignore_eos``, stop
-    ids, stop strings, ``max_tokens``, ``max_model_len``); nothing after a stop is kept.
-    Returns how many tokens were kept."""
-    kept = 0
-    p = req.params
-    for tok in tokens:
-        tok = int(tok)
-        req.output_ids.append(tok)
-        kept += 1
-        if (not p.ignore_eos and tok in eos_ids) or tok in p.stop_token_ids:
-            req.finish_reason = "stop"
-        elif p.stop and tokenizer is not None and _stop_string(req, tokenizer):
-            req.finish_reason = "stop"
-        elif len(req.output_ids) >= p.max_tokens:
-            req.finish_reason = "length"
-        elif len(req.prompt_ids) + len(req.output_ids) >= max_model_len:
-            req.finish_reason = "length"
-        if req.finished:
-            break
-    return kept
-
-
-def _stop_string(req: Request, tokenizer) -> bool:
-    text = tokenizer.decode(req.output_ids)
-    hits = [text.find(s) for s in req.params.stop if s in text]
-    if hits:
-        req.stop_text_len = min(hits)
-        return True
-    return False
 
 
 @dataclasses.dataclass

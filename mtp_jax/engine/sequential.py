@@ -116,7 +116,7 @@ class SequentialEngine:
 
     def step(self) -> dict[Request, list[int]]:
         """Prefill the head request, or decode one token of it."""
-        from mtp_jax.engine.engine import append_tokens
+        from mtp_jax.engine.stops import append_tokens
 
         req, m = self.waiting[0], self.model
         run = self._run
