@@ -16,10 +16,10 @@ the state unchanged exactly.
 
 from __future__ import annotations
 
-import jax
 import jax.numpy as jnp
 
-from pallas_kernels.gdn.pallas import gdn_commit_pallas, gdn_decode_pallas, gdn_verify_pallas
+from pallas_kernels.gdn.pallas import (gdn_commit_pallas, gdn_decode_pallas, gdn_verify_pallas,
+                                       interpret_mode, pad_rows, pow2_rows)
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_recurrent_reference
 
 BACKENDS = ("xla", "pallas")
@@ -32,20 +32,12 @@ def _check_backend(backend: str) -> None:
 
 def _pad_rows(q, k, v, g, beta):
     """Pad the row axis (1) to a power of two with zero rows (``g = beta = 0``: no-op rows)."""
-    t = q.shape[1]
-    tp = 1 << max(t - 1, 0).bit_length()
-    if tp == t:
-        return q, k, v, g, beta
-    pad = lambda a: jnp.pad(a, [(0, 0), (0, tp - t)] + [(0, 0)] * (a.ndim - 2))
-    return tuple(pad(a) for a in (q, k, v, g, beta))
+    tp = pow2_rows(q.shape[1])
+    return tuple(pad_rows(a, tp) for a in (q, k, v, g, beta))
 
 
 def _f32(*arrays):
     return tuple(jnp.asarray(a, jnp.float32) for a in arrays)
-
-
-def _interpret(interpret: bool | None) -> bool:
-    return jax.default_backend() != "gpu" if interpret is None else interpret
 
 
 def gdn_verify(q, k, v, g, beta, state, *, backend: str = "xla",
@@ -68,7 +60,7 @@ def gdn_verify(q, k, v, g, beta, state, *, backend: str = "xla",
     if backend == "xla":
         return gdn_recurrent_reference(q, k, v, g, beta, state, unroll=True)[0]
     t = q.shape[1]
-    o = gdn_verify_pallas(*_pad_rows(q, k, v, g, beta), state, interpret=_interpret(interpret))
+    o = gdn_verify_pallas(*_pad_rows(q, k, v, g, beta), state, interpret=interpret_mode(interpret))
     return o[:, :t]
 
 
@@ -84,7 +76,7 @@ def gdn_commit(q, k, v, g, beta, state, *, backend: str = "xla",
     q, k, v, g, beta, state = _f32(q, k, v, g, beta, state)
     if backend == "xla":
         return gdn_recurrent_reference(q, k, v, g, beta, state, unroll=True)[1]
-    return gdn_commit_pallas(*_pad_rows(q, k, v, g, beta), state, interpret=_interpret(interpret))
+    return gdn_commit_pallas(*_pad_rows(q, k, v, g, beta), state, interpret=interpret_mode(interpret))
 
 
 def gdn_decode(q, k, v, g, beta, state, *, backend: str = "xla",
@@ -106,4 +98,4 @@ def gdn_decode(q, k, v, g, beta, state, *, backend: str = "xla",
                          "(use gdn_verify + gdn_commit for a window).")
     if backend == "xla":
         return gdn_decode_reference(q, k, v, g, beta, state)
-    return gdn_decode_pallas(q, k, v, g, beta, state, interpret=_interpret(interpret))
+    return gdn_decode_pallas(q, k, v, g, beta, state, interpret=interpret_mode(interpret))

@@ -34,24 +34,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gdn.pallas import default_tiling, step
+from pallas_kernels.gdn.pallas import default_tiling, interpret_mode, pad_rows, pow2_rows, step
 
 F32 = jnp.float32
 MODES = ("verify", "commit", "decode")
 CONV_BLOCK = 256  # channels per conv program (at most)
-
-
-def _interpret(interpret: bool | None) -> bool:
-    return jax.default_backend() != "gpu" if interpret is None else interpret
-
-
-def _pad_rows(t: int) -> int:
-    return 1 << max(t - 1, 0).bit_length()
-
-
-def _pad_axis1(a: jax.Array, tp: int) -> jax.Array:
-    t = a.shape[1]
-    return a if tp == t else jnp.pad(a, [(0, 0), (0, tp - t)] + [(0, 0)] * (a.ndim - 2))
 
 
 def _whole(shape) -> pl.BlockSpec:
@@ -126,7 +113,7 @@ def gdn_conv_rows(qkv: jax.Array, weight: jax.Array, window: jax.Array, slot: ja
     if width < 16:
         raise ValueError(f"gdn_conv_rows: conv_dim {c} must be a multiple of 16 (Triton blocks "
                          "are powers of two); use the XLA backend.")
-    tp = _pad_rows(t)
+    tp = pow2_rows(t)
     write = length is not None
     length = jnp.zeros((b,), jnp.int32) if length is None else length.astype(jnp.int32)
     out_shape = [jax.ShapeDtypeStruct((b, tp, c), qkv.dtype)]
@@ -141,9 +128,9 @@ def gdn_conv_rows(qkv: jax.Array, weight: jax.Array, window: jax.Array, slot: ja
         out_shape=out_shape,
         input_output_aliases={4: 1} if write else {},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
-        interpret=_interpret(interpret),
+        interpret=interpret_mode(interpret),
         name="gdn_conv_write" if write else "gdn_conv",
-    )(slot.astype(jnp.int32), length, _pad_axis1(qkv, tp), weight, window)
+    )(slot.astype(jnp.int32), length, pad_rows(qkv, tp), weight, window)
     conv = outs[0][:, :t]
     return (conv, outs[1]) if write else conv
 
@@ -241,9 +228,9 @@ def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
     block_v, num_warps = block_v or bv0, num_warps or nw0
     if dv % block_v or block_v & (block_v - 1):
         raise ValueError(f"gdn_step: block_v={block_v} must be a power of two dividing Dv={dv}.")
-    tp = _pad_rows(t)
-    conv, a, b = (_pad_axis1(x, tp) for x in (conv, a, b))
-    keep = _pad_axis1(keep.astype(jnp.int32), tp)
+    tp = pow2_rows(t)
+    conv, a, b = (pad_rows(x, tp) for x in (conv, a, b))
+    keep = pad_rows(keep.astype(jnp.int32), tp)
     state_spec = pl.BlockSpec((state.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
     o_spec = pl.BlockSpec((None, tp, None, block_v), lambda i, h, j: (i, 0, h, j))
     o_shape = jax.ShapeDtypeStruct((bsz, tp, hv, dv), F32)
@@ -263,7 +250,7 @@ def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=_interpret(interpret),
+        interpret=interpret_mode(interpret),
         name=f"gdn_fused_{mode}",
     )(slot.astype(jnp.int32), keep, conv, a, b, a_log.astype(F32), dt_bias.astype(F32), state)
     if mode == "commit":
