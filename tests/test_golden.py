@@ -82,6 +82,19 @@ def test_golden_npz_shapes(name):
 def test_forward_matches_hf(name):
     g = _golden(name)
     m = _model(name)
+    _check_forward(name, g, m)
+
+
+@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe_fused"])
+def test_unmerged_forward_matches_hf(name):
+    """``load_model(merge_projections=False)``: one parameter per checkpoint tensor (the path a
+    model built without the loader takes) against the same golden outputs."""
+    m = mtp_jax.load_model(os.path.join(FIXTURES, name), dtype="float32",
+                           merge_projections=False)
+    _check_forward(name, _golden(name), m)
+
+
+def _check_forward(name, g, m):
     logits, hidden = m.forward(g["input_ids"])
     _close(hidden, g["hidden"], f"{name} hidden (after model.norm)")
     _close(logits, g["logits"], f"{name} logits")

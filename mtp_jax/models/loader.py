@@ -156,6 +156,13 @@ class LoadedModel:
         return self._mtp_forward(self.graphdef, self.params, hidden, nxt)
 
 
+def _merge_projections(module) -> None:
+    """Merge the model's projections in place (models without ``merge_projections``: none)."""
+    merge = getattr(module, "merge_projections", None)
+    if merge is not None:
+        merge()
+
+
 def _scratch_batch(b: int, t: int, page_size: int = 16):
     """Pages 1.. for each row (page 0 is the trash page) and positions 0..T-1."""
     per_row = -(-t // page_size)
@@ -194,7 +201,8 @@ def _mtp_forward_fn(graphdef, params, hidden, next_ids):
 def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp: bool = True,
                dummy_weight: bool = False, seed: int = 0, cfg: ModelConfig | None = None,
                device=None, draft_path: str | None = None, attention_backend: str = "auto",
-               gdn_backend: str = "auto", moe_backend: str = "auto") -> LoadedModel:
+               gdn_backend: str = "auto", moe_backend: str = "auto",
+               merge_projections: bool = True) -> LoadedModel:
     """Load a Qwen3.5-family checkpoint folder.
 
     Args:
@@ -207,6 +215,9 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
         implementation of paged attention, the GDN decode/verify/commit step form and the MoE
         experts and router (:class:`mtp_jax.kernels.KernelBackends`; ``auto`` takes XLA for GDN
         layers whose head sizes the kernels cannot take).
+      merge_projections: after loading, stack the projections that read one input into one
+        matrix each (``Qwen35Model.merge_projections``: one GEMM per group, faster decode);
+        ``False`` keeps one parameter per checkpoint tensor, under its canonical name.
     Raises:
       ConfigError: bad config (before any tensor is read; see :mod:`mtp_jax.checks`);
       CheckpointError: bad files or missing/unexpected tensors (before any tensor data is read,
@@ -268,4 +279,12 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
         arrays = {n: a if a.dtype == expected[n][1] else a.astype(expected[n][1])
                   for n, a in arrays.items()}
     params = fill_state(abstract, arrays)
+    del arrays
+    if merge_projections:
+        # Only the module refers to the weights from here, so each group's old weights are
+        # freed as soon as its merged copy exists: the peak is one group above the model.
+        module = nnx.merge(graphdef, params)
+        del params
+        _merge_projections(module)
+        graphdef, params = nnx.split(module)
     return LoadedModel(cfg=cfg, dtype=dtype, graphdef=graphdef, params=params, has_mtp=with_mtp)

@@ -17,7 +17,7 @@ from flax import nnx
 from mtp_jax.cache.paged import AttentionBatch, write_kv
 from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
-from mtp_jax.models.layers.basic import Linear, RMSNorm
+from mtp_jax.models.layers.basic import Linear, RMSNorm, as_data, merge_linears, project
 from mtp_jax.models.layers.rotary import apply_rotary
 from pallas_kernels.paged_attention import paged_attention
 
@@ -35,6 +35,14 @@ class GatedAttention(nnx.Module):
         self.o_proj = Linear(self.num_heads * d, h, dtype)
         self.q_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
         self.k_norm = RMSNorm(d, cfg.rms_norm_eps, dtype)
+        self.qkv_proj = None  # MergedLinear of (q, k, v) after merge_projections()
+
+    def merge_projections(self) -> None:
+        """Merge ``q_proj, k_proj, v_proj`` into one ``qkv_proj``
+        (:class:`mtp_jax.models.layers.basic.MergedLinear`; the three are removed)."""
+        if self.qkv_proj is None:
+            self.qkv_proj = as_data(merge_linears([self.q_proj, self.k_proj, self.v_proj]))
+            self.q_proj = self.k_proj = self.v_proj = None
 
     def __call__(self, x: jax.Array, batch: AttentionBatch, kv: tuple[jax.Array, jax.Array]):
         """``x [B, T, H]``; ``kv`` = this layer's ``(k_pages, v_pages)``.
@@ -53,12 +61,13 @@ class GatedAttention(nnx.Module):
         ``gate [B, T, Hq, D]``, roped ``k`` and ``v [B, T, Hkv, D]``."""
         b, t, _ = x.shape
         d = self.head_dim
-        qg = self.q_proj(x).reshape(b, t, self.num_heads, 2 * d)
+        qg, k, v = project(x, self.qkv_proj, (self.q_proj, self.k_proj, self.v_proj))
+        qg = qg.reshape(b, t, self.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:]
         q = apply_rotary(self.q_norm(q), positions, self.rotary_dim, self.rope_theta)
-        k = self.k_norm(self.k_proj(x).reshape(b, t, self.num_kv_heads, d))
+        k = self.k_norm(k.reshape(b, t, self.num_kv_heads, d))
         k = apply_rotary(k, positions, self.rotary_dim, self.rope_theta)
-        v = self.v_proj(x).reshape(b, t, self.num_kv_heads, d)
+        v = v.reshape(b, t, self.num_kv_heads, d)
         return q, gate, k, v
 
     def gated_output(self, o: jax.Array, gate: jax.Array) -> jax.Array:

@@ -1,13 +1,18 @@
-"""Linear, embedding and zero-centred RMSNorm modules.
+"""Linear, merged linear, embedding and zero-centred RMSNorm modules.
 
 Parameter names and layouts follow the HF checkpoints (``weight [out, in]``) so that a loaded
-tensor fills its parameter without transposition.
+tensor fills its parameter without transposition. After loading, projections that read the
+same input may be merged into one :class:`MergedLinear` (see ``merge_projections`` of the
+layers).
 """
 
 from __future__ import annotations
 
+from collections.abc import Sequence
+
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 
@@ -20,6 +25,48 @@ class Linear(nnx.Module):
     def __call__(self, x: jax.Array) -> jax.Array:
         w = self.weight[...]
         return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+
+
+class MergedLinear(nnx.Module):
+    """Several projections of one input as one matrix: ``weight [sum(sizes), in]``, the
+    projections' weights stacked in order; a call returns their outputs split back.
+
+    One GEMM instead of several: at decode and verify (a few rows) each projection is bound by
+    reading its weights, and XLA turns the small ones into slow reduction kernels. On the H200
+    (bf16, one row) the merged GDN in-projection (qkv, z, b, a) of the Qwen3.5-2B shape took
+    17.3 us against 26.7 us as four projections (``docs/benchmarks.md``). The outputs are the
+    separate projections' (each output column is the same dot product).
+    """
+
+    def __init__(self, weights: Sequence[jax.Array]):
+        """``weights``: ``[N_j, in]`` arrays of one dtype (e.g. the ``Linear.weight`` values)."""
+        self.sizes = tuple(int(w.shape[0]) for w in weights)
+        self.weight = nnx.Param(jnp.concatenate(list(weights), axis=0))
+
+    def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
+        """``x [..., in]`` -> one ``[..., N_j]`` per merged projection."""
+        w = self.weight[...]
+        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+        return tuple(jnp.split(y, np.cumsum(self.sizes)[:-1].tolist(), axis=-1))
+
+
+def merge_linears(linears: Sequence[Linear]) -> MergedLinear:
+    """A :class:`MergedLinear` of ``linears`` (their weights copied, in order)."""
+    return MergedLinear([m.weight[...] for m in linears])
+
+
+def as_data(value):
+    """Mark a module assigned after construction as data (``nnx.data``, flax >= 0.12): an
+    attribute that was ``None`` when the module was built would otherwise stay static."""
+    return getattr(nnx, "data", lambda v: v)(value)
+
+
+def project(x: jax.Array, merged: MergedLinear | None, linears: Sequence) -> tuple:
+    """The outputs of ``linears`` on ``x``: from ``merged`` when the layer has merged them,
+    else one projection each."""
+    if merged is not None:
+        return merged(x)
+    return tuple(m(x) for m in linears)
 
 
 class Embed(nnx.Module):

@@ -31,7 +31,8 @@ from flax import nnx
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
-from mtp_jax.models.layers.basic import Linear, rms_normalize
+from mtp_jax.models.layers.basic import (Linear, as_data, merge_linears, project,
+                                         rms_normalize)
 from pallas_kernels.gdn.api import gdn_commit, gdn_decode, gdn_verify
 from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step
 from pallas_kernels.gdn.reference import gdn_chunked_reference
@@ -126,15 +127,29 @@ class GatedDeltaNet(nnx.Module):
         self.dt_bias = nnx.Param(jnp.zeros((self.hv,), jnp.float32))
         self.norm = _GatedNormWeight(self.dv, dtype)
         self.out_proj = Linear(self.hv * self.dv, h, dtype)
+        self.in_proj = None  # MergedLinear of (qkv, z, b, a) after merge_projections()
 
-    def _rows(self, x: jax.Array, conv_state: jax.Array, valid: jax.Array) -> GDNRows:
-        b, t, _ = x.shape
-        qkv = self.in_proj_qkv(x)
+    def merge_projections(self) -> None:
+        """Merge ``in_proj_qkv, in_proj_z, in_proj_b, in_proj_a`` into one ``in_proj``
+        (:class:`mtp_jax.models.layers.basic.MergedLinear`; the four are removed)."""
+        if self.in_proj is None:
+            parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+            self.in_proj = as_data(merge_linears(parts))
+            self.in_proj_qkv = self.in_proj_z = self.in_proj_b = self.in_proj_a = None
+
+    def _project(self, x: jax.Array):
+        """``x [B, T, H]`` -> ``(qkv [B,T,C], z [B,T,Hv*Dv], b [B,T,Hv], a [B,T,Hv])``."""
+        return project(x, self.in_proj,
+                       (self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a))
+
+    def _rows(self, proj, conv_state: jax.Array, valid: jax.Array) -> GDNRows:
+        qkv, _, b_proj, a_proj = proj
+        b, t, _ = qkv.shape
         w = self.conv1d.weight[...][:, 0, :].astype(jnp.float32)  # [C, K]
         ext = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2).astype(jnp.float32),
                                qkv.astype(jnp.float32)], axis=1)  # [B, K-1+T, C]
         conv = sum(ext[:, j:j + t] * w[:, j] for j in range(self.kernel))
-        conv = jax.nn.silu(conv).astype(x.dtype).astype(jnp.float32)
+        conv = jax.nn.silu(conv).astype(qkv.dtype).astype(jnp.float32)
         kd = self.hk * self.dk
         q = conv[..., :kd].reshape(b, t, self.hk, self.dk)
         k = conv[..., kd:2 * kd].reshape(b, t, self.hk, self.dk)
@@ -143,19 +158,21 @@ class GatedDeltaNet(nnx.Module):
         rep = self.hv // self.hk
         q = jnp.repeat(l2(q), rep, axis=2) * (self.dk ** -0.5)
         k = jnp.repeat(l2(k), rep, axis=2)
-        beta = jax.nn.sigmoid(self.in_proj_b(x).astype(jnp.float32))
-        a = self.in_proj_a(x).astype(jnp.float32)
+        beta = jax.nn.sigmoid(b_proj.astype(jnp.float32))
+        a = a_proj.astype(jnp.float32)
         g = -jnp.exp(self.A_log[...].astype(jnp.float32)) * jax.nn.softplus(
             a + self.dt_bias[...].astype(jnp.float32))
         g = jnp.where(valid[..., None], g, 0.0)
         beta = jnp.where(valid[..., None], beta, 0.0)
         return GDNRows(q=q, k=k, v=v, g=g, beta=beta, qkv=qkv)
 
-    def _output(self, o: jax.Array, x: jax.Array) -> jax.Array:
-        b, t, _ = x.shape
-        z = self.in_proj_z(x).reshape(b, t, self.hv, self.dv).astype(jnp.float32)
-        y = rms_normalize(o, self.eps).astype(x.dtype) * self.norm.weight[...]
-        y = (y.astype(jnp.float32) * jax.nn.silu(z)).astype(x.dtype)
+    def _output(self, o: jax.Array, z: jax.Array) -> jax.Array:
+        """``out_proj(norm(o) * w * silu(z))``: ``o [B, T, Hv, Dv]``, ``z [B, T, Hv*Dv]``."""
+        b, t, _ = z.shape
+        dtype = z.dtype
+        z = z.reshape(b, t, self.hv, self.dv).astype(jnp.float32)
+        y = rms_normalize(o, self.eps).astype(dtype) * self.norm.weight[...]
+        y = (y.astype(jnp.float32) * jax.nn.silu(z)).astype(dtype)
         return self.out_proj(y.reshape(b, t, self.hv * self.dv))
 
     def prefill(self, x, state, valid):
@@ -163,10 +180,11 @@ class GatedDeltaNet(nnx.Module):
         tail) change nothing. ``state = (recurrent [B,Hv,Dk,Dv], conv [B,C,K-1])``.
         Returns ``(out [B, T, H], new state)``."""
         recurrent, conv = state
-        rows = self._rows(x, conv, valid)
+        proj = self._project(x)
+        rows = self._rows(proj, conv, valid)
         o, recurrent = gdn_chunked_reference(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent)
         length = jnp.sum(valid, axis=1).astype(jnp.int32)
-        return self._output(o, x), (recurrent, conv_window(conv, rows.qkv, length))
+        return self._output(o, proj[1]), (recurrent, conv_window(conv, rows.qkv, length))
 
     def verify(self, x, state, valid, slots=None):
         """Step form over the rows of a verify window from the live state, which it does not
@@ -175,10 +193,11 @@ class GatedDeltaNet(nnx.Module):
         if self.backend == "pallas":
             return self._verify_fused(x, state, valid, _slots_of(slots, x))
         recurrent, conv = state if slots is None else gather_states(state, slots)
-        rows = self._rows(x, conv, valid)
+        proj = self._project(x)
+        rows = self._rows(proj, conv, valid)
         o = gdn_verify(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent,
                        backend=self.backend)
-        return self._output(o, x), rows
+        return self._output(o, proj[1]), rows
 
     def decode(self, x, state, valid, slots=None):
         """One decode row per request (``x [B, 1, H]``): the step form's output and new state
@@ -195,12 +214,13 @@ class GatedDeltaNet(nnx.Module):
         if self.backend == "pallas":
             return self._decode_fused(x, state, valid, _slots_of(slots, x))
         recurrent, conv = state if slots is None else gather_states(state, slots)
-        rows = self._rows(x, conv, valid)
+        proj = self._project(x)
+        rows = self._rows(proj, conv, valid)
         o, recurrent = gdn_decode(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent,
                                   backend=self.backend)
         length = jnp.sum(valid, axis=1).astype(jnp.int32)
         new = (recurrent, conv_window(conv, rows.qkv, length))
-        return self._output(o, x), new if slots is None else scatter_states(state, slots, new)
+        return self._output(o, proj[1]), new if slots is None else scatter_states(state, slots, new)
 
     def commit(self, state, rows, length: jax.Array, slots=None):
         """Apply the first ``length [B]`` rows of a verify window (its ``GDNRows`` or
@@ -214,30 +234,25 @@ class GatedDeltaNet(nnx.Module):
 
     # The fused Pallas path (pallas_kernels.gdn.fused): states addressed by slot in place.
 
-    def _gate_inputs(self, x):
-        return (self.in_proj_a(x), self.in_proj_b(x), self.A_log[...], self.dt_bias[...])
-
     def _conv_weight(self):
         return self.conv1d.weight[...][:, 0, :]
 
     def _verify_fused(self, x, state, valid, slots):
         recurrent, window = state
-        qkv = self.in_proj_qkv(x)
+        qkv, z, b, a = self._project(x)
         conv = gdn_conv_rows(qkv, self._conv_weight(), window, slots)
-        a, b, a_log, dt_bias = self._gate_inputs(x)
-        o = gdn_step(conv, a, b, a_log, dt_bias, valid, recurrent, slots, num_k_heads=self.hk,
-                     mode="verify")
-        return self._output(o, x), GDNConvRows(conv=conv, a=a, b=b, valid=valid, qkv=qkv)
+        o = gdn_step(conv, a, b, self.A_log[...], self.dt_bias[...], valid, recurrent, slots,
+                     num_k_heads=self.hk, mode="verify")
+        return self._output(o, z), GDNConvRows(conv=conv, a=a, b=b, valid=valid, qkv=qkv)
 
     def _decode_fused(self, x, state, valid, slots):
         recurrent, window = state
         length = jnp.sum(valid, axis=1).astype(jnp.int32)
-        conv, window = gdn_conv_rows(self.in_proj_qkv(x), self._conv_weight(), window, slots,
-                                     length)
-        a, b, a_log, dt_bias = self._gate_inputs(x)
-        o, recurrent = gdn_step(conv, a, b, a_log, dt_bias, valid, recurrent, slots,
-                                num_k_heads=self.hk, mode="decode")
-        return self._output(o, x), (recurrent, window)
+        qkv, z, b, a = self._project(x)
+        conv, window = gdn_conv_rows(qkv, self._conv_weight(), window, slots, length)
+        o, recurrent = gdn_step(conv, a, b, self.A_log[...], self.dt_bias[...], valid, recurrent,
+                                slots, num_k_heads=self.hk, mode="decode")
+        return self._output(o, z), (recurrent, window)
 
     def _commit_fused(self, state, rows: GDNConvRows, length, slots):
         recurrent, window = state

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.models.layers.basic import Linear
+from mtp_jax.models.layers.basic import Linear, as_data, merge_linears, project
 from pallas_kernels.moe import moe_experts_weighted
 from pallas_kernels.moe.router import MAX_EXPERTS, route_topk
 
@@ -25,9 +25,22 @@ class MLP(nnx.Module):
         self.gate_proj = Linear(hidden, intermediate, dtype)
         self.up_proj = Linear(hidden, intermediate, dtype)
         self.down_proj = Linear(intermediate, hidden, dtype)
+        self.gate_up_proj = None  # MergedLinear of (gate, up) after merge_projections()
+
+    def merge_projections(self) -> None:
+        """Merge ``gate_proj, up_proj`` into one ``gate_up_proj``
+        (:class:`mtp_jax.models.layers.basic.MergedLinear`; the two are removed)."""
+        if self.gate_up_proj is None and self.gate_proj is not None:
+            self.gate_up_proj = as_data(merge_linears([self.gate_proj, self.up_proj]))
+            self.gate_proj = self.up_proj = None
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return self.down_proj(jax.nn.silu(self.gate_proj(x)) * self.up_proj(x))
+        gate, up = project(x, self.gate_up_proj, (self.gate_proj, self.up_proj))
+        return self.activate(gate, up)
+
+    def activate(self, gate: jax.Array, up: jax.Array) -> jax.Array:
+        """``down(silu(gate) * up)`` from the gate and up projections' outputs."""
+        return self.down_proj(jax.nn.silu(gate) * up)
 
 
 class Experts(nnx.Module):
@@ -72,18 +85,35 @@ class SparseMoE(nnx.Module):
                                backend=backend)
         self.shared_expert = MLP(h, cfg.shared_expert_intermediate_size, dtype)
         self.shared_expert_gate = Linear(h, 1, dtype)
+        self.num_experts = cfg.num_experts
+        # MergedLinear of (gate, shared_expert_gate, shared gate_proj, shared up_proj) after
+        # merge_projections().
+        self.in_proj = None
+
+    def merge_projections(self) -> None:
+        """Merge the router ``gate``, ``shared_expert_gate`` and the shared expert's
+        ``gate_proj`` / ``up_proj`` (all read the layer input) into one ``in_proj``
+        (:class:`mtp_jax.models.layers.basic.MergedLinear`; the four are removed)."""
+        if self.in_proj is None:
+            se = self.shared_expert
+            parts = [self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj]
+            self.in_proj = as_data(merge_linears(parts))
+            self.gate = self.shared_expert_gate = se.gate_proj = se.up_proj = None
 
     def _router_backend(self) -> str:
-        e = self.gate.weight.shape[0]
+        e = self.num_experts
         fits = e & (e - 1) == 0 and e <= MAX_EXPERTS
         return "pallas" if self.backend == "pallas" and fits else "xla"
 
     def __call__(self, x: jax.Array) -> jax.Array:
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
-        weights, ids = route_topk(self.gate(x2), self.top_k, normalize=self.norm_topk_prob,
+        se = self.shared_expert
+        logits, shared_gate, gate, up = project(
+            x2, self.in_proj, (self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj))
+        weights, ids = route_topk(logits, self.top_k, normalize=self.norm_topk_prob,
                                   backend=self._router_backend())
         routed = self.experts(x2, ids, weights)
-        shared = self.shared_expert(x2) * jax.nn.sigmoid(
-            self.shared_expert_gate(x2).astype(jnp.float32)).astype(x2.dtype)
+        shared = se.activate(gate, up) * jax.nn.sigmoid(
+            shared_gate.astype(jnp.float32)).astype(x2.dtype)
         return (routed + shared).reshape(shape)

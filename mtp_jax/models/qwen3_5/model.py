@@ -39,6 +39,14 @@ class DecoderLayer(nnx.Module):
         self.mlp = (SparseMoE(cfg, dtype, backend=kernels_of(cfg).moe) if cfg.is_moe
                     else MLP(h, cfg.intermediate_size, dtype))
 
+    def merge_projections(self) -> None:
+        """Merge the projections that read one input (the mixer's in-projections, the MLP's
+        gate/up, or the MoE block's router, shared gate and shared gate/up) into one matrix
+        each; see :class:`mtp_jax.models.layers.basic.MergedLinear`."""
+        (self.self_attn if self.layer_type == "full_attention" else
+         self.linear_attn).merge_projections()
+        self.mlp.merge_projections()
+
     def mix(self, x, batch: AttentionBatch, kv, gdn, gdn_mode: str, slots=None):
         """Run the token mixer. ``kv``: this layer's ``(k_pages, v_pages)`` (attention layers);
         ``gdn``: its ``(recurrent, conv)`` batch view, or its pools with ``slots`` (GDN
@@ -87,6 +95,16 @@ class Qwen35Model(nnx.Module):
         # The draft's reduced LM head (hot token ids), set after load by
         # mtp_jax.models.draft_head.with_draft_head; None: the draft scores the full vocabulary.
         self.draft_head = None
+
+    def merge_projections(self) -> None:
+        """Merge, in every decoder layer (and the MTP draft's), the projections that read one
+        input into one matrix each (:meth:`DecoderLayer.merge_projections`). ``load_model``
+        does this after loading: parameters then live under the merged names
+        (``linear_attn.in_proj``, ``self_attn.qkv_proj``, ``mlp.gate_up_proj``,
+        ``mlp.in_proj``). Idempotent."""
+        layers = list(self.layers) + (list(self.mtp.layers) if self.mtp is not None else [])
+        for layer in layers:
+            layer.merge_projections()
 
     def logits(self, hidden: jax.Array) -> jax.Array:
         """``hidden [..., H]`` (after the final norm) -> ``logits [..., V]`` float32."""
