@@ -270,3 +270,22 @@ def test_read_only_cache_folder_errors(tmp_path):
             compile_cache.enable_compilation_cache(str(ro))
     finally:
         ro.chmod(0o700)
+
+
+def test_no_merge_projections_flag_reaches_load_model(monkeypatch):
+    from mtp_jax.bench import cli
+
+    parser = cli.build_parser()
+    merged = cli.backend_kwargs(parser.parse_args(["--config", "x.json"]))
+    assert "merge_projections" not in merged  # load_model's default: merged
+    plain = cli.backend_kwargs(parser.parse_args(["--config", "x.json",
+                                                  "--no-merge-projections"]))
+    assert plain["merge_projections"] is False
+
+    def old_load_model(path=None, dtype="auto", *, attention_backend="auto",
+                       gdn_backend="auto", moe_backend="auto"):
+        raise AssertionError("not called")
+
+    monkeypatch.setattr(cli, "load_model", old_load_model)
+    with pytest.raises(ConfigError, match="--no-merge-projections"):
+        cli.backend_kwargs(parser.parse_args(["--config", "x.json", "--no-merge-projections"]))

@@ -57,13 +57,17 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     for op in BACKEND_OPS:
         p.add_argument(f"--{op}-backend", default="auto", choices=["auto", "xla", "pallas"],
                        help=f"{op} kernel implementation passed to load_model")
+    p.add_argument("--no-merge-projections", action="store_true",
+                   help="keep one weight per checkpoint projection (load_model("
+                        "merge_projections=False)), for an A/B against the merged default")
     p.add_argument("--out", default="bench.json", help="JSON results (rewritten after each row)")
     return p
 
 
 def backend_kwargs(args) -> dict:
-    """``attention_backend=..., gdn_backend=..., moe_backend=...`` for ``load_model``; a
-    non-``auto`` choice that this ``load_model`` does not take raises ``ConfigError``."""
+    """``attention_backend=..., gdn_backend=..., moe_backend=...`` (and
+    ``merge_projections=False`` with ``--no-merge-projections``) for ``load_model``; a
+    non-default choice that this ``load_model`` does not take raises ``ConfigError``."""
     asked = {f"{op}_backend": getattr(args, f"{op}_backend") for op in BACKEND_OPS}
     params = inspect.signature(load_model).parameters
     missing = [name for name in asked if name not in params]
@@ -71,7 +75,13 @@ def backend_kwargs(args) -> dict:
     if bad:
         raise ConfigError(f"{', '.join(bad)}: this mtp_jax's load_model takes no "
                           f"{', '.join(missing)} keyword yet; leave the flag at auto.")
-    return {name: v for name, v in asked.items() if name in params}
+    out = {name: v for name, v in asked.items() if name in params}
+    if getattr(args, "no_merge_projections", False):
+        if "merge_projections" not in params:
+            raise ConfigError("--no-merge-projections: this mtp_jax's load_model takes no "
+                              "merge_projections keyword; leave the flag out.")
+        out["merge_projections"] = False
+    return out
 
 
 def _kernels(model) -> dict | None:
