@@ -11,6 +11,13 @@ per round: the device kernels launched, the device busy time (union of kernel in
 busiest stream), the span from the first kernel's start to the last one's end, the idle time
 inside that span, kernel time by category (GEMM, Triton/Pallas, XLA fusions, copies) and the
 top kernels by time. The perfetto trace stays under ``--out``.
+
+Under the profiler XLA runs a program op by op unless
+``--xla_enable_command_buffers_during_profiling=true`` is set (a flag of recent jaxlibs; an
+unknown flag aborts start-up, so it is only added after a child process has accepted it). This
+script adds it, so the trace shows the round as the engine runs it (CUDA graphs); ``--op-by-op``
+leaves it out. Profiles in ``docs/benchmarks.md`` before 2026-12-01 (session 7) were op by op:
+their kernel durations hold, their host ``Execute`` times and gaps do not.
 """
 
 from __future__ import annotations
@@ -21,6 +28,8 @@ import gzip
 import json
 import os
 import statistics
+import subprocess
+import sys
 import time
 from collections import defaultdict
 
@@ -56,8 +65,22 @@ def _union(intervals: list[tuple[float, float]]) -> float:
     return total
 
 
+CMD_BUFFERS_WHILE_PROFILING = "--xla_enable_command_buffers_during_profiling=true"
+
+
+def xla_flag_accepted(flag: str) -> bool:
+    """Whether this jaxlib accepts ``flag`` in ``XLA_FLAGS`` (tried in a child process: an
+    unknown flag aborts the process that creates the backend)."""
+    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flag).strip())
+    probe = "import jax; jax.devices()"
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
+                          timeout=300, check=False)
+    return done.returncode == 0
+
+
 def analyse(trace_dir: str, rounds: int, sequence: int = 0) -> str:
-    path = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)[-1]
+    traces = glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True)
+    path = max(traces, key=os.path.getmtime)  # this run's, when --out held older ones
     events = json.load(gzip.open(path))["traceEvents"]
     procs = {e["pid"]: e["args"]["name"] for e in events
              if e.get("ph") == "M" and e.get("name") == "process_name"}
@@ -161,7 +184,17 @@ def main() -> None:
     p.add_argument("--sequence", type=int, default=0,
                    help="also list the first N kernels of the trace in order, with gaps")
     p.add_argument("--out", required=True)
+    p.add_argument("--op-by-op", action="store_true",
+                   help="profile op by op (XLA's default under a profiler), not with the CUDA "
+                        "graphs the engine runs")
     args = p.parse_args()
+    # Read by XLA when the backend is created, which nothing above has done yet.
+    if not args.op_by_op and xla_flag_accepted(CMD_BUFFERS_WHILE_PROFILING):
+        os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
+                                   + CMD_BUFFERS_WHILE_PROFILING).strip()
+        print("profiling with command buffers (CUDA graphs)", flush=True)
+    else:
+        print("profiling op by op", flush=True)
     cfg = load_config(args.config)
     model = load_model(cfg=cfg, dtype=args.dtype, dummy_weight=True, with_mtp=any(args.k))
     report = []
