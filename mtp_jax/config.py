@@ -280,7 +280,8 @@ class SpecConfig:
         if self.algorithm not in SPECULATIVE_ALGORITHMS:
             raise ConfigError(f"speculative_algorithm (--speculative-algorithm) {self.algorithm!r} "
                               f"is unknown; use one of {', '.join(SPECULATIVE_ALGORITHMS)} "
-                              "(mtp also accepts nextn and eagle).")
+                              "(mtp also accepts nextn and eagle; external, a host callable "
+                              "that drafts, is for the Python API: mtp_jax.spec.external).")
         if (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
                 or not 1 <= self.num_steps <= MAX_SPECULATIVE_NUM_STEPS):
             raise ConfigError(f"speculative_num_steps (--speculative-num-steps) {self.num_steps!r} "

@@ -30,7 +30,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="do not stop at the checkpoint's EOS tokens")
     p.add_argument("--speculative-algorithm", "--spec-algo", dest="speculative_algorithm",
                    default="mtp", help="mtp (default; nextn and eagle, SGLang's names for "
-                   "drafting with the checkpoint's own MTP layer, are synonyms) or none")
+                   "drafting with the checkpoint's own MTP layer, are synonyms) or none "
+                   "(external drafters are Python API only)")
     p.add_argument("--speculative-num-steps", type=int, default=3,
                    help="k drafted tokens per round, 1..8")
     p.add_argument("--speculative-draft-model-path", "--spec-draft-model",
@@ -76,7 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
                    help="persistent XLA compilation cache folder, or 'none' (default: "
                         "$MTP_JAX_COMPILATION_CACHE or ~/.cache/mtp_jax/xla)")
     p.add_argument("--ple-backend", default="disk", choices=["disk", "memory"],
-                   help="qwen4_exp: PLE n-gram tables memory-mapped from disk or in host RAM")
+                   help="Qwen3.8-Flash-Next checkpoints (model_type qwen4_exp) only: their "
+                        "PLE n-gram tables memory-mapped from disk or held in host RAM")
     for op, what in (("attention", "paged attention (decode/verify rows)"),
                      ("gdn", "the GDN decode/verify/commit step form"),
                      ("moe", "the MoE experts and router")):
