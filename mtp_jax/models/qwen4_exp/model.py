@@ -119,12 +119,15 @@ class GatedDeltaNetGate(GatedDeltaNet):
         accepted = jnp.sum(valid, axis=1).astype(jnp.int32)
         return out, by_name("gdn_recurrent").commit(state, rows, None, accepted)
 
-    def _output(self, o, x):
-        b, t, _ = x.shape
-        z = self.in_proj_z(x).reshape(b, t, self.hv, self.dv).astype(jnp.float32)
+    def _output(self, o, z):
+        """``out_proj(norm(o) * w * act(z))``: ``o [B, T, Hv, Dv]``, ``z [B, T, Hv*Dv]`` (the
+        ``in_proj_z`` output)."""
+        b, t, _ = z.shape
+        dtype = z.dtype
+        z = z.reshape(b, t, self.hv, self.dv).astype(jnp.float32)
         act = jax.nn.sigmoid if self.gate_act == "sigmoid" else jax.nn.silu
-        y = rms_normalize(o, self.eps).astype(x.dtype) * self.norm.weight[...]
-        y = (y.astype(jnp.float32) * act(z)).astype(x.dtype)
+        y = rms_normalize(o, self.eps).astype(dtype) * self.norm.weight[...]
+        y = (y.astype(jnp.float32) * act(z)).astype(dtype)
         return self.out_proj(y.reshape(b, t, self.hv * self.dv))
 
 
