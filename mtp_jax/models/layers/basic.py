@@ -34,8 +34,9 @@ class MergedLinear(nnx.Module):
     One GEMM instead of several: at decode and verify (a few rows) each projection is bound by
     reading its weights, and XLA turns the small ones into slow reduction kernels. On the H200
     (bf16, one row) the merged GDN in-projection (qkv, z, b, a) of the Qwen3.5-2B shape took
-    17.3 us against 26.7 us as four projections (``docs/benchmarks.md``). The outputs are the
-    separate projections' (each output column is the same dot product).
+    17.3 us against 26.7 us as four projections (``docs/benchmarks.md``). Each output column is
+    the same dot product as before; only the GEMM's accumulation order may differ (float32 on
+    the CPU: differences of a few 1e-6).
     """
 
     def __init__(self, weights: Sequence[jax.Array]):
