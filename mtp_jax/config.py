@@ -284,10 +284,11 @@ class SpecConfig:
                               "that drafts, is for the Python API: mtp_jax.spec.external).")
         if (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
                 or not 1 <= self.num_steps <= MAX_SPECULATIVE_NUM_STEPS):
+            fix = ("leave it at the default 3 (it is unused with speculation off)"
+                   if self.algorithm == "none" else "pick k in that range (3 is a good default), "
+                   "or turn speculation off with --speculative-algorithm none")
             raise ConfigError(f"speculative_num_steps (--speculative-num-steps) {self.num_steps!r} "
-                              f"is outside 1..{MAX_SPECULATIVE_NUM_STEPS}; pick k in that range "
-                              "(3 is a good default), or turn speculation off with "
-                              "--speculative-algorithm none.")
+                              f"is outside 1..{MAX_SPECULATIVE_NUM_STEPS}; {fix}.")
         if self.draft_model_path and self.algorithm != "mtp":
             raise ConfigError(f"speculative_draft_model_path (--speculative-draft-model-path) "
                               f"{self.draft_model_path!r} was given but speculative_algorithm is "

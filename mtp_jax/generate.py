@@ -33,7 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "drafting with the checkpoint's own MTP layer, are synonyms) or none "
                    "(external drafters are Python API only)")
     p.add_argument("--speculative-num-steps", type=int, default=3,
-                   help="k drafted tokens per round, 1..8")
+                   help="k drafted tokens per round, 1..8 (default 3)")
     p.add_argument("--speculative-draft-model-path", "--spec-draft-model",
                    dest="speculative_draft_model_path", default=None,
                    help="folder holding the mtp.* draft, or a Hugging Face repo id (name or "

@@ -82,8 +82,10 @@ def _time(fn, *args, trials=9):
 
 def main() -> None:
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--rows", default="1,4")
-    p.add_argument("--iters", type=int, default=10)
+    p.add_argument("--rows", default="1,4",
+                   help="comma-separated row counts (tokens per call: 1 = batch-1 decode)")
+    p.add_argument("--iters", type=int, default=10,
+                   help="loop iterations over all weight copies inside one timed program")
     args = p.parse_args()
     key = jax.random.PRNGKey(0)
     print(f"{'group':24} rows {'separate':>16} {'merged':>16} {'stacked in program':>18}")
