@@ -28,13 +28,12 @@ import gzip
 import json
 import os
 import statistics
-import subprocess
-import sys
 import time
 from collections import defaultdict
 
 import jax
 
+from ab_xla_flags import accepted as xla_flag_accepted  # scripts/ (this script's folder)
 from mtp_jax.bench.floor import load_config
 from mtp_jax.bench.run import requests
 from mtp_jax.config import EngineConfig, SpecConfig
@@ -66,16 +65,6 @@ def _union(intervals: list[tuple[float, float]]) -> float:
 
 
 CMD_BUFFERS_WHILE_PROFILING = "--xla_enable_command_buffers_during_profiling=true"
-
-
-def xla_flag_accepted(flag: str) -> bool:
-    """Whether this jaxlib accepts ``flag`` in ``XLA_FLAGS`` (tried in a child process: an
-    unknown flag aborts the process that creates the backend)."""
-    env = dict(os.environ, XLA_FLAGS=(os.environ.get("XLA_FLAGS", "") + " " + flag).strip())
-    probe = "import jax; jax.devices()"
-    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True,
-                          timeout=300, check=False)
-    return done.returncode == 0
 
 
 def analyse(trace_dir: str, rounds: int, sequence: int = 0) -> str:
