@@ -42,7 +42,8 @@ from mtp_jax.bench.forced import (accept_fraction, commits_of_round, compare_to_
                                   force_on_device)
 from mtp_jax.cache.allocator import pages_needed
 from mtp_jax.config import EngineConfig, SpecConfig
-from mtp_jax.engine.engine import Engine, next_pow2
+from mtp_jax.engine.engine import Engine
+from mtp_jax.engine.warmup import next_pow2
 from mtp_jax.engine.requests import Request, SamplingParams
 
 

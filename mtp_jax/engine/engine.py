@@ -23,7 +23,6 @@ are freed.
 from __future__ import annotations
 
 import dataclasses
-import itertools
 import time
 from collections import deque
 from typing import Callable, Iterable
@@ -34,7 +33,6 @@ import numpy as np
 
 from mtp_jax.cache.allocator import FreeList, pages_needed
 from mtp_jax.config import ConfigError, EngineConfig, SpecConfig
-from mtp_jax.engine import startup
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
 from mtp_jax.engine.memory import plan_memory, weights_bytes
 from mtp_jax.engine.pools import Pools, make_pools
@@ -42,17 +40,14 @@ from mtp_jax.cache.radix import RadixCache
 from mtp_jax.engine.programs import LOAD_SNAPSHOT, SAVE_SNAPSHOT, RoundOutput
 from mtp_jax.engine.requests import Request
 from mtp_jax.engine.stops import append_tokens
+from mtp_jax.engine.warmup import (MIN_PREFILL_BUCKET, PREFILL_GREEDY_ONLY, WarmupMixin,
+                                   next_pow2)
 from mtp_jax.models.draft_head import draft_head_bytes, with_draft_head
 from mtp_jax.models.loader import DTYPES, LoadedModel
 from mtp_jax.sampling import SamplingTensors
 from mtp_jax.spec.draft_vocab import hot_token_ids
 from mtp_jax.spec.external import Proposer, propose
 
-MIN_PREFILL_BUCKET = 16
-
-
-def next_pow2(n: int) -> int:
-    return 1 << max(0, (n - 1).bit_length())
 
 
 def clamp_num_draft(k: int, position: int, allocated_tokens: int, emitted: int,
@@ -63,12 +58,6 @@ def clamp_num_draft(k: int, position: int, allocated_tokens: int, emitted: int,
     room_pages = allocated_tokens - position - 1
     room_tokens = min(max_tokens - emitted, max_model_len - prompt_len - emitted) - 1
     return max(0, min(k, room_pages, room_tokens))
-
-
-# Prefill programs are compiled in their sampling variant only; it serves greedy requests with
-# the same tokens (argmax for greedy rows), and its extra draft-filtering work is small next to
-# a prefill, while a greedy-only variant would add one program per prefill bucket to start-up.
-PREFILL_GREEDY_ONLY = False
 
 
 def _all_greedy(reqs: Iterable[Request]) -> bool:
@@ -100,7 +89,7 @@ class InFlightRound:
     t0: float
 
 
-class Engine:
+class Engine(WarmupMixin):
     def __init__(self, model: LoadedModel, engine_cfg: EngineConfig, spec: SpecConfig,
                  proposer: Proposer | None = None, tokenizer=None):
         engine_cfg.validate()
@@ -495,95 +484,6 @@ class Engine:
                                              position=fresh.position, step=fresh.step)
             self.slots = FreeList(slots, "request slots")
             self.cfg = dataclasses.replace(self.cfg, max_running_requests=max_running_requests)
-
-    # ---- buckets -------------------------------------------------------------------------------
-    def prefill_buckets(self) -> list[int]:
-        top = max(MIN_PREFILL_BUCKET, next_pow2(min(self.chunk_size, self.max_model_len)))
-        out, t = [], MIN_PREFILL_BUCKET
-        while t <= top:
-            out.append(t)
-            t *= 2
-        return out
-
-    def batch_buckets(self) -> list[int]:
-        out, b = [], 1
-        while b <= next_pow2(self.cfg.max_running_requests):
-            out.append(b)
-            b *= 2
-        return out
-
-    def warmup(self, sampled: bool = True, max_batch: int | None = None,
-               max_prompt_len: int | None = None, workers: int | None = None) -> float:
-        """Compile the programs this engine can call, with rows that write only to the trash
-        page and slot, so that no compile happens while requests are served. Returns seconds.
-
-        Covers each prefill length bucket (one variant, :data:`PREFILL_GREEDY_ONLY`) and each
-        batch bucket's round, in the greedy-only variant and, with ``sampled``, the sampling
-        one, plus the rounds' snapshot variants when the prefix cache is on. ``max_batch``
-        (requests at once) and ``max_prompt_len`` (tokens) limit it to the buckets such a
-        workload can reach. Programs missing from memory and from the executable cache are
-        first built together
-        (:func:`mtp_jax.engine.startup.build_ahead`, compiling on ``workers`` threads; default
-        :func:`mtp_jax.engine.executable_cache.compile_workers`), then the warm-up runs them.
-        """
-        t0 = time.perf_counter()
-        run = self.warmup_calls(sampled, max_batch, max_prompt_len)
-        startup.build_ahead(self.programs, run, workers)
-        run()
-        jax.block_until_ready(self.pools)
-        return time.perf_counter() - t0
-
-    def warmup_calls(self, sampled: bool = True, max_batch: int | None = None,
-                     max_prompt_len: int | None = None) -> Callable[[], None]:
-        """The program calls of :meth:`warmup` (same arguments), as a function that makes them
-        (each passes the pools on) without building anything ahead."""
-        prefill = self.prefill_buckets()
-        if max_prompt_len is not None:
-            longest = min(max_prompt_len, self.chunk_size)
-            if self.prefix is not None:  # chunks end on snapshot boundaries
-                longest = min(longest, self.prefix.snapshot_tokens)
-            prefill = [t for t in prefill if t <= max(MIN_PREFILL_BUCKET, next_pow2(longest))]
-        rounds = self.batch_buckets()
-        if max_batch is not None:
-            rounds = [b for b in rounds if b <= next_pow2(max(1, max_batch))]
-
-        def run() -> None:
-            self._warmup_prefill(prefill)
-            for greedy_only in (True, False) if sampled else (True,):
-                self._warmup_rounds(greedy_only, rounds)
-        return run
-
-    def _warmup_prefill(self, prefill_buckets) -> None:
-        mtp = self.proposer_kind == "mtp"
-        for t in prefill_buckets:
-            z = np.zeros((1, t), np.int32)
-            batch = PrefillBatch(
-                input_ids=z, next_ids=z, start=np.zeros((1,), np.int32),
-                length=np.zeros((1,), np.int32), prompt_len=np.ones((1,), np.int32),
-                slot=np.zeros((1,), np.int32),
-                page_table=np.zeros((1, self.max_pages_per_req), np.int32),
-                sampling=SamplingTensors.from_params([], pad_to=1, host=True),
-                step=np.zeros((1,), np.int32))
-            _, self.pools = self.programs.prefill(self._leaves, self.pools, batch, k=self.k,
-                                                  mtp=mtp, greedy_only=PREFILL_GREEDY_ONLY)
-
-    def _warmup_rounds(self, greedy_only: bool, batch_buckets) -> None:
-        for b, snapshot in itertools.product(batch_buckets,
-                                             (False, True) if self.prefix else (False,)):
-            batch = self.padding_round_batch(b)
-            out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
-                                                  proposer=self.proposer_kind,
-                                                  greedy_only=greedy_only, snapshot=snapshot)
-
-    def padding_round_batch(self, b: int) -> RoundBatch:
-        """A round batch of ``b`` padding rows (they write only the trash page and slot)."""
-        zi = np.zeros((b,), np.int32)
-        return RoundBatch(slot=zi, live=np.zeros((b,), bool),
-                          page_table=np.zeros((b, self.max_pages_per_req), np.int32),
-                          limit=zi, max_step=zi,
-                          sampling=SamplingTensors.from_params([], pad_to=b, host=True),
-                          tokens=np.zeros((b, self.k + 1), np.int32),
-                          snap_row=np.full((b,), -1, np.int32), snap_id=zi)
 
     # ---- loop --------------------------------------------------------------------------------
     def add_request(self, req: Request) -> None:
