@@ -16,6 +16,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp_jax.models.layers.basic import as_data
+
 __all__ = ["DraftHead", "with_draft_head", "draft_head_bytes"]
 
 
@@ -58,8 +60,8 @@ def with_draft_head(model, hot_ids: np.ndarray | None):
         table = (module.lm_head if module.lm_head is not None else module.embed_tokens).weight
         dev_ids = jax.device_put(ids, next(iter(table[...].devices())))
         head = DraftHead(jnp.take(table[...], dev_ids, axis=0), dev_ids)
-        # nnx.data: the attribute was static (None) when the model was built.
-        module.draft_head = getattr(nnx, "data", lambda v: v)(head)
+        # as_data: the attribute was static (None) when the model was built.
+        module.draft_head = as_data(head)
         graphdef, params = nnx.split(module)
         derived = dataclasses.replace(model, graphdef=graphdef, params=params)
         # Hot sets of the same size give the same program structure (the ids are a parameter):

@@ -172,8 +172,12 @@ class GatedDeltaNet(nnx.Module):
         dtype = z.dtype
         z = z.reshape(b, t, self.hv, self.dv).astype(jnp.float32)
         y = rms_normalize(o, self.eps).astype(dtype) * self.norm.weight[...]
-        y = (y.astype(jnp.float32) * jax.nn.silu(z)).astype(dtype)
+        y = (y.astype(jnp.float32) * self._output_gate(z)).astype(dtype)
         return self.out_proj(y.reshape(b, t, self.hv * self.dv))
+
+    def _output_gate(self, z: jax.Array) -> jax.Array:
+        """The output gate's activation of ``z`` (float32): SiLU in the Qwen3.5 family."""
+        return jax.nn.silu(z)
 
     def prefill(self, x, state, valid):
         """Chunked form over ``x [B, T, H]``; rows where ``valid [B, T]`` is False (a padded

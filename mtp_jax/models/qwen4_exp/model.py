@@ -21,7 +21,7 @@ from flax import nnx
 
 from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
-from mtp_jax.models.layers.basic import Embed, Linear, rms_normalize
+from mtp_jax.models.layers.basic import Embed, Linear
 from mtp_jax.models.layers.gdn import GatedDeltaNet
 from mtp_jax.models.layers.mlp import SparseMoE
 from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig
@@ -119,16 +119,9 @@ class GatedDeltaNetGate(GatedDeltaNet):
         accepted = jnp.sum(valid, axis=1).astype(jnp.int32)
         return out, by_name("gdn_recurrent").commit(state, rows, None, accepted)
 
-    def _output(self, o, z):
-        """``out_proj(norm(o) * w * act(z))``: ``o [B, T, Hv, Dv]``, ``z [B, T, Hv*Dv]`` (the
-        ``in_proj_z`` output)."""
-        b, t, _ = z.shape
-        dtype = z.dtype
-        z = z.reshape(b, t, self.hv, self.dv).astype(jnp.float32)
-        act = jax.nn.sigmoid if self.gate_act == "sigmoid" else jax.nn.silu
-        y = rms_normalize(o, self.eps).astype(dtype) * self.norm.weight[...]
-        y = (y.astype(jnp.float32) * act(z)).astype(dtype)
-        return self.out_proj(y.reshape(b, t, self.hv * self.dv))
+    def _output_gate(self, z):
+        """The output gate's activation of ``z`` (float32): sigmoid or silu."""
+        return jax.nn.sigmoid(z) if self.gate_act == "sigmoid" else jax.nn.silu(z)
 
 
 class DecoderLayer(nnx.Module):
