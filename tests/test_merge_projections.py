@@ -98,3 +98,20 @@ def test_merging_twice_changes_nothing():
     assert set(after) == set(before)
     for k in before:
         np.testing.assert_array_equal(after[k], before[k])
+
+
+def test_merged_moe_block_with_pallas_router_matches_unmerged():
+    """The merged MoE block feeds the Pallas router (interpret mode) the merged output whole
+    (its first E columns read in place): same output as the unmerged block with XLA routing."""
+    import copy
+
+    m = mtp_jax.load_model(os.path.join(FIXTURES, "tiny_moe_fused"), dtype="float32",
+                           merge_projections=False)
+    moe = next(layer.mlp for layer in m.module().layers if hasattr(layer.mlp, "experts"))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 3, moe.experts.gate_up_proj
+                                                                 .shape[-1])), jnp.float32)
+    want = np.asarray(moe(x))
+    merged = copy.deepcopy(moe)
+    merged.merge_projections()
+    merged._router_backend = lambda: "pallas"
+    np.testing.assert_allclose(np.asarray(merged(x)), want, rtol=1e-5, atol=1e-5)

@@ -44,6 +44,21 @@ def test_pallas_router_matches_numpy_and_xla(n, e, top_k, normalize):
     np.testing.assert_allclose(np.asarray(pallas[0]), np.asarray(xla[0]), rtol=1e-6)
 
 
+@pytest.mark.parametrize("interpret", [True, pytest.param(False, marks=pytest.mark.gpu)])
+def test_router_reads_the_first_experts_columns_in_place(interpret):
+    """A merged projection's output ``[logits | shared gate | ...]``: only the first E columns
+    are routed over (the rest are large, so reading them would change the result)."""
+    rng = np.random.default_rng(11)
+    logits = (2 * rng.standard_normal((3, 64))).astype(np.float32)
+    wide = np.concatenate([logits, 40 + rng.standard_normal((3, 37)).astype(np.float32)], -1)
+    w_np, ids_np = _numpy_route(logits, 8, True)
+    for backend in ("xla", "pallas"):
+        w, ids = route_topk(jnp.asarray(wide), 8, normalize=True, backend=backend,
+                            num_experts=64, interpret=interpret)
+        np.testing.assert_array_equal(np.asarray(ids), ids_np)
+        np.testing.assert_allclose(np.asarray(w), w_np, rtol=1e-5, atol=1e-7)
+
+
 def test_router_refuses_bad_input():
     logits = jnp.ones((2, 48))
     with pytest.raises(ValueError, match="power of two"):
@@ -52,6 +67,8 @@ def test_router_refuses_bad_input():
         route_topk(logits, 49, normalize=True)
     with pytest.raises(ValueError, match="backend 'cuda'"):
         route_topk(logits, 4, normalize=True, backend="cuda")
+    with pytest.raises(ValueError, match="num_experts=64"):
+        route_topk(logits, 4, normalize=True, num_experts=64)
 
 
 def test_router_lowers_to_triton():

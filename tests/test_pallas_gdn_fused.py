@@ -174,6 +174,38 @@ def test_commit_of_n_rows_equals_n_decode_steps(n):
     assert not np.array_equal(np.asarray(state), c["state"])
 
 
+def _check_merged_layout(c, hk, interpret):
+    """The kernels fed the merged in-projection's whole output ``[qkv | z | b | a]`` (``z``
+    junk that must not be read) read their columns in place and match numpy."""
+    bsz, t, _ = c["qkv"].shape
+    hv = c["a"].shape[-1]
+    junk = 50 * np.random.default_rng(8).standard_normal((bsz, t, 3 * hv + 5))
+    wide = np.concatenate([c["qkv"], junk.astype(c["qkv"].dtype), c["b"], c["a"]], axis=-1)
+    b_col = c["qkv"].shape[-1] + junk.shape[-1]
+    length = np.full((bsz,), t - 1, np.int32)
+    conv, window = gdn_conv_rows(jnp.asarray(wide), jnp.asarray(c["weight"]),
+                                 jnp.asarray(c["window"]), jnp.asarray(c["slot"]),
+                                 jnp.asarray(length), interpret=interpret)
+    want = _np_conv(c["qkv"], c["weight"], c["window"], c["slot"], c["qkv"].dtype)
+    _close(conv, want, rtol=2.0 ** -7, atol=2.0 ** -7)
+    conv_std, window_std = gdn_conv_rows(jnp.asarray(c["qkv"]), jnp.asarray(c["weight"]),
+                                         jnp.asarray(c["window"]), jnp.asarray(c["slot"]),
+                                         jnp.asarray(length), interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(window), np.asarray(window_std))
+    keep = np.ones((bsz, t), bool)
+    o = gdn_step(conv, jnp.asarray(wide), jnp.asarray(wide), jnp.asarray(c["a_log"]),
+                 jnp.asarray(c["dt_bias"]), jnp.asarray(keep), jnp.asarray(c["state"]),
+                 jnp.asarray(c["slot"]), num_k_heads=hk, mode="verify", b_col=b_col,
+                 a_col=b_col + hv, interpret=interpret)
+    o_want, _ = _np_step(np.asarray(conv_std, np.float64), c["a"], c["b"], c["a_log"],
+                         c["dt_bias"], keep, c["state"], c["slot"], hk)
+    _close(o, o_want, rtol=1e-3, atol=1e-4)
+
+
+def test_merged_layout_is_read_in_place():
+    _check_merged_layout(_case(9, 2, 4, 2, 4, 16, 32, dtype=ml_dtypes.bfloat16), 2, True)
+
+
 def test_bad_shapes_are_refused():
     c = _case(5, 2, 1, 2, 2, 16, 16)
     with pytest.raises(ValueError, match="mode"):
@@ -187,6 +219,10 @@ def test_bad_shapes_are_refused():
     with pytest.raises(ValueError, match="window"):
         gdn_conv_rows(jnp.asarray(c["qkv"]), jnp.asarray(c["weight"])[:, :3],
                       jnp.asarray(c["window"]), c["slot"])
+    with pytest.raises(ValueError, match="a has shape .* with a_col=1"):
+        gdn_step(jnp.zeros((2, 1, 96)), c["a"], c["b"], c["a_log"], c["dt_bias"],
+                 jnp.ones((2, 1), bool), jnp.asarray(c["state"]), c["slot"], num_k_heads=2,
+                 mode="verify", a_col=1)
 
 
 def test_kernels_lower_to_triton():
@@ -209,6 +245,17 @@ def test_kernels_lower_to_triton():
         "qkv", "weight", "window", "a", "b", "a_log", "dt_bias", "state", "slot")))
     for name in ("gdn_conv_write", "gdn_fused_verify", "gdn_fused_commit", "gdn_fused_decode"):
         assert name in text
+    # The merged layout (a wider, non-power-of-two input read at column offsets) lowers too.
+    wide = jnp.concatenate([jnp.asarray(c[k]) for k in ("qkv", "b", "a")], axis=-1)
+    cols = {"b_col": c["qkv"].shape[-1], "a_col": c["qkv"].shape[-1] + c["a"].shape[-1]}
+    text = lower_for_cuda(
+        lambda w, weight, window, a_log, dt_bias, state, slot: gdn_step(
+            gdn_conv_rows(w, weight, window, slot, interpret=False), w, w, a_log, dt_bias,
+            jnp.ones(w.shape[:2], bool), state, slot, num_k_heads=hk, mode="verify",
+            interpret=False, **cols),
+        wide, *(jnp.asarray(c[k]) for k in ("weight", "window", "a_log", "dt_bias", "state",
+                                            "slot")))
+    assert "gdn_fused_verify" in text
 
 
 @pytest.mark.gpu
@@ -229,3 +276,9 @@ def test_gpu_matches_numpy_and_commit_equals_decodes(b, hv):
     _close(o, o_want, rtol=1e-3, atol=1e-4)
     for got, want in zip(_commit_rows(c, 3, 16, False), _decode_steps(c, 3, 16, False)):
         np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+
+
+@pytest.mark.gpu
+def test_gpu_merged_layout_is_read_in_place():
+    _check_merged_layout(_case(10, 2, 4, 16, 32, 128, 128, slots=5, dtype=ml_dtypes.bfloat16),
+                         16, False)

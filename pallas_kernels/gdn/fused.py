@@ -15,7 +15,9 @@ is two kernels:
   ``decode`` (both from one read).
 
 Neither gathers the states into a batch view nor scatters them back, and no XLA kernel runs
-between the in-projections and the recurrence. ``verify``, ``commit`` and ``decode`` run the
+between the in-projections and the recurrence: both read their inputs at column offsets of a
+wider array, so a merged in-projection's output ``[qkv | z | b | a]`` is passed whole instead
+of as sliced copies. ``verify``, ``commit`` and ``decode`` run the
 same per-row code (:func:`_prep`, :func:`pallas_kernels.gdn.pallas.step`), so a commit of ``n``
 rows gives the state that ``n`` decode steps give. Formulas: HF transformers ``qwen3_5``
 (``Qwen3_5GatedDeltaNet``), as in :mod:`mtp_jax.models.layers.gdn`.
@@ -90,7 +92,8 @@ def gdn_conv_rows(qkv: jax.Array, weight: jax.Array, window: jax.Array, slot: ja
     """Causal depthwise conv + SiLU of ``T`` rows against each slot's conv window.
 
     Args:
-      qkv: ``[B, T, C]`` raw conv inputs (model dtype).
+      qkv: ``[B, T, N]``, ``N >= C``: the raw conv inputs in its first ``C`` columns (model
+        dtype); the rest is not read (e.g. the merged in-projection's output, read in place).
       weight: ``[C, K]`` conv taps (``conv1d.weight[:, 0, :]``).
       window: ``[S, C, K-1]`` the pool of windows (last K-1 raw inputs per slot).
       slot: ``[B]`` int32 slot of each request, in ``[0, S)``.
@@ -103,12 +106,12 @@ def gdn_conv_rows(qkv: jax.Array, weight: jax.Array, window: jax.Array, slot: ja
     Raises:
       ValueError: shapes that do not fit, or ``C`` not a multiple of 16.
     """
-    b, t, c = qkv.shape
-    s, c2, km1 = window.shape
-    if weight.shape != (c, km1 + 1) or c2 != c or slot.shape != (b,):
+    b, t, n = qkv.shape
+    s, c, km1 = window.shape
+    if weight.shape != (c, km1 + 1) or n < c or slot.shape != (b,):
         raise ValueError(f"gdn_conv_rows: qkv {qkv.shape}, weight {weight.shape}, window "
-                         f"{window.shape}, slot {slot.shape} do not fit (qkv [B,T,C], weight "
-                         "[C,K], window [S,C,K-1], slot [B]).")
+                         f"{window.shape}, slot {slot.shape} do not fit (qkv [B,T,N>=C], "
+                         "weight [C,K], window [S,C,K-1], slot [B]).")
     width = min(c & -c, CONV_BLOCK)
     if width < 16:
         raise ValueError(f"gdn_conv_rows: conv_dim {c} must be a multiple of 16 (Triton blocks "
@@ -116,13 +119,13 @@ def gdn_conv_rows(qkv: jax.Array, weight: jax.Array, window: jax.Array, slot: ja
     tp = pow2_rows(t)
     write = length is not None
     length = jnp.zeros((b,), jnp.int32) if length is None else length.astype(jnp.int32)
-    out_shape = [jax.ShapeDtypeStruct((b, tp, c), qkv.dtype)]
+    out_shape = [jax.ShapeDtypeStruct((b, tp, c), qkv.dtype)]  # conv of the first C columns
     if write:
         out_shape.append(jax.ShapeDtypeStruct(window.shape, window.dtype))
     outs = pl.pallas_call(
         functools.partial(_conv_kernel, n_rows=tp, width=width, kernel=km1 + 1),
         grid=(b, c // width),
-        in_specs=[_whole((b,)), _whole((b,)), _whole((b, tp, c)), _whole(weight.shape),
+        in_specs=[_whole((b,)), _whole((b,)), _whole((b, tp, n)), _whole(weight.shape),
                   _whole(window.shape)],
         out_specs=[_whole(o.shape) for o in out_shape],
         out_shape=out_shape,
@@ -143,7 +146,7 @@ def _l2(a: jax.Array) -> jax.Array:
 
 
 def _prep(conv_ref, a_ref, b_ref, keep_ref, bi, t, h, kh, j, alog, dtb, *, hk, dk, bv, dv,
-          need_q: bool):
+          a_col: int, b_col: int, need_q: bool):
     """Row ``t`` of request ``bi`` for value head ``h`` (key head ``kh``), value block ``j``:
     ``(q [Dk] or None, k [Dk], v [bv], g, beta)`` float32."""
     row = lambda off, n: conv_ref[bi, t, pl.ds(off, n)].astype(F32)
@@ -151,13 +154,13 @@ def _prep(conv_ref, a_ref, b_ref, keep_ref, bi, t, h, kh, j, alog, dtb, *, hk, d
     k = _l2(row(hk * dk + kh * dk, dk))
     v = row(2 * hk * dk + h * dv + j * bv, bv)
     keep = keep_ref[bi, t] != 0
-    beta = jax.nn.sigmoid(b_ref[bi, t, h].astype(F32))
-    g = -jnp.exp(alog) * jax.nn.softplus(a_ref[bi, t, h].astype(F32) + dtb)
+    beta = jax.nn.sigmoid(b_ref[bi, t, b_col + h].astype(F32))
+    g = -jnp.exp(alog) * jax.nn.softplus(a_ref[bi, t, a_col + h].astype(F32) + dtb)
     return q, k, v, jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
 
 
 def _step_kernel(slot_ref, keep_ref, conv_ref, a_ref, b_ref, alog_ref, dtb_ref, s_ref, *outs,
-                 n_rows: int, hk: int, rep: int, dv: int, mode: str):
+                 n_rows: int, hk: int, rep: int, dv: int, a_col: int, b_col: int, mode: str):
     """One (request, value head, value block). ``s_ref``: ``[S, Dk, bv]`` (this head's and
     block's column of the pool); outs: ``o [T, bv]`` (verify, decode) then the state (commit,
     decode), which aliases the pool: the tile is read whole before it is written."""
@@ -168,8 +171,8 @@ def _step_kernel(slot_ref, keep_ref, conv_ref, a_ref, b_ref, alog_ref, dtb_ref, 
     alog, dtb = alog_ref[h], dtb_ref[h]
     for t in range(n_rows):
         q, k, v, g, beta = _prep(conv_ref, a_ref, b_ref, keep_ref, bi, t, h, h // rep, j,
-                                 alog, dtb, hk=hk, dk=dk, bv=bv, dv=dv,
-                                 need_q=mode != "commit")
+                                 alog, dtb, hk=hk, dk=dk, bv=bv, dv=dv, a_col=a_col,
+                                 b_col=b_col, need_q=mode != "commit")
         s = step(s, k, v, g, beta)
         if mode != "commit":
             outs[0][t, :] = jnp.sum(s * q[:, None], axis=0)
@@ -177,19 +180,23 @@ def _step_kernel(slot_ref, keep_ref, conv_ref, a_ref, b_ref, alog_ref, dtb_ref, 
         outs[-1][slot] = s
 
 
-def _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, hk, mode):
+def _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, hk, mode, a_col, b_col):
     if mode not in MODES:
         raise ValueError(f"gdn_step: mode {mode!r} is unknown; use one of {MODES}.")
     bsz, t, c = conv.shape
     _, hv, dk, dv = state.shape
-    want = {"a": (a.shape, (bsz, t, hv)), "b": (b.shape, (bsz, t, hv)),
-            "A_log": (a_log.shape, (hv,)), "dt_bias": (dt_bias.shape, (hv,)),
+    for name, x, col in (("a", a, a_col), ("b", b, b_col)):
+        if x.ndim != 3 or x.shape[:2] != (bsz, t) or col < 0 or x.shape[2] < col + hv:
+            raise ValueError(f"gdn_step: {name} has shape {x.shape} with {name}_col={col}; it "
+                             f"must be [B={bsz}, T={t}, N] holding Hv={hv} columns from "
+                             f"{name}_col.")
+    want = {"A_log": (a_log.shape, (hv,)), "dt_bias": (dt_bias.shape, (hv,)),
             "keep": (keep.shape, (bsz, t)), "slot": (slot.shape, (bsz,)),
             "conv": (c, 2 * hk * dk + hv * dv)}
     for name, (got, expected) in want.items():
         if got != expected:
             raise ValueError(f"gdn_step: {name} has shape {got}, expected {expected} (conv "
-                             "[B,T,2*Hk*Dk+Hv*Dv], a,b [B,T,Hv], A_log,dt_bias [Hv], keep [B,T], "
+                             "[B,T,2*Hk*Dk+Hv*Dv], A_log,dt_bias [Hv], keep [B,T], "
                              "state [S,Hv,Dk,Dv], slot [B]).")
     if hv % hk:
         raise ValueError(f"gdn_step: Hv={hv} is not a multiple of Hk={hk}.")
@@ -200,19 +207,23 @@ def _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, hk, mode):
 
 def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
              dt_bias: jax.Array, keep: jax.Array, state: jax.Array, slot: jax.Array, *,
-             num_k_heads: int, mode: str, block_v: int | None = None,
+             num_k_heads: int, mode: str, a_col: int = 0, b_col: int = 0,
+             block_v: int | None = None,
              num_warps: int | None = None, interpret: bool | None = None):
     """Gates, q/k norms and the step-form recurrence of ``T`` rows on the slots' states.
 
     Args:
       conv: ``[B, T, C]`` outputs of :func:`gdn_conv_rows`, ``C = 2 Hk Dk + Hv Dv`` laid out
         ``[q heads | k heads | v heads]``; value head ``h`` reads key head ``h // (Hv / Hk)``.
-      a, b: ``[B, T, Hv]`` the raw ``in_proj_a`` / ``in_proj_b`` outputs.
+      a, b: ``[B, T, N]`` holding the raw ``in_proj_a`` / ``in_proj_b`` outputs in the ``Hv``
+        columns from ``a_col`` / ``b_col`` (``[B, T, Hv]`` with 0; or both the merged
+        in-projection's whole output, read in place).
       a_log, dt_bias: ``[Hv]`` the layer's ``A_log`` and ``dt_bias``.
       keep: ``[B, T]`` bool: rows applied to the state (others get ``g = beta = 0``).
       state: ``[S, Hv, Dk, Dv]`` float32 recurrent pool; slot ``[B]`` int32 rows into it.
       num_k_heads: ``Hk``.
       mode: ``"verify"`` -> ``o``; ``"commit"`` -> new pool; ``"decode"`` -> ``(o, new pool)``.
+      a_col, b_col: static column offsets of ``a`` and ``b``.
       block_v, num_warps: tiling (default :func:`pallas_kernels.gdn.pallas.default_tiling`).
       interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
     Returns:
@@ -221,7 +232,7 @@ def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
     Raises:
       ValueError: unknown mode, shapes that do not fit, or sizes Triton cannot take.
     """
-    _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, num_k_heads, mode)
+    _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, num_k_heads, mode, a_col, b_col)
     bsz, t, _ = conv.shape
     _, hv, dk, dv = state.shape
     bv0, nw0 = default_tiling(bsz, hv, dv)
@@ -242,7 +253,7 @@ def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
     }[mode]
     outs = pl.pallas_call(
         functools.partial(_step_kernel, n_rows=tp, hk=num_k_heads, rep=hv // num_k_heads,
-                          dv=dv, mode=mode),
+                          dv=dv, a_col=a_col, b_col=b_col, mode=mode),
         grid=(bsz, hv, dv // block_v),
         in_specs=[_whole((bsz,)), _whole((bsz, tp)), _whole(conv.shape), _whole(a.shape),
                   _whole(b.shape), _whole((hv,)), _whole((hv,)), state_spec],

@@ -55,11 +55,12 @@ def _router_kernel(logits_ref, w_ref, ids_ref, *, top_k: int, normalize: bool):
     ids_ref[...] = ids
 
 
-@functools.partial(jax.jit, static_argnames=("top_k", "normalize", "interpret"))
-def route_topk_pallas(logits: jax.Array, top_k: int, normalize: bool, *,
+@functools.partial(jax.jit, static_argnames=("top_k", "normalize", "num_experts", "interpret"))
+def route_topk_pallas(logits: jax.Array, top_k: int, normalize: bool, num_experts: int, *,
                       interpret: bool = False):
-    """One-kernel routing; arguments and result as :func:`route_topk`."""
-    n, e = logits.shape
+    """One-kernel routing; arguments and result as :func:`route_topk` (the kernel reads the
+    first ``num_experts`` columns of ``logits`` in place)."""
+    n, e = logits.shape[0], num_experts
     kp = 1 << max(top_k - 1, 0).bit_length()
     w, ids = pl.pallas_call(
         functools.partial(_router_kernel, top_k=top_k, normalize=normalize),
@@ -76,31 +77,38 @@ def route_topk_pallas(logits: jax.Array, top_k: int, normalize: bool, *,
 
 
 def route_topk(logits: jax.Array, top_k: int, *, normalize: bool, backend: str = "xla",
-               interpret: bool | None = None):
+               num_experts: int | None = None, interpret: bool | None = None):
     """Softmax routing of ``N`` tokens over ``E`` experts.
 
     Args:
-      logits: ``[N, E]`` router logits (any float dtype; computed in float32).
+      logits: ``[N, W]`` with the router logits in its first ``E`` columns (any float dtype;
+        computed in float32). ``W > E`` lets the Pallas kernel read them in place from a merged
+        projection's output (a slice passed to a kernel would be copied first).
       top_k: experts per token, ``1 <= top_k <= E``.
       normalize: divide the top-k weights by their sum (``norm_topk_prob``).
       backend: ``"xla"`` or ``"pallas"``.
+      num_experts: ``E`` (default ``W``), at most ``W``.
       interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
     Returns:
       ``(weights [N, top_k] float32, ids [N, top_k] int32)``, descending weights.
     Raises:
-      ValueError: unknown backend, ``top_k`` out of range, or (pallas) ``E`` not a power of
-        two or above :data:`MAX_EXPERTS`.
+      ValueError: unknown backend, ``num_experts`` above ``W``, ``top_k`` out of range, or
+        (pallas) ``E`` not a power of two or above :data:`MAX_EXPERTS`.
     """
     if backend not in BACKENDS:
         raise ValueError(f"route_topk: backend {backend!r} is unknown; use one of {BACKENDS}.")
-    n, e = logits.shape
+    n, w = logits.shape
+    e = w if num_experts is None else num_experts
+    if not 1 <= e <= w:
+        raise ValueError(f"route_topk: num_experts={e} must be in [1, {w}] (the logits' "
+                         "columns).")
     if not 1 <= top_k <= e:
         raise ValueError(f"route_topk: top_k={top_k} must be in [1, {e}] (the expert count).")
     if backend == "xla":
-        return route_topk_reference(logits, top_k, normalize)
+        return route_topk_reference(logits[:, :e], top_k, normalize)
     if e & (e - 1) or e > MAX_EXPERTS:
         raise ValueError(f"route_topk: {e} experts; the Pallas router needs a power of two up "
                          f"to {MAX_EXPERTS} (use the XLA backend).")
     if interpret is None:
         interpret = jax.default_backend() != "gpu"
-    return route_topk_pallas(logits, top_k, normalize, interpret=interpret)
+    return route_topk_pallas(logits, top_k, normalize, e, interpret=interpret)

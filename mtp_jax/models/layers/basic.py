@@ -46,9 +46,19 @@ class MergedLinear(nnx.Module):
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
         """``x [..., in]`` -> one ``[..., N_j]`` per merged projection."""
+        return tuple(jnp.split(self.stacked(x), self.offsets[1:], axis=-1))
+
+    def stacked(self, x: jax.Array) -> jax.Array:
+        """``x [..., in]`` -> ``[..., sum(sizes)]``, the outputs side by side (projection ``j``
+        in the columns from ``offsets[j]``). A kernel that reads its columns of this array in
+        place saves the copy XLA makes of a slice passed to a custom call."""
         w = self.weight[...]
-        y = jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
-        return tuple(jnp.split(y, np.cumsum(self.sizes)[:-1].tolist(), axis=-1))
+        return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+
+    @property
+    def offsets(self) -> tuple[int, ...]:
+        """The first output column of each projection."""
+        return tuple(int(o) for o in np.cumsum((0,) + self.sizes[:-1]))
 
 
 def merge_linears(linears: Sequence[Linear]) -> MergedLinear:

@@ -60,9 +60,11 @@ class GDNRows:
 class GDNConvRows:
     """Per-row inputs of a verify window on the fused Pallas path, kept for the commit.
 
-    conv: ``[B, T, C]`` conv + SiLU outputs (model dtype); a, b: ``[B, T, Hv]`` the raw
-    ``in_proj_a`` / ``in_proj_b`` outputs; valid: ``[B, T]`` bool; qkv: ``[B, T, C]`` raw conv
-    inputs (model dtype).
+    conv: ``[B, T, C]`` conv + SiLU outputs (model dtype); valid: ``[B, T]`` bool. a, b, qkv:
+    the raw ``in_proj_a`` / ``in_proj_b`` outputs ``[B, T, Hv]`` and conv inputs ``[B, T, C]``
+    (model dtype); after ``merge_projections`` all three are the merged in-projection's whole
+    output ``[B, T, N]``, which the kernels read at the layer's columns
+    (:meth:`GatedDeltaNet._gate_cols`).
     """
 
     conv: jax.Array
@@ -241,28 +243,48 @@ class GatedDeltaNet(nnx.Module):
     def _conv_weight(self):
         return self.conv1d.weight[...][:, 0, :]
 
+    def _fused_inputs(self, x):
+        """``x [B, T, H]`` -> ``(qkv, z, b, a)`` for the fused kernels. Merged: ``qkv``, ``b``
+        and ``a`` are the in-projection's whole output ``[B, T, N]``, read in place at
+        :meth:`_gate_cols` (a slice passed to a kernel would be copied first), and ``z`` is
+        its slice; unmerged: the four projections."""
+        if self.in_proj is None:
+            return self._project(x)
+        y = self.in_proj.stacked(x)
+        off = self.in_proj.offsets
+        return y, y[..., off[1]:off[2]], y, y
+
+    def _gate_cols(self) -> dict:
+        """The columns of ``b`` and ``a`` in :meth:`_fused_inputs`' arrays (``gdn_step``'s
+        ``b_col`` / ``a_col``)."""
+        if self.in_proj is None:
+            return {"b_col": 0, "a_col": 0}
+        off = self.in_proj.offsets
+        return {"b_col": off[2], "a_col": off[3]}
+
     def _verify_fused(self, x, state, valid, slots):
         recurrent, window = state
-        qkv, z, b, a = self._project(x)
+        qkv, z, b, a = self._fused_inputs(x)
         conv = gdn_conv_rows(qkv, self._conv_weight(), window, slots)
         o = gdn_step(conv, a, b, self.A_log[...], self.dt_bias[...], valid, recurrent, slots,
-                     num_k_heads=self.hk, mode="verify")
+                     num_k_heads=self.hk, mode="verify", **self._gate_cols())
         return self._output(o, z), GDNConvRows(conv=conv, a=a, b=b, valid=valid, qkv=qkv)
 
     def _decode_fused(self, x, state, valid, slots):
         recurrent, window = state
         length = jnp.sum(valid, axis=1).astype(jnp.int32)
-        qkv, z, b, a = self._project(x)
+        qkv, z, b, a = self._fused_inputs(x)
         conv, window = gdn_conv_rows(qkv, self._conv_weight(), window, slots, length)
         o, recurrent = gdn_step(conv, a, b, self.A_log[...], self.dt_bias[...], valid, recurrent,
-                                slots, num_k_heads=self.hk, mode="decode")
+                                slots, num_k_heads=self.hk, mode="decode", **self._gate_cols())
         return self._output(o, z), (recurrent, window)
 
     def _commit_fused(self, state, rows: GDNConvRows, length, slots):
         recurrent, window = state
         keep = rows.valid & (jnp.arange(rows.valid.shape[1])[None, :] < length[:, None])
         recurrent = gdn_step(rows.conv, rows.a, rows.b, self.A_log[...], self.dt_bias[...],
-                             keep, recurrent, slots, num_k_heads=self.hk, mode="commit")
+                             keep, recurrent, slots, num_k_heads=self.hk, mode="commit",
+                             **self._gate_cols())
         _, window = gdn_conv_rows(rows.qkv, self._conv_weight(), window, slots, length)
         return recurrent, window
 

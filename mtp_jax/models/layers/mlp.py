@@ -109,10 +109,15 @@ class SparseMoE(nnx.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         se = self.shared_expert
-        logits, shared_gate, gate, up = project(
-            x2, self.in_proj, (self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj))
+        if self.in_proj is None:
+            logits, shared_gate, gate, up = project(
+                x2, None, (self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj))
+        else:
+            proj = self.in_proj.stacked(x2)
+            _, shared_gate, gate, up = jnp.split(proj, self.in_proj.offsets[1:], axis=-1)
+            logits = proj  # the router reads its first E columns in place (no sliced copy)
         weights, ids = route_topk(logits, self.top_k, normalize=self.norm_topk_prob,
-                                  backend=self._router_backend())
+                                  backend=self._router_backend(), num_experts=self.num_experts)
         routed = self.experts(x2, ids, weights)
         shared = se.activate(gate, up) * jax.nn.sigmoid(
             shared_gate.astype(jnp.float32)).astype(x2.dtype)
