@@ -126,33 +126,78 @@ def test_bench_runs_exact_and_reports(cold):
     assert os.listdir(meta["compilation_cache_dir"])  # programs were written to the cache
 
 
-def test_corrupted_reference_is_detected_and_cached_startup(cold, workdir, monkeypatch,
-                                                            capsys):
-    """A wrong plain-decoding continuation must fail the exactness check (exit status 1); the
-    second start-up loads the engine programs from the persistent cache."""
+def test_corrupted_references_are_detected_and_cached_startup(cold, workdir, monkeypatch,
+                                                             capsys):
+    """Two wrong continuations, each must be caught (exit status 1 in float32):
+
+    * plain decoding corrupted at request 1, token 4 (as a bf16 near-tie between the decode
+      and verify shapes would make it): the rounds with every draft rejected part from it
+      there (``DIVERGENCE``), and the forced runs, checked against those rounds, still reach
+      their accept length;
+    * the rejected-drafts continuation corrupted at request 0, token 6: the forced runs
+      differ from it there (``MISMATCH``).
+
+    The second start-up loads the engine programs from the persistent cache."""
     from mtp_jax.bench import run
 
-    real = run.plain_reference
+    real_plain, real_rounds = run.plain_reference, run.rejected_drafts_reference
+    vocab = TINY["text_config"]["vocab_size"]
 
-    def corrupted(*a, **kw):
-        ref = real(*a, **kw)
-        ref[1][4] = (ref[1][4] + 7) % TINY["text_config"]["vocab_size"]
+    def corrupted_plain(*a, **kw):
+        ref = real_plain(*a, **kw)
+        ref[1][4] = (ref[1][4] + 7) % vocab
         return ref
 
-    monkeypatch.setattr(run, "plain_reference", corrupted)
-    rc, data, _, stderr = _bench(workdir, capsys, "corrupt", "--k", "2",
-                                 "--accept-lengths", "3.0")
+    def corrupted_rounds(*a, **kw):
+        ref = real_rounds(*a, **kw)
+        ref[0][6] = (ref[0][6] + 7) % vocab
+        return ref
+
+    monkeypatch.setattr(run, "plain_reference", corrupted_plain)
+    monkeypatch.setattr(run, "rejected_drafts_reference", corrupted_rounds)
+    rc, data, stdout, stderr = _bench(workdir, capsys, "corrupt", "--k", "2",
+                                      "--accept-lengths", "3.0")
     assert rc == 1
     (row,) = data["results"]
-    assert row["exact"] is False
+    assert row["exact"] is False and row["rounds_exact"] is False
+    d = row["decode_match"]
+    assert d["mismatched_requests"] == [0, 1]  # the plain corruption and the rounds' one
+    assert d["first_mismatch"]["request"] == 1 and d["first_mismatch"]["index"] == 4
     f = row["forced"][0]
-    assert f["mismatched_requests"] == [1]
-    assert f["first_mismatch"]["request"] == 1 and f["first_mismatch"]["index"] == 4
-    assert "MISMATCH" in stderr
+    assert f["mismatched_requests"] == [0]
+    assert f["first_mismatch"]["request"] == 0 and f["first_mismatch"]["index"] == 6
+    assert "MISMATCH" in stderr and "DIVERGENCE" in stderr
+    assert "**NO**" in stdout
     for p in row["programs"]:
         if p["program"].startswith(("prefill", "round")):
             assert p["compiles"] >= 1 and p["cache_hits"] == p["compiles"], p
     assert row["startup_from_cache"] == "cached"
+
+
+def test_a_decode_divergence_does_not_end_the_forced_accept_length(cold, workdir,
+                                                                   monkeypatch, capsys):
+    """Plain decoding corrupted at request 1, token 4 only: the forced runs reproduce the
+    rounds' own continuation at the forced accept length; the row reports where decoding
+    parts (``rounds yes, decode from 4``)."""
+    from mtp_jax.bench import run
+
+    real_plain = run.plain_reference
+
+    def corrupted_plain(*a, **kw):
+        ref = real_plain(*a, **kw)
+        ref[1][4] = (ref[1][4] + 7) % TINY["text_config"]["vocab_size"]
+        return ref
+
+    monkeypatch.setattr(run, "plain_reference", corrupted_plain)
+    rc, data, stdout, stderr = _bench(workdir, capsys, "diverge", "--k", "2",
+                                      "--accept-lengths", "3.0")
+    assert rc == 1 and "DIVERGENCE" in stderr and "MISMATCH" not in stderr
+    (row,) = data["results"]
+    assert row["rounds_exact"] is True and row["exact"] is False
+    assert row["decode_match"]["first_mismatch"]["index"] == 4
+    f = row["forced"][0]
+    assert f["exact"] and abs(f["accept_length_measured"] - 3.0) <= 1 / f["rounds_timed"]
+    assert "rounds yes, decode from 4" in stdout
 
 
 def test_accept_plan_and_drafts():

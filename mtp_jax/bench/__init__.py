@@ -14,15 +14,22 @@ request, it reports:
 * the bytes a round must move (weights, KV, GDN state, draft weights and KV), the floor at
   ``--hbm-tbps`` and the fraction of it reached;
 * k = 0: tokens/s = batch / step time, and end to end (timed tokens / wall time of the loop);
-* k > 0: for each ``--accept-lengths`` value, forced rounds whose drafts are overwritten by the
-  plain-decoding continuation with the first m right (m alternating so that the mean tokens
-  committed per round is that accept length; :mod:`mtp_jax.bench.forced`): the measured accept
-  length, the end-to-end tokens/s (wall time of the whole host loop), the derived tokens/s
-  (accept length x batch / median round time; the drafts are overwritten on the device between
-  two rounds in flight) and whether the committed tokens equal plain decoding
-  exactly (a mismatch is printed; in float32 the exit status is then 1, in 16-bit dtypes it is
-  a warning, since verify and decode shapes round differently and a near-tie of a random model
-  can flip);
+* k > 0: first the round program's own greedy continuation: rounds whose drafts are all
+  wrong, so that each commits the target's token at verify row 0 (untimed), compared with
+  plain decoding (``decode_match``). Then for each ``--accept-lengths`` value, forced rounds
+  whose drafts are overwritten by that continuation with the first m right (m alternating so
+  that the mean tokens committed per round is that accept length;
+  :mod:`mtp_jax.bench.forced`): the measured accept length, the end-to-end tokens/s (wall
+  time of the whole host loop), the derived tokens/s (accept length x batch / median round
+  time; the drafts are overwritten on the device between two rounds in flight) and whether
+  the committed tokens equal the continuation exactly. Accepting drafts should not change the
+  output in any dtype (every round has the same shapes); checking against the rounds' own
+  continuation keeps a near-tie
+  that the verify's (k+1)-row matmuls round differently from the decode step's one row (16-bit
+  dtypes, random weights) from ending the forced accept length. The ``exact`` column: ``yes``
+  (both checks pass), ``rounds yes, decode from N`` (the forced runs pass; the continuation
+  parts from plain decoding at token N) or ``NO``. A failed check is printed (``MISMATCH`` /
+  ``DIVERGENCE``); in float32 the exit status is then 1, in 16-bit dtypes it is a warning;
 * the first call of every program (prefill bucket, round bucket, forced drafts) in seconds,
   the XLA executables built and how many came from the persistent compilation cache, the
   compile count of the warm-up and of the timed phase (must be 0, else exit status 1);

@@ -100,8 +100,9 @@ def _progress(r: dict) -> str:
 
 
 def main(argv=None, description: str | None = None) -> int:
-    """Run the benchmark; returns 0, 1 (a forced run differed from plain decoding, or a
-    compile happened in a timed phase; the JSON is still written) or 2 (bad arguments)."""
+    """Run the benchmark; returns 0, 1 (float32: a forced run or the rejected-drafts rounds
+    differed from their reference; any dtype: a compile happened in a timed phase; the JSON is
+    still written) or 2 (bad arguments)."""
     from mtp_jax.compile_cache import enable_compilation_cache
 
     args = build_parser(description).parse_args(argv)
@@ -171,11 +172,13 @@ def main(argv=None, description: str | None = None) -> int:
     # matmuls that round differently, so a near-tie can flip a greedy token of a random-weight
     # model; exactness is a hard failure only in float32 (and is tested in float32 on CPU).
     strict = args.dtype == "float32"
-    hard = [line for line in bad if strict or not line.startswith("MISMATCH")]
+    hard = [line for line in bad
+            if strict or not line.startswith(("MISMATCH", "DIVERGENCE"))]
     for line in bad:
         if line in hard:
             print(f"FAILED: {line}", file=sys.stderr)
         else:
-            print(f"WARNING: {line} ({args.dtype} rounding differs between verify and decode "
-                  "shapes; rerun with --dtype float32 to check exactness)", file=sys.stderr)
+            print(f"WARNING: {line} ({args.dtype} rounding may differ between matmul shapes "
+                  "and a near-tie of random weights can flip; rerun with --dtype float32 to "
+                  "check exactness)", file=sys.stderr)
     return 1 if hard else 0

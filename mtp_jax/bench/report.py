@@ -76,10 +76,23 @@ def main_table(results: list[dict]) -> str:
             f"| {_shape(r['config'])} | {r['batch']} | {r['k']} | {r['round_ms']:.2f} "
             f"({r['round_ms_p10']:.2f}-{r['round_ms_p90']:.2f}) | {r['floor_ms']:.2f} | "
             f"{r['fraction_of_floor']:.0%} | {ctx['start']}-{ctx['end']} | {derived} | {e2e} | "
-            f"{'-' if r['exact'] is None else 'yes' if r['exact'] else '**NO**'} | {_n(r['prefill_tokens_per_s'])} | "
+            f"{_exact_cell(r)} | {_n(r['prefill_tokens_per_s'])} | "
             f"{r['startup_s']:.1f} ({built}, {hits}) | {timed if not timed else f'**{timed}**'} "
             f"| {'-' if peak is None else f'{peak / 2**30:.1f}'} |")
     return "\n".join(lines)
+
+
+def _exact_cell(r: dict) -> str:
+    """``-`` (k = 0), ``yes``, ``**NO**`` (a forced run left the round program's own greedy
+    continuation), or ``rounds yes, decode from N`` (the forced runs reproduced it, but it
+    parts from plain decoding at token N: a 16-bit near-tie between verify and decode shapes)."""
+    if r["exact"] is None:
+        return "-"
+    if r["exact"]:
+        return "yes"
+    if r.get("rounds_exact"):
+        return f"rounds yes, decode from {r['decode_match']['first_mismatch']['index']}"
+    return "**NO**"
 
 
 def _al_names(results: list[dict]) -> list[str]:
@@ -120,8 +133,9 @@ def bytes_table(results: list[dict]) -> str:
 
 
 def failures(results: list[dict]) -> list[str]:
-    """One line per row whose forced rounds did not reproduce plain decoding, or that compiled
-    in its timed phase."""
+    """One line per row whose forced rounds did not reproduce the round program's own greedy
+    continuation (``MISMATCH``), whose continuation parts from plain decoding (``DIVERGENCE``),
+    or that compiled in its timed phase."""
     out = []
     for r in results:
         tag = f"{_shape(r['config'])} batch={r['batch']} k={r['k']}"
@@ -129,9 +143,16 @@ def failures(results: list[dict]) -> list[str]:
             if not f["exact"]:
                 m = f["first_mismatch"]
                 out.append(f"MISMATCH {tag} accept_length={f['accept_length']}: requests "
-                           f"{f['mismatched_requests']} differ from plain decoding; first at "
-                           f"request {m['request']} token {m['index']}: expected "
-                           f"{m['expected']}, got {m['got']}")
+                           f"{f['mismatched_requests']} differ from the rounds with every "
+                           f"draft rejected; first at request {m['request']} token "
+                           f"{m['index']}: expected {m['expected']}, got {m['got']}")
+        d = r.get("decode_match")
+        if d is not None and not d["exact"]:
+            m = d["first_mismatch"]
+            out.append(f"DIVERGENCE {tag}: the rounds with every draft rejected differ from "
+                       f"plain decoding in requests {d['mismatched_requests']}; first at "
+                       f"request {m['request']} token {m['index']}: decode {m['expected']}, "
+                       f"rounds {m['got']}")
         if r["compiles_timed"]:
             out.append(f"COMPILE IN TIMED PHASE {tag}: {r['compiles_timed']} XLA compilation(s) "
                        "after warm-up")

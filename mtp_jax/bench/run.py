@@ -12,8 +12,10 @@ Phases, with XLA compilations counted in each (:mod:`mtp_jax.bench.compiles`):
 * ``timed``: the decode (must compile nothing);
 * ``reference``: the plain-decoding reference of a k > 0 row when k = 0 was not benchmarked.
 
-k = 0: ``decode_tokens`` timed decode steps. k > 0: for each forced accept length, a fresh
-prefill of the same prompts, then forced rounds (:mod:`mtp_jax.bench.forced`) until every request
+k = 0: ``decode_tokens`` timed decode steps. k > 0: first the round program's own greedy
+continuation (:func:`rejected_drafts_reference`: every draft wrong, untimed), compared with
+plain decoding; then for each forced accept length, a fresh prefill of the same prompts and
+forced rounds (:mod:`mtp_jax.bench.forced`) against that continuation, until every request
 has committed ``decode_tokens`` tokens in the timed phase. Timed rounds run as the engine runs
 them with ``overlap_schedule`` (:func:`pipelined_rounds`): round i + 1 is dispatched before
 round i's result is read, and a round's time is the interval between two results. The forced
@@ -246,26 +248,64 @@ def pipelined_rounds(eng: Engine, reqs: list[Request], done: Callable[[list[dict
             "wall": t_last - t_start}
 
 
+def _drafts_writer(eng: Engine, reqs: list[Request], reference) -> Callable[[int], float]:
+    """``force_m(m)``: writes the next round's drafts of ``reqs`` on the device, the first
+    ``m`` right by ``reference`` and the rest wrong (:func:`force_on_device`); returns the
+    host seconds of the dispatch."""
+    slots = jnp.asarray([r.slot for r in reqs], jnp.int32)
+    ref = jnp.asarray(np.asarray([list(x) for x in reference], np.int32))
+    vocab = jnp.int32(eng.model.cfg.vocab_size)
+
+    def force_m(m: int) -> float:
+        t0 = time.perf_counter()
+        nt = force_on_device(eng.pools.next_tokens, eng.pools.step, slots, ref, jnp.int32(m),
+                             vocab)
+        eng.pools = dataclasses.replace(eng.pools, next_tokens=nt)
+        return time.perf_counter() - t0
+
+    return force_m
+
+
+def rejected_drafts_reference(eng: Engine, reqs: list[Request], reference, k: int,
+                              s: Settings, ledger: Ledger,
+                              programs: tuple[str, str] | None) -> list[list[int]]:
+    """The round program's own greedy continuation: prefill ``reqs``, then rounds whose drafts
+    are all wrong by ``reference`` (the plain-decoding continuation), so that each commits one
+    token, the target's choice at verify row 0, until every request holds ``reference_len``
+    tokens (untimed, under ``warmup``; ``programs``: as :func:`forced_decode`).
+
+    With an exact engine this equals ``reference`` in float32. In 16-bit dtypes the verify's
+    (k+1)-row matmuls may round a near-tie of a random-weight model differently from the
+    decode step's one row, and the two continuations part there. The forced runs compare
+    against this continuation, which every round shape computes alike, so that such a
+    near-tie neither hides a real mismatch nor ends their accept lengths; the comparison with
+    plain decoding is reported apart (``decode_match``)."""
+    prefill_all(eng, reqs, ledger, "warmup", programs[0] if programs else None)
+    force_m = _drafts_writer(eng, reqs, reference)
+    with ledger.phase("warmup", f"force_on_device[B={len(reqs)},k={k}]" if programs else None):
+        force_m(0)
+        jax.block_until_ready(eng.pools.next_tokens)
+    first = True
+    while min(len(r.output_ids) for r in reqs) < s.reference_len:
+        with ledger.phase("warmup", programs[1] if programs and first else None):
+            eng._run_round(reqs)
+        with ledger.phase("warmup"):
+            force_m(0)
+        first = False
+    out = [list(r.output_ids[:s.reference_len]) for r in reqs]
+    release_all(eng, reqs)
+    return out
+
+
 def forced_decode(eng: Engine, reqs: list[Request], reference, accept_length: float, k: int,
                   s: Settings, ledger: Ledger, programs: tuple[str, str] | None) -> dict:
     """Prefill ``reqs``, then forced rounds at ``accept_length``: ``warmup_rounds`` untimed,
     then timed until each request committed ``decode_tokens`` tokens. ``programs``: names of
     the prefill and round programs when this is their first call, else ``None``."""
-    vocab = eng.model.cfg.vocab_size
     a = accept_fraction(accept_length, k)
     prefill_all(eng, reqs, ledger, "warmup", programs[0] if programs else None)
-    slots = jnp.asarray([r.slot for r in reqs], jnp.int32)
-    ref = jnp.asarray(np.asarray([list(x) for x in reference], np.int32))
-    vocab_dev = jnp.int32(vocab)
+    force_m = _drafts_writer(eng, reqs, reference)
     force_s: list[float] = []
-
-    def force_m(m: int) -> float:  # the next round's drafts, m right, written on the device
-        t0 = time.perf_counter()
-        nt = force_on_device(eng.pools.next_tokens, eng.pools.step, slots, ref, jnp.int32(m),
-                             vocab_dev)
-        eng.pools = dataclasses.replace(eng.pools, next_tokens=nt)
-        return time.perf_counter() - t0
-
     with ledger.phase("warmup", f"force_on_device[B={len(reqs)},k={k}]" if programs else None):
         force_m(commits_of_round(a, 0) - 1)
         jax.block_until_ready(eng.pools.next_tokens)
@@ -355,6 +395,8 @@ def bench_one(model, batch: int, k: int, s: Settings,
         res["tokens_per_s"] = batch / (run["round_ms"] / 1e3)
         res["exact"] = None  # plain decoding is the reference itself
     else:
+        reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0)
+        rounds_ref = rejected_drafts_reference(eng, reqs, reference, k, s, ledger, names)
         forced, skipped = [], []
         for al in s.accept_lengths:
             try:
@@ -364,8 +406,7 @@ def bench_one(model, batch: int, k: int, s: Settings,
                 continue
             reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0)
             first = not forced
-            forced.append(forced_decode(eng, reqs, reference, al, k, s, ledger,
-                                        names if first else None))
+            forced.append(forced_decode(eng, reqs, rounds_ref, al, k, s, ledger, None))
             if first:
                 with ledger.phase("warmup"):
                     prefill_s = measure_prefill(eng, s, cfg.vocab_size)
@@ -382,7 +423,9 @@ def bench_one(model, batch: int, k: int, s: Settings,
             for f in forced}
         res["forced"] = forced
         res["skipped_accept_lengths"] = skipped
-        res["exact"] = all(f["exact"] for f in forced)
+        res["rounds_exact"] = all(f["exact"] for f in forced)
+        res["decode_match"] = compare_to_reference(rounds_ref, reference)
+        res["exact"] = res["rounds_exact"] and res["decode_match"]["exact"]
     res["prefill_s"] = prefill_s
     res["prefill_tokens_per_s"] = s.prompt_len / prefill_s
     itemsize = 2 if model.dtype != "float32" else 4
