@@ -326,6 +326,9 @@ def test_no_merge_projections_flag_reaches_load_model(monkeypatch):
     plain = cli.backend_kwargs(parser.parse_args(["--config", "x.json",
                                                   "--no-merge-projections"]))
     assert plain["merge_projections"] is False
+    assert "pack_small_params" not in merged
+    packed = cli.backend_kwargs(parser.parse_args(["--config", "x.json", "--pack-small-params"]))
+    assert packed["pack_small_params"] is True
 
     def old_load_model(path=None, dtype="auto", *, attention_backend="auto",
                        gdn_backend="auto", moe_backend="auto"):
@@ -334,3 +337,5 @@ def test_no_merge_projections_flag_reaches_load_model(monkeypatch):
     monkeypatch.setattr(cli, "load_model", old_load_model)
     with pytest.raises(ConfigError, match="--no-merge-projections"):
         cli.backend_kwargs(parser.parse_args(["--config", "x.json", "--no-merge-projections"]))
+    with pytest.raises(ConfigError, match="--pack-small-params"):
+        cli.backend_kwargs(parser.parse_args(["--config", "x.json", "--pack-small-params"]))

@@ -60,13 +60,18 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--no-merge-projections", action="store_true",
                    help="keep one weight per checkpoint projection (load_model("
                         "merge_projections=False)), for an A/B against the merged default")
+    p.add_argument("--pack-small-params", action="store_true",
+                   help="pass the small parameters packed into one buffer per dtype "
+                        "(load_model(pack_small_params=True); experimental), for an A/B of the "
+                        "host cost per argument buffer")
     p.add_argument("--out", default="bench.json", help="JSON results (rewritten after each row)")
     return p
 
 
 def backend_kwargs(args) -> dict:
     """``attention_backend=..., gdn_backend=..., moe_backend=...`` (and
-    ``merge_projections=False`` with ``--no-merge-projections``) for ``load_model``; a
+    ``merge_projections=False`` with ``--no-merge-projections``, ``pack_small_params=True``
+    with ``--pack-small-params``) for ``load_model``; a
     non-default choice that this ``load_model`` does not take raises ``ConfigError``."""
     asked = {f"{op}_backend": getattr(args, f"{op}_backend") for op in BACKEND_OPS}
     params = inspect.signature(load_model).parameters
@@ -76,11 +81,13 @@ def backend_kwargs(args) -> dict:
         raise ConfigError(f"{', '.join(bad)}: this mtp_jax's load_model takes no "
                           f"{', '.join(missing)} keyword yet; leave the flag at auto.")
     out = {name: v for name, v in asked.items() if name in params}
-    if getattr(args, "no_merge_projections", False):
-        if "merge_projections" not in params:
-            raise ConfigError("--no-merge-projections: this mtp_jax's load_model takes no "
-                              "merge_projections keyword; leave the flag out.")
-        out["merge_projections"] = False
+    for flag, key, value in (("no_merge_projections", "merge_projections", False),
+                             ("pack_small_params", "pack_small_params", True)):
+        if getattr(args, flag, False):
+            if key not in params:
+                raise ConfigError(f"--{flag.replace('_', '-')}: this mtp_jax's load_model "
+                                  f"takes no {key} keyword; leave the flag out.")
+            out[key] = value
     return out
 
 

@@ -319,11 +319,15 @@ class Programs:
         return n + (len(self.executables) if self.executables is not None else 0)
 
 
-def make_programs(graphdef, params) -> Programs:
+def make_programs(graphdef, params, packing=None) -> Programs:
+    """The programs of a model. ``packing``: a
+    :class:`~mtp_jax.engine.param_packing.ParamPacking` when the calls pass its packed
+    arguments (``packing.pack(leaves)``) instead of one buffer per parameter."""
     from mtp_jax.engine.executable_cache import ExecutableTable
 
     treedef = jax.tree_util.tree_structure(params)
-    params_of = lambda leaves: jax.tree_util.tree_unflatten(treedef, leaves)
+    unpack_params = (lambda leaves: leaves) if packing is None else packing.unpack
+    params_of = lambda leaves: jax.tree_util.tree_unflatten(treedef, unpack_params(leaves))
 
     def prefill_(leaves, pools, buf, *, spec, k, mtp, greedy_only=False):
         return prefill(graphdef, params_of(leaves), pools, unpack(buf, spec), k=k, mtp=mtp,

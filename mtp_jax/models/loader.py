@@ -94,6 +94,9 @@ class LoadedModel:
       dtype: ``"float32" | "bfloat16" | "float16"``.
       graphdef, params: the split nnx model; programs take ``params`` and merge inside jit.
       has_mtp: whether the ``mtp.*`` draft was loaded.
+      pack_small_params: the engine's programs take the small parameters packed into one
+        buffer per dtype (:mod:`mtp_jax.engine.param_packing`; fewer argument buffers per
+        call) instead of one buffer each.
     """
 
     cfg: ModelConfig
@@ -101,17 +104,26 @@ class LoadedModel:
     graphdef: object
     params: object
     has_mtp: bool
+    pack_small_params: bool = False
+
+    @functools.cached_property
+    def _packing(self):
+        from mtp_jax.engine.param_packing import ParamPacking
+
+        return ParamPacking.plan(self.params) if self.pack_small_params else None
 
     @functools.cached_property
     def programs(self):
         """The engine's compiled programs for this model (shared by every engine on it)."""
         from mtp_jax.engine.programs import make_programs
 
-        return make_programs(self.graphdef, self.params)
+        return make_programs(self.graphdef, self.params, self._packing)
 
     @functools.cached_property
     def param_leaves(self) -> tuple:
-        return tuple(jax.tree_util.tree_leaves(self.params))
+        """The programs' parameter arguments: the leaves, or their packed form."""
+        leaves = tuple(jax.tree_util.tree_leaves(self.params))
+        return leaves if self._packing is None else self._packing.pack(leaves)
 
     def module(self, params=None):
         return nnx.merge(self.graphdef, self.params if params is None else params)
@@ -202,7 +214,7 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
                dummy_weight: bool = False, seed: int = 0, cfg: ModelConfig | None = None,
                device=None, draft_path: str | None = None, attention_backend: str = "auto",
                gdn_backend: str = "auto", moe_backend: str = "auto",
-               merge_projections: bool = True) -> LoadedModel:
+               merge_projections: bool = True, pack_small_params: bool = False) -> LoadedModel:
     """Load a Qwen3.5-family checkpoint folder.
 
     Args:
@@ -218,6 +230,9 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
       merge_projections: after loading, stack the projections that read one input into one
         matrix each (``Qwen35Model.merge_projections``: one GEMM per group, faster decode);
         ``False`` keeps one parameter per checkpoint tensor, under its canonical name.
+      pack_small_params: the engine's programs take the small parameters (norm weights)
+        packed into one buffer per dtype (:attr:`LoadedModel.pack_small_params`); experimental,
+        for an A/B of the host cost per argument buffer (``bench --pack-small-params``).
     Raises:
       ConfigError: bad config (before any tensor is read; see :mod:`mtp_jax.checks`);
       CheckpointError: bad files or missing/unexpected tensors (before any tensor data is read,
@@ -287,4 +302,5 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
         del params
         _merge_projections(module)
         graphdef, params = nnx.split(module)
-    return LoadedModel(cfg=cfg, dtype=dtype, graphdef=graphdef, params=params, has_mtp=with_mtp)
+    return LoadedModel(cfg=cfg, dtype=dtype, graphdef=graphdef, params=params, has_mtp=with_mtp,
+                       pack_small_params=pack_small_params)
