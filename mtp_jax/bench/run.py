@@ -277,9 +277,9 @@ def rejected_drafts_reference(eng: Engine, reqs: list[Request], reference, k: in
     With an exact engine this equals ``reference`` in float32. In 16-bit dtypes the verify's
     (k+1)-row matmuls may round a near-tie of a random-weight model differently from the
     decode step's one row, and the two continuations part there. The forced runs compare
-    against this continuation, which every round shape computes alike, so that such a
-    near-tie neither hides a real mismatch nor ends their accept lengths; the comparison with
-    plain decoding is reported apart (``decode_match``)."""
+    against this continuation, computed by the same round program whatever the accept length,
+    so that such a near-tie neither hides a real mismatch nor ends their accept lengths; the
+    comparison with plain decoding is reported apart (``decode_match``)."""
     prefill_all(eng, reqs, ledger, "warmup", programs[0] if programs else None)
     force_m = _drafts_writer(eng, reqs, reference)
     with ledger.phase("warmup", f"force_on_device[B={len(reqs)},k={k}]" if programs else None):
