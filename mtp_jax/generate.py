@@ -236,7 +236,8 @@ def main(argv=None) -> int:
         else:
             if len(outs) > 1:
                 print(f"--- request {i + 1} of {len(outs)} ---")
-            print(out.text)
+            print(out.text if out.text or not out.token_ids
+                  else f"(no tokenizer) token ids: {out.token_ids}")
             print(_stats_line(out, seconds))
         failed += out.finish_reason == "error"
     served = [o for o in done if o.finish_reason != "error"]

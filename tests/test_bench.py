@@ -112,6 +112,7 @@ def test_bench_runs_exact_and_reports(cold):
         if not p["program"].startswith("force_on_device"):
             assert p["compiles"] >= 1 and p["cache_hits"] == 0, p
     assert [s["accept_length"] for s in spec["skipped_accept_lengths"]] == [3.5]  # > k + 1
+    assert "note: skipped: accept length 3.5 cannot be forced with k=2" in stderr
     for f, want in zip(spec["forced"], (2.5, 3.0)):
         assert f["accept_length"] == want
         assert f["exact"] and f["mismatched_requests"] == []

@@ -143,6 +143,12 @@ def test_cli_prompts_file(tmp_path, capsys):
         solo = llm.generate([p], SamplingParams(temperature=0, max_tokens=rec["output_tokens"],
                                                 ignore_eos=True))[0]
         assert rec["token_ids"] == solo.token_ids
+    # Without --json and without a tokenizer the text output shows the token ids.
+    assert generate.main(["--model", CKPT, "--prompts-file", str(f), "--ignore-eos",
+                          "--speculative-num-steps", "2", "--max-running-requests", "2"]) == 0
+    text_out = capsys.readouterr().out
+    for rec in lines:
+        assert f"(no tokenizer) token ids: {rec['token_ids']}" in text_out
     f.write_text('{"prompt": [1, 2], "bogus": 1}\n')
     assert generate.main(["--model", CKPT, "--prompts-file", str(f)]) == 2
     assert "unknown keys" in capsys.readouterr().err

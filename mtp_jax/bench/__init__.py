@@ -20,13 +20,15 @@ request, it reports:
   whose drafts are overwritten by that continuation with the first m right (m alternating so
   that the mean tokens committed per round is that accept length;
   :mod:`mtp_jax.bench.forced`): the measured accept length, the end-to-end tokens/s (wall
-  time of the whole host loop), the derived tokens/s (accept length x batch / median round
-  time; the drafts are overwritten on the device between two rounds in flight) and whether
-  the committed tokens equal the continuation exactly. Accepting drafts should not change the
-  output in any dtype (every round has the same shapes); checking against the rounds' own
-  continuation keeps a near-tie
-  that the verify's (k+1)-row matmuls round differently from the decode step's one row (16-bit
-  dtypes, random weights) from ending the forced accept length. The ``exact`` column: ``yes``
+  time of the whole host loop), the derived tokens/s and whether the committed tokens equal
+  the continuation exactly. Derived tokens/s = accept length x batch / median round time; the
+  table uses the median of every forced run's rounds pooled (a round's time does not depend on
+  its acceptance), each forced entry of the JSON (``tokens_per_s_derived``) that run's own
+  median. The drafts are overwritten on the device between two rounds in flight. Why this
+  reference: accepting drafts should not change the output in any dtype (every round has the
+  same shapes), whereas a verify's (k+1)-row matmuls may round a near-tie differently from a
+  decode step's one row (16-bit dtypes, random weights); against plain decoding one such
+  near-tie would end the forced accept length. The ``exact`` column: ``-`` (k = 0), ``yes``
   (both checks pass), ``rounds yes, decode from N`` (the forced runs pass; the continuation
   parts from plain decoding at token N) or ``NO``. A failed check is printed (``MISMATCH`` /
   ``DIVERGENCE``); in float32 the exit status is then 1, in 16-bit dtypes it is a warning;

@@ -102,7 +102,8 @@ def _progress(r: dict) -> str:
     n = f" N={r['draft_vocab_size']}" if r.get("draft_vocab_size") else ""
     return (f"{r['config']} B={r['batch']} k={r['k']}{n} round={r['round_ms']:.2f}ms "
             f"floor={r['floor_ms']:.2f}ms ({r['fraction_of_floor']:.0%}) tok/s={tps} "
-            f"exact={r['exact']} startup={r['startup_s']:.1f}s ({r['startup_from_cache']}) "
+            f"exact={report.exact_cell(r)} startup={r['startup_s']:.1f}s "
+            f"({r['startup_from_cache']}) "
             f"timed_compiles={r['compiles_timed']}")
 
 
@@ -162,6 +163,8 @@ def main(argv=None, description: str | None = None) -> int:
                 r = {"config": path, **r, "kernel_backends": _kernels(model)}
                 results.append(r)
                 print(_progress(r), file=sys.stderr, flush=True)
+                for skip in r.get("skipped_accept_lengths", ()):
+                    print(f"note: skipped: {skip['reason']}", file=sys.stderr, flush=True)
                 with open(args.out, "w") as f:
                     json.dump({"meta": meta, "results": results}, f, indent=1)
         del model

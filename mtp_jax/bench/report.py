@@ -76,13 +76,13 @@ def main_table(results: list[dict]) -> str:
             f"| {_shape(r['config'])} | {r['batch']} | {r['k']} | {r['round_ms']:.2f} "
             f"({r['round_ms_p10']:.2f}-{r['round_ms_p90']:.2f}) | {r['floor_ms']:.2f} | "
             f"{r['fraction_of_floor']:.0%} | {ctx['start']}-{ctx['end']} | {derived} | {e2e} | "
-            f"{_exact_cell(r)} | {_n(r['prefill_tokens_per_s'])} | "
+            f"{exact_cell(r)} | {_n(r['prefill_tokens_per_s'])} | "
             f"{r['startup_s']:.1f} ({built}, {hits}) | {timed if not timed else f'**{timed}**'} "
             f"| {'-' if peak is None else f'{peak / 2**30:.1f}'} |")
     return "\n".join(lines)
 
 
-def _exact_cell(r: dict) -> str:
+def exact_cell(r: dict) -> str:
     """``-`` (k = 0), ``yes``, ``**NO**`` (a forced run left the round program's own greedy
     continuation), or ``rounds yes, decode from N`` (the forced runs reproduced it, but it
     parts from plain decoding at token N: a 16-bit near-tie between verify and decode shapes)."""

@@ -207,7 +207,9 @@ class LLM:
         if isinstance(prompt, str):
             if self.tokenizer is None:
                 raise ValueError("this checkpoint folder has no tokenizer files; pass prompts "
-                                 "as lists of token ids.")
+                                 "as lists of token ids (Python: LLM.generate([[1, 2, 3]]); "
+                                 "CLI: --prompts-file FILE with lines like "
+                                 "{\"prompt\": [1, 2, 3]}).")
             ids = self.tokenizer.encode(prompt)
             text = prompt
         elif isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist")
