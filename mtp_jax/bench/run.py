@@ -266,6 +266,19 @@ def _drafts_writer(eng: Engine, reqs: list[Request], reference) -> Callable[[int
     return force_m
 
 
+def _prefill_and_force(eng: Engine, reqs: list[Request], reference, k: int, m: int,
+                       ledger: Ledger, programs: tuple[str, str] | None) -> Callable[[int], float]:
+    """Prefill ``reqs`` and write their first round's drafts (``m`` right); returns the
+    :func:`_drafts_writer` for the rounds after. ``programs``: as :func:`forced_decode` (the
+    prefill's and the overwrite's first calls are recorded when given)."""
+    prefill_all(eng, reqs, ledger, "warmup", programs[0] if programs else None)
+    force_m = _drafts_writer(eng, reqs, reference)
+    with ledger.phase("warmup", f"force_on_device[B={len(reqs)},k={k}]" if programs else None):
+        force_m(m)
+        jax.block_until_ready(eng.pools.next_tokens)
+    return force_m
+
+
 def rejected_drafts_reference(eng: Engine, reqs: list[Request], reference, k: int,
                               s: Settings, ledger: Ledger,
                               programs: tuple[str, str] | None) -> list[list[int]]:
@@ -280,11 +293,7 @@ def rejected_drafts_reference(eng: Engine, reqs: list[Request], reference, k: in
     against this continuation, computed by the same round program whatever the accept length,
     so that such a near-tie neither hides a real mismatch nor ends their accept lengths; the
     comparison with plain decoding is reported apart (``decode_match``)."""
-    prefill_all(eng, reqs, ledger, "warmup", programs[0] if programs else None)
-    force_m = _drafts_writer(eng, reqs, reference)
-    with ledger.phase("warmup", f"force_on_device[B={len(reqs)},k={k}]" if programs else None):
-        force_m(0)
-        jax.block_until_ready(eng.pools.next_tokens)
+    force_m = _prefill_and_force(eng, reqs, reference, k, 0, ledger, programs)
     first = True
     while min(len(r.output_ids) for r in reqs) < s.reference_len:
         with ledger.phase("warmup", programs[1] if programs and first else None):
@@ -303,12 +312,9 @@ def forced_decode(eng: Engine, reqs: list[Request], reference, accept_length: fl
     then timed until each request committed ``decode_tokens`` tokens. ``programs``: names of
     the prefill and round programs when this is their first call, else ``None``."""
     a = accept_fraction(accept_length, k)
-    prefill_all(eng, reqs, ledger, "warmup", programs[0] if programs else None)
-    force_m = _drafts_writer(eng, reqs, reference)
+    force_m = _prefill_and_force(eng, reqs, reference, k, commits_of_round(a, 0) - 1, ledger,
+                                 programs)
     force_s: list[float] = []
-    with ledger.phase("warmup", f"force_on_device[B={len(reqs)},k={k}]" if programs else None):
-        force_m(commits_of_round(a, 0) - 1)
-        jax.block_until_ready(eng.pools.next_tokens)
     for i in range(s.warmup_rounds):
         with ledger.phase("warmup", programs[1] if programs and i == 0 else None):
             eng._run_round(reqs)
