@@ -33,11 +33,14 @@ def _numpy_gdn(q, k, v, g, beta, s):
     return o, s
 
 
-@pytest.mark.parametrize("form", ["recurrent", "chunked"])
-def test_gdn_forms_match_float64(form):
+@pytest.mark.parametrize("form,chunk", [("recurrent", None), ("chunked", 128), ("chunked", 16)])
+def test_gdn_forms_match_float64(form, chunk):
+    """T = 70: one padded chunk at the default size, five (the last padded) at 16, so the
+    scan carries the state across chunk boundaries."""
     args = _inputs(0)
     ref_o, ref_s = _numpy_gdn(*args)
-    fn = gdn_recurrent_reference if form == "recurrent" else gdn_chunked_reference
+    fn = (gdn_recurrent_reference if form == "recurrent" else
+          lambda *a: gdn_chunked_reference(*a, chunk_size=chunk))
     o, s = fn(*(jnp.asarray(a, jnp.float32) for a in args))
     np.testing.assert_allclose(np.asarray(o), ref_o, atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(s), ref_s, atol=2e-5, rtol=1e-4)
