@@ -125,7 +125,7 @@ def read_prompts_file(path: str, defaults: dict) -> tuple[list, list[dict]]:
 
 def _stats_line(out, seconds: float) -> str:
     n = len(out.token_ids)
-    al = "n/a" if out.acceptance_rate is None else f"{out.accept_length:.2f}"
+    al = "n/a" if out.accept_length is None else f"{out.accept_length:.2f}"
     ar = "n/a" if out.acceptance_rate is None else f"{out.acceptance_rate:.1%}"
     return (f"[stats] prompt_tokens={len(out.prompt_token_ids)} output_tokens={n} "
             f"seconds={seconds:.2f} tokens/s={n / max(seconds, 1e-9):.1f} "

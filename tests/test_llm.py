@@ -91,6 +91,19 @@ def test_external_proposer_all_right_accepts_everything():
     assert out.num_rounds == 2 and out.accept_length == 4.0 and out.acceptance_rate == 1.0
 
 
+def test_stats_line_reports_accept_length_with_speculation_off():
+    """Speculation off: one token per decode step (accept length 1.00), no drafts (n/a); on:
+    (tokens - 1) / rounds and accepted / proposed."""
+    from mtp_jax.engine.requests import RequestOutput
+    from mtp_jax.generate import _stats_line
+
+    off = RequestOutput("a", None, [1, 2], [5, 6, 7, 8], "", "length", num_rounds=3)
+    assert "accept_length=1.00 acceptance_rate=n/a" in _stats_line(off, 1.0)
+    on = RequestOutput("b", None, [1, 2], [5, 6, 7, 8, 9, 10, 11], "", "length", num_rounds=2,
+                       num_draft_tokens=6, num_accepted_tokens=4)
+    assert "accept_length=3.00 acceptance_rate=66.7%" in _stats_line(on, 1.0)
+
+
 def test_cli_on_default_model(tmp_path, monkeypatch, capsys):
     from mtp_jax import generate
 
