@@ -81,7 +81,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "PLE n-gram tables memory-mapped from disk or held in host RAM")
     for op, what in (("attention", "paged attention (decode/verify rows)"),
                      ("gdn", "the GDN decode/verify/commit step form"),
-                     ("moe", "the MoE experts and router")):
+                     ("moe", "the MoE experts and router"),
+                     ("norm", "the decoder layers' residual add + RMSNorm")):
         p.add_argument(f"--{op}-backend", default="auto", choices=["auto", "xla", "pallas"],
                        help=f"implementation of {what}: pallas (GPU kernels), xla, or auto "
                             "(pallas where checked faster on a GPU, else xla)")
@@ -171,7 +172,8 @@ def main(argv=None) -> int:
                   mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
                   compilation_cache_dir=args.compilation_cache_dir,
                   ple_backend=args.ple_backend, attention_backend=args.attention_backend,
-                  gdn_backend=args.gdn_backend, moe_backend=args.moe_backend)
+                  gdn_backend=args.gdn_backend, moe_backend=args.moe_backend,
+                  norm_backend=args.norm_backend)
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

@@ -1,6 +1,7 @@
 """Which implementation runs each hot op: the XLA reference or the Pallas kernel.
 
-One switch per op (``--attention-backend``, ``--gdn-backend``, ``--moe-backend``), each
+One switch per op (``--attention-backend``, ``--gdn-backend``, ``--moe-backend``,
+``--norm-backend``), each
 ``"xla"``, ``"pallas"`` or ``"auto"``. ``auto`` picks the Pallas kernel where it has been
 checked and measured faster (the ops in :data:`AUTO_PALLAS_ON_GPU`, on a GPU) and XLA
 elsewhere; the Pallas kernels use the Triton lowering and need a CUDA GPU.
@@ -15,7 +16,7 @@ import dataclasses
 
 from mtp_jax.config import ConfigError
 
-OPS = ("attention", "gdn", "moe")
+OPS = ("attention", "gdn", "moe", "norm")
 CHOICES = ("auto", "xla", "pallas")
 AUTO_PALLAS_ON_GPU: tuple[str, ...] = ("gdn", "moe")
 SIXTEEN_BIT_ONLY = ("attention", "moe")
@@ -23,17 +24,21 @@ SIXTEEN_BIT_ONLY = ("attention", "moe")
 
 @dataclasses.dataclass(frozen=True)
 class KernelBackends:
-    """Resolved backends (``"xla"`` or ``"pallas"``) of the attention, GDN and MoE ops."""
+    """Resolved backends (``"xla"`` or ``"pallas"``) of the attention, GDN and MoE ops and of
+    the decoder layers' residual add + RMSNorm (``norm``)."""
 
     attention: str = "xla"
     gdn: str = "xla"
     moe: str = "xla"
+    norm: str = "xla"
 
     @classmethod
     def resolve(cls, attention: str | None = "auto", gdn: str | None = "auto",
                 moe: str | None = "auto", platform: str | None = None,
                 dtype: str | None = None,
-                gdn_dims: tuple[int, int, int] | None = None) -> "KernelBackends":
+                gdn_dims: tuple[int, int, int] | None = None,
+                norm: str | None = "auto",
+                hidden_size: int | None = None) -> "KernelBackends":
         """Validate the user's choices and resolve ``auto``.
 
         ``platform``: the JAX backend (``"gpu"``, ``"cpu"``; default: ``jax.default_backend()``).
@@ -42,10 +47,13 @@ class KernelBackends:
         takes XLA for them in float32.
         ``gdn_dims``: the model's ``(linear_key_head_dim, linear_value_head_dim, conv width)``
         when known; sizes the fused GDN kernels cannot take make ``auto`` take XLA for GDN.
+        ``hidden_size``: the model's, when known; checked against the norm kernel's pieces.
+        ``auto`` takes XLA for ``norm`` (the kernel is not yet measured faster).
         Raises ConfigError for an unknown choice, ``pallas`` without a GPU, a 16-bit-only
-        kernel asked for with float32, or the GDN kernels asked for with sizes they cannot take.
+        kernel asked for with float32, or the GDN or norm kernels asked for with sizes they
+        cannot take.
         """
-        chosen = {"attention": attention, "gdn": gdn, "moe": moe}
+        chosen = {"attention": attention, "gdn": gdn, "moe": moe, "norm": norm}
         for op, value in chosen.items():
             if value is None:
                 chosen[op] = value = "auto"
@@ -73,11 +81,23 @@ class KernelBackends:
                 raise ConfigError(f"gdn_backend 'pallas' cannot run this model: {misfit} (the "
                                   "Triton kernels need power-of-two blocks); use --gdn-backend "
                                   "xla or auto.")
+            if value == "pallas" and op == "norm" and _norm_misfit(hidden_size):
+                raise ConfigError(f"norm_backend 'pallas' cannot run this model: hidden_size "
+                                  f"{hidden_size} is not 1 to 8 power-of-two pieces of 16 to "
+                                  "4096 columns; use --norm-backend xla or auto.")
             if value == "auto":
                 value = ("pallas" if on_gpu and op in AUTO_PALLAS_ON_GPU and not wide
                          and not misfit else "xla")
             out[op] = value
         return cls(**out)
+
+
+def _norm_misfit(hidden_size: int | None) -> bool:
+    if hidden_size is None:
+        return False
+    from pallas_kernels.norm import chunk_of
+
+    return chunk_of(hidden_size) is None
 
 
 def _gdn_misfit(gdn_dims) -> str | None:

@@ -7,21 +7,22 @@ from mtp_jax.kernels import AUTO_PALLAS_ON_GPU, KernelBackends
 
 
 def test_auto_is_xla_on_cpu():
-    assert KernelBackends.resolve(platform="cpu") == KernelBackends("xla", "xla", "xla")
+    assert KernelBackends.resolve(platform="cpu") == KernelBackends("xla", "xla", "xla", "xla")
 
 
 def test_auto_on_gpu_takes_only_the_checked_kernels():
     got = KernelBackends.resolve(platform="gpu")
-    for op in ("attention", "gdn", "moe"):
+    for op in ("attention", "gdn", "moe", "norm"):
         assert getattr(got, op) == ("pallas" if op in AUTO_PALLAS_ON_GPU else "xla")
+    assert got.norm == "xla"  # not yet measured faster
 
 
 def test_explicit_choices_are_kept_on_gpu():
-    got = KernelBackends.resolve("pallas", "xla", "pallas", platform="gpu")
-    assert got == KernelBackends("pallas", "xla", "pallas")
+    got = KernelBackends.resolve("pallas", "xla", "pallas", platform="gpu", norm="pallas")
+    assert got == KernelBackends("pallas", "xla", "pallas", "pallas")
 
 
-@pytest.mark.parametrize("op", ["attention", "gdn", "moe"])
+@pytest.mark.parametrize("op", ["attention", "gdn", "moe", "norm"])
 def test_unknown_backend_names_value_and_flag(op):
     with pytest.raises(ConfigError, match=rf"{op}_backend 'triton'.*--{op}-backend"):
         KernelBackends.resolve(**{op: "triton"}, platform="gpu")
@@ -53,6 +54,15 @@ def test_every_released_qwen3_5_shape_fits_the_gdn_kernels():
         assert KernelBackends.resolve(platform="gpu", gdn_dims=dims).gdn == "pallas", path
         checked += 1
     assert checked >= 8
+
+
+def test_norm_kernel_refuses_hidden_sizes_it_cannot_split():
+    """Released hidden sizes (2048 to 5120) fit; 3000 has no power-of-two piece."""
+    for h in (2048, 4096, 5120):
+        assert KernelBackends.resolve(platform="gpu", norm="pallas", hidden_size=h).norm == "pallas"
+    with pytest.raises(ConfigError, match="hidden_size 3000.*--norm-backend xla"):
+        KernelBackends.resolve(platform="gpu", norm="pallas", hidden_size=3000)
+    assert KernelBackends.resolve(platform="gpu", hidden_size=3000).norm == "xla"
 
 
 def test_pallas_without_gpu_is_refused():

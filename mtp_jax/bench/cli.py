@@ -18,7 +18,7 @@ from mtp_jax.bench.run import Settings, bench_one
 from mtp_jax.config import ConfigError
 from mtp_jax.models.loader import load_model
 
-BACKEND_OPS = ("attention", "gdn", "moe")
+BACKEND_OPS = ("attention", "gdn", "moe", "norm")
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
@@ -69,7 +69,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 
 
 def backend_kwargs(args) -> dict:
-    """``attention_backend=..., gdn_backend=..., moe_backend=...`` (and
+    """``attention_backend=..., gdn_backend=..., moe_backend=..., norm_backend=...`` (and
     ``merge_projections=False`` with ``--no-merge-projections``, ``pack_small_params=True``
     with ``--pack-small-params``) for ``load_model``; a
     non-default choice that this ``load_model`` does not take raises ``ConfigError``."""

@@ -214,7 +214,8 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
                dummy_weight: bool = False, seed: int = 0, cfg: ModelConfig | None = None,
                device=None, draft_path: str | None = None, attention_backend: str = "auto",
                gdn_backend: str = "auto", moe_backend: str = "auto",
-               merge_projections: bool = True, pack_small_params: bool = False) -> LoadedModel:
+               merge_projections: bool = True, pack_small_params: bool = False,
+               norm_backend: str = "auto") -> LoadedModel:
     """Load a Qwen3.5-family checkpoint folder.
 
     Args:
@@ -227,6 +228,8 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
         implementation of paged attention, the GDN decode/verify/commit step form and the MoE
         experts and router (:class:`mtp_jax.kernels.KernelBackends`; ``auto`` takes XLA for GDN
         layers whose head sizes the kernels cannot take).
+      norm_backend: the same for the decoder layers' residual add + RMSNorm
+        (:mod:`pallas_kernels.norm`; ``auto`` takes XLA).
       merge_projections: after loading, stack the projections that read one input into one
         matrix each (``Qwen35Model.merge_projections``: one GEMM per group, faster decode);
         ``False`` keeps one parameter per checkpoint tensor, under its canonical name.
@@ -238,7 +241,8 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
       CheckpointError: bad files or missing/unexpected tensors (before any tensor data is read,
       the draft's before the target's).
     """
-    kernels = KernelBackends.resolve(attention_backend, gdn_backend, moe_backend)
+    kernels = KernelBackends.resolve(attention_backend, gdn_backend, moe_backend,
+                                     norm=norm_backend)
     if cfg is None and path is not None:  # qwen4_exp: its own loader (PLE tables stay on host)
         from mtp_jax.models.qwen4_exp.config import folder_is_qwen4_exp
 
@@ -271,7 +275,8 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
     if with_mtp and not cfg.has_mtp:
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=1)
     cfg = dataclasses.replace(cfg, kernels=KernelBackends.resolve(
-        attention_backend, gdn_backend, moe_backend, dtype=dtype, gdn_dims=gdn_dims_of(cfg)))
+        attention_backend, gdn_backend, moe_backend, dtype=dtype, gdn_dims=gdn_dims_of(cfg),
+        norm=norm_backend, hidden_size=cfg.hidden_size))
     graphdef, abstract = abstract_model(cfg, dtype, with_mtp)
     expected = expected_tensors(abstract)
     if dummy_weight:

@@ -15,6 +15,8 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.norm import add_rms_norm
+
 
 class Linear(nnx.Module):
     """``y = x @ weight.T`` with ``weight [out_features, in_features]`` (no bias)."""
@@ -105,13 +107,26 @@ class RMSNorm(nnx.Module):
     """Zero-centred RMSNorm of the Qwen3.5 family: ``x / rms(x) * (1 + w)``.
 
     Statistics and the scale in float32, result cast back to ``x.dtype``
-    (HF ``Qwen3_5RMSNorm``). ``weight [dim]`` is stored zero-centred.
+    (HF ``Qwen3_5RMSNorm``). ``weight [dim]`` is stored zero-centred. ``backend`` (static,
+    ``"xla"`` or ``"pallas"``) is what :meth:`add_norm` runs
+    (:func:`pallas_kernels.norm.add_rms_norm`).
     """
 
-    def __init__(self, dim: int, eps: float, dtype):
+    def __init__(self, dim: int, eps: float, dtype, backend: str = "xla"):
         self.weight = nnx.Param(jnp.zeros((dim,), dtype))
         self.eps = eps
+        self.backend = backend
 
     def __call__(self, x: jax.Array) -> jax.Array:
         y = rms_normalize(x, self.eps) * (1.0 + self.weight[...].astype(jnp.float32))
         return y.astype(x.dtype)
+
+    def add_norm(self, x: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
+        """The residual add and this norm of the sum: ``x, delta [..., dim]`` ->
+        ``(h = x + delta, norm(h))`` in ``x.dtype`` (``delta=None``: ``h = x``). With the
+        ``pallas`` backend one kernel does both; with ``xla`` it is ``x + delta`` and
+        :meth:`__call__`."""
+        if self.backend == "xla":
+            h = x if delta is None else x + delta
+            return h, self(h)
+        return add_rms_norm(x, delta, self.weight[...], self.eps, backend=self.backend)

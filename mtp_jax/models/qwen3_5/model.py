@@ -24,14 +24,19 @@ from mtp_jax.models.layers.mlp import MLP, SparseMoE
 
 
 class DecoderLayer(nnx.Module):
-    """``h = x + mixer(input_layernorm(x)); y = h + mlp(post_attention_layernorm(h))``."""
+    """``h = x + mixer(input_layernorm(x)); y = h + mlp(post_attention_layernorm(h))``.
+
+    :meth:`forward` leaves the last add to the next layer (or the final norm), so that each
+    residual add runs with the norm after it (one kernel with the ``pallas`` norm backend).
+    """
 
     def __init__(self, cfg: ModelConfig, layer_type: str, dtype, cache_index: int):
         h = cfg.hidden_size
+        norm = kernels_of(cfg).norm
         self.layer_type = layer_type
         self.cache_index = cache_index  # index into the KV tuple or the GDN tuple
-        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.input_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, backend=norm)
+        self.post_attention_layernorm = RMSNorm(h, cfg.rms_norm_eps, dtype, backend=norm)
         if layer_type == "full_attention":
             self.self_attn = GatedAttention(cfg, dtype)
         else:
@@ -47,11 +52,11 @@ class DecoderLayer(nnx.Module):
          self.linear_attn).merge_projections()
         self.mlp.merge_projections()
 
-    def mix(self, x, batch: AttentionBatch, kv, gdn, gdn_mode: str, slots=None):
-        """Run the token mixer. ``kv``: this layer's ``(k_pages, v_pages)`` (attention layers);
-        ``gdn``: its ``(recurrent, conv)`` batch view, or its pools with ``slots`` (GDN
-        layers). Returns ``(out, new kv or None, new gdn state or verify rows or None)``."""
-        hn = self.input_layernorm(x)
+    def mix(self, hn, batch: AttentionBatch, kv, gdn, gdn_mode: str, slots=None):
+        """Run the token mixer on ``hn`` (the input after ``input_layernorm``). ``kv``: this
+        layer's ``(k_pages, v_pages)`` (attention layers); ``gdn``: its ``(recurrent, conv)``
+        batch view, or its pools with ``slots`` (GDN layers). Returns ``(out, new kv or None,
+        new gdn state or verify rows or None)``."""
         if self.layer_type == "full_attention":
             out, kv = self.self_attn(hn, batch, kv)
             return out, kv, None
@@ -64,9 +69,18 @@ class DecoderLayer(nnx.Module):
         return out, None, gdn
 
     def __call__(self, x, batch, kv=None, gdn=None, gdn_mode="prefill", slots=None):
-        out, kv, gdn = self.mix(x, batch, kv, gdn, gdn_mode, slots)
-        h = x + out
-        return h + self.mlp(self.post_attention_layernorm(h)), kv, gdn
+        """``x [B, T, H]`` -> ``(y [B, T, H], new kv, new gdn)``; see :meth:`mix`."""
+        h, delta, kv, gdn = self.forward(x, None, batch, kv, gdn, gdn_mode, slots)
+        return h + delta, kv, gdn
+
+    def forward(self, x, delta, batch, kv=None, gdn=None, gdn_mode="prefill", slots=None):
+        """The layer on the residual stream ``x + delta`` (``delta``: the previous layer's MLP
+        output, not yet added, or ``None``). Returns ``(h, mlp_out, new kv, new gdn)``; the
+        layer's output is ``h + mlp_out``, left for the next :meth:`RMSNorm.add_norm`."""
+        x, hn = self.input_layernorm.add_norm(x, delta)
+        out, kv, gdn = self.mix(hn, batch, kv, gdn, gdn_mode, slots)
+        h, hn = self.post_attention_layernorm.add_norm(x, out)
+        return h, self.mlp(hn), kv, gdn
 
 
 class Qwen35Model(nnx.Module):
@@ -88,7 +102,8 @@ class Qwen35Model(nnx.Module):
             n_attn += t == "full_attention"
             n_gdn += t != "full_attention"
         self.layers = nnx.List(layers)
-        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(cfg.hidden_size, cfg.rms_norm_eps, dtype,
+                            backend=kernels_of(cfg).norm)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size,
                                                                     cfg.vocab_size, dtype)
         self.mtp = MTPDraft(cfg, dtype) if with_mtp else None
@@ -150,24 +165,24 @@ class Qwen35Model(nnx.Module):
             raise ValueError("slots: prefill takes a batch view of the GDN states (gather them "
                              "first); slots are for 'verify' and 'decode'.")
         writes_state = gdn_mode != "verify"
-        x = self.embed_tokens(input_ids)
+        x, delta = self.embed_tokens(input_ids), None
         ks, vs = list(kv.k), list(kv.v)
         rec, conv = list(gdn.recurrent), list(gdn.conv)
         rows: list = [None] * len(rec)  # GDNRows, or GDNConvRows (fused Pallas path)
         for layer in self.layers:
             i = layer.cache_index
             if layer.layer_type == "full_attention":
-                x, (ks[i], vs[i]), _ = layer(x, batch, kv=(ks[i], vs[i]))
+                x, delta, (ks[i], vs[i]), _ = layer.forward(x, delta, batch, kv=(ks[i], vs[i]))
             else:
-                x, _, out = layer(x, batch, gdn=(rec[i], conv[i]), gdn_mode=gdn_mode,
-                                  slots=slots)
+                x, delta, _, out = layer.forward(x, delta, batch, gdn=(rec[i], conv[i]),
+                                                 gdn_mode=gdn_mode, slots=slots)
                 if writes_state:
                     rec[i], conv[i] = out
                 else:
                     rows[i] = out
         new_kv = PagedKV(tuple(ks), tuple(vs))
         new_gdn = LinearState(tuple(rec), tuple(conv)) if writes_state else tuple(rows)
-        return self.norm(x), new_kv, new_gdn
+        return self.norm.add_norm(x, delta)[1], new_kv, new_gdn
 
     def commit(self, gdn: LinearState, rows: tuple, length: jax.Array,
                slots: jax.Array | None = None) -> LinearState:

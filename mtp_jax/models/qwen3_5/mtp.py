@@ -21,6 +21,7 @@ from flax import nnx
 
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.config import ModelConfig
+from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import Embed, Linear, RMSNorm
 
 
@@ -32,7 +33,7 @@ class MTPDraft(nnx.Module):
         self.fc = Linear(2 * h, h, dtype)
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps, dtype)
         self.pre_fc_norm_hidden = RMSNorm(h, cfg.rms_norm_eps, dtype)
-        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype)
+        self.norm = RMSNorm(h, cfg.rms_norm_eps, dtype, backend=kernels_of(cfg).norm)
         self.layers = nnx.List([DecoderLayer(cfg, "full_attention", dtype, i)
                                 for i in range(cfg.mtp_num_hidden_layers)])
 
@@ -54,7 +55,7 @@ class MTPDraft(nnx.Module):
         h = self.pre_fc_norm_hidden(hidden.astype(e.dtype))
         u = self.fc(jnp.concatenate([e, h], axis=-1))
         i = step % len(self.layers)
-        y, (k, v), _ = self.layers[i](u, batch, kv=(kv.k[i], kv.v[i]))
+        y, delta, (k, v), _ = self.layers[i].forward(u, None, batch, kv=(kv.k[i], kv.v[i]))
         ks, vs = list(kv.k), list(kv.v)
         ks[i], vs[i] = k, v
-        return self.norm(y), PagedKV(tuple(ks), tuple(vs))
+        return self.norm.add_norm(y, delta)[1], PagedKV(tuple(ks), tuple(vs))
