@@ -200,6 +200,30 @@ def test_fresh_process_loads_every_program_and_matches(cold):
     assert got["tokens"] == cold[2]
 
 
+def test_key_holds_after_a_pallas_kernel_in_interpret_mode():
+    """Pallas's interpret mode imports a jax module that registers an option when first used;
+    the options read into the key must be those of a fresh process all the same."""
+    import subprocess
+    import sys
+
+    from pallas_kernels.norm import add_rms_norm
+
+    x = jax.numpy.ones((2, 64), jax.numpy.float32)
+    add_rms_norm(x, x, jax.numpy.zeros((64,), jax.numpy.float32), 1e-6, backend="pallas",
+                 interpret=True)
+    here = os.path.dirname(os.path.abspath(__file__))
+    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=os.pathsep.join(
+        [os.path.dirname(here), os.environ.get("PYTHONPATH", "")]))
+    child = ("import jax; jax.config.update('jax_default_matmul_precision', 'highest'); "
+             "from mtp_jax.engine import executable_key as ek; "
+             "print('CONFIG', ek.config_description())")
+    proc = subprocess.run([sys.executable, "-c", child], env=env, capture_output=True,
+                          text=True, timeout=120)
+    lines = [x for x in proc.stdout.splitlines() if x.startswith("CONFIG ")]
+    assert proc.returncode == 0 and lines, proc.stderr[-2000:]
+    assert lines[-1][len("CONFIG "):] == ek.config_description()
+
+
 def test_loaded_program_consumes_donated_pools_and_takes_the_cpp_path(model, cold, monkeypatch):
     from jax._src import stages
 

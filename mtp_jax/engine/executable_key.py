@@ -41,6 +41,10 @@ ENV_VARS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 CONFIG_SKIP = ("compilation_cache", "persistent_cache", "log", "dump", "traceback", "pprint",
                "explain_cache_misses", "tracer_error")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+# Modules that register jax options when first imported, which can happen after start-up (the
+# Pallas interpret mode imports the fuser, which registers pallas_fuser_disable_nested_fuse):
+# a process that ran such a kernel would otherwise key its programs apart from a fresh one.
+LAZY_CONFIG_MODULES = ("jax.experimental.pallas.fuser",)
 
 
 def digest(*parts: str) -> str:
@@ -128,9 +132,16 @@ def backend_description() -> str:
 
 
 def config_description() -> str:
-    """jax's global options (without :data:`CONFIG_SKIP`) and its trace context."""
+    """jax's global options (without :data:`CONFIG_SKIP`) and its trace context, after
+    importing :data:`LAZY_CONFIG_MODULES` (so that both processes list the same options)."""
     import jax
     from jax._src import config as jcfg
+
+    for name in LAZY_CONFIG_MODULES:
+        try:
+            importlib.import_module(name)
+        except ImportError:
+            pass
 
     values = jax.config.values
     opts = [f"{k}={stable_repr(values[k])}" for k in sorted(values)
