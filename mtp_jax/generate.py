@@ -13,6 +13,8 @@ DEFAULT_PROMPT = "Explain speculative decoding in one paragraph."
 
 
 def build_parser() -> argparse.ArgumentParser:
+    from mtp_jax.kernels import CHOICES, OPS, backend_help
+
     p = argparse.ArgumentParser(prog="python -m mtp_jax.generate", description=__doc__)
     p.add_argument("--model", default=None,
                    help="checkpoint folder (HF layout); default: a small built-in random-weight "
@@ -20,12 +22,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text; repeat for several prompts (default: a demo prompt)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt")
+    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling mass, in (0, 1]; 1 = off")
     p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 or 0 = off")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed, in [0, 2**32)")
+    p.add_argument("--seed", type=int, default=0, help="sampling seed, in [0, 2**32) (default %(default)s)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the checkpoint's EOS tokens")
     p.add_argument("--speculative-algorithm", "--spec-algo", dest="speculative_algorithm",
@@ -50,11 +52,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto = bfloat16 on GPU, float32 on CPU")
     p.add_argument("--max-running-requests", type=int, default=8,
-                   help="requests in flight at once (>= 1)")
+                   help="requests in flight at once (>= 1; default %(default)s)")
     p.add_argument("--max-model-len", type=int, default=4096,
                    help="prompt + output tokens per request (capped by the model's "
-                        "max_position_embeddings)")
-    p.add_argument("--page-size", type=int, default=16, help="tokens per KV page (a power of two)")
+                        "max_position_embeddings; default %(default)s)")
+    p.add_argument("--page-size", type=int, default=16,
+                   help="tokens per KV page (a power of two; default %(default)s)")
     p.add_argument("--dummy-weight", action="store_true",
                    help="random weights of the checkpoint's shapes instead of its weights "
                         "(benchmarks; needs --speculative-algorithm none)")
@@ -63,14 +66,15 @@ def build_parser() -> argparse.ArgumentParser:
                         "optional temperature, top_p, top_k, max_tokens, seed, stop, "
                         "stop_token_ids, ignore_eos (default: the flags)}; results in order")
     p.add_argument("--chunked-prefill-size", type=int, default=2048,
-                   help="prompt tokens prefilled per scheduler step")
+                   help="prompt tokens prefilled per scheduler step (default %(default)s)")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="do not reuse KV / GDN state of shared prompt prefixes")
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="wait for each round's result before dispatching the next (by default "
                         "the next round is dispatched first, overlapping host and device work)")
     p.add_argument("--mem-fraction", type=float, default=0.9,
-                   help="fraction of device memory for weights and pools, in (0, 1]")
+                   help="fraction of device memory for weights and pools, in (0, 1] "
+                        "(default %(default)s)")
     p.add_argument("--max-total-tokens", type=int, default=None,
                    help="KV positions for all requests together (overrides --mem-fraction)")
     p.add_argument("--compilation-cache-dir", default=None,
@@ -79,13 +83,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ple-backend", default="disk", choices=["disk", "memory"],
                    help="Qwen3.8-Flash-Next checkpoints (model_type qwen4_exp) only: their "
                         "PLE n-gram tables memory-mapped from disk or held in host RAM")
-    for op, what in (("attention", "paged attention (decode/verify rows)"),
-                     ("gdn", "the GDN decode/verify/commit step form"),
-                     ("moe", "the MoE experts and router"),
-                     ("norm", "the decoder layers' residual add + RMSNorm")):
-        p.add_argument(f"--{op}-backend", default="auto", choices=["auto", "xla", "pallas"],
-                       help=f"implementation of {what}: pallas (GPU kernels), xla, or auto "
-                            "(pallas where checked faster on a GPU, else xla)")
+    for op in OPS:
+        p.add_argument(f"--{op}-backend", default="auto", choices=list(CHOICES),
+                       help=backend_help(op))
     p.add_argument("--json", action="store_true", help="print one JSON object per request")
     return p
 

@@ -20,6 +20,20 @@ OPS = ("attention", "gdn", "moe", "norm")
 CHOICES = ("auto", "xla", "pallas")
 AUTO_PALLAS_ON_GPU: tuple[str, ...] = ("gdn", "moe")
 SIXTEEN_BIT_ONLY = ("attention", "moe")
+OP_DESCRIPTIONS = {"attention": "paged attention (decode/verify rows)",
+                   "gdn": "the GDN decode/verify/commit step form",
+                   "moe": "the MoE experts and router",
+                   "norm": "the decoder layers' residual add + RMSNorm"}
+EXPERIMENTAL = {"norm": "experimental: not yet run on a GPU"}
+
+
+def backend_help(op: str) -> str:
+    """The ``--<op>-backend`` help text: what the op is and what ``auto`` picks."""
+    where = "on a GPU in 16-bit dtypes" if op in SIXTEEN_BIT_ONLY else "on a GPU"
+    auto = (f"auto = pallas {where}, else xla" if op in AUTO_PALLAS_ON_GPU
+            else "auto = xla (the kernel is not measured faster yet)")
+    note = f"; {EXPERIMENTAL[op]}" if op in EXPERIMENTAL else ""
+    return f"implementation of {OP_DESCRIPTIONS[op]}: pallas (GPU kernels) or xla; {auto}{note}"
 
 
 @dataclasses.dataclass(frozen=True)

@@ -48,6 +48,12 @@ def test_without_delta_and_leading_axes():
     np.testing.assert_allclose(np.asarray(y), _numpy(x, w), rtol=1e-5, atol=1e-5)
 
 
+def test_no_rows():
+    x, d, w = _inputs(0, 64, jnp.float32)
+    h, y = add_rms_norm(x, d, w, EPS, backend="pallas", interpret=True)
+    assert h.shape == y.shape == (0, 64)
+
+
 def test_rows_do_not_depend_on_the_row_count():
     """A verify window (k + 1 rows) and a decode step (1 row) must agree row for row."""
     x, d, w = _inputs(4, 640, jnp.bfloat16, seed=3)

@@ -268,9 +268,13 @@ def test_key_changes_with_config_flags_and_source(model, tmp_path, monkeypatch):
     env = ek.environment_digest()
     with jax.default_matmul_precision("bfloat16"):  # a trace-context option
         assert ek.environment_digest() != env
-    monkeypatch.setenv("XLA_FLAGS", "--xla_cpu_enable_fast_math=true")
+    flags = os.environ.get("XLA_FLAGS")
+    monkeypatch.setenv("XLA_FLAGS", (flags or "") + " --xla_cpu_enable_fast_math=true")
     assert ek.environment_digest() != env
-    monkeypatch.delenv("XLA_FLAGS")
+    if flags is None:
+        monkeypatch.delenv("XLA_FLAGS")
+    else:
+        monkeypatch.setenv("XLA_FLAGS", flags)
     assert ek.environment_digest() == env
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)

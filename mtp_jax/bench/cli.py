@@ -16,6 +16,7 @@ from mtp_jax.bench.compiles import install
 from mtp_jax.bench.floor import load_config
 from mtp_jax.bench.run import Settings, bench_one
 from mtp_jax.config import ConfigError
+from mtp_jax.kernels import backend_help
 from mtp_jax.models.loader import load_model
 
 BACKEND_OPS = ("attention", "gdn", "moe", "norm")
@@ -56,7 +57,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "$MTP_JAX_COMPILATION_CACHE or ~/.cache/mtp_jax/xla)")
     for op in BACKEND_OPS:
         p.add_argument(f"--{op}-backend", default="auto", choices=["auto", "xla", "pallas"],
-                       help=f"{op} kernel implementation passed to load_model")
+                       help=backend_help(op))
     p.add_argument("--no-merge-projections", action="store_true",
                    help="keep one weight per checkpoint projection (load_model("
                         "merge_projections=False)), for an A/B against the merged default")

@@ -78,8 +78,9 @@ class RequestOutput:
     tokenizer); finish_reason: ``"stop"`` (EOS, stop id or stop string), ``"length"``
     (max_tokens or max_model_len) or ``"error"`` (``error`` holds the message).
     Speculative metrics: ``num_rounds`` verify rounds (decode steps when off),
-    ``accept_length`` = committed tokens per round (mean), ``acceptance_rate`` = accepted drafts /
-    proposed drafts (None when speculation is off).
+    ``accept_length`` = committed tokens per round (mean; None before the first round),
+    ``acceptance_rate`` = accepted drafts / proposed drafts (None when no draft was proposed:
+    speculation off, or a request that ended within its first round or two).
     """
 
     request_id: str

@@ -64,7 +64,10 @@ def gdn_decode_reference(q, k, v, g, beta, state):
     return o[:, None], s
 
 
-def gdn_chunked_reference(q, k, v, g, beta, state, chunk_size: int = 128):
+MAX_CHUNK = 128  # rows per chunk of the chunked form (H200, 27B shape: 64 -> 128 +0.8%)
+
+
+def gdn_chunked_reference(q, k, v, g, beta, state, chunk_size: int | None = None):
     """Chunked (WY-representation) form; same arguments and results as the step form.
 
     Within a chunk with cumulative log-decay ``G_t`` and start state ``S0``, the written values
@@ -78,9 +81,14 @@ def gdn_chunked_reference(q, k, v, g, beta, state, chunk_size: int = 128):
     computed for all chunks at once, so the sequential scan over chunks is four small matmuls
     per chunk: ``U = W_v - W_k S0``, ``o``, ``S_end`` (the split of the intra- and inter-chunk
     work of flash-linear-attention's chunked kernels, Yang et al. 2024).
+
+    ``chunk_size``: rows per chunk; default :data:`MAX_CHUNK`, or the next power of two of
+    ``T`` (at least 16) when that is smaller.
     """
     b, t, h, dk = k.shape
     dv = v.shape[-1]
+    if chunk_size is None:  # short inputs (prefill tails, tests): a chunk of their own size
+        chunk_size = min(MAX_CHUNK, max(16, 1 << max(t - 1, 0).bit_length()))
     pad = (-t) % chunk_size
     if pad:
         padw = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))

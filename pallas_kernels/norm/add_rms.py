@@ -133,7 +133,7 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: 
         raise ValueError(f"add_rms_norm: x {x.shape}, delta "
                          f"{None if delta is None else delta.shape} and weight {weight.shape} "
                          "must be [..., H], [..., H] and [H].")
-    if backend == "xla":
+    if backend == "xla" or x.size == 0:  # no rows: nothing for a kernel to do
         return add_rms_norm_reference(x, delta, weight, eps)
     if chunk_of(hidden) is None:
         raise ValueError(f"add_rms_norm: hidden size {hidden} has no power-of-two piece of "
