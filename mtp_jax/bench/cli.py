@@ -6,6 +6,7 @@ import argparse
 import dataclasses
 import inspect
 import json
+import re
 import sys
 import time
 
@@ -22,8 +23,17 @@ from mtp_jax.models.loader import load_model
 BACKEND_OPS = ("attention", "gdn", "moe", "norm")
 
 
+def plain_text(doc: str | None) -> str | None:
+    """A docstring for ``--help``: reST roles (``:mod:`x``` -> ``x``) and inline-literal
+    backticks removed."""
+    if doc is None:
+        return None
+    return re.sub(r":\w+:`([^`]*)`", r"\1", doc).replace("``", "")
+
+
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mtp_jax.bench", description=description,
+    p = argparse.ArgumentParser(prog="python -m mtp_jax.bench",
+                                description=plain_text(description),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", required=True,
                    help="configs/<name>.json (repeat for several shapes)")
@@ -48,8 +58,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="k > 0 rows: the MTP draft scores only the N lowest token ids "
                         "(speculative_draft_vocab_size); the floor counts N draft LM-head rows "
                         "(default: the full vocabulary)")
-    p.add_argument("--page-size", type=int, default=16)
-    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
+    p.add_argument("--page-size", type=int, default=16,
+                   help="tokens per KV page (default %(default)s)")
+    p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
+                   help="weights and activations (default %(default)s; float32 makes a failed "
+                        "exactness check an error)")
     p.add_argument("--seed", type=int, default=0, help="seed of the random weights")
     p.add_argument("--hbm-tbps", type=float, default=4.2, help="HBM bandwidth of the floor")
     p.add_argument("--compilation-cache-dir", default=None,
