@@ -22,12 +22,14 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--prompt", action="append", default=None,
                    help="prompt text; repeat for several prompts (default: a demo prompt)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
-    p.add_argument("--max-tokens", type=int, default=64, help="output tokens per prompt (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=64,
+                   help="output tokens per prompt (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling mass, in (0, 1]; 1 = off")
     p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 or 0 = off")
-    p.add_argument("--seed", type=int, default=0, help="sampling seed, in [0, 2**32) (default %(default)s)")
+    p.add_argument("--seed", type=int, default=0,
+                   help="sampling seed, in [0, 2**32) (default %(default)s)")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the checkpoint's EOS tokens")
     p.add_argument("--speculative-algorithm", "--spec-algo", dest="speculative_algorithm",

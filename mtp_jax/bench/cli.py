@@ -17,10 +17,8 @@ from mtp_jax.bench.compiles import install
 from mtp_jax.bench.floor import load_config
 from mtp_jax.bench.run import Settings, bench_one
 from mtp_jax.config import ConfigError
-from mtp_jax.kernels import backend_help
+from mtp_jax.kernels import CHOICES, OPS, backend_help
 from mtp_jax.models.loader import load_model
-
-BACKEND_OPS = ("attention", "gdn", "moe", "norm")
 
 
 def plain_text(doc: str | None) -> str | None:
@@ -68,8 +66,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA compilation cache folder, or 'none' (default: "
                         "$MTP_JAX_COMPILATION_CACHE or ~/.cache/mtp_jax/xla)")
-    for op in BACKEND_OPS:
-        p.add_argument(f"--{op}-backend", default="auto", choices=["auto", "xla", "pallas"],
+    for op in OPS:
+        p.add_argument(f"--{op}-backend", default="auto", choices=list(CHOICES),
                        help=backend_help(op))
     p.add_argument("--no-merge-projections", action="store_true",
                    help="keep one weight per checkpoint projection (load_model("
@@ -87,7 +85,7 @@ def backend_kwargs(args) -> dict:
     ``merge_projections=False`` with ``--no-merge-projections``, ``pack_small_params=True``
     with ``--pack-small-params``) for ``load_model``; a
     non-default choice that this ``load_model`` does not take raises ``ConfigError``."""
-    asked = {f"{op}_backend": getattr(args, f"{op}_backend") for op in BACKEND_OPS}
+    asked = {f"{op}_backend": getattr(args, f"{op}_backend") for op in OPS}
     params = inspect.signature(load_model).parameters
     missing = [name for name in asked if name not in params]
     bad = [f"--{name[:-8]}-backend {asked[name]}" for name in missing if asked[name] != "auto"]

@@ -269,8 +269,9 @@ def _drafts_writer(eng: Engine, reqs: list[Request], reference) -> Callable[[int
 def _prefill_and_force(eng: Engine, reqs: list[Request], reference, k: int, m: int,
                        ledger: Ledger, programs: tuple[str, str] | None) -> Callable[[int], float]:
     """Prefill ``reqs`` and write their first round's drafts (``m`` right); returns the
-    :func:`_drafts_writer` for the rounds after. ``programs``: as :func:`forced_decode` (the
-    prefill's and the overwrite's first calls are recorded when given)."""
+    :func:`_drafts_writer` for the rounds after. ``programs``: as
+    :func:`rejected_drafts_reference` (the prefill's and the overwrite's first calls are
+    recorded when given)."""
     prefill_all(eng, reqs, ledger, "warmup", programs[0] if programs else None)
     force_m = _drafts_writer(eng, reqs, reference)
     with ledger.phase("warmup", f"force_on_device[B={len(reqs)},k={k}]" if programs else None):
@@ -285,7 +286,8 @@ def rejected_drafts_reference(eng: Engine, reqs: list[Request], reference, k: in
     """The round program's own greedy continuation: prefill ``reqs``, then rounds whose drafts
     are all wrong by ``reference`` (the plain-decoding continuation), so that each commits one
     token, the target's choice at verify row 0, until every request holds ``reference_len``
-    tokens (untimed, under ``warmup``; ``programs``: as :func:`forced_decode`).
+    tokens (untimed, under ``warmup``). ``programs``: names of the prefill and round programs
+    when this is their first call (recorded with their compile counts), else ``None``.
 
     With an exact engine this equals ``reference`` in float32. In 16-bit dtypes the verify's
     (k+1)-row matmuls may round a near-tie of a random-weight model differently from the
@@ -307,16 +309,16 @@ def rejected_drafts_reference(eng: Engine, reqs: list[Request], reference, k: in
 
 
 def forced_decode(eng: Engine, reqs: list[Request], reference, accept_length: float, k: int,
-                  s: Settings, ledger: Ledger, programs: tuple[str, str] | None) -> dict:
+                  s: Settings, ledger: Ledger) -> dict:
     """Prefill ``reqs``, then forced rounds at ``accept_length``: ``warmup_rounds`` untimed,
-    then timed until each request committed ``decode_tokens`` tokens. ``programs``: names of
-    the prefill and round programs when this is their first call, else ``None``."""
+    then timed until each request committed ``decode_tokens`` tokens (the programs' first
+    calls are :func:`rejected_drafts_reference`'s)."""
     a = accept_fraction(accept_length, k)
     force_m = _prefill_and_force(eng, reqs, reference, k, commits_of_round(a, 0) - 1, ledger,
-                                 programs)
+                                 None)
     force_s: list[float] = []
     for i in range(s.warmup_rounds):
-        with ledger.phase("warmup", programs[1] if programs and i == 0 else None):
+        with ledger.phase("warmup"):
             eng._run_round(reqs)
         with ledger.phase("warmup"):
             # the alternation restarts with the timed phase: its R rounds commit floor(a R)
@@ -412,7 +414,7 @@ def bench_one(model, batch: int, k: int, s: Settings,
                 continue
             reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0)
             first = not forced
-            forced.append(forced_decode(eng, reqs, rounds_ref, al, k, s, ledger, None))
+            forced.append(forced_decode(eng, reqs, rounds_ref, al, k, s, ledger))
             if first:
                 with ledger.phase("warmup"):
                     prefill_s = measure_prefill(eng, s, cfg.vocab_size)

@@ -15,7 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-from pallas_kernels.norm import add_rms_norm
+from pallas_kernels.norm import add_rms_norm, rms_norm_reference
 
 
 class Linear(nnx.Module):
@@ -118,15 +118,11 @@ class RMSNorm(nnx.Module):
         self.backend = backend
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        y = rms_normalize(x, self.eps) * (1.0 + self.weight[...].astype(jnp.float32))
-        return y.astype(x.dtype)
+        return rms_norm_reference(x, self.weight[...], self.eps)
 
     def add_norm(self, x: jax.Array, delta: jax.Array | None) -> tuple[jax.Array, jax.Array]:
         """The residual add and this norm of the sum: ``x, delta [..., dim]`` ->
         ``(h = x + delta, norm(h))`` in ``x.dtype`` (``delta=None``: ``h = x``). With the
         ``pallas`` backend one kernel does both; with ``xla`` it is ``x + delta`` and
         :meth:`__call__`."""
-        if self.backend == "xla":
-            h = x if delta is None else x + delta
-            return h, self(h)
         return add_rms_norm(x, delta, self.weight[...], self.eps, backend=self.backend)
