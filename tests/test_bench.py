@@ -340,3 +340,13 @@ def test_no_merge_projections_flag_reaches_load_model(monkeypatch):
         cli.backend_kwargs(parser.parse_args(["--config", "x.json", "--no-merge-projections"]))
     with pytest.raises(ConfigError, match="--pack-small-params"):
         cli.backend_kwargs(parser.parse_args(["--config", "x.json", "--pack-small-params"]))
+
+
+def test_help_description_is_plain_text():
+    import mtp_jax.bench as bench_pkg
+    from mtp_jax.bench import cli
+
+    assert cli.plain_text("see ``--prompt-len`` and :mod:`mtp_jax.bench.forced`; a `b`") == (
+        "see --prompt-len and mtp_jax.bench.forced; a `b`")
+    text = cli.build_parser(bench_pkg.__doc__).format_help()
+    assert "``" not in text and ":mod:" not in text and "--prefill-reps" in text

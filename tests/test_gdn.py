@@ -71,3 +71,12 @@ def test_conv_window_per_row_lengths():
     out = np.asarray(conv_window(conv, new, jnp.asarray([0, 4], jnp.int32)))
     np.testing.assert_array_equal(out[0], np.asarray(conv[0]))
     np.testing.assert_array_equal(out[1], np.asarray(new[1, 1:4]).T)
+
+
+def test_chunked_default_chunk_of_a_short_input_matches_float64():
+    """T = 20: the default chunk is 32 rows (the next power of two), one padded chunk."""
+    args = _inputs(1, t=20)
+    ref_o, ref_s = _numpy_gdn(*args)
+    o, s = gdn_chunked_reference(*(jnp.asarray(a, jnp.float32) for a in args))
+    np.testing.assert_allclose(np.asarray(o), ref_o, atol=2e-5, rtol=1e-4)
+    np.testing.assert_allclose(np.asarray(s), ref_s, atol=2e-5, rtol=1e-4)

@@ -92,3 +92,12 @@ def test_float32_keeps_sixteen_bit_kernels_on_xla():
     with pytest.raises(ConfigError, match="moe_backend 'pallas' needs 16-bit.*--dtype bfloat16"):
         KernelBackends.resolve(moe="pallas", platform="gpu", dtype="float32")
     assert KernelBackends.resolve(moe="pallas", platform="gpu", dtype="bfloat16").moe == "pallas"
+
+
+def test_backend_help_names_what_auto_picks():
+    from mtp_jax.kernels import backend_help
+
+    assert "auto = pallas on a GPU, else xla" in backend_help("gdn")
+    assert "auto = pallas on a GPU in 16-bit dtypes" in backend_help("moe")
+    assert "auto = xla" in backend_help("attention")
+    assert "auto = xla" in backend_help("norm") and "experimental" in backend_help("norm")
