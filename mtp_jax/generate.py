@@ -175,7 +175,7 @@ def main(argv=None) -> int:
                   compilation_cache_dir=args.compilation_cache_dir,
                   ple_backend=args.ple_backend, attention_backend=args.attention_backend,
                   gdn_backend=args.gdn_backend, moe_backend=args.moe_backend,
-                  norm_backend=args.norm_backend)
+                  norm_backend=args.norm_backend, gemv_backend=args.gemv_backend)
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

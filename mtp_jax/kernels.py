@@ -1,7 +1,7 @@
 """Which implementation runs each hot op: the XLA reference or the Pallas kernel.
 
 One switch per op (``--attention-backend``, ``--gdn-backend``, ``--moe-backend``,
-``--norm-backend``), each
+``--norm-backend``, ``--gemv-backend``), each
 ``"xla"``, ``"pallas"`` or ``"auto"``. ``auto`` picks the Pallas kernel where it has been
 checked and measured faster (the ops in :data:`AUTO_PALLAS_ON_GPU`, on a GPU) and XLA
 elsewhere; the Pallas kernels use the Triton lowering and need a CUDA GPU.
@@ -16,15 +16,18 @@ import dataclasses
 
 from mtp_jax.config import ConfigError
 
-OPS = ("attention", "gdn", "moe", "norm")
+OPS = ("attention", "gdn", "moe", "norm", "gemv")
 CHOICES = ("auto", "xla", "pallas")
 AUTO_PALLAS_ON_GPU: tuple[str, ...] = ("gdn", "moe")
 SIXTEEN_BIT_ONLY = ("attention", "moe")
 OP_DESCRIPTIONS = {"attention": "paged attention (decode/verify rows)",
                    "gdn": "the GDN decode/verify/commit step form",
                    "moe": "the MoE experts and router",
-                   "norm": "the decoder layers' residual add + RMSNorm"}
-EXPERIMENTAL = {"norm": "experimental: not yet run on a GPU"}
+                   "norm": "the decoder layers' residual add + RMSNorm",
+                   "gemv": "the merged projections of one-row (batch-1 decode) calls"}
+EXPERIMENTAL = {
+    "norm": "experimental: faster on the 2B shape, not on the 27B one (docs/benchmarks.md)",
+    "gemv": "experimental: faster on the 2B shape, not on the 27B one (docs/benchmarks.md)"}
 
 
 def backend_help(op: str) -> str:
@@ -38,13 +41,15 @@ def backend_help(op: str) -> str:
 
 @dataclasses.dataclass(frozen=True)
 class KernelBackends:
-    """Resolved backends (``"xla"`` or ``"pallas"``) of the attention, GDN and MoE ops and of
-    the decoder layers' residual add + RMSNorm (``norm``)."""
+    """Resolved backends (``"xla"`` or ``"pallas"``) of the attention, GDN and MoE ops, of
+    the decoder layers' residual add + RMSNorm (``norm``) and of the merged projections of
+    one-row calls (``gemv``)."""
 
     attention: str = "xla"
     gdn: str = "xla"
     moe: str = "xla"
     norm: str = "xla"
+    gemv: str = "xla"
 
     @classmethod
     def resolve(cls, attention: str | None = "auto", gdn: str | None = "auto",
@@ -52,7 +57,8 @@ class KernelBackends:
                 dtype: str | None = None,
                 gdn_dims: tuple[int, int, int] | None = None,
                 norm: str | None = "auto",
-                hidden_size: int | None = None) -> "KernelBackends":
+                hidden_size: int | None = None,
+                gemv: str | None = "auto") -> "KernelBackends":
         """Validate the user's choices and resolve ``auto``.
 
         ``platform``: the JAX backend (``"gpu"``, ``"cpu"``; default: ``jax.default_backend()``).
@@ -62,12 +68,13 @@ class KernelBackends:
         ``gdn_dims``: the model's ``(linear_key_head_dim, linear_value_head_dim, conv width)``
         when known; sizes the fused GDN kernels cannot take make ``auto`` take XLA for GDN.
         ``hidden_size``: the model's, when known; checked against the norm kernel's pieces.
-        ``auto`` takes XLA for ``norm`` (the kernel is not yet measured faster).
+        ``auto`` takes XLA for ``norm`` and ``gemv`` (their kernels are faster on the 2B shape
+        only, so far).
         Raises ConfigError for an unknown choice, ``pallas`` without a GPU, a 16-bit-only
         kernel asked for with float32, or the GDN or norm kernels asked for with sizes they
         cannot take.
         """
-        chosen = {"attention": attention, "gdn": gdn, "moe": moe, "norm": norm}
+        chosen = {"attention": attention, "gdn": gdn, "moe": moe, "norm": norm, "gemv": gemv}
         for op, value in chosen.items():
             if value is None:
                 chosen[op] = value = "auto"

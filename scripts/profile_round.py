@@ -185,6 +185,8 @@ def main() -> None:
     p.add_argument("--out", required=True)
     p.add_argument("--norm-backend", default="auto", choices=["auto", "xla", "pallas"],
                    help="the decoder layers' residual add + RMSNorm (load_model norm_backend)")
+    p.add_argument("--gemv-backend", default="auto", choices=["auto", "xla", "pallas"],
+                   help="the merged projections of one-row calls (load_model gemv_backend)")
     p.add_argument("--op-by-op", action="store_true",
                    help="profile op by op (XLA's default under a profiler), not with the CUDA "
                         "graphs the engine runs")
@@ -198,7 +200,7 @@ def main() -> None:
         print("profiling op by op", flush=True)
     cfg = load_config(args.config)
     model = load_model(cfg=cfg, dtype=args.dtype, dummy_weight=True, with_mtp=any(args.k),
-                       norm_backend=args.norm_backend)
+                       norm_backend=args.norm_backend, gemv_backend=args.gemv_backend)
     report = []
     for k in args.k:
         text = profile(model, cfg, k, args.batch, args.prompt_len, args.rounds, args.out,

@@ -7,22 +7,24 @@ from mtp_jax.kernels import AUTO_PALLAS_ON_GPU, KernelBackends
 
 
 def test_auto_is_xla_on_cpu():
-    assert KernelBackends.resolve(platform="cpu") == KernelBackends("xla", "xla", "xla", "xla")
+    assert KernelBackends.resolve(platform="cpu") == KernelBackends("xla", "xla", "xla", "xla",
+                                                                    "xla")
 
 
 def test_auto_on_gpu_takes_only_the_checked_kernels():
     got = KernelBackends.resolve(platform="gpu")
-    for op in ("attention", "gdn", "moe", "norm"):
+    for op in ("attention", "gdn", "moe", "norm", "gemv"):
         assert getattr(got, op) == ("pallas" if op in AUTO_PALLAS_ON_GPU else "xla")
-    assert got.norm == "xla"  # not yet measured faster
+    assert got.norm == got.gemv == "xla"  # faster on one shape only so far
 
 
 def test_explicit_choices_are_kept_on_gpu():
-    got = KernelBackends.resolve("pallas", "xla", "pallas", platform="gpu", norm="pallas")
-    assert got == KernelBackends("pallas", "xla", "pallas", "pallas")
+    got = KernelBackends.resolve("pallas", "xla", "pallas", platform="gpu", norm="pallas",
+                                 gemv="pallas")
+    assert got == KernelBackends("pallas", "xla", "pallas", "pallas", "pallas")
 
 
-@pytest.mark.parametrize("op", ["attention", "gdn", "moe", "norm"])
+@pytest.mark.parametrize("op", ["attention", "gdn", "moe", "norm", "gemv"])
 def test_unknown_backend_names_value_and_flag(op):
     with pytest.raises(ConfigError, match=rf"{op}_backend 'triton'.*--{op}-backend"):
         KernelBackends.resolve(**{op: "triton"}, platform="gpu")
@@ -100,4 +102,5 @@ def test_backend_help_names_what_auto_picks():
     assert "auto = pallas on a GPU, else xla" in backend_help("gdn")
     assert "auto = pallas on a GPU in 16-bit dtypes" in backend_help("moe")
     assert "auto = xla" in backend_help("attention")
-    assert "auto = xla" in backend_help("norm") and "experimental" in backend_help("norm")
+    for op in ("norm", "gemv"):
+        assert "auto = xla" in backend_help(op) and "experimental" in backend_help(op)

@@ -81,10 +81,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
 
 
 def backend_kwargs(args) -> dict:
-    """``attention_backend=..., gdn_backend=..., moe_backend=..., norm_backend=...`` (and
-    ``merge_projections=False`` with ``--no-merge-projections``, ``pack_small_params=True``
-    with ``--pack-small-params``) for ``load_model``; a
-    non-default choice that this ``load_model`` does not take raises ``ConfigError``."""
+    """``attention_backend=..., gdn_backend=..., moe_backend=..., norm_backend=...,
+    gemv_backend=...`` (and ``merge_projections=False`` with ``--no-merge-projections``,
+    ``pack_small_params=True`` with ``--pack-small-params``) for ``load_model``; a non-default
+    choice that this ``load_model`` does not take raises ``ConfigError``."""
     asked = {f"{op}_backend": getattr(args, f"{op}_backend") for op in OPS}
     params = inspect.signature(load_model).parameters
     missing = [name for name in asked if name not in params]

@@ -68,10 +68,11 @@ class LLM:
       ple_backend: qwen4_exp only: where the PLE n-gram tables live, ``"disk"`` (memory-mapped,
         default) or ``"memory"`` (host RAM). qwen4_exp runs plain decoding, one request at a
         time, for now.
-      attention_backend, gdn_backend, moe_backend, norm_backend: ``"auto"`` (default),
-        ``"xla"`` or ``"pallas"``: the implementation of paged attention, the GDN
-        decode/verify/commit step form, the MoE experts and router, and the decoder layers'
-        residual add + RMSNorm (:mod:`mtp_jax.kernels`); ``pallas`` needs a CUDA GPU.
+      attention_backend, gdn_backend, moe_backend, norm_backend, gemv_backend: ``"auto"``
+        (default), ``"xla"`` or ``"pallas"``: the implementation of paged attention, the GDN
+        decode/verify/commit step form, the MoE experts and router, the decoder layers'
+        residual add + RMSNorm, and the merged projections of one-row calls
+        (:mod:`mtp_jax.kernels`); ``pallas`` needs a CUDA GPU.
       compilation_cache_dir: persistent XLA compilation cache folder (compiled programs reused
         by the next process); ``None``: ``$MTP_JAX_COMPILATION_CACHE``, else the folder jax
         already uses, else ``~/.cache/mtp_jax/xla``; ``"none"``/``"off"``: no cache
@@ -95,16 +96,19 @@ class LLM:
                  mem_fraction: float = 0.9, max_total_tokens: int | None = None,
                  ple_backend: str = "disk", attention_backend: str = "auto",
                  gdn_backend: str = "auto", moe_backend: str = "auto",
-                 compilation_cache_dir: str | None = None, norm_backend: str = "auto"):
+                 compilation_cache_dir: str | None = None, norm_backend: str = "auto",
+                 gemv_backend: str = "auto"):
         from mtp_jax.compile_cache import enable_compilation_cache
 
         enable_compilation_cache(compilation_cache_dir)  # before anything compiles
         from mtp_jax.kernels import KernelBackends
 
         backends = dict(attention_backend=attention_backend, gdn_backend=gdn_backend,
-                        moe_backend=moe_backend, norm_backend=norm_backend)
+                        moe_backend=moe_backend, norm_backend=norm_backend,
+                        gemv_backend=gemv_backend)
         KernelBackends.resolve(attention_backend, gdn_backend, moe_backend,
-                               dtype=resolve_dtype(dtype), norm=norm_backend)  # errors first
+                               dtype=resolve_dtype(dtype), norm=norm_backend,
+                               gemv=gemv_backend)  # errors first
         if model is None:
             from mtp_jax.default_model import default_model_path
 

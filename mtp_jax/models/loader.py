@@ -21,6 +21,7 @@ from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.checks import check_before_load, check_draft_folder  # noqa: F401 (re-export)
 from mtp_jax.config import ConfigError, ModelConfig, SpecConfig
 from mtp_jax.kernels import KernelBackends, gdn_dims_of
+from mtp_jax.models.layers.basic import set_gemv_backend
 from mtp_jax.models.registry import model_spec
 from mtp_jax.weights import names
 from mtp_jax.weights.safetensors_reader import load_tensors
@@ -215,7 +216,7 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
                device=None, draft_path: str | None = None, attention_backend: str = "auto",
                gdn_backend: str = "auto", moe_backend: str = "auto",
                merge_projections: bool = True, pack_small_params: bool = False,
-               norm_backend: str = "auto") -> LoadedModel:
+               norm_backend: str = "auto", gemv_backend: str = "auto") -> LoadedModel:
     """Load a Qwen3.5-family checkpoint folder.
 
     Args:
@@ -230,6 +231,8 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
         layers whose head sizes the kernels cannot take).
       norm_backend: the same for the decoder layers' residual add + RMSNorm
         (:mod:`pallas_kernels.norm`; ``auto`` takes XLA).
+      gemv_backend: the same for the merged projections of one-row calls
+        (:mod:`pallas_kernels.gemv`; ``auto`` takes XLA; ``pallas`` needs the merge).
       merge_projections: after loading, stack the projections that read one input into one
         matrix each (``Qwen35Model.merge_projections``: one GEMM per group, faster decode);
         ``False`` keeps one parameter per checkpoint tensor, under its canonical name.
@@ -242,7 +245,10 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
       the draft's before the target's).
     """
     kernels = KernelBackends.resolve(attention_backend, gdn_backend, moe_backend,
-                                     norm=norm_backend)
+                                     norm=norm_backend, gemv=gemv_backend)
+    if kernels.gemv == "pallas" and not merge_projections:
+        raise ConfigError("gemv_backend 'pallas' runs the merged projections, but "
+                          "merge_projections is False; merge them or use --gemv-backend xla.")
     if cfg is None and path is not None:  # qwen4_exp: its own loader (PLE tables stay on host)
         from mtp_jax.models.qwen4_exp.config import folder_is_qwen4_exp
 
@@ -276,7 +282,7 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=1)
     cfg = dataclasses.replace(cfg, kernels=KernelBackends.resolve(
         attention_backend, gdn_backend, moe_backend, dtype=dtype, gdn_dims=gdn_dims_of(cfg),
-        norm=norm_backend, hidden_size=cfg.hidden_size))
+        norm=norm_backend, hidden_size=cfg.hidden_size, gemv=gemv_backend))
     graphdef, abstract = abstract_model(cfg, dtype, with_mtp)
     expected = expected_tensors(abstract)
     if dummy_weight:
@@ -306,6 +312,7 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
         module = nnx.merge(graphdef, params)
         del params
         _merge_projections(module)
+        set_gemv_backend(module, cfg.kernels.gemv)
         graphdef, params = nnx.split(module)
     return LoadedModel(cfg=cfg, dtype=dtype, graphdef=graphdef, params=params, has_mtp=with_mtp,
                        pack_small_params=pack_small_params)

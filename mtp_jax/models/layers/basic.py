@@ -15,6 +15,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from pallas_kernels.gemv import gemv
 from pallas_kernels.norm import add_rms_norm, rms_norm_reference
 
 
@@ -39,12 +40,16 @@ class MergedLinear(nnx.Module):
     17.3 us against 26.7 us as four projections (``docs/benchmarks.md``). Each output column is
     the same dot product as before; only the GEMM's accumulation order may differ (float32 on
     the CPU: differences of a few 1e-6).
+
+    ``backend`` (static, ``"xla"`` or ``"pallas"``): what a one-row call runs
+    (:func:`pallas_kernels.gemv.gemv`; the loader sets it from ``KernelBackends.gemv``).
     """
 
-    def __init__(self, weights: Sequence[jax.Array]):
+    def __init__(self, weights: Sequence[jax.Array], backend: str = "xla"):
         """``weights``: ``[N_j, in]`` arrays of one dtype (e.g. the ``Linear.weight`` values)."""
         self.sizes = tuple(int(w.shape[0]) for w in weights)
         self.weight = nnx.Param(jnp.concatenate(list(weights), axis=0))
+        self.backend = backend
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
         """``x [..., in]`` -> one ``[..., N_j]`` per merged projection."""
@@ -54,8 +59,7 @@ class MergedLinear(nnx.Module):
         """``x [..., in]`` -> ``[..., sum(sizes)]``, the outputs side by side (projection ``j``
         in the columns from ``offsets[j]``). A kernel that reads its columns of this array in
         place saves the copy XLA makes of a slice passed to a custom call."""
-        w = self.weight[...]
-        return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+        return gemv(x, self.weight[...], backend=self.backend)
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -66,6 +70,17 @@ class MergedLinear(nnx.Module):
 def merge_linears(linears: Sequence[Linear]) -> MergedLinear:
     """A :class:`MergedLinear` of ``linears`` (their weights copied, in order)."""
     return MergedLinear([m.weight[...] for m in linears])
+
+
+def set_gemv_backend(module, backend: str) -> int:
+    """Set ``backend`` on every :class:`MergedLinear` under ``module`` (in place); returns how
+    many were set. ``backend``: ``"xla"`` or ``"pallas"`` (:func:`pallas_kernels.gemv.gemv`)."""
+    count = 0
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, MergedLinear):
+            node.backend = backend
+            count += 1
+    return count
 
 
 def as_data(value):

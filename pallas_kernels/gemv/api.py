@@ -1,0 +1,72 @@
+"""``gemv``: a projection ``x @ w.T`` that takes the few-rows kernel where it has been measured
+faster than XLA (one row, wide outputs) and XLA elsewhere.
+
+Measured on the H200 (bf16, one row, session 10; ``docs/benchmarks.md``):
+
+* ``scripts/bench_gemv.py`` (profiler device time per call): the kernel beat XLA on the 2B
+  gate/up (50 MB: 14.1-15.0 us, XLA above 15), matched it on the 27B gate/up and down (4.0-4.2
+  TB/s both), lost at 2048 output columns (2B down 9.9 against 8.7 us in the engine, o_proj
+  4.5 against 3.7 us) and at four rows on every shape; so XLA keeps those.
+* In the 2B decode step (``scripts/profile_round.py``): gate/up 15.5 against 16.1 us, GDN
+  in-projection 11.4 against 12.9 us, attention q/k/v 7.2 against 12.6 us; device time per
+  step 1.582 -> 1.542 ms.
+* The 27B decode step with this kernel (then with 16-column tiles, see :func:`default_tiles`)
+  and the fused norm: 14.66 against 13.46 ms with XLA. So ``auto`` keeps XLA.
+"""
+
+from __future__ import annotations
+
+import math
+
+import jax
+import jax.numpy as jnp
+
+from pallas_kernels.gemv.few_rows import GemvTiles, few_rows_matmul
+
+BACKENDS = ("xla", "pallas")
+MIN_COLUMNS = 4096  # output columns below which XLA wins (too few programs to fill the card)
+PROGRAM_ELEMENTS = 16384  # weights a program reads (bn x K): 32 KB in bf16
+
+
+def default_tiles(n: int, k: int) -> GemvTiles | None:
+    """Tiles for one row of ``w [N, K]``, or ``None`` where XLA keeps the projection: N below
+    :data:`MIN_COLUMNS` or not a multiple of 4, K not a multiple of 256.
+
+    ``bn``: the widest of 16, 8, 4 dividing N whose ``bn x K`` block stays within
+    :data:`PROGRAM_ELEMENTS` (else 4); ``bk``: 512 where it divides K, else 256. In the
+    session-10 sweep these were within 6% of the best tiles on every 2B and 27B shape (2B, K
+    2048: bn 8; 27B, K 5120 and 17408: bn 4, the best there; bn 16 was 4% slower on the 27B
+    gate/up).
+    """
+    if n < MIN_COLUMNS or n % 4 or k % 256:
+        return None
+    bn = next((b for b in (16, 8) if n % b == 0 and b * k <= PROGRAM_ELEMENTS), 4)
+    return GemvTiles(bn, 512 if k % 512 == 0 else 256, "fma", 4, 3)
+
+
+def gemv(x: jax.Array, w: jax.Array, *, backend: str = "xla",
+         interpret: bool | None = None) -> jax.Array:
+    """``x [..., K] @ w[N, K].T -> [..., N]`` in ``w.dtype`` (``x`` is cast to it first), float32
+    sums.
+
+    ``backend="pallas"`` runs :func:`few_rows_matmul` when ``x`` holds one row and
+    :func:`default_tiles` fits ``w``; every other call is XLA's einsum. ``interpret``: Pallas
+    interpret mode (``None``: when the default device is not a GPU).
+    Raises ValueError for an unknown backend or mismatched K.
+    """
+    if backend not in BACKENDS:
+        raise ValueError(f"gemv: backend {backend!r} is unknown; use one of {BACKENDS}.")
+    n, k = w.shape
+    if x.shape[-1] != k:
+        raise ValueError(f"gemv: x {x.shape} and w {w.shape} must be [..., K] and [N, K].")
+    x = x.astype(w.dtype)
+    tiles = default_tiles(n, k)
+    if backend == "xla" or tiles is None or math.prod(x.shape[:-1]) != 1:
+        return jnp.einsum("...k,nk->...n", x, w)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
+    y = few_rows_matmul(x.reshape(1, k), w, tiles, interpret=interpret)
+    return y.reshape(*x.shape[:-1], n)
+
+
+__all__ = ["BACKENDS", "default_tiles", "gemv"]

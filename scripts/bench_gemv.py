@@ -1,0 +1,173 @@
+"""Micro-benchmark of the few-rows projection kernel against XLA (GPU helper).
+
+For each projection shape ``w [N, K]`` of the Qwen3.5-2B / Qwen3.6-27B decode step and row
+count M, times ``x [M, K] @ w.T`` as XLA runs it and as ``pallas_kernels.gemv`` does with a
+sweep of tiles. Each program runs the op on 16 distinct weights back to back (chained by
+``optimization_barrier``; L2 holds no weight from one call to the next); a call's time is the
+median kernel duration in a ``jax.profiler`` trace (device time, no dispatch cost; an XLA
+split-K GEMM shows as two lines, the GEMM and its reduction). Bytes = N K 2; TB/s and the
+fraction of 4.2 TB/s. ``err`` = max |y - ref| / max |ref| (ref: XLA with float32 sums rounded
+once). ``(default)`` marks the tiles ``gemv`` picks (``default_tiles``). About 4 minutes for
+all shapes on an H200 (mostly compiles); ``--budget-s`` stops the sweep early.
+
+Usage: PYTHONPATH=. python scripts/bench_gemv.py [--shapes 2b|27b|all] [--rows 1,4]
+       [--budget-s 400]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import glob
+import gzip
+import json
+import os
+import statistics
+import sys
+import tempfile
+import time
+from collections import defaultdict
+
+os.environ.setdefault("XLA_PYTHON_CLIENT_MEM_FRACTION", "0.9")
+
+import jax  # noqa: E402
+import jax.numpy as jnp  # noqa: E402
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+from pallas_kernels.gemv import (GemvTiles, check_tiles, default_tiles,  # noqa: E402
+                                 few_rows_matmul, few_rows_reference)
+
+HBM_BPS = 4.2e12
+SHAPES = {"2b": [("2B gate_up", 12288, 2048), ("2B down", 2048, 6144),
+                 ("2B gdn_in", 8224, 2048), ("2B attn_qkv", 5120, 2048),
+                 ("2B o_proj", 2048, 2048)],
+          "27b": [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408)]}
+REPS = 16  # distinct weights per program: 128 MB or more, beyond the 50 MB L2
+RUNS = 3
+
+
+def chained(fn):
+    def run(x, ws):
+        outs, prev = [], None
+        for w in ws:
+            if prev is not None:
+                x, prev = jax.lax.optimization_barrier((x, prev))
+            prev = fn(x, w)
+            outs.append(prev)
+        return outs
+    return jax.jit(run)
+
+
+def candidates(n, k, m):
+    fmas = [GemvTiles(bn, bk, "fma") for bn in (4, 8, 16, 32) for bk in (256, 512)]
+    fmas += [GemvTiles(bn, 512, "fma", 8) for bn in (16, 32)]
+    fmas += [GemvTiles(bn, 512, "fma", 4, 4) for bn in (8, 32)]
+    fmars = [GemvTiles(bn, bk, "fmar") for bn in (8, 16, 32) for bk in (256, 512)]
+    dots = [GemvTiles(bn, bk, "dot") for bn in (16, 32, 64) for bk in (128, 256)]
+    ok = []
+    default = default_tiles(n, k)
+    for t in ([default] if default and m == 1 else []) + (fmas if m == 1 else []) + fmars + dots:
+        if t in ok:
+            continue
+        try:
+            check_tiles(t, n, k)
+            ok.append(t)
+        except ValueError:
+            pass
+    return ok
+
+
+def tag(t):
+    return f"gemv_{t.form}_{t.bn}_{t.bk}_{t.num_warps}_{t.num_stages}"
+
+
+def kernel_us(trace_dir):
+    """Median device duration (us) per kernel name of the newest trace under trace_dir."""
+    path = max(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
+               key=os.path.getmtime)
+    events = json.load(gzip.open(path))["traceEvents"]
+    procs = {e["pid"]: e["args"]["name"] for e in events
+             if e.get("ph") == "M" and e.get("name") == "process_name"}
+    threads = {(e["pid"], e["tid"]): e["args"]["name"] for e in events
+               if e.get("ph") == "M" and e.get("name") == "thread_name"}
+    by = defaultdict(list)
+    for e in events:
+        if e.get("ph") != "X" or "dur" not in e:
+            continue
+        if "gpu" not in str(procs.get(e["pid"], "")).lower():
+            continue
+        if "xla" in str(threads.get((e["pid"], e.get("tid")), "")).lower():
+            continue
+        by[e["name"]].append(e["dur"])
+    return {n: (statistics.median(d), len(d)) for n, d in by.items()}
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("--shapes", default="all")
+    ap.add_argument("--rows", default="1,4")
+    ap.add_argument("--budget-s", type=float, default=400)
+    args = ap.parse_args()
+    jax.config.update("jax_compilation_cache_dir", "/tmp/jax_cache_bench_gemv")
+    shapes = SHAPES["2b"] + SHAPES["27b"] if args.shapes == "all" else SHAPES[args.shapes]
+    rows = [int(r) for r in args.rows.split(",")]
+    t0 = time.perf_counter()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; kernel times from the "
+          f"profiler (median of {REPS * RUNS} calls)", flush=True)
+    for name, n, k in shapes:
+        if time.perf_counter() - t0 > args.budget_s:
+            print("(budget spent)")
+            break
+        key = jax.random.key(n * 7 + k)
+        ws = [(jax.random.normal(jax.random.fold_in(key, r), (n, k), jnp.float32)
+               * k ** -0.5).astype(jnp.bfloat16) for r in range(REPS)]
+        gb = n * k * 2
+        for m in rows:
+            x = jax.random.normal(jax.random.fold_in(key, 99 + m), (m, k), jnp.float32
+                                  ).astype(jnp.bfloat16)
+            ref = few_rows_reference(x, ws[0]).astype(jnp.float32)
+            progs = [("xla", chained(few_rows_reference))]
+            errs = {}
+            for t in candidates(n, k, m):
+                fn = functools.partial(few_rows_matmul, tiles=t, name=tag(t))
+                try:
+                    y = jax.jit(fn)(x, ws[0]).astype(jnp.float32)
+                    errs[tag(t)] = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+                    f = chained(fn)
+                    jax.block_until_ready(f(x, ws))
+                except Exception as e:  # noqa: BLE001 - report and go on with the sweep
+                    print(f"  {t}: failed {type(e).__name__}: {str(e)[:200]}", flush=True)
+                    continue
+                progs.append((tag(t), f))
+            jax.block_until_ready(progs[0][1](x, ws))
+            with tempfile.TemporaryDirectory() as tmp:
+                with jax.profiler.trace(tmp):
+                    for _ in range(RUNS):
+                        for _, f in progs:
+                            jax.block_until_ready(f(x, ws))
+                times = kernel_us(tmp)
+            xla = [(us, nm) for nm, (us, c) in times.items()
+                   if not nm.startswith("gemv_") and c >= REPS * RUNS]
+            rows_out = []
+            for us, nm in xla:
+                rows_out.append((us, f"xla {nm[:40]}", ""))
+            for nm, (us, c) in times.items():
+                if nm.startswith("gemv_"):
+                    err = max((v for tg, v in errs.items() if nm.startswith(tg)),
+                              default=float("nan"))
+                    rows_out.append((us, nm, f" err {err:.1e}"))
+            rows_out.sort()
+            default = default_tiles(n, k)
+            print(f"{name} N={n} K={k} M={m} ({gb / 1e6:.1f} MB):", flush=True)
+            for i, (us, nm, extra) in enumerate(rows_out):
+                mark = " (default)" if m == 1 and default and nm.startswith(tag(default)) else ""
+                if i < 12 or mark:
+                    tbps = gb / us / 1e6
+                    print(f"  {us:7.2f} us {tbps:5.2f} TB/s {tbps * 1e12 / HBM_BPS:4.0%}  "
+                          f"{nm}{extra}{mark}", flush=True)
+        del ws
+    print(f"total {time.perf_counter() - t0:.0f} s")
+
+
+if __name__ == "__main__":
+    main()
