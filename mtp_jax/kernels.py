@@ -24,17 +24,25 @@ OP_DESCRIPTIONS = {"attention": "paged attention (decode/verify rows)",
                    "gdn": "the GDN decode/verify/commit step form",
                    "moe": "the MoE experts and router",
                    "norm": "the decoder layers' residual add + RMSNorm",
-                   "gemv": "the merged projections of one-row (batch-1 decode) calls"}
+                   "gemv": "the merged projections of one-row calls (batch-1 decode with "
+                           "speculation off; batch-1 MTP draft steps)"}
 EXPERIMENTAL = {
-    "norm": "experimental: faster on the 2B shape, not on the 27B one (docs/benchmarks.md)",
-    "gemv": "experimental: faster on the 2B shape, not on the 27B one (docs/benchmarks.md)"}
+    "norm": "experimental: faster in the 2B decode step; the 27B step was slower with it and "
+            "--gemv-backend pallas together, not yet measured apart (docs/benchmarks.md)",
+    "gemv": "experimental: faster in the 2B decode step (speculation off); the 27B step was "
+            "slower with it and --norm-backend pallas together, not yet measured apart "
+            "(docs/benchmarks.md)"}
 
 
 def backend_help(op: str) -> str:
     """The ``--<op>-backend`` help text: what the op is and what ``auto`` picks."""
     where = "on a GPU in 16-bit dtypes" if op in SIXTEEN_BIT_ONLY else "on a GPU"
-    auto = (f"auto = pallas {where}, else xla" if op in AUTO_PALLAS_ON_GPU
-            else "auto = xla (the kernel is not measured faster yet)")
+    if op in AUTO_PALLAS_ON_GPU:
+        auto = f"auto = pallas {where}, else xla"
+    elif op in EXPERIMENTAL:
+        auto = "auto = xla"
+    else:
+        auto = "auto = xla (the kernel is not measured faster yet)"
     note = f"; {EXPERIMENTAL[op]}" if op in EXPERIMENTAL else ""
     return f"implementation of {OP_DESCRIPTIONS[op]}: pallas (GPU kernels) or xla; {auto}{note}"
 
@@ -68,8 +76,7 @@ class KernelBackends:
         ``gdn_dims``: the model's ``(linear_key_head_dim, linear_value_head_dim, conv width)``
         when known; sizes the fused GDN kernels cannot take make ``auto`` take XLA for GDN.
         ``hidden_size``: the model's, when known; checked against the norm kernel's pieces.
-        ``auto`` takes XLA for ``norm`` and ``gemv`` (their kernels are faster on the 2B shape
-        only, so far).
+        ``auto`` takes XLA for ``norm`` and ``gemv`` (experimental: see :data:`EXPERIMENTAL`).
         Raises ConfigError for an unknown choice, ``pallas`` without a GPU, a 16-bit-only
         kernel asked for with float32, or the GDN or norm kernels asked for with sizes they
         cannot take.
@@ -111,6 +118,15 @@ class KernelBackends:
                          and not misfit else "xla")
             out[op] = value
         return cls(**out)
+
+
+def check_gemv_merge(gemv: str, merge_projections: bool) -> None:
+    """Raises ConfigError when the gemv kernel is asked for (``gemv == "pallas"``) without the
+    merged projections it runs on."""
+    if gemv == "pallas" and not merge_projections:
+        raise ConfigError("gemv_backend 'pallas' runs the merged projections, but "
+                          "merge_projections is False (--no-merge-projections); merge them or "
+                          "use --gemv-backend xla.")
 
 
 def _norm_misfit(hidden_size: int | None) -> bool:

@@ -350,3 +350,25 @@ def test_help_description_is_plain_text():
         "see --prompt-len and mtp_jax.bench.forced; a `b`")
     text = cli.build_parser(bench_pkg.__doc__).format_help()
     assert "``" not in text and ":mod:" not in text and "--prefill-reps" in text
+
+
+def test_kernel_choices_are_refused_before_weights(monkeypatch, capsys):
+    """A kernel this machine cannot run, or the gemv kernel without the merged projections,
+    ends the bench with rc 2 and one error line, before any weight is drawn."""
+    import functools
+
+    from mtp_jax import kernels
+    from mtp_jax.bench import cli, main
+
+    @functools.wraps(cli.load_model)  # the same signature, which backend_kwargs reads
+    def no_load(*a, **k):
+        raise AssertionError("weights drawn before the kernel choices were checked")
+
+    monkeypatch.setattr(cli, "load_model", no_load)
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "Qwen3.5-2B.json")
+    assert main(["--config", config, "--gemv-backend", "pallas"]) == 2
+    assert "gemv_backend 'pallas' needs a CUDA GPU" in capsys.readouterr().err
+    with pytest.raises(ConfigError, match="--no-merge-projections.*--gemv-backend xla"):
+        kernels.check_gemv_merge("pallas", False)
+    kernels.check_gemv_merge("pallas", True)
+    kernels.check_gemv_merge("xla", False)

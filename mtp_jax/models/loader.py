@@ -20,7 +20,7 @@ from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.checks import check_before_load, check_draft_folder  # noqa: F401 (re-export)
 from mtp_jax.config import ConfigError, ModelConfig, SpecConfig
-from mtp_jax.kernels import KernelBackends, gdn_dims_of
+from mtp_jax.kernels import KernelBackends, check_gemv_merge, gdn_dims_of
 from mtp_jax.models.layers.basic import set_gemv_backend
 from mtp_jax.models.registry import model_spec
 from mtp_jax.weights import names
@@ -246,9 +246,7 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
     """
     kernels = KernelBackends.resolve(attention_backend, gdn_backend, moe_backend,
                                      norm=norm_backend, gemv=gemv_backend)
-    if kernels.gemv == "pallas" and not merge_projections:
-        raise ConfigError("gemv_backend 'pallas' runs the merged projections, but "
-                          "merge_projections is False; merge them or use --gemv-backend xla.")
+    check_gemv_merge(kernels.gemv, merge_projections)
     if cfg is None and path is not None:  # qwen4_exp: its own loader (PLE tables stay on host)
         from mtp_jax.models.qwen4_exp.config import folder_is_qwen4_exp
 

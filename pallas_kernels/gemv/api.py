@@ -3,10 +3,13 @@ faster than XLA (one row, wide outputs) and XLA elsewhere.
 
 Measured on the H200 (bf16, one row, session 10; ``docs/benchmarks.md``):
 
-* ``scripts/bench_gemv.py`` (profiler device time per call): the kernel beat XLA on the 2B
-  gate/up (50 MB: 14.1-15.0 us, XLA above 15), matched it on the 27B gate/up and down (4.0-4.2
-  TB/s both), lost at 2048 output columns (2B down 9.9 against 8.7 us in the engine, o_proj
-  4.5 against 3.7 us) and at four rows on every shape; so XLA keeps those.
+* ``scripts/bench_gemv.py`` (profiler device time per call, best tiles): the kernel beat
+  XLA on the 2B gate/up (14.1 against 16.1 us), GDN in-projection (10.3 against 12.9 us) and
+  q/k/v (7.1 against 12.6 us; XLA times from the engine's profile), matched it on the 27B
+  gate/up (85.8 against 87.1 us; 4.2 TB/s) and down projection (44.6 against 46.2 us; the
+  engine does not route the down projection here: it is not merged), and lost at 2048 output
+  columns (2B down 9.9 against 8.7 us, o_proj 4.5 against 3.7 us) and at four rows on every
+  shape; so XLA keeps those.
 * In the 2B decode step (``scripts/profile_round.py``): gate/up 15.5 against 16.1 us, GDN
   in-projection 11.4 against 12.9 us, attention q/k/v 7.2 against 12.6 us; device time per
   step 1.582 -> 1.542 ms.
@@ -34,9 +37,12 @@ def default_tiles(n: int, k: int) -> GemvTiles | None:
 
     ``bn``: the widest of 16, 8, 4 dividing N whose ``bn x K`` block stays within
     :data:`PROGRAM_ELEMENTS` (else 4); ``bk``: 512 where it divides K, else 256. In the
-    session-10 sweep these were within 6% of the best tiles on every 2B and 27B shape (2B, K
-    2048: bn 8; 27B, K 5120 and 17408: bn 4, the best there; bn 16 was 4% slower on the 27B
-    gate/up).
+    session-10 sweep (one row): the best tiles on both 27B shapes (bn 4; bn 16 was about
+    4-12% slower there, and slower than XLA), within 6% of the best on the 2B gate/up and
+    q/k/v (bn 8), and on the 2B
+    GDN in-projection (bn 8) outside the sweep's 12 fastest (above 10.75 against 10.26 us),
+    though 11.4 against XLA's 12.9 us in the engine. The engine runs of that session used
+    these tiles on the 2B shape except q/k/v (bn 4 then).
     """
     if n < MIN_COLUMNS or n % 4 or k % 256:
         return None

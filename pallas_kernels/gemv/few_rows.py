@@ -102,7 +102,7 @@ def _dot_kernel(x_ref, w_ref, y_ref, *, rows: int, k: int, bn: int, bk: int):
 
 
 def few_rows_matmul(x: jax.Array, w: jax.Array, tiles: GemvTiles, *,
-                    interpret: bool = False, name: str = "few_rows_matmul") -> jax.Array:
+                    interpret: bool | None = None, name: str = "few_rows_matmul") -> jax.Array:
     """``x [M, K] @ w[N, K].T -> [M, N]`` in ``x.dtype``, one Triton kernel.
 
     Args:
@@ -110,7 +110,7 @@ def few_rows_matmul(x: jax.Array, w: jax.Array, tiles: GemvTiles, *,
         (``dot``) or multiplied in float32 (``fma``, ``fmar``).
       w: ``[N, K]`` weight (the HF ``[out, in]`` layout), bf16 / f16 / f32.
       tiles: :class:`GemvTiles` (see :func:`check_tiles`).
-      interpret: Pallas interpret mode (CPU tests).
+      interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
       name: the kernel's name in profiles.
     Raises:
       ValueError: mismatched shapes, more than 16 rows, or tiles that do not fit.
@@ -121,6 +121,8 @@ def few_rows_matmul(x: jax.Array, w: jax.Array, tiles: GemvTiles, *,
         raise ValueError(f"few_rows_matmul: x {x.shape} and w {w.shape} must be [M, K] and "
                          f"[N, K] with 1 <= M <= {DOT_ROWS}.")
     check_tiles(tiles, n, k)
+    if interpret is None:
+        interpret = jax.default_backend() != "gpu"
     body = {"dot": _dot_kernel, "fma": _fma_kernel,
             "fmar": functools.partial(_fma_kernel, reduce_each_step=True)}[tiles.form]
     return pl.pallas_call(
