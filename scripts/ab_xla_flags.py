@@ -1,15 +1,21 @@
-"""A/B of XLA flag sets on the benchmark's round time (GPU helper; not part of the test suite).
+"""A/B of XLA flag sets, or of benchmark options (kernel backends), on the benchmark's round
+time (GPU helper; not part of the test suite).
 
 Runs ``python -m mtp_jax.bench`` once per variant per repeat, variants alternating (so that a
 machine's drift between calls hits every variant alike), each with ``XLA_FLAGS`` = the
 environment's plus the variant's, and prints every run's median round time and, per variant,
 the median over repeats. A variant with a flag this jaxlib does not know is skipped with a
 note: an unknown flag aborts the process (checked first in a child process that only creates
-the backend).
+the backend). ``--bench-variant`` adds benchmark arguments per variant instead (e.g. a kernel
+backend); with both options every pair of the two lists is a variant.
 
 Usage (extra arguments after ``--`` go to the benchmark; default: batch 1, k 0, 512 tokens):
     PYTHONPATH=. python scripts/ab_xla_flags.py --config configs/Qwen3.5-2B.json \\
         --variant "" --variant "--xla_gpu_require_exclusive_lock=true" --repeats 3
+    PYTHONPATH=. python scripts/ab_xla_flags.py --config configs/Qwen3.6-27B.json \
+        --bench-variant "" --bench-variant "--norm-backend pallas" \
+        --bench-variant "--gemv-backend pallas" --repeats 2 -- --batch 1 --k 0 \
+        --decode-tokens 256
 """
 
 from __future__ import annotations
@@ -60,26 +66,33 @@ def main() -> None:
         argv, bench_args = argv[:i], argv[i + 1:]
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--config", required=True)
-    p.add_argument("--variant", action="append", required=True,
+    p.add_argument("--variant", action="append",
                    help='extra XLA flags of one variant ("" = none); repeat the option')
+    p.add_argument("--bench-variant", action="append",
+                   help='extra benchmark arguments of one variant ("" = none), e.g. '
+                        '"--norm-backend pallas"; repeat the option')
     p.add_argument("--repeats", type=int, default=3)
     args = p.parse_args(argv)
-    variants = []
-    for v in args.variant:
+    if not args.variant and not args.bench_variant:
+        p.error("give at least one --variant or --bench-variant")
+    flag_sets = []
+    for v in args.variant or [""]:
         if accepted(v):
-            variants.append(v)
+            flag_sets.append(v)
         else:
             print(f"skipped (this jaxlib refuses it): {v!r}", flush=True)
-    times: dict[str, list[list[float]]] = {v: [] for v in variants}
+    variants = [(f, b) for f in flag_sets for b in args.bench_variant or [""]]
+    label = {v: " + ".join(x for x in v if x) or "(none)" for v in variants}
+    times: dict[tuple, list[list[float]]] = {v: [] for v in variants}
     for r in range(args.repeats):
         for v in variants:
-            ms = run_bench(args.config, v, bench_args)
+            ms = run_bench(args.config, v[0], bench_args + v[1].split())
             times[v].append(ms)
-            print(f"repeat {r} {v or '(none)'!r}: round ms {', '.join(f'{t:.3f}' for t in ms)}",
+            print(f"repeat {r} {label[v]!r}: round ms {', '.join(f'{t:.3f}' for t in ms)}",
                   flush=True)
     for v, runs in times.items():
         per_row = [statistics.median(row) for row in zip(*runs)]
-        print(f"median over {len(runs)} runs {v or '(none)'!r}: "
+        print(f"median over {len(runs)} runs {label[v]!r}: "
               f"{', '.join(f'{t:.3f}' for t in per_row)} ms")
 
 
