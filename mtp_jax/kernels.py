@@ -119,6 +119,16 @@ class KernelBackends:
             out[op] = value
         return cls(**out)
 
+    @classmethod
+    def for_model(cls, cfg, dtype: str | None, *, attention_backend: str = "auto",
+                  gdn_backend: str = "auto", moe_backend: str = "auto",
+                  norm_backend: str = "auto", gemv_backend: str = "auto") -> "KernelBackends":
+        """:meth:`resolve` with a model config's sizes (its GDN head sizes and hidden size) and
+        ``dtype``; the keywords are ``load_model``'s. Raises ConfigError as :meth:`resolve`."""
+        return cls.resolve(attention_backend, gdn_backend, moe_backend, dtype=dtype,
+                           gdn_dims=gdn_dims_of(cfg), norm=norm_backend,
+                           hidden_size=cfg.hidden_size, gemv=gemv_backend)
+
 
 def check_gemv_merge(gemv: str, merge_projections: bool) -> None:
     """Raises ConfigError when the gemv kernel is asked for (``gemv == "pallas"``) without the

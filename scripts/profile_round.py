@@ -38,6 +38,7 @@ from mtp_jax.bench.floor import load_config
 from mtp_jax.bench.run import requests
 from mtp_jax.config import EngineConfig, SpecConfig
 from mtp_jax.engine.engine import Engine
+from mtp_jax.kernels import CHOICES, OPS, backend_help
 from mtp_jax.models.loader import load_model
 
 
@@ -183,10 +184,9 @@ def main() -> None:
     p.add_argument("--sequence", type=int, default=0,
                    help="also list the first N kernels of the trace in order, with gaps")
     p.add_argument("--out", required=True)
-    p.add_argument("--norm-backend", default="auto", choices=["auto", "xla", "pallas"],
-                   help="the decoder layers' residual add + RMSNorm (load_model norm_backend)")
-    p.add_argument("--gemv-backend", default="auto", choices=["auto", "xla", "pallas"],
-                   help="the merged projections of one-row calls (load_model gemv_backend)")
+    for op in OPS:
+        p.add_argument(f"--{op}-backend", default="auto", choices=list(CHOICES),
+                       help=backend_help(op))
     p.add_argument("--op-by-op", action="store_true",
                    help="profile op by op (XLA's default under a profiler), not with the CUDA "
                         "graphs the engine runs")
@@ -200,7 +200,7 @@ def main() -> None:
         print("profiling op by op", flush=True)
     cfg = load_config(args.config)
     model = load_model(cfg=cfg, dtype=args.dtype, dummy_weight=True, with_mtp=any(args.k),
-                       norm_backend=args.norm_backend, gemv_backend=args.gemv_backend)
+                       **{f"{op}_backend": getattr(args, f"{op}_backend") for op in OPS})
     report = []
     for k in args.k:
         text = profile(model, cfg, k, args.batch, args.prompt_len, args.rounds, args.out,

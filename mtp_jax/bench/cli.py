@@ -17,8 +17,7 @@ from mtp_jax.bench.compiles import install
 from mtp_jax.bench.floor import load_config
 from mtp_jax.bench.run import Settings, bench_one
 from mtp_jax.config import ConfigError
-from mtp_jax.kernels import (CHOICES, OPS, KernelBackends, backend_help, check_gemv_merge,
-                             gdn_dims_of)
+from mtp_jax.kernels import CHOICES, OPS, KernelBackends, backend_help, check_gemv_merge
 from mtp_jax.models.loader import load_model
 
 
@@ -150,10 +149,8 @@ def main(argv=None, description: str | None = None) -> int:
         backends = backend_kwargs(args)
         configs = [(path, load_config(path)) for path in args.config]
         for path, cfg in configs:  # kernel choices checked before any weight is drawn
-            chosen = KernelBackends.resolve(
-                args.attention_backend, args.gdn_backend, args.moe_backend, dtype=args.dtype,
-                gdn_dims=gdn_dims_of(cfg), norm=args.norm_backend, hidden_size=cfg.hidden_size,
-                gemv=args.gemv_backend)
+            chosen = KernelBackends.for_model(
+                cfg, args.dtype, **{n: v for n, v in backends.items() if n.endswith("_backend")})
             check_gemv_merge(chosen.gemv, backends.get("merge_projections", True))
             if s.draft_vocab_size is not None and s.draft_vocab_size > cfg.vocab_size:
                 raise ValueError(f"--draft-vocab-size {s.draft_vocab_size} is larger than the "

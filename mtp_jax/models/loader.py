@@ -20,7 +20,7 @@ from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.checks import check_before_load, check_draft_folder  # noqa: F401 (re-export)
 from mtp_jax.config import ConfigError, ModelConfig, SpecConfig
-from mtp_jax.kernels import KernelBackends, check_gemv_merge, gdn_dims_of
+from mtp_jax.kernels import KernelBackends, check_gemv_merge
 from mtp_jax.models.layers.basic import set_gemv_backend
 from mtp_jax.models.registry import model_spec
 from mtp_jax.weights import names
@@ -278,9 +278,9 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
             check_draft_folder(cfg, draft_path)
     if with_mtp and not cfg.has_mtp:
         cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=1)
-    cfg = dataclasses.replace(cfg, kernels=KernelBackends.resolve(
-        attention_backend, gdn_backend, moe_backend, dtype=dtype, gdn_dims=gdn_dims_of(cfg),
-        norm=norm_backend, hidden_size=cfg.hidden_size, gemv=gemv_backend))
+    cfg = dataclasses.replace(cfg, kernels=KernelBackends.for_model(
+        cfg, dtype, attention_backend=attention_backend, gdn_backend=gdn_backend,
+        moe_backend=moe_backend, norm_backend=norm_backend, gemv_backend=gemv_backend))
     graphdef, abstract = abstract_model(cfg, dtype, with_mtp)
     expected = expected_tensors(abstract)
     if dummy_weight:
