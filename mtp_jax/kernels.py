@@ -2,9 +2,11 @@
 
 One switch per op (``--attention-backend``, ``--gdn-backend``, ``--moe-backend``,
 ``--norm-backend``, ``--gemv-backend``), each
-``"xla"``, ``"pallas"`` or ``"auto"``. ``auto`` picks the Pallas kernel where it has been
-checked and measured faster (the ops in :data:`AUTO_PALLAS_ON_GPU`, on a GPU) and XLA
-elsewhere; the Pallas kernels use the Triton lowering and need a CUDA GPU.
+``"xla"``, ``"pallas"`` or ``"auto"`` (``gemv`` also takes ``"reduce"``, XLA's multiply-reduce
+form of one-row projections: :data:`EXTRA_CHOICES`). ``auto`` picks the Pallas kernel where it
+has been checked and measured faster (the ops in :data:`AUTO_PALLAS_ON_GPU`, on a GPU), the
+choice in :data:`AUTO_ON_GPU` for the others that have one, and XLA elsewhere; the Pallas
+kernels use the Triton lowering and need a CUDA GPU.
 
 The choice is static: it is stored in the model config and read by the layers when a program
 is traced, so two choices never share a compiled program.
@@ -18,20 +20,29 @@ from mtp_jax.config import ConfigError
 
 OPS = ("attention", "gdn", "moe", "norm", "gemv")
 CHOICES = ("auto", "xla", "pallas")
+EXTRA_CHOICES = {"gemv": ("reduce",)}
 AUTO_PALLAS_ON_GPU: tuple[str, ...] = ("gdn", "moe")
+# Measured faster on the H200 than XLA's dot on every one-row projection shape with K <= 8192
+# (pallas_kernels/gemv/reduce_form.py; docs/benchmarks.md, session 11).
+AUTO_ON_GPU = {"gemv": "reduce"}
 SIXTEEN_BIT_ONLY = ("attention", "moe")
 OP_DESCRIPTIONS = {"attention": "paged attention (decode/verify rows)",
                    "gdn": "the GDN decode/verify/commit step form",
                    "moe": "the MoE experts and router",
                    "norm": "the decoder layers' residual add + RMSNorm",
-                   "gemv": "the merged projections of one-row calls (batch-1 decode with "
+                   "gemv": "the projections and LM head of one-row calls (batch-1 decode with "
                            "speculation off; batch-1 MTP draft steps)"}
 EXPERIMENTAL = {
     "norm": "experimental: faster in the 2B decode step; the 27B step was slower with it and "
             "--gemv-backend pallas together, not yet measured apart (docs/benchmarks.md)",
-    "gemv": "experimental: faster in the 2B decode step (speculation off); the 27B step was "
-            "slower with it and --norm-backend pallas together, not yet measured apart "
-            "(docs/benchmarks.md)"}
+    "gemv": "reduce = XLA's multiply-reduce form (one row, K <= 8192); pallas = a Triton "
+            "kernel (one row, >= 4096 columns), experimental: slower than reduce on every "
+            "shape measured (docs/benchmarks.md)"}
+
+
+def choices_of(op: str) -> tuple[str, ...]:
+    """The values ``--<op>-backend`` takes."""
+    return CHOICES + EXTRA_CHOICES.get(op, ())
 
 
 def backend_help(op: str) -> str:
@@ -39,6 +50,8 @@ def backend_help(op: str) -> str:
     where = "on a GPU in 16-bit dtypes" if op in SIXTEEN_BIT_ONLY else "on a GPU"
     if op in AUTO_PALLAS_ON_GPU:
         auto = f"auto = pallas {where}, else xla"
+    elif op in AUTO_ON_GPU:
+        auto = f"auto = {AUTO_ON_GPU[op]} {where}, else xla"
     elif op in EXPERIMENTAL:
         auto = "auto = xla"
     else:
@@ -50,8 +63,8 @@ def backend_help(op: str) -> str:
 @dataclasses.dataclass(frozen=True)
 class KernelBackends:
     """Resolved backends (``"xla"`` or ``"pallas"``) of the attention, GDN and MoE ops, of
-    the decoder layers' residual add + RMSNorm (``norm``) and of the merged projections of
-    one-row calls (``gemv``)."""
+    the decoder layers' residual add + RMSNorm (``norm``) and of the projections of one-row
+    calls (``gemv``: also ``"reduce"``)."""
 
     attention: str = "xla"
     gdn: str = "xla"
@@ -76,7 +89,8 @@ class KernelBackends:
         ``gdn_dims``: the model's ``(linear_key_head_dim, linear_value_head_dim, conv width)``
         when known; sizes the fused GDN kernels cannot take make ``auto`` take XLA for GDN.
         ``hidden_size``: the model's, when known; checked against the norm kernel's pieces.
-        ``auto`` takes XLA for ``norm`` and ``gemv`` (experimental: see :data:`EXPERIMENTAL`).
+        ``auto`` takes XLA for ``norm`` (experimental: see :data:`EXPERIMENTAL`) and
+        :data:`AUTO_ON_GPU` for ``gemv`` on a GPU.
         Raises ConfigError for an unknown choice, ``pallas`` without a GPU, a 16-bit-only
         kernel asked for with float32, or the GDN or norm kernels asked for with sizes they
         cannot take.
@@ -85,9 +99,9 @@ class KernelBackends:
         for op, value in chosen.items():
             if value is None:
                 chosen[op] = value = "auto"
-            if value not in CHOICES:
+            if value not in choices_of(op):
                 raise ConfigError(f"{op}_backend {value!r} is unknown; use one of "
-                                  f"{', '.join(CHOICES)} (--{op}-backend).")
+                                  f"{', '.join(choices_of(op))} (--{op}-backend).")
         if platform is None:
             import jax
 
@@ -113,6 +127,8 @@ class KernelBackends:
                 raise ConfigError(f"norm_backend 'pallas' cannot run this model: hidden_size "
                                   f"{hidden_size} is not 1 to 8 power-of-two pieces of 16 to "
                                   "4096 columns; use --norm-backend xla or auto.")
+            if value == "auto" and on_gpu and op in AUTO_ON_GPU:
+                value = AUTO_ON_GPU[op]
             if value == "auto":
                 value = ("pallas" if on_gpu and op in AUTO_PALLAS_ON_GPU and not wide
                          and not misfit else "xla")
@@ -128,15 +144,6 @@ class KernelBackends:
         return cls.resolve(attention_backend, gdn_backend, moe_backend, dtype=dtype,
                            gdn_dims=gdn_dims_of(cfg), norm=norm_backend,
                            hidden_size=cfg.hidden_size, gemv=gemv_backend)
-
-
-def check_gemv_merge(gemv: str, merge_projections: bool) -> None:
-    """Raises ConfigError when the gemv kernel is asked for (``gemv == "pallas"``) without the
-    merged projections it runs on."""
-    if gemv == "pallas" and not merge_projections:
-        raise ConfigError("gemv_backend 'pallas' runs the merged projections, but "
-                          "merge_projections is False (--no-merge-projections); merge them or "
-                          "use --gemv-backend xla.")
 
 
 def _norm_misfit(hidden_size: int | None) -> bool:

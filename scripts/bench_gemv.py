@@ -7,11 +7,14 @@ sweep of tiles. Each program runs the op on 16 distinct weights back to back (ch
 median kernel duration in a ``jax.profiler`` trace (device time, no dispatch cost; an XLA
 split-K GEMM shows as two lines, the GEMM and its reduction). Bytes = N K 2; TB/s and the
 fraction of 4.2 TB/s. ``err`` = max |y - ref| / max |ref| (ref: XLA with float32 sums rounded
-once). ``(default)`` marks the tiles ``gemv`` picks (``default_tiles``). About 4 minutes for
-all shapes on an H200 (mostly compiles); ``--budget-s`` stops the sweep early.
+once). ``(default)`` marks the tiles ``gemv`` picks (``default_tiles``). ``reduce`` rows are
+XLA's multiply-reduce form (``pallas_kernels.gemv.reduce_form``; for several rows the same
+form reduced in ``[N, M, K]`` order). About 4 minutes for all shapes on an H200 (mostly
+compiles); ``--quick`` times only XLA's dot, the reduce form and the default tiles;
+``--budget-s`` stops the sweep early.
 
-Usage: PYTHONPATH=. python scripts/bench_gemv.py [--shapes 2b|27b|all] [--rows 1,4]
-       [--budget-s 400]
+Usage: PYTHONPATH=. python scripts/bench_gemv.py [--shapes all|2b,27b,27b_more,35b,head,rows]
+       [--rows 1,4] [--quick] [--budget-s 400]
 """
 
 from __future__ import annotations
@@ -36,12 +39,21 @@ import jax.numpy as jnp  # noqa: E402
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 from pallas_kernels.gemv import (GemvTiles, check_tiles, default_tiles,  # noqa: E402
                                  few_rows_matmul, few_rows_reference)
+from pallas_kernels.gemv import reduce_matmul as reduce_form  # noqa: E402
 
 HBM_BPS = 4.2e12
 SHAPES = {"2b": [("2B gate_up", 12288, 2048), ("2B down", 2048, 6144),
                  ("2B gdn_in", 8224, 2048), ("2B attn_qkv", 5120, 2048),
                  ("2B o_proj", 2048, 2048)],
-          "27b": [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408)]}
+          "27b": [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408)],
+          "27b_more": [("27B gdn_in", 16480, 5120), ("27B gdn_out", 5120, 6144),
+                       ("27B attn_qkv", 14336, 5120), ("27B o_proj", 5120, 6144)],
+          "35b": [("35B gdn_in", 12352, 2048), ("35B gdn_out", 2048, 4096),
+                  ("35B shared_in", 1281, 2048), ("35B shared_down", 2048, 512)],
+          "head": [("2B lm_head", 248320, 2048)],
+          "rows": [("2B gate_up", 12288, 2048), ("2B down", 2048, 6144),
+                   ("27B gate_up", 34816, 5120), ("27B gdn_in", 16480, 5120),
+                   ("27B o_proj", 5120, 6144), ("35B gdn_in", 12352, 2048)]}
 REPS = 16  # distinct weights per program: 128 MB or more, beyond the 50 MB L2
 RUNS = 3
 
@@ -56,6 +68,13 @@ def chained(fn):
             outs.append(prev)
         return outs
     return jax.jit(run)
+
+
+def reduce_rows_form(x, w):
+    """The multiply-reduce form for several rows, reduced in ``[N, M, K]`` order (the rows
+    of one weight row next to each other), transposed back to ``[M, N]``."""
+    y = jnp.sum(x.astype(jnp.float32)[None] * w.astype(jnp.float32)[:, None], axis=-1)
+    return y.T.astype(w.dtype)
 
 
 def candidates(n, k, m):
@@ -107,9 +126,13 @@ def main():
     ap.add_argument("--shapes", default="all")
     ap.add_argument("--rows", default="1,4")
     ap.add_argument("--budget-s", type=float, default=400)
+    ap.add_argument("--quick", action="store_true",
+                    help="only XLA's dot, XLA's multiply-reduce form and the default tiles")
     args = ap.parse_args()
     jax.config.update("jax_compilation_cache_dir", "/tmp/jax_cache_bench_gemv")
-    shapes = SHAPES["2b"] + SHAPES["27b"] if args.shapes == "all" else SHAPES[args.shapes]
+    shapes = ([s for key, v in SHAPES.items() if key != "rows" for s in v]
+              if args.shapes == "all"
+              else [s for key in args.shapes.split(",") for s in SHAPES[key]])
     rows = [int(r) for r in args.rows.split(",")]
     t0 = time.perf_counter()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; kernel times from the "
@@ -128,7 +151,15 @@ def main():
             ref = few_rows_reference(x, ws[0]).astype(jnp.float32)
             progs = [("xla", chained(few_rows_reference))]
             errs = {}
-            for t in candidates(n, k, m):
+            if m >= 1:
+                fn = reduce_form if m == 1 else reduce_rows_form
+                y = jax.jit(fn)(x, ws[0]).astype(jnp.float32)
+                errs["gemv_reduce"] = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
+                progs.append(("reduce", chained(fn)))
+            tiles = candidates(n, k, m)
+            if args.quick:
+                tiles = [t for t in tiles if t == default_tiles(n, k)]
+            for t in tiles:
                 fn = functools.partial(few_rows_matmul, tiles=t, name=tag(t))
                 try:
                     y = jax.jit(fn)(x, ws[0]).astype(jnp.float32)
@@ -140,17 +171,26 @@ def main():
                     continue
                 progs.append((tag(t), f))
             jax.block_until_ready(progs[0][1](x, ws))
+            rows_out = []
+            for label, f in progs:  # one trace per XLA program: their fusion names collide
+                if label.startswith("gemv_"):
+                    continue
+                with tempfile.TemporaryDirectory() as tmp:
+                    with jax.profiler.trace(tmp):
+                        for _ in range(RUNS):
+                            jax.block_until_ready(f(x, ws))
+                    for nm, (us, c) in kernel_us(tmp).items():
+                        if c >= REPS * RUNS:
+                            err = errs.get("gemv_reduce") if label == "reduce" else None
+                            extra = f" err {err:.1e}" if err is not None else ""
+                            rows_out.append((us, f"{label} {nm[:40]}", extra))
             with tempfile.TemporaryDirectory() as tmp:
                 with jax.profiler.trace(tmp):
                     for _ in range(RUNS):
-                        for _, f in progs:
-                            jax.block_until_ready(f(x, ws))
+                        for label, f in progs:
+                            if label.startswith("gemv_"):
+                                jax.block_until_ready(f(x, ws))
                 times = kernel_us(tmp)
-            xla = [(us, nm) for nm, (us, c) in times.items()
-                   if not nm.startswith("gemv_") and c >= REPS * RUNS]
-            rows_out = []
-            for us, nm in xla:
-                rows_out.append((us, f"xla {nm[:40]}", ""))
             for nm, (us, c) in times.items():
                 if nm.startswith("gemv_"):
                     err = max((v for tg, v in errs.items() if nm.startswith(tg)),

@@ -134,3 +134,81 @@ def test_gpu_kernel_matches_xla(m, n, k):
     ref = _numpy(x, w)
     assert np.all(np.abs(y - ref) <= 2.0 ** -8 * np.abs(ref) + 1e-5)
     assert np.all(np.abs(y - y_x) <= 2.0 ** -7 * np.abs(y_x) + 1e-5)
+
+
+# XLA's multiply-reduce form (backend "reduce")
+
+
+@pytest.mark.parametrize("dtype,bound", [(jnp.float32, 1e-5), (jnp.bfloat16, 2.0 ** -8)])
+def test_reduce_form_matches_float64(dtype, bound):
+    """One row ``[1, 1, K]``: float32 sums of the products, rounded once to ``w.dtype``."""
+    from pallas_kernels.gemv import reduce_matmul
+
+    x, w = _inputs(1, 96, 640, dtype, seed=11)
+    y = reduce_matmul(x.reshape(1, 1, 640), w)
+    assert y.shape == (1, 1, 96) and y.dtype == dtype
+    ref = _numpy(x, w)[0]
+    assert np.all(np.abs(np.asarray(y, np.float64)[0, 0] - ref) <= bound * np.abs(ref) + 1e-6)
+    with pytest.raises(ValueError, match=r"must be \[..., K\] and \[N, K\]"):
+        reduce_matmul(x[:, :64], w)
+
+
+def _ops(fn, *args) -> str:
+    return str(jax.make_jaxpr(fn)(*args))
+
+
+def test_dispatch_takes_the_reduce_form_for_one_row_up_to_max_k():
+    from pallas_kernels.gemv.reduce_form import MAX_K
+
+    x, w = _inputs(2, 64, 256, jnp.float32, seed=12)
+    one = x[:1].reshape(1, 1, 256)
+    reduce = lambda a, b: gemv(a, b, backend="reduce")
+    text = _ops(reduce, one, w)
+    assert "reduce_sum" in text and "dot_general" not in text
+    assert "dot_general" in _ops(reduce, x, w)  # two rows: XLA's dot
+    _, long_w = _inputs(1, 8, MAX_K + 256, jnp.float32, seed=13)
+    long_x = jnp.ones((1, MAX_K + 256), jnp.float32)
+    assert "dot_general" in _ops(reduce, long_x, long_w)  # K above MAX_K: XLA's dot
+    np.testing.assert_allclose(np.asarray(gemv(one, w, backend="reduce"))[0],
+                               _numpy(one[0], w), rtol=1e-5, atol=1e-5)
+
+
+def test_reduce_backend_reaches_every_projection_and_matches_hf():
+    """``load_model(gemv_backend="reduce")`` routes the one-row calls of the merged and plain
+    projections and of the LM head through the reduce form; one-row cached decode logits
+    match HF's (golden fixture, float32), row by row."""
+    from flax import nnx
+
+    from mtp_jax.cache.paged import AttentionBatch
+    from mtp_jax.engine.pools import make_pools
+    from mtp_jax.models.layers.basic import Embed, Linear, MergedLinear
+    from mtp_jax.models.loader import load_model
+    from tests.conftest import fixture_path
+
+    g = np.load(fixture_path("tiny_dense") + "/golden.npz")
+    m = load_model(fixture_path("tiny_dense"), "float32", with_mtp=False, gemv_backend="reduce")
+    assert m.cfg.kernels.gemv == "reduce"
+    model = nnx.merge(m.graphdef, m.params)
+    kinds = [type(n) for _, n in nnx.iter_graph(model)
+             if isinstance(n, (Linear, MergedLinear, Embed))]
+    assert Linear in kinds and MergedLinear in kinds and Embed in kinds
+    assert all(n.backend == "reduce" for _, n in nnx.iter_graph(model)
+               if isinstance(n, (Linear, MergedLinear, Embed)))
+    hidden = jnp.ones((1, 1, m.cfg.hidden_size), jnp.float32)
+    assert "dot_general" not in _ops(model.logits, hidden)
+    t = g["input_ids"].shape[1]
+    for row in range(g["input_ids"].shape[0]):
+        ids = g["input_ids"][row:row + 1]
+        pools = make_pools(m.cfg, num_pages=5, page_size=8, slots=1, k=0, mtp=False,
+                           dtype=jnp.float32)
+        table = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
+        pos = jnp.arange(t, dtype=jnp.int32)[None]
+        _, kv, gdn = model(jnp.asarray(ids), AttentionBatch(pos, jnp.ones((1, t), bool), table),
+                           pools.kv, pools.gdn, "prefill")
+        for step in range(3):
+            p = jnp.full((1, 1), t + step, jnp.int32)
+            tok = jnp.asarray(g["greedy_tokens"][row:row + 1, step:step + 1])
+            hidden, kv, gdn = model(tok, AttentionBatch(p, jnp.ones((1, 1), bool), table), kv,
+                                    gdn, "decode")
+            np.testing.assert_allclose(np.asarray(model.logits(hidden))[0, 0],
+                                       g["decode_logits"][row, step], atol=1e-4, rtol=1e-4)

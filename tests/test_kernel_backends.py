@@ -3,7 +3,7 @@
 import pytest
 
 from mtp_jax.config import ConfigError
-from mtp_jax.kernels import AUTO_PALLAS_ON_GPU, KernelBackends
+from mtp_jax.kernels import AUTO_ON_GPU, AUTO_PALLAS_ON_GPU, KernelBackends
 
 
 def test_auto_is_xla_on_cpu():
@@ -14,8 +14,17 @@ def test_auto_is_xla_on_cpu():
 def test_auto_on_gpu_takes_only_the_checked_kernels():
     got = KernelBackends.resolve(platform="gpu")
     for op in ("attention", "gdn", "moe", "norm", "gemv"):
-        assert getattr(got, op) == ("pallas" if op in AUTO_PALLAS_ON_GPU else "xla")
-    assert got.norm == got.gemv == "xla"  # faster on one shape only so far
+        want = "pallas" if op in AUTO_PALLAS_ON_GPU else AUTO_ON_GPU.get(op, "xla")
+        assert getattr(got, op) == want
+    assert got.norm == "xla"  # faster on one shape only so far
+    assert got.gemv == "reduce"  # XLA's multiply-reduce form of one-row projections
+
+
+def test_reduce_is_a_gemv_choice_only():
+    assert KernelBackends.resolve(platform="cpu", gemv="reduce").gemv == "reduce"  # XLA: any
+    with pytest.raises(ConfigError, match=r"norm_backend 'reduce'.*auto, xla, pallas "
+                                          r"\(--norm-backend\)"):
+        KernelBackends.resolve(platform="gpu", norm="reduce")
 
 
 def test_explicit_choices_are_kept_on_gpu():
@@ -102,5 +111,6 @@ def test_backend_help_names_what_auto_picks():
     assert "auto = pallas on a GPU, else xla" in backend_help("gdn")
     assert "auto = pallas on a GPU in 16-bit dtypes" in backend_help("moe")
     assert "auto = xla" in backend_help("attention")
-    for op in ("norm", "gemv"):
-        assert "auto = xla" in backend_help(op) and "experimental" in backend_help(op)
+    assert "auto = xla" in backend_help("norm") and "experimental" in backend_help("norm")
+    assert "auto = reduce on a GPU, else xla" in backend_help("gemv")
+    assert "pallas" in backend_help("gemv") and "experimental" in backend_help("gemv")

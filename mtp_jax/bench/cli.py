@@ -17,7 +17,7 @@ from mtp_jax.bench.compiles import install
 from mtp_jax.bench.floor import load_config
 from mtp_jax.bench.run import Settings, bench_one
 from mtp_jax.config import ConfigError
-from mtp_jax.kernels import CHOICES, OPS, KernelBackends, backend_help, check_gemv_merge
+from mtp_jax.kernels import OPS, KernelBackends, backend_help, choices_of
 from mtp_jax.models.loader import load_model
 
 
@@ -67,7 +67,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="persistent XLA compilation cache folder, or 'none' (default: "
                         "$MTP_JAX_COMPILATION_CACHE or ~/.cache/mtp_jax/xla)")
     for op in OPS:
-        p.add_argument(f"--{op}-backend", default="auto", choices=list(CHOICES),
+        p.add_argument(f"--{op}-backend", default="auto", choices=list(choices_of(op)),
                        help=backend_help(op))
     p.add_argument("--no-merge-projections", action="store_true",
                    help="keep one weight per checkpoint projection (load_model("
@@ -149,9 +149,8 @@ def main(argv=None, description: str | None = None) -> int:
         backends = backend_kwargs(args)
         configs = [(path, load_config(path)) for path in args.config]
         for path, cfg in configs:  # kernel choices checked before any weight is drawn
-            chosen = KernelBackends.for_model(
+            KernelBackends.for_model(
                 cfg, args.dtype, **{n: v for n, v in backends.items() if n.endswith("_backend")})
-            check_gemv_merge(chosen.gemv, backends.get("merge_projections", True))
             if s.draft_vocab_size is not None and s.draft_vocab_size > cfg.vocab_size:
                 raise ValueError(f"--draft-vocab-size {s.draft_vocab_size} is larger than the "
                                  f"vocabulary of {path} ({cfg.vocab_size}); pick N <= "

@@ -16,23 +16,26 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import as_data
+from pallas_kernels.gemv import gemv
 
 __all__ = ["DraftHead", "with_draft_head", "draft_head_bytes"]
 
 
 class DraftHead(nnx.Module):
-    """``weight [N, H]`` (model dtype): LM-head rows of the hot ids ``ids [N] int32``."""
+    """``weight [N, H]`` (model dtype): LM-head rows of the hot ids ``ids [N] int32``;
+    ``backend``: how a call runs (:func:`pallas_kernels.gemv.gemv`, as the LM head's)."""
 
-    def __init__(self, weight: jax.Array, ids: jax.Array):
+    def __init__(self, weight: jax.Array, ids: jax.Array, backend: str = "xla"):
         self.weight = nnx.Param(weight)
         self.ids = nnx.Variable(ids)
+        self.backend = backend
 
     def __call__(self, z: jax.Array) -> jax.Array:
         """``z [..., H]`` -> logits ``[..., N]`` float32 (the same product as the full head,
         restricted to the hot rows)."""
-        w = self.weight[...]
-        return jnp.einsum("...h,nh->...n", z.astype(w.dtype), w).astype(jnp.float32)
+        return gemv(z, self.weight[...], backend=self.backend).astype(jnp.float32)
 
 
 def with_draft_head(model, hot_ids: np.ndarray | None):
@@ -59,7 +62,8 @@ def with_draft_head(model, hot_ids: np.ndarray | None):
         module = model.module()
         table = (module.lm_head if module.lm_head is not None else module.embed_tokens).weight
         dev_ids = jax.device_put(ids, next(iter(table[...].devices())))
-        head = DraftHead(jnp.take(table[...], dev_ids, axis=0), dev_ids)
+        head = DraftHead(jnp.take(table[...], dev_ids, axis=0), dev_ids,
+                         backend=kernels_of(model.cfg).gemv)
         # as_data: the attribute was static (None) when the model was built.
         module.draft_head = as_data(head)
         graphdef, params = nnx.split(module)

@@ -20,7 +20,7 @@ from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.checks import check_before_load, check_draft_folder  # noqa: F401 (re-export)
 from mtp_jax.config import ConfigError, ModelConfig, SpecConfig
-from mtp_jax.kernels import KernelBackends, check_gemv_merge
+from mtp_jax.kernels import KernelBackends
 from mtp_jax.models.layers.basic import set_gemv_backend
 from mtp_jax.models.registry import model_spec
 from mtp_jax.weights import names
@@ -231,8 +231,9 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
         layers whose head sizes the kernels cannot take).
       norm_backend: the same for the decoder layers' residual add + RMSNorm
         (:mod:`pallas_kernels.norm`; ``auto`` takes XLA).
-      gemv_backend: the same for the merged projections of one-row calls
-        (:mod:`pallas_kernels.gemv`; ``auto`` takes XLA; ``pallas`` needs the merge).
+      gemv_backend: the same for the projections (and LM head) of one-row calls
+        (:mod:`pallas_kernels.gemv`: ``xla``, ``reduce`` or ``pallas``; ``auto`` takes
+        ``reduce`` on a GPU, else XLA).
       merge_projections: after loading, stack the projections that read one input into one
         matrix each (``Qwen35Model.merge_projections``: one GEMM per group, faster decode);
         ``False`` keeps one parameter per checkpoint tensor, under its canonical name.
@@ -246,13 +247,15 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
     """
     kernels = KernelBackends.resolve(attention_backend, gdn_backend, moe_backend,
                                      norm=norm_backend, gemv=gemv_backend)
-    check_gemv_merge(kernels.gemv, merge_projections)
     if cfg is None and path is not None:  # qwen4_exp: its own loader (PLE tables stay on host)
         from mtp_jax.models.qwen4_exp.config import folder_is_qwen4_exp
 
         if folder_is_qwen4_exp(path):
-            if kernels != KernelBackends():
-                raise ConfigError(f"qwen4_exp runs the XLA kernels only for now, but {kernels} "
+            asked = {f"{op}_backend": v for op, v in (
+                ("attention", attention_backend), ("gdn", gdn_backend), ("moe", moe_backend),
+                ("norm", norm_backend), ("gemv", gemv_backend)) if v not in (None, "auto", "xla")}
+            if asked:  # auto: XLA for this family (its loader sets no kernel backend)
+                raise ConfigError(f"qwen4_exp runs the XLA kernels only for now, but {asked} "
                                   "was asked for; use the xla (or auto) backends.")
             from mtp_jax.models.qwen4_exp.loader import load_via_load_model
 
@@ -304,12 +307,13 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
                   for n, a in arrays.items()}
     params = fill_state(abstract, arrays)
     del arrays
-    if merge_projections:
+    if merge_projections or cfg.kernels.gemv != "xla":
         # Only the module refers to the weights from here, so each group's old weights are
         # freed as soon as its merged copy exists: the peak is one group above the model.
         module = nnx.merge(graphdef, params)
         del params
-        _merge_projections(module)
+        if merge_projections:
+            _merge_projections(module)
         set_gemv_backend(module, cfg.kernels.gemv)
         graphdef, params = nnx.split(module)
     return LoadedModel(cfg=cfg, dtype=dtype, graphdef=graphdef, params=params, has_mtp=with_mtp,

@@ -1,7 +1,10 @@
-"""``gemv``: a projection ``x @ w.T`` that takes the few-rows kernel where it has been measured
-faster than XLA (one row, wide outputs) and XLA elsewhere.
+"""``gemv``: a projection ``x @ w.T``, by backend: ``xla`` (XLA's ``dot``), ``reduce`` (XLA's
+multiply-reduce form for one row, :mod:`pallas_kernels.gemv.reduce_form`: the fastest form
+measured on every one-row shape with K <= 8192) or ``pallas`` (the few-rows Triton kernel for
+one row and wide outputs). Calls a backend does not cover take XLA's ``dot``.
 
-Measured on the H200 (bf16, one row, session 10; ``docs/benchmarks.md``):
+The Pallas kernel, measured on the H200 (bf16, one row, session 10; ``docs/benchmarks.md``;
+``reduce`` was faster than it on every shape in session 11):
 
 * ``scripts/bench_gemv.py`` (profiler device time per call, best tiles): the kernel beat
   XLA on the 2B gate/up (14.1 against 16.1 us), GDN in-projection (10.3 against 12.9 us) and
@@ -14,7 +17,8 @@ Measured on the H200 (bf16, one row, session 10; ``docs/benchmarks.md``):
   in-projection 11.4 against 12.9 us, attention q/k/v 7.2 against 12.6 us; device time per
   step 1.582 -> 1.542 ms.
 * The 27B decode step with this kernel (then with 16-column tiles, see :func:`default_tiles`)
-  and the fused norm: 14.66 against 13.46 ms with XLA. So ``auto`` keeps XLA.
+  and the fused norm: 14.66 against 13.46 ms with XLA; session 11 (4-column tiles, this
+  kernel alone): 13.88 against 13.77 ms.
 """
 
 from __future__ import annotations
@@ -25,8 +29,9 @@ import jax
 import jax.numpy as jnp
 
 from pallas_kernels.gemv.few_rows import GemvTiles, few_rows_matmul
+from pallas_kernels.gemv.reduce_form import reduce_applies, reduce_matmul
 
-BACKENDS = ("xla", "pallas")
+BACKENDS = ("xla", "reduce", "pallas")
 MIN_COLUMNS = 4096  # output columns below which XLA wins (too few programs to fill the card)
 PROGRAM_ELEMENTS = 16384  # weights a program reads (bn x K): 32 KB in bf16
 
@@ -55,6 +60,8 @@ def gemv(x: jax.Array, w: jax.Array, *, backend: str = "xla",
     """``x [..., K] @ w[N, K].T -> [..., N]`` in ``w.dtype`` (``x`` is cast to it first), float32
     sums.
 
+    ``backend="reduce"`` runs :func:`reduce_matmul` where
+    :func:`pallas_kernels.gemv.reduce_form.reduce_applies` (one row, K <= 8192);
     ``backend="pallas"`` runs :func:`few_rows_matmul` when ``x`` holds one row and
     :func:`default_tiles` fits ``w``; every other call is XLA's einsum. ``interpret``: Pallas
     interpret mode (``None``: when the default device is not a GPU).
@@ -66,8 +73,10 @@ def gemv(x: jax.Array, w: jax.Array, *, backend: str = "xla",
     if x.shape[-1] != k:
         raise ValueError(f"gemv: x {x.shape} and w {w.shape} must be [..., K] and [N, K].")
     x = x.astype(w.dtype)
+    if backend == "reduce" and reduce_applies(x.shape, w.shape):
+        return reduce_matmul(x, w)
     tiles = default_tiles(n, k)
-    if backend == "xla" or tiles is None or math.prod(x.shape[:-1]) != 1:
+    if backend != "pallas" or tiles is None or math.prod(x.shape[:-1]) != 1:
         return jnp.einsum("...k,nk->...n", x, w)
     if interpret is None:
         interpret = jax.default_backend() != "gpu"

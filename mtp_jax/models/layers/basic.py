@@ -20,14 +20,17 @@ from pallas_kernels.norm import add_rms_norm, rms_norm_reference
 
 
 class Linear(nnx.Module):
-    """``y = x @ weight.T`` with ``weight [out_features, in_features]`` (no bias)."""
+    """``y = x @ weight.T`` with ``weight [out_features, in_features]`` (no bias).
 
-    def __init__(self, in_features: int, out_features: int, dtype):
+    ``backend`` (static): how a call runs (:func:`pallas_kernels.gemv.gemv`: ``"xla"``,
+    ``"reduce"`` or ``"pallas"``; the loader sets it from ``KernelBackends.gemv``)."""
+
+    def __init__(self, in_features: int, out_features: int, dtype, backend: str = "xla"):
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))
+        self.backend = backend
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        w = self.weight[...]
-        return jnp.einsum("...i,oi->...o", x.astype(w.dtype), w)
+        return gemv(x, self.weight[...], backend=self.backend)
 
 
 class MergedLinear(nnx.Module):
@@ -41,8 +44,8 @@ class MergedLinear(nnx.Module):
     the same dot product as before; only the GEMM's accumulation order may differ (float32 on
     the CPU: differences of a few 1e-6).
 
-    ``backend`` (static, ``"xla"`` or ``"pallas"``): what a one-row call runs
-    (:func:`pallas_kernels.gemv.gemv`; the loader sets it from ``KernelBackends.gemv``).
+    ``backend`` (static): what a call runs (:func:`pallas_kernels.gemv.gemv`: ``"xla"``,
+    ``"reduce"`` or ``"pallas"``; the loader sets it from ``KernelBackends.gemv``).
     """
 
     def __init__(self, weights: Sequence[jax.Array], backend: str = "xla"):
@@ -73,11 +76,12 @@ def merge_linears(linears: Sequence[Linear]) -> MergedLinear:
 
 
 def set_gemv_backend(module, backend: str) -> int:
-    """Set ``backend`` on every :class:`MergedLinear` under ``module`` (in place); returns how
-    many were set. ``backend``: ``"xla"`` or ``"pallas"`` (:func:`pallas_kernels.gemv.gemv`)."""
+    """Set ``backend`` on every :class:`Linear`, :class:`MergedLinear` and :class:`Embed` (its
+    tied LM head) under ``module`` (in place); returns how many were set. ``backend``:
+    ``"xla"``, ``"reduce"`` or ``"pallas"`` (:func:`pallas_kernels.gemv.gemv`)."""
     count = 0
     for _, node in nnx.iter_graph(module):
-        if isinstance(node, MergedLinear):
+        if isinstance(node, (Linear, MergedLinear, Embed)):
             node.backend = backend
             count += 1
     return count
@@ -98,18 +102,19 @@ def project(x: jax.Array, merged: MergedLinear | None, linears: Sequence) -> tup
 
 
 class Embed(nnx.Module):
-    """Token embedding ``weight [vocab, hidden]``; also the tied ``lm_head``."""
+    """Token embedding ``weight [vocab, hidden]``; also the tied ``lm_head`` (``backend``:
+    what :meth:`attend` runs, as :class:`Linear`'s)."""
 
-    def __init__(self, vocab: int, hidden: int, dtype):
+    def __init__(self, vocab: int, hidden: int, dtype, backend: str = "xla"):
         self.weight = nnx.Param(jnp.zeros((vocab, hidden), dtype))
+        self.backend = backend
 
     def __call__(self, ids: jax.Array) -> jax.Array:
         return jnp.take(self.weight[...], ids, axis=0)
 
     def attend(self, x: jax.Array) -> jax.Array:
         """Logits against the embedding matrix: ``[..., H] -> [..., V]`` (tied head)."""
-        w = self.weight[...]
-        return jnp.einsum("...h,vh->...v", x.astype(w.dtype), w)
+        return gemv(x, self.weight[...], backend=self.backend)
 
 
 def rms_normalize(x: jax.Array, eps: float) -> jax.Array:
