@@ -1,4 +1,5 @@
-"""Which implementation runs each hot op: the XLA reference or the Pallas kernel.
+"""Which implementation runs each hot op: the XLA reference, the Pallas kernel or (one-row
+projections) XLA's multiply-reduce form.
 
 One switch per op (``--attention-backend``, ``--gdn-backend``, ``--moe-backend``,
 ``--norm-backend``, ``--gemv-backend``), each
@@ -33,11 +34,13 @@ OP_DESCRIPTIONS = {"attention": "paged attention (decode/verify rows)",
                    "gemv": "the projections and LM head of one-row calls (batch-1 decode with "
                            "speculation off; batch-1 MTP draft steps)"}
 EXPERIMENTAL = {
-    "norm": "experimental: faster in the 2B decode step; the 27B step was slower with it and "
-            "--gemv-backend pallas together, not yet measured apart (docs/benchmarks.md)",
-    "gemv": "reduce = XLA's multiply-reduce form (one row, K <= 8192); pallas = a Triton "
-            "kernel (one row, >= 4096 columns), experimental: slower than reduce on every "
-            "shape measured (docs/benchmarks.md)"}
+    "norm": "experimental: faster in the 2B decode step, no faster in the 27B step "
+            "(docs/benchmarks.md)",
+    "gemv": "pallas is experimental: slower than reduce on every shape measured "
+            "(docs/benchmarks.md)"}
+NOTES = {"gemv": "reduce = XLA's multiply-reduce form of one-row calls with K <= 8192 (XLA's "
+                 "GEMM for the others); pallas = a Triton kernel for one-row calls with >= 4096 "
+                 "output columns"}
 
 
 def choices_of(op: str) -> tuple[str, ...]:
@@ -56,8 +59,11 @@ def backend_help(op: str) -> str:
         auto = "auto = xla"
     else:
         auto = "auto = xla (the kernel is not measured faster yet)"
-    note = f"; {EXPERIMENTAL[op]}" if op in EXPERIMENTAL else ""
-    return f"implementation of {OP_DESCRIPTIONS[op]}: pallas (GPU kernels) or xla; {auto}{note}"
+    notes = [n[op] for n in (NOTES, EXPERIMENTAL) if op in n]
+    kinds = ["pallas (GPU kernels)" if c == "pallas" else c for c in choices_of(op)
+             if c != "auto"]
+    kinds = ", ".join(kinds[:-1]) + " or " + kinds[-1]
+    return f"implementation of {OP_DESCRIPTIONS[op]}: {kinds}; " + "; ".join([auto, *notes])
 
 
 @dataclasses.dataclass(frozen=True)
@@ -110,9 +116,11 @@ class KernelBackends:
         out = {}
         for op, value in chosen.items():
             if value == "pallas" and not on_gpu:
+                others = [c for c in choices_of(op) if c not in ("pallas", "auto")] + ["auto"]
+                others = ", ".join(others[:-1]) + " or " + others[-1]
                 raise ConfigError(f"{op}_backend 'pallas' needs a CUDA GPU (the kernels use the "
                                   f"Pallas Triton lowering) but JAX runs on {platform!r}; use "
-                                  f"--{op}-backend xla or auto.")
+                                  f"--{op}-backend {others}.")
             wide = dtype == "float32" and op in SIXTEEN_BIT_ONLY
             if value == "pallas" and wide:
                 raise ConfigError(f"{op}_backend 'pallas' needs 16-bit weights (its tiles are "

@@ -77,8 +77,10 @@ def test_norm_kernel_refuses_hidden_sizes_it_cannot_split():
 
 
 def test_pallas_without_gpu_is_refused():
-    with pytest.raises(ConfigError, match="needs a CUDA GPU.*--gdn-backend xla"):
+    with pytest.raises(ConfigError, match="needs a CUDA GPU.*--gdn-backend xla or auto"):
         KernelBackends.resolve(gdn="pallas", platform="cpu")
+    with pytest.raises(ConfigError, match="--gemv-backend xla, reduce or auto"):
+        KernelBackends.resolve(gemv="pallas", platform="cpu")
 
 
 def test_cli_refuses_pallas_on_cpu_before_loading(capsys, monkeypatch):

@@ -71,8 +71,9 @@ class LLM:
       attention_backend, gdn_backend, moe_backend, norm_backend, gemv_backend: ``"auto"``
         (default), ``"xla"`` or ``"pallas"``: the implementation of paged attention, the GDN
         decode/verify/commit step form, the MoE experts and router, the decoder layers'
-        residual add + RMSNorm, and the merged projections of one-row calls
-        (:mod:`mtp_jax.kernels`); ``pallas`` needs a CUDA GPU.
+        residual add + RMSNorm, and the projections and LM heads of one-row calls
+        (:mod:`mtp_jax.kernels`); ``pallas`` needs a CUDA GPU. ``gemv_backend`` also takes
+        ``"reduce"`` (XLA's multiply-reduce form), which ``"auto"`` picks on a GPU.
       compilation_cache_dir: persistent XLA compilation cache folder (compiled programs reused
         by the next process); ``None``: ``$MTP_JAX_COMPILATION_CACHE``, else the folder jax
         already uses, else ``~/.cache/mtp_jax/xla``; ``"none"``/``"off"``: no cache

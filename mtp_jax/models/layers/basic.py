@@ -71,8 +71,9 @@ class MergedLinear(nnx.Module):
 
 
 def merge_linears(linears: Sequence[Linear]) -> MergedLinear:
-    """A :class:`MergedLinear` of ``linears`` (their weights copied, in order)."""
-    return MergedLinear([m.weight[...] for m in linears])
+    """A :class:`MergedLinear` of ``linears`` (their weights copied, in order; the first one's
+    ``backend``)."""
+    return MergedLinear([m.weight[...] for m in linears], backend=linears[0].backend)
 
 
 def set_gemv_backend(module, backend: str) -> int:
