@@ -115,3 +115,19 @@ def test_second_turn_reuses_the_first_turns_output(model, algo):
     # the reuse reaches past the first prompt (10 tokens) into its output: snapshot boundaries
     # every 8 tokens; the follow-up has 35 tokens, the first request committed 29.
     assert outs[True][2] == 24, outs[True][2]
+
+
+def test_snapshot_pool_exists_only_with_the_prefix_cache(model):
+    """Without the prefix cache the pools hold no snapshot arrays at all (each pool array is an
+    argument buffer of every program call); with it, ``num_snapshots + 1`` states per GDN
+    layer (id 0 the trash snapshot)."""
+    import jax
+
+    off = _engine(model, "none", cache=False).pools
+    assert off.snapshots.recurrent == () and off.snapshots.conv == ()
+    on = _engine(model, "none", cache=True).pools
+    layers = len(model.cfg.linear_layer_ids)
+    assert len(on.snapshots.recurrent) == len(on.snapshots.conv) == layers > 0
+    assert on.snapshots.recurrent[0].shape[0] == 4 * 2 + 1  # 4 per running request, + trash
+    assert (len(jax.tree_util.tree_leaves(on)) - len(jax.tree_util.tree_leaves(off))
+            == 2 * layers)

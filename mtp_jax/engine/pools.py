@@ -11,8 +11,9 @@ padding rows write to):
   next round (written by prefill and by each round).
 * ``draft_probs``: ``[slots, k, V]`` f32, the draft distributions q of those drafts (MTP only;
   rejection sampling needs them); ``[slots, 0, 0]`` otherwise.
-* ``snapshots``: GDN states saved at prefix-cache boundaries, ``[num_snapshots, ...]`` per layer
-  like ``gdn`` (id 0 is the trash snapshot).
+* ``snapshots``: GDN states saved at prefix-cache boundaries, ``[num_snapshots + 1, ...]`` per
+  layer like ``gdn`` (id 0 is the trash snapshot); no arrays at all without the prefix cache
+  (every pool array is an argument buffer of every program call, which costs host time).
 * ``position``: ``[slots]`` int32, the position of each slot's pending token (= tokens in its
   target KV); ``step``: ``[slots]`` int32, tokens the slot's request has generated (the
   random-stream step of its next sampled token). Both are set by the final prefill chunk and
@@ -64,5 +65,5 @@ def make_pools(cfg: ModelConfig, *, num_pages: int, page_size: int, slots: int, 
     return Pools(kv=kv, draft_kv=draft, gdn=gdn,
                  next_tokens=jnp.zeros((slots, k + 1), jnp.int32),
                  draft_probs=jnp.zeros(probs_shape, jnp.float32),
-                 snapshots=gdn_of(num_snapshots + 1 if num_snapshots else 0),
+                 snapshots=gdn_of(num_snapshots + 1) if num_snapshots else LinearState((), ()),
                  position=jnp.zeros((slots,), jnp.int32), step=jnp.zeros((slots,), jnp.int32))
