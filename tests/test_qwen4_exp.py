@@ -118,3 +118,22 @@ def test_load_model_and_registry_hooks(golden):
     assert m.cfg.model_type == "qwen4_exp" and m.has_mtp
     logits, _ = m.forward(golden["input_ids"])
     _close(logits, golden["logits"], "load_model prompt logits")
+
+
+def test_load_model_refuses_only_asked_kernels(monkeypatch):
+    """qwen4_exp runs XLA only: an explicitly asked non-XLA backend is refused before any
+    weight is read, naming it; ``auto`` is not refused even where it resolves to kernels for
+    the other families (on a GPU: the GDN and MoE kernels, the reduce gemv form)."""
+    import mtp_jax
+    from mtp_jax.config import ConfigError
+    from mtp_jax.kernels import KernelBackends
+    from mtp_jax.models.qwen4_exp import loader as q4
+
+    with pytest.raises(ConfigError, match=r"qwen4_exp runs the XLA kernels only.*"
+                                          r"'gemv_backend': 'reduce'"):
+        mtp_jax.load_model(FIX, dtype="float32", gemv_backend="reduce")
+    gpu_auto = KernelBackends.resolve(platform="gpu")
+    assert gpu_auto != KernelBackends()  # what auto means for the other families on a GPU
+    monkeypatch.setattr(KernelBackends, "resolve", classmethod(lambda cls, *a, **k: gpu_auto))
+    monkeypatch.setattr(q4, "load_via_load_model", lambda *a, **k: "loaded")
+    assert mtp_jax.load_model(FIX, dtype="float32") == "loaded"

@@ -245,8 +245,9 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
       CheckpointError: bad files or missing/unexpected tensors (before any tensor data is read,
       the draft's before the target's).
     """
-    kernels = KernelBackends.resolve(attention_backend, gdn_backend, moe_backend,
-                                     norm=norm_backend, gemv=gemv_backend)
+    # The choices are checked first, before the model family or its files are looked at.
+    KernelBackends.resolve(attention_backend, gdn_backend, moe_backend, norm=norm_backend,
+                           gemv=gemv_backend)
     if cfg is None and path is not None:  # qwen4_exp: its own loader (PLE tables stay on host)
         from mtp_jax.models.qwen4_exp.config import folder_is_qwen4_exp
 
