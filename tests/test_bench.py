@@ -97,6 +97,9 @@ def test_bench_runs_exact_and_reports(cold):
                     "compiles_timed", "compiles_warmup", "startup_s", "peak_device_bytes"):
             assert key in r, key
         assert r["round_ms_p10"] <= r["round_ms"] <= r["round_ms_p90"]
+        # host time: a part of each round's interval, so its median is at most the round's
+        assert 0 < r["host_ms_p10"] <= r["host_ms"] <= r["host_ms_p90"]
+        assert r["host_ms"] <= r["round_ms"]
         assert r["compiles_timed"] == 0  # nothing compiles after warm-up
         assert r["compiles_warmup"] >= 1
     assert rows[0]["exact"] is None and rows[2]["exact"] is True
@@ -113,6 +116,7 @@ def test_bench_runs_exact_and_reports(cold):
             assert p["compiles"] >= 1 and p["cache_hits"] == 0, p
     assert [s["accept_length"] for s in spec["skipped_accept_lengths"]] == [3.5]  # > k + 1
     assert "note: skipped: accept length 3.5 cannot be forced with k=2" in stderr
+    assert f"host={plain['host_ms']:.2f}ms" in stderr  # the progress line
     for f, want in zip(spec["forced"], (2.5, 3.0)):
         assert f["accept_length"] == want
         assert f["exact"] and f["mismatched_requests"] == []

@@ -113,7 +113,7 @@ def _progress(r: dict) -> str:
         f"{v:.1f}" for v in r["tokens_per_s_at_accept_length"].values()))
     n = f" N={r['draft_vocab_size']}" if r.get("draft_vocab_size") else ""
     return (f"{r['config']} B={r['batch']} k={r['k']}{n} round={r['round_ms']:.2f}ms "
-            f"floor={r['floor_ms']:.2f}ms ({r['fraction_of_floor']:.0%}) tok/s={tps} "
+            f"host={r['host_ms']:.2f}ms floor={r['floor_ms']:.2f}ms ({r['fraction_of_floor']:.0%}) tok/s={tps} "
             f"exact={report.exact_cell(r)} startup={r['startup_s']:.1f}s "
             f"({r['startup_from_cache']}) "
             f"timed_compiles={r['compiles_timed']}")

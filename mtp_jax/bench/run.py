@@ -187,10 +187,13 @@ def measure_prefill(eng: Engine, s: Settings, vocab: int) -> float:
     return statistics.median(times)
 
 
-def _timing(times: list[float]) -> dict:
-    ms = np.asarray(times) * 1e3
+def _timing(times: list[float], host: list[float]) -> dict:
+    """Median and p10 / p90 of the rounds' times and of their host times (seconds in)."""
+    ms, host_ms = np.asarray(times) * 1e3, np.asarray(host) * 1e3
     return {"round_ms": float(np.median(ms)), "round_ms_p10": float(np.percentile(ms, 10)),
-            "round_ms_p90": float(np.percentile(ms, 90)), "rounds_timed": len(times)}
+            "round_ms_p90": float(np.percentile(ms, 90)), "rounds_timed": len(times),
+            "host_ms": float(np.median(host_ms)), "host_ms_p10": float(np.percentile(host_ms, 10)),
+            "host_ms_p90": float(np.percentile(host_ms, 90))}
 
 
 def _context(positions: list[float]) -> dict:
@@ -213,7 +216,7 @@ def plain_decode(eng: Engine, reqs: list[Request], s: Settings, ledger: Ledger,
     with ledger.phase(warm):
         while min(len(r.output_ids) for r in reqs) < s.reference_len:
             eng._run_round(reqs)
-    return {**_timing(run["times"]), "context": _context(run["positions"]),
+    return {**_timing(run["times"], run["host"]), "context": _context(run["positions"]),
             "tokens_per_s_e2e": s.decode_tokens * len(reqs) / run["wall"], "wall_s": run["wall"]}
 
 
@@ -227,24 +230,31 @@ def pipelined_rounds(eng: Engine, reqs: list[Request], done: Callable[[list[dict
     is dispatched (device work chained between rounds).
 
     Returns ``{"times": seconds between consecutive results (the first from the start),
-    "positions": each counted round's mean start position, "results",
-    "wall": seconds from the start to the last counted result}``."""
-    times, positions, results = [], [], []
+    "host": the host's seconds of each of those intervals (``before_dispatch``, the dispatch
+    and the collect, without the wait for the round's result), "positions": each counted
+    round's mean start position, "results", "wall": seconds from the start to the last
+    counted result}``. A round whose host time is close to its time is bound by the host."""
+    times, host, positions, results = [], [], [], []
     t_start = t_last = time.perf_counter()
     prev = eng._dispatch_round(reqs)
     while True:
+        t0 = time.perf_counter()
         if before_dispatch is not None:
             before_dispatch(len(results) + 1)
         cur = eng._dispatch_round(reqs, chained=True)
         positions.append(float(np.mean([r.position for r in reqs])))  # where prev started
+        t1 = time.perf_counter()
+        jax.block_until_ready(prev.out.readback)  # the device's part, not the host's
+        t2 = time.perf_counter()
         results.append(eng._collect(prev, later=cur))
         now = time.perf_counter()
         times.append(now - t_last)
+        host.append((t1 - t0) + (now - t2))
         t_last, prev = now, cur
         if done(results):
             break
     eng._collect(prev)
-    return {"times": times, "positions": positions, "results": results,
+    return {"times": times, "host": host, "positions": positions, "results": results,
             "wall": t_last - t_start}
 
 
@@ -337,15 +347,15 @@ def forced_decode(eng: Engine, reqs: list[Request], reference, accept_length: fl
 
     with ledger.phase("timed"):
         run = pipelined_rounds(eng, reqs, counted, force)
-    times, positions, wall = run["times"], run["positions"], run["wall"]
+    times, host, positions, wall = run["times"], run["host"], run["positions"], run["wall"]
     commits = [float(np.mean([len(new.get(r, ())) for r in reqs])) for new in run["results"]]
     done = [sum(len(new.get(r, ())) for new in run["results"]) for r in reqs]
-    timing = _timing(times)
+    timing = _timing(times, host)
     measured = float(np.mean(commits))
     check = compare_to_reference([r.output_ids for r in reqs], reference)
     release_all(eng, reqs)
     return {"accept_length": accept_length, "accept_length_measured": measured, **timing,
-            "_times": times, "context": _context(positions),
+            "_times": times, "_host": host, "context": _context(positions),
             "overwrite_ms": float(np.median(force_s) * 1e3) if force_s else 0.0,
             "tokens_per_s_e2e": sum(done) / wall, "wall_s": wall,
             "tokens_per_s_derived": measured * len(reqs) / (timing["round_ms"] / 1e3),
@@ -422,7 +432,7 @@ def bench_one(model, batch: int, k: int, s: Settings,
             raise ValueError(f"no accept length of {list(s.accept_lengths)} can be forced with "
                              f"k={k} (each must be in [1, {k + 1}]).")
         pooled = [t for f in forced for t in f.pop("_times")]
-        res.update(_timing(pooled))
+        res.update(_timing(pooled, [t for f in forced for t in f.pop("_host")]))
         res["context"] = {"start": min(f["context"]["start"] for f in forced),
                           "end": max(f["context"]["end"] for f in forced),
                           "mean": float(np.mean([f["context"]["mean"] for f in forced]))}
