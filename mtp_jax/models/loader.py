@@ -23,7 +23,6 @@ from mtp_jax.config import ConfigError, ModelConfig, SpecConfig
 from mtp_jax.kernels import KernelBackends
 from mtp_jax.models.layers.basic import set_gemv_backend
 from mtp_jax.models.registry import model_spec
-from mtp_jax.weights import names
 from mtp_jax.weights.safetensors_reader import load_tensors
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
