@@ -9,7 +9,8 @@ split-K GEMM shows as two lines, the GEMM and its reduction). Bytes = N K 2; TB/
 fraction of 4.2 TB/s. ``err`` = max |y - ref| / max |ref| (ref: XLA with float32 sums rounded
 once). ``(default)`` marks the tiles ``gemv`` picks (``default_tiles``). ``reduce`` rows are
 XLA's multiply-reduce form (``pallas_kernels.gemv.reduce_form``; for several rows the same
-form reduced in ``[N, M, K]`` order). About 4 minutes for all shapes on an H200 (mostly
+form reduced in ``[N, M, K]`` order; ``reduce_chunked``, for K > 8192, the form reduced over
+chunks of K first). About 4 minutes for all shapes on an H200 (mostly
 compiles); ``--quick`` times only XLA's dot, the reduce form and the default tiles;
 ``--budget-s`` stops the sweep early.
 
@@ -75,6 +76,19 @@ def reduce_rows_form(x, w):
     of one weight row next to each other), transposed back to ``[M, N]``."""
     y = jnp.sum(x.astype(jnp.float32)[None] * w.astype(jnp.float32)[:, None], axis=-1)
     return y.T.astype(w.dtype)
+
+
+def reduce_chunked_form(x, w, chunk=8192):
+    """The one-row reduce form with K split into chunks of at most ``chunk`` (a reduce over
+    each chunk, then over the chunks): for K above ``reduce_form``'s MAX_K, where XLA splits
+    one long row reduction itself and reads the weights slowly."""
+    n, k = w.shape
+    c = -(-k // chunk)
+    while k % c:
+        c += 1
+    prod = x.astype(jnp.float32)[:, None, :] * w.astype(jnp.float32)[None]
+    y = jnp.sum(jnp.sum(prod.reshape(x.shape[0], n, c, k // c), axis=-1), axis=-1)
+    return y.astype(w.dtype)
 
 
 def candidates(n, k, m):
@@ -156,6 +170,8 @@ def main():
                 y = jax.jit(fn)(x, ws[0]).astype(jnp.float32)
                 errs["gemv_reduce"] = float(jnp.max(jnp.abs(y - ref)) / jnp.max(jnp.abs(ref)))
                 progs.append(("reduce", chained(fn)))
+            if m == 1 and k > 8192:
+                progs.append(("reduce_chunked", chained(reduce_chunked_form)))
             tiles = candidates(n, k, m)
             if args.quick:
                 tiles = [t for t in tiles if t == default_tiles(n, k)]
