@@ -13,7 +13,7 @@ DEFAULT_PROMPT = "Explain speculative decoding in one paragraph."
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mtp_jax.kernels import OPS, backend_help, choices_of
+    from mtp_jax.kernels import add_backend_flags
 
     p = argparse.ArgumentParser(prog="python -m mtp_jax.generate", description=__doc__)
     p.add_argument("--model", default=None,
@@ -85,9 +85,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--ple-backend", default="disk", choices=["disk", "memory"],
                    help="Qwen3.8-Flash-Next checkpoints (model_type qwen4_exp) only: their "
                         "PLE n-gram tables memory-mapped from disk or held in host RAM")
-    for op in OPS:
-        p.add_argument(f"--{op}-backend", default="auto", choices=list(choices_of(op)),
-                       help=backend_help(op))
+    add_backend_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per request")
     return p
 

@@ -48,6 +48,19 @@ def choices_of(op: str) -> tuple[str, ...]:
     return CHOICES + EXTRA_CHOICES.get(op, ())
 
 
+def _either(items: list[str]) -> str:
+    """``["a", "b", "c"]`` -> ``"a, b or c"``."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+
+
+def add_backend_flags(parser) -> None:
+    """Add ``--<op>-backend`` (default ``auto``) for every op in :data:`OPS` to an argparse
+    parser, with :func:`backend_help` as help."""
+    for op in OPS:
+        parser.add_argument(f"--{op}-backend", default="auto", choices=list(choices_of(op)),
+                            help=backend_help(op))
+
+
 def backend_help(op: str) -> str:
     """The ``--<op>-backend`` help text: what the op is and what ``auto`` picks."""
     where = "on a GPU in 16-bit dtypes" if op in SIXTEEN_BIT_ONLY else "on a GPU"
@@ -60,9 +73,8 @@ def backend_help(op: str) -> str:
     else:
         auto = "auto = xla (the kernel is not measured faster yet)"
     notes = [n[op] for n in (NOTES, EXPERIMENTAL) if op in n]
-    kinds = ["pallas (GPU kernels)" if c == "pallas" else c for c in choices_of(op)
-             if c != "auto"]
-    kinds = ", ".join(kinds[:-1]) + " or " + kinds[-1]
+    kinds = _either(["pallas (GPU kernels)" if c == "pallas" else c for c in choices_of(op)
+                     if c != "auto"])
     return f"implementation of {OP_DESCRIPTIONS[op]}: {kinds}; " + "; ".join([auto, *notes])
 
 
@@ -116,8 +128,8 @@ class KernelBackends:
         out = {}
         for op, value in chosen.items():
             if value == "pallas" and not on_gpu:
-                others = [c for c in choices_of(op) if c not in ("pallas", "auto")] + ["auto"]
-                others = ", ".join(others[:-1]) + " or " + others[-1]
+                others = _either([c for c in choices_of(op) if c not in ("pallas", "auto")]
+                                 + ["auto"])
                 raise ConfigError(f"{op}_backend 'pallas' needs a CUDA GPU (the kernels use the "
                                   f"Pallas Triton lowering) but JAX runs on {platform!r}; use "
                                   f"--{op}-backend {others}.")

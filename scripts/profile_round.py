@@ -38,7 +38,7 @@ from mtp_jax.bench.floor import load_config
 from mtp_jax.bench.run import requests
 from mtp_jax.config import EngineConfig, SpecConfig
 from mtp_jax.engine.engine import Engine
-from mtp_jax.kernels import OPS, backend_help, choices_of
+from mtp_jax.kernels import OPS, add_backend_flags
 from mtp_jax.models.loader import load_model
 
 
@@ -184,9 +184,7 @@ def main() -> None:
     p.add_argument("--sequence", type=int, default=0,
                    help="also list the first N kernels of the trace in order, with gaps")
     p.add_argument("--out", required=True)
-    for op in OPS:
-        p.add_argument(f"--{op}-backend", default="auto", choices=list(choices_of(op)),
-                       help=backend_help(op))
+    add_backend_flags(p)
     p.add_argument("--op-by-op", action="store_true",
                    help="profile op by op (XLA's default under a profiler), not with the CUDA "
                         "graphs the engine runs")

@@ -17,7 +17,7 @@ from mtp_jax.bench.compiles import install
 from mtp_jax.bench.floor import load_config
 from mtp_jax.bench.run import Settings, bench_one
 from mtp_jax.config import ConfigError
-from mtp_jax.kernels import OPS, KernelBackends, backend_help, choices_of
+from mtp_jax.kernels import OPS, KernelBackends, add_backend_flags
 from mtp_jax.models.loader import load_model
 
 
@@ -66,9 +66,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA compilation cache folder, or 'none' (default: "
                         "$MTP_JAX_COMPILATION_CACHE or ~/.cache/mtp_jax/xla)")
-    for op in OPS:
-        p.add_argument(f"--{op}-backend", default="auto", choices=list(choices_of(op)),
-                       help=backend_help(op))
+    add_backend_flags(p)
     p.add_argument("--no-merge-projections", action="store_true",
                    help="keep one weight per checkpoint projection (load_model("
                         "merge_projections=False)), for an A/B against the merged default")
@@ -113,7 +111,8 @@ def _progress(r: dict) -> str:
         f"{v:.1f}" for v in r["tokens_per_s_at_accept_length"].values()))
     n = f" N={r['draft_vocab_size']}" if r.get("draft_vocab_size") else ""
     return (f"{r['config']} B={r['batch']} k={r['k']}{n} round={r['round_ms']:.2f}ms "
-            f"host={r['host_ms']:.2f}ms floor={r['floor_ms']:.2f}ms ({r['fraction_of_floor']:.0%}) tok/s={tps} "
+            f"host={r['host_ms']:.2f}ms floor={r['floor_ms']:.2f}ms "
+            f"({r['fraction_of_floor']:.0%}) tok/s={tps} "
             f"exact={report.exact_cell(r)} startup={r['startup_s']:.1f}s "
             f"({r['startup_from_cache']}) "
             f"timed_compiles={r['compiles_timed']}")

@@ -18,8 +18,9 @@ from __future__ import annotations
 
 import jax.numpy as jnp
 
+from pallas_kernels.common import interpret_mode, next_pow2
 from pallas_kernels.gdn.pallas import (gdn_commit_pallas, gdn_decode_pallas, gdn_verify_pallas,
-                                       interpret_mode, pad_rows, pow2_rows)
+                                       pad_rows)
 from pallas_kernels.gdn.reference import gdn_decode_reference, gdn_recurrent_reference
 
 BACKENDS = ("xla", "pallas")
@@ -32,7 +33,7 @@ def _check_backend(backend: str) -> None:
 
 def _pad_rows(q, k, v, g, beta):
     """Pad the row axis (1) to a power of two with zero rows (``g = beta = 0``: no-op rows)."""
-    tp = pow2_rows(q.shape[1])
+    tp = next_pow2(q.shape[1])
     return tuple(pad_rows(a, tp) for a in (q, k, v, g, beta))
 
 

@@ -36,7 +36,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.gdn.pallas import default_tiling, interpret_mode, pad_rows, pow2_rows, step
+from pallas_kernels.common import interpret_mode, next_pow2
+from pallas_kernels.gdn.pallas import default_tiling, pad_rows, step
 
 F32 = jnp.float32
 MODES = ("verify", "commit", "decode")
@@ -116,7 +117,7 @@ def gdn_conv_rows(qkv: jax.Array, weight: jax.Array, window: jax.Array, slot: ja
     if width < 16:
         raise ValueError(f"gdn_conv_rows: conv_dim {c} must be a multiple of 16 (Triton blocks "
                          "are powers of two); use the XLA backend.")
-    tp = pow2_rows(t)
+    tp = next_pow2(t)
     write = length is not None
     length = jnp.zeros((b,), jnp.int32) if length is None else length.astype(jnp.int32)
     out_shape = [jax.ShapeDtypeStruct((b, tp, c), qkv.dtype)]  # conv of the first C columns
@@ -239,7 +240,7 @@ def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
     block_v, num_warps = block_v or bv0, num_warps or nw0
     if dv % block_v or block_v & (block_v - 1):
         raise ValueError(f"gdn_step: block_v={block_v} must be a power of two dividing Dv={dv}.")
-    tp = pow2_rows(t)
+    tp = next_pow2(t)
     conv, a, b = (pad_rows(x, tp) for x in (conv, a, b))
     keep = pad_rows(keep.astype(jnp.int32), tp)
     state_spec = pl.BlockSpec((state.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))

@@ -30,16 +30,6 @@ from jax.experimental.pallas import triton as plgpu
 SM_COUNT = 132  # H200 streaming multiprocessors
 
 
-def interpret_mode(interpret: bool | None) -> bool:
-    """Pallas interpret mode: ``interpret``, or (``None``) when the default device is not a GPU."""
-    return jax.default_backend() != "gpu" if interpret is None else interpret
-
-
-def pow2_rows(t: int) -> int:
-    """``T`` rounded up to a power of two (Triton blocks)."""
-    return 1 << max(t - 1, 0).bit_length()
-
-
 def pad_rows(a: jax.Array, tp: int) -> jax.Array:
     """Zero-pad the row axis (1) of ``a`` to ``tp`` rows (zero gates: rows that change nothing)."""
     t = a.shape[1]

@@ -17,6 +17,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
+from pallas_kernels.common import next_pow2
+
 
 def gdn_recurrent_reference(q, k, v, g, beta, state, unroll: int | bool = 1):
     """Step form over T rows.
@@ -88,7 +90,7 @@ def gdn_chunked_reference(q, k, v, g, beta, state, chunk_size: int | None = None
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     if chunk_size is None:  # short inputs (prefill tails, tests): a chunk of their own size
-        chunk_size = min(MAX_CHUNK, max(16, 1 << max(t - 1, 0).bit_length()))
+        chunk_size = min(MAX_CHUNK, max(16, next_pow2(t)))
     pad = (-t) % chunk_size
     if pad:
         padw = lambda a: jnp.pad(a, [(0, 0), (0, pad)] + [(0, 0)] * (a.ndim - 2))

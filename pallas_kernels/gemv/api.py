@@ -78,8 +78,6 @@ def gemv(x: jax.Array, w: jax.Array, *, backend: str = "xla",
     tiles = default_tiles(n, k)
     if backend != "pallas" or tiles is None or math.prod(x.shape[:-1]) != 1:
         return jnp.einsum("...k,nk->...n", x, w)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
     y = few_rows_matmul(x.reshape(1, k), w, tiles, interpret=interpret)
     return y.reshape(*x.shape[:-1], n)
 

@@ -29,6 +29,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import interpret_mode
+
 F32 = jnp.float32
 DOT_ROWS = 16
 FORMS = ("fma", "fmar", "dot")
@@ -121,8 +123,7 @@ def few_rows_matmul(x: jax.Array, w: jax.Array, tiles: GemvTiles, *,
         raise ValueError(f"few_rows_matmul: x {x.shape} and w {w.shape} must be [M, K] and "
                          f"[N, K] with 1 <= M <= {DOT_ROWS}.")
     check_tiles(tiles, n, k)
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
+    interpret = interpret_mode(interpret)
     body = {"dot": _dot_kernel, "fma": _fma_kernel,
             "fmar": functools.partial(_fma_kernel, reduce_each_step=True)}[tiles.form]
     return pl.pallas_call(

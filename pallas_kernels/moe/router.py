@@ -19,6 +19,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import interpret_mode
+
 BACKENDS = ("xla", "pallas")
 MAX_EXPERTS = 1024
 
@@ -109,6 +111,4 @@ def route_topk(logits: jax.Array, top_k: int, *, normalize: bool, backend: str =
     if e & (e - 1) or e > MAX_EXPERTS:
         raise ValueError(f"route_topk: {e} experts; the Pallas router needs a power of two up "
                          f"to {MAX_EXPERTS} (use the XLA backend).")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
-    return route_topk_pallas(logits, top_k, normalize, e, interpret=interpret)
+    return route_topk_pallas(logits, top_k, normalize, e, interpret=interpret_mode(interpret))

@@ -23,6 +23,8 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import interpret_mode
+
 BACKENDS = ("xla", "pallas")
 MAX_CHUNK = 4096  # columns a program holds per piece (a power of two)
 F32 = jnp.float32
@@ -138,9 +140,8 @@ def add_rms_norm(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: 
     if chunk_of(hidden) is None:
         raise ValueError(f"add_rms_norm: hidden size {hidden} has no power-of-two piece of "
                          "16 to 4096 columns in at most 8 pieces; use the XLA backend.")
-    if interpret is None:
-        interpret = jax.default_backend() != "gpu"
     lead = x.shape[:-1]
     flat = lambda a: None if a is None else a.reshape(-1, hidden)
-    h, y = add_rms_norm_pallas(flat(x), flat(delta), weight, float(eps), interpret=interpret)
+    h, y = add_rms_norm_pallas(flat(x), flat(delta), weight, float(eps),
+                               interpret=interpret_mode(interpret))
     return (x if delta is None else h.reshape(x.shape)), y.reshape(*lead, hidden)

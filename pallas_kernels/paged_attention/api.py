@@ -12,8 +12,7 @@ Both backends agree up to float rounding.
 
 from __future__ import annotations
 
-import jax
-
+from pallas_kernels.common import interpret_mode
 from pallas_kernels.paged_attention.pallas import (MAX_QUERY_ROWS, paged_attention_pallas,
                                                    padded_query_rows)
 from pallas_kernels.paged_attention.reference import paged_attention_reference
@@ -48,8 +47,6 @@ def paged_attention(q, k_pages, v_pages, page_table, q_positions, *, scale: floa
     if backend not in BACKENDS:
         raise ValueError(f"attention backend {backend!r} is not available; use one of {BACKENDS}.")
     if backend == "pallas" and uses_kernel(q.shape[1], q.shape[2], k_pages.shape[2]):
-        if interpret is None:
-            interpret = jax.default_backend() != "gpu"
         return paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, scale=scale,
-                                      interpret=interpret)
+                                      interpret=interpret_mode(interpret))
     return paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, scale=scale)
