@@ -224,7 +224,8 @@ def test_reduce_backend_greedy_generation_matches_hf(algorithm):
 
     g = np.load(fixture_path("tiny_dense") + "/golden.npz")
     llm = LLM(fixture_path("tiny_dense"), dtype="float32", max_running_requests=1,
-              speculative_algorithm=algorithm, speculative_num_steps=2, gemv_backend="reduce")
+              speculative_algorithm=algorithm, speculative_num_steps=2, gemv_backend="reduce",
+              compilation_cache_dir="none")
     assert llm.engine.model.cfg.kernels.gemv == "reduce"
     n = g["greedy_tokens"].shape[1]
     for row, ref in zip(g["input_ids"], g["greedy_tokens"]):
