@@ -317,6 +317,9 @@ def normalize_algorithm(name: str | None) -> str:
     return {"nextn": "mtp", "eagle": "mtp", "": "none", "off": "none"}.get(n, n)
 
 
+MAX_SCHEDULER_STEPS = 16  # rounds per program call (the program is unrolled that many times)
+
+
 @dataclasses.dataclass(frozen=True)
 class EngineConfig:
     """Engine sizing. Token counts are tokens; ``page_size`` tokens per KV page."""
@@ -335,6 +338,11 @@ class EngineConfig:
     # Dispatch each round before reading the previous one's result (SGLang's overlap schedule,
     # vLLM's async scheduling): the host's per-round work runs while the device computes.
     overlap_schedule: bool = True
+    # Rounds (decode steps, or speculative rounds) per program call: multi-step scheduling, as
+    # vLLM's --num-scheduler-steps. The host's cost of a call (argument buffers, launch,
+    # readback, stop checks) is paid once for that many rounds; tokens surface in groups of
+    # that many rounds, and up to that many - 1 rounds past a stop are computed and discarded.
+    num_scheduler_steps: int = 1
 
     def validate(self) -> None:
         for key in ("max_running_requests", "page_size", "max_model_len"):
@@ -359,6 +367,12 @@ class EngineConfig:
         if not isinstance(self.overlap_schedule, bool):
             raise ConfigError(f"overlap_schedule {self.overlap_schedule!r} must be True or "
                               "False.")
+        n = self.num_scheduler_steps
+        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SCHEDULER_STEPS:
+            raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) {n!r} must be an "
+                              f"int in 1..{MAX_SCHEDULER_STEPS}; use 1 (the default: one round "
+                              "per program call) or e.g. 4 for small models whose rounds are "
+                              "shorter than the host's per-call work.")
         if self.chunked_prefill_size < 1:
             raise ConfigError(f"chunked_prefill_size {self.chunked_prefill_size} must be >= 1 "
                               "(prompt tokens per prefill chunk; default 2048).")

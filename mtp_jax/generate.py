@@ -74,6 +74,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="wait for each round's result before dispatching the next (by default "
                         "the next round is dispatched first, overlapping host and device work)")
+    p.add_argument("--num-scheduler-steps", type=int, default=1,
+                   help="rounds (decode steps, or speculative rounds) per program call, 1..16 "
+                        "(multi-step scheduling; default %(default)s). Above 1 the host's "
+                        "per-call work is paid once for that many rounds: faster when the host "
+                        "bounds a round (small models at batch 1); outputs are identical")
     p.add_argument("--mem-fraction", type=float, default=0.9,
                    help="fraction of device memory for weights and pools, in (0, 1] "
                         "(default %(default)s)")
@@ -169,6 +174,7 @@ def main(argv=None) -> int:
                   dummy_weight=args.dummy_weight, chunked_prefill_size=args.chunked_prefill_size,
                   enable_prefix_cache=not args.disable_prefix_cache,
                   overlap_schedule=not args.disable_overlap_schedule,
+                  num_scheduler_steps=args.num_scheduler_steps,
                   mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
                   compilation_cache_dir=args.compilation_cache_dir,
                   ple_backend=args.ple_backend, attention_backend=args.attention_backend,

@@ -131,6 +131,25 @@ def test_bench_runs_exact_and_reports(cold):
     assert os.listdir(meta["compilation_cache_dir"])  # programs were written to the cache
 
 
+def test_multistep_decode_row(workdir, capsys):
+    """``--num-scheduler-steps 1 3``: two k = 0 rows; the second runs three decode steps per
+    call and reports times per step; the calls cover the decode tokens and nothing compiles in
+    the timed part."""
+    rc, data, stdout, stderr = _bench(workdir, capsys, "steps", "--k", "0",
+                                      "--num-scheduler-steps", "1", "3")
+    assert rc == 0, stderr
+    one, r = data["results"]
+    assert one["steps_per_call"] == 1 and one["rounds_timed"] == DECODE
+    assert r["steps_per_call"] == 3 and r["compiles_timed"] == 0
+    assert r["rounds_timed"] == 3 * r["calls_timed"]
+    assert r["rounds_timed"] >= DECODE > r["rounds_timed"] - 3
+    assert 0 < r["host_ms"] <= r["round_ms"]
+    assert "steps/call=3" in stderr
+    assert "| tiny | 2 | 0 (3/call) |" in stdout
+    assert {p["program"] for p in r["programs"]} == {"prefill[T=16,k=0]",
+                                                    "round[B=2,k=0,steps=3]"}
+
+
 def test_corrupted_references_are_detected_and_cached_startup(cold, workdir, monkeypatch,
                                                              capsys):
     """Two wrong continuations, each must be caught (exit status 1 in float32):

@@ -56,6 +56,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="k > 0 rows: the MTP draft scores only the N lowest token ids "
                         "(speculative_draft_vocab_size); the floor counts N draft LM-head rows "
                         "(default: the full vocabulary)")
+    p.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1],
+                   help="k = 0 rows: decode steps per program call (multi-step scheduling, "
+                        "EngineConfig.num_scheduler_steps; times are reported per step), one "
+                        "row per value. k > 0 rows run one round per call (their drafts are "
+                        "forced between rounds)")
     p.add_argument("--page-size", type=int, default=16,
                    help="tokens per KV page (default %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -110,6 +115,7 @@ def _progress(r: dict) -> str:
     tps = (f"{r['tokens_per_s']:.1f}" if not r["k"] else " / ".join(
         f"{v:.1f}" for v in r["tokens_per_s_at_accept_length"].values()))
     n = f" N={r['draft_vocab_size']}" if r.get("draft_vocab_size") else ""
+    n += f" steps/call={r['steps_per_call']}" if r.get("steps_per_call", 1) > 1 else ""
     return (f"{r['config']} B={r['batch']} k={r['k']}{n} round={r['round_ms']:.2f}ms "
             f"host={r['host_ms']:.2f}ms floor={r['floor_ms']:.2f}ms "
             f"({r['fraction_of_floor']:.0%}) tok/s={tps} "
@@ -139,7 +145,8 @@ def main(argv=None, description: str | None = None) -> int:
                      warmup_rounds=args.warmup_rounds, page_size=args.page_size,
                      hbm_tbps=args.hbm_tbps, accept_lengths=tuple(args.accept_lengths),
                      prefill_reps=args.prefill_reps, max_k=max(ks),
-                     engine_warmup=args.engine_warmup, draft_vocab_size=args.draft_vocab_size)
+                     engine_warmup=args.engine_warmup, draft_vocab_size=args.draft_vocab_size,
+                     num_scheduler_steps=tuple(args.num_scheduler_steps))
         s.validate()
         for k in ks:
             if k and not any(1 <= a <= k + 1 for a in s.accept_lengths):
@@ -171,8 +178,9 @@ def main(argv=None, description: str | None = None) -> int:
               flush=True)
         for b in args.batch:
             reference = None
-            for k in ks:
-                r, reference = bench_one(model, b, k, s, reference)
+            for k, steps in [(k, n) for k in ks for n in (s.num_scheduler_steps if k == 0
+                                                           else (1,))]:
+                r, reference = bench_one(model, b, k, s, reference, steps)
                 r = {"config": path, **r, "kernel_backends": _kernels(model)}
                 results.append(r)
                 print(_progress(r), file=sys.stderr, flush=True)

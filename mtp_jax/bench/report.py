@@ -53,6 +53,12 @@ def _n(x: float) -> str:
     return f"{x:,.0f}" if x >= 100 else f"{x:.1f}"
 
 
+def _k_cell(r: dict) -> str:
+    """k, with the decode steps per program call when above 1 (``0 (4/call)``)."""
+    steps = r.get("steps_per_call", 1)
+    return f"{r['k']} ({steps}/call)" if steps > 1 else str(r["k"])
+
+
 def main_table(results: list[dict]) -> str:
     """One row per (config, batch, k): times, floor, tokens/s, exactness, compiles, memory."""
     head = ("| shape | batch | k | round ms (p10-p90) | floor ms | of floor | context | "
@@ -73,7 +79,7 @@ def main_table(results: list[dict]) -> str:
         ctx = r["context"]
         timed = r["compiles_timed"]
         lines.append(
-            f"| {_shape(r['config'])} | {r['batch']} | {r['k']} | {r['round_ms']:.2f} "
+            f"| {_shape(r['config'])} | {r['batch']} | {_k_cell(r)} | {r['round_ms']:.2f} "
             f"({r['round_ms_p10']:.2f}-{r['round_ms_p90']:.2f}) | {r['floor_ms']:.2f} | "
             f"{r['fraction_of_floor']:.0%} | {ctx['start']}-{ctx['end']} | {derived} | {e2e} | "
             f"{exact_cell(r)} | {_n(r['prefill_tokens_per_s'])} | "

@@ -64,6 +64,10 @@ class Settings:
     max_k: int = 3
     engine_warmup: bool = False
     draft_vocab_size: int | None = None  # k > 0 rows: the MTP draft scores the N lowest ids
+    # k = 0 rows: decode steps per program call (EngineConfig.num_scheduler_steps), one row
+    # per value. k > 0 rows run one round per call: their drafts are forced on the device
+    # between rounds.
+    num_scheduler_steps: tuple[int, ...] = (1,)
 
     def validate(self) -> None:
         for name in ("prompt_len", "decode_tokens", "warmup_rounds", "prefill_reps"):
@@ -72,6 +76,10 @@ class Settings:
                                  ">= 1.")
         if not 0 <= self.max_k <= 8:
             raise ValueError(f"--k {self.max_k} must be in 0..8.")
+        if not self.num_scheduler_steps:
+            raise ValueError("--num-scheduler-steps needs at least one value.")
+        for n in self.num_scheduler_steps:
+            EngineConfig(num_scheduler_steps=n).validate()
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"--draft-vocab-size {self.draft_vocab_size} must be >= 1 (hot "
                              "token ids of the draft's LM head), or omitted for the full "
@@ -91,7 +99,8 @@ class Settings:
         """Room for the reference plus slack, minus 2 max_k + 1 so that every k gets the same
         page-table width (``pages_needed(max_model_len + 2k + 1)`` for k <= max_k)."""
         k, ps = self.max_k, self.page_size
-        pages = pages_needed(self.prompt_len + self.reference_len + 4 * k + 8, ps)
+        slack = 4 * k + 8 + 8 * max(self.num_scheduler_steps)  # k = 0: multi-step overshoot
+        pages = pages_needed(self.prompt_len + self.reference_len + slack, ps)
         return pages * ps - (2 * k + 1)
 
 
@@ -126,21 +135,25 @@ class Ledger:
         return self.phases[name].compiles if name in self.phases else 0
 
 
-def make_engine(model, batch: int, k: int, s: Settings) -> Engine:
+def make_engine(model, batch: int, k: int, s: Settings, steps: int = 1) -> Engine:
     """An engine for ``batch`` requests plus one slot for the prefill-throughput prompt (k > 0:
-    with the reduced draft vocabulary of ``s.draft_vocab_size``, if set)."""
+    with the reduced draft vocabulary of ``s.draft_vocab_size``, if set; k = 0: with
+    ``steps`` decode steps per call)."""
     spec = SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3,
                       draft_vocab_size=s.draft_vocab_size if k else None)
     return Engine(model, EngineConfig(max_running_requests=batch + 1, page_size=s.page_size,
                                       max_model_len=s.max_model_len,
                                       chunked_prefill_size=s.prompt_len,
-                                      enable_prefix_cache=False, dtype=model.dtype), spec)
+                                      enable_prefix_cache=False, dtype=model.dtype,
+                                      num_scheduler_steps=1 if k else steps),
+                  spec)
 
 
 def _bucket_names(eng: Engine, batch: int, k: int, s: Settings) -> tuple[str, str]:
     t = max(16, next_pow2(s.prompt_len))
     b = min(next_pow2(batch), next_pow2(eng.cfg.max_running_requests))
-    return f"prefill[T={t},k={k}]", f"round[B={b},k={k}]"
+    steps = f",steps={eng.rounds_per_call}" if eng.rounds_per_call > 1 else ""
+    return f"prefill[T={t},k={k}]", f"round[B={b},k={k}{steps}]"
 
 
 def prefill_all(eng: Engine, reqs: list[Request], ledger: Ledger, phase: str,
@@ -187,11 +200,13 @@ def measure_prefill(eng: Engine, s: Settings, vocab: int) -> float:
     return statistics.median(times)
 
 
-def _timing(times: list[float], host: list[float]) -> dict:
-    """Median and p10 / p90 of the rounds' times and of their host times (seconds in)."""
-    ms, host_ms = np.asarray(times) * 1e3, np.asarray(host) * 1e3
+def _timing(times: list[float], host: list[float], rounds: int = 1) -> dict:
+    """Median and p10 / p90 of the rounds' times and of their host times (seconds in, per
+    call of ``rounds`` rounds; reported per round)."""
+    ms, host_ms = np.asarray(times) * 1e3 / rounds, np.asarray(host) * 1e3 / rounds
     return {"round_ms": float(np.median(ms)), "round_ms_p10": float(np.percentile(ms, 10)),
-            "round_ms_p90": float(np.percentile(ms, 90)), "rounds_timed": len(times),
+            "round_ms_p90": float(np.percentile(ms, 90)), "rounds_timed": len(times) * rounds,
+            "calls_timed": len(times),
             "host_ms": float(np.median(host_ms)), "host_ms_p10": float(np.percentile(host_ms, 10)),
             "host_ms_p90": float(np.percentile(host_ms, 90))}
 
@@ -204,20 +219,24 @@ def _context(positions: list[float]) -> dict:
 def plain_decode(eng: Engine, reqs: list[Request], s: Settings, ledger: Ledger,
                  round_program: str | None, warm: str = "warmup",
                  timed: str | None = "timed") -> dict:
-    """Warm-up steps, ``decode_tokens`` timed steps (``timed=None``: untimed, counted under
-    ``warm``), then untimed steps until each request holds ``reference_len`` tokens."""
+    """Warm-up calls, calls for ``decode_tokens`` timed steps (``timed=None``: untimed,
+    counted under ``warm``), then untimed calls until each request holds ``reference_len``
+    tokens. A call runs the engine's ``rounds_per_call`` steps; times are per step."""
+    steps = eng.rounds_per_call
     with ledger.phase(warm, round_program):
         eng._run_round(reqs)
     with ledger.phase(warm):
         for _ in range(s.warmup_rounds - 1):
             eng._run_round(reqs)
     with ledger.phase(timed or warm):
-        run = pipelined_rounds(eng, reqs, lambda got: len(got) >= s.decode_tokens)
+        run = pipelined_rounds(eng, reqs, lambda got: len(got) * steps >= s.decode_tokens)
     with ledger.phase(warm):
         while min(len(r.output_ids) for r in reqs) < s.reference_len:
             eng._run_round(reqs)
-    return {**_timing(run["times"], run["host"]), "context": _context(run["positions"]),
-            "tokens_per_s_e2e": s.decode_tokens * len(reqs) / run["wall"], "wall_s": run["wall"]}
+    tokens = len(run["times"]) * steps
+    return {**_timing(run["times"], run["host"], steps), "context": _context(run["positions"]),
+            "tokens_per_s_e2e": tokens * len(reqs) / run["wall"], "wall_s": run["wall"],
+            "steps_per_call": steps}
 
 
 def pipelined_rounds(eng: Engine, reqs: list[Request], done: Callable[[list[dict]], bool],
@@ -378,9 +397,11 @@ def plain_reference(model, batch: int, s: Settings, ledger: Ledger) -> list[list
 
 
 def bench_one(model, batch: int, k: int, s: Settings,
-              reference: list[list[int]] | None = None) -> tuple[dict, list[list[int]] | None]:
-    """Benchmark one (batch, k). k > 0 needs ``reference`` (plain continuations of the same
-    prompts, from the k = 0 row of this batch); without it one is decoded first.
+              reference: list[list[int]] | None = None,
+              steps: int = 1) -> tuple[dict, list[list[int]] | None]:
+    """Benchmark one (batch, k); k = 0 with ``steps`` decode steps per program call. k > 0
+    needs ``reference`` (plain continuations of the same prompts, from the k = 0 row of this
+    batch); without it one is decoded first.
 
     Returns ``(result dict, reference)`` where the reference is the plain continuation this
     row produced (k = 0) or used (k > 0).
@@ -390,7 +411,7 @@ def bench_one(model, batch: int, k: int, s: Settings,
     if k and reference is None:
         reference = plain_reference(model, batch, s, ledger)
     with ledger.phase("engine_setup"):
-        eng = make_engine(model, batch, k, s)
+        eng = make_engine(model, batch, k, s, steps)
     names = _bucket_names(eng, batch, k, s)
     res: dict = {"batch": batch, "k": k, "prompt_len": s.prompt_len,
                  "decode_tokens": s.decode_tokens,

@@ -7,14 +7,16 @@ One ``Engine`` owns a loaded model, its pools and its compiled programs. Each :m
 2. prefills up to ``chunked_prefill_size`` prompt tokens (one chunk of the oldest prefilling
    request per call; a prompt longer than that takes several steps, interleaved with rounds);
 3. runs one speculative round (a decode step when k = 0) for every decoding request in one
-   program call over a power-of-two batch bucket. With ``overlap_schedule`` (the default) that
-   round is dispatched before the previous round's result is read: each slot's position and
+   program call over a power-of-two batch bucket; ``num_scheduler_steps`` rounds in a row in
+   one call when it is above 1 (multi-step scheduling). With ``overlap_schedule`` (the default)
+   that call is dispatched before the previous call's result is read: each slot's position and
    generated-token count advance on the device, so the host's readback, stop checks and next
    batch run while the device computes.
 
 Pages: a request's guaranteed pages cover its committed tokens; before a round it also takes
 pages for the k+1 verify positions and the k-1 chained draft positions from the free pool when it
-can (one round's worth more when the previous round is still in flight), and its k is clamped
+can (for every round of the call, and one call's worth more when the previous call is still in
+flight), and its k is clamped
 (down to 0) where it cannot, or where ``max_tokens`` or ``max_model_len`` leave fewer tokens to
 emit. After the round, pages past the committed length (plus what a round in flight may use)
 are freed.
@@ -32,6 +34,7 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.cache.allocator import FreeList, pages_needed
+from mtp_jax.checks import check_scheduler_steps
 from mtp_jax.config import ConfigError, EngineConfig, SpecConfig
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
 from mtp_jax.engine.memory import plan_memory, weights_bytes
@@ -75,18 +78,20 @@ class EngineStats:
     prefill_calls: int = 0
     rounds: int = 0
     chained_rounds: int = 0  # rounds dispatched before the previous round's result was read
+    round_calls: int = 0  # program calls that ran the rounds (fewer with num_scheduler_steps)
 
 
 @dataclasses.dataclass
 class InFlightRound:
-    """A dispatched round: its rows (requests, in batch order), its device output, the
-    snapshot rows/ids it was given and the host time it was dispatched at."""
+    """A dispatched call of ``rounds`` rounds: its rows (requests, in batch order), its device
+    output, the snapshot rows/ids it was given and the host time it was dispatched at."""
 
     rows: list[Request]
     out: object
     snap_row: np.ndarray
     snap_id: np.ndarray
     t0: float
+    rounds: int = 1
 
 
 class Engine(WarmupMixin):
@@ -100,12 +105,14 @@ class Engine(WarmupMixin):
         if spec.algorithm == "external" and proposer is None:
             raise ConfigError("speculative_algorithm='external' needs a proposer callable "
                               "(request_id, token_ids_so_far, k) -> k token ids.")
+        check_scheduler_steps(spec, engine_cfg)
         hot = hot_token_ids(spec.algorithm, spec.draft_vocab_size, spec.token_map_path,
                             model.cfg.vocab_size)
         model = with_draft_head(model, hot)  # the draft's hot-id LM head, gathered once
         self.model, self.cfg, self.spec = model, engine_cfg, spec
         self.proposer, self.tokenizer = proposer, tokenizer
         self.k = spec.k
+        self.rounds_per_call = engine_cfg.num_scheduler_steps
         self.draft_vocab_size = None if hot is None else int(hot.size)  # None: all V ids
         self.proposer_kind = spec.algorithm
         mc = model.cfg
@@ -323,22 +330,40 @@ class Engine(WarmupMixin):
         self.stats.prompt_tokens += n
         return n
 
-    def _round_batch(self, running: list[Request], ahead: int) -> tuple[RoundBatch, bool]:
-        """The batch of a round over ``running``, dispatched ``ahead`` tokens at most past each
-        request's known position (the previous round, still in flight, commits up to k + 1;
-        0 when nothing is in flight). Returns ``(batch, snapshot)`` (``snapshot``: some row may
-        save a prefix-cache snapshot; only rounds with nothing in flight do)."""
+    def _span(self, rounds: int) -> int:
+        """Positions past a request's position that a call of ``rounds`` rounds may write
+        (verify rows and chained drafts of its last round)."""
+        return (rounds - 1) * (self.k + 1) + 2 * self.k + 1
+
+    def _rounds_for(self, running: list[Request], ahead: int) -> int:
+        """Rounds of the next call: ``num_scheduler_steps``, or 1 when the prefix cache is on
+        and some row may reach a snapshot boundary within the call (snapshots are saved in
+        single rounds)."""
+        n = self.rounds_per_call
+        if n == 1 or self.prefix is None:
+            return n
+        st, reach = self.prefix.snapshot_tokens, ahead + n * (self.k + 1)
+        return 1 if any((r.position // st + 1) * st <= r.position + reach
+                        for r in running) else n
+
+    def _round_batch(self, running: list[Request], ahead: int,
+                     rounds: int = 1) -> tuple[RoundBatch, bool]:
+        """The batch of a call of ``rounds`` rounds over ``running``, dispatched ``ahead`` tokens
+        at most past each request's known position (the previous call, still in flight, commits
+        up to its rounds times k + 1; 0 when nothing is in flight). Returns ``(batch,
+        snapshot)`` (``snapshot``: some row may save a prefix-cache snapshot; only single rounds
+        with nothing in flight do)."""
         b = min(next_pow2(len(running)), next_pow2(self.cfg.max_running_requests))
         rows: list[Request | None] = list(running) + [None] * (b - len(running))
         limit = np.zeros((b,), np.int32)
         max_step = np.zeros((b,), np.int32)
         for i, r in enumerate(running):
-            self._grow(r, r.position + ahead + 2 * self.k + 1)
+            self._grow(r, r.position + ahead + self._span(rounds))
             limit[i] = len(r.pages) * self.page_size
             max_step[i] = min(r.params.max_tokens, self.max_model_len - len(r.prompt_ids))
         snap_row = np.full((b,), -1, np.int32)
         snap_id = np.zeros((b,), np.int32)
-        if self.prefix is not None and not ahead:
+        if self.prefix is not None and not ahead and rounds == 1:
             st = self.prefix.snapshot_tokens
             for i, r in enumerate(running):
                 n = clamp_num_draft(self.k, r.position, limit[i], len(r.output_ids),
@@ -363,48 +388,59 @@ class Engine(WarmupMixin):
         return batch, bool(np.any(snap_row >= 0))
 
     def _dispatch_round(self, running: list[Request], chained: bool = False) -> InFlightRound:
-        """Dispatch one round over ``running`` without waiting for it. ``chained``: the
-        previous round is still in flight (its result not yet read)."""
-        batch, snapshot = self._round_batch(running, self.k + 1 if chained else 0)
+        """Dispatch one call (``num_scheduler_steps`` rounds, or 1: :meth:`_rounds_for`) over
+        ``running`` without waiting for it. ``chained``: the previous call is still in flight
+        (its result not yet read); it may commit up to ``num_scheduler_steps * (k + 1)``
+        tokens per row."""
+        ahead = self.rounds_per_call * (self.k + 1) if chained else 0
+        rounds = self._rounds_for(running, ahead)
+        batch, snapshot = self._round_batch(running, ahead, rounds)
         t0 = time.perf_counter()
+        static = {"rounds": rounds} if rounds > 1 else {}
         out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
                                               proposer=self.proposer_kind,
                                               greedy_only=_all_greedy(running),
-                                              snapshot=snapshot)
-        self.stats.rounds += 1
-        self.stats.chained_rounds += int(chained)
-        return InFlightRound(list(running), out, batch.snap_row, batch.snap_id, t0)
+                                              snapshot=snapshot, **static)
+        out.readback.copy_to_host_async()  # the result travels while the host goes on
+        self.stats.rounds += rounds
+        self.stats.round_calls += 1
+        self.stats.chained_rounds += rounds if chained else 0
+        return InFlightRound(list(running), out, batch.snap_row, batch.snap_id, t0, rounds)
 
     def _collect(self, f: InFlightRound, later: InFlightRound | None = None
                  ) -> dict[Request, list[int]]:
-        """Read round ``f``'s result and apply it on the host: append the committed tokens
-        (stops checked per token), keep or give back its snapshots, free pages past the
-        committed length, except those that ``later`` (a round dispatched after ``f``, still in
-        flight) may use. Rows of requests that had already finished are ignored."""
-        host = RoundOutput(np.asarray(f.out.readback))  # the round's one device-to-host copy
+        """Read call ``f``'s result and apply its rounds in order on the host: append the
+        committed tokens (stops checked per token), keep or give back its snapshots, free pages
+        past the committed length, except those that ``later`` (a call dispatched after ``f``,
+        still in flight) may use. Rows of requests that had already finished (in an earlier
+        call, or an earlier round of this one) are ignored."""
+        host = RoundOutput(np.asarray(f.out.readback))  # the call's one device-to-host copy
         emitted, accepted, num_draft = host.emitted, host.num_accepted, host.num_draft
         now = time.perf_counter()  # overlapped rounds: count the time since the last read
         self.stats.round_seconds += now - max(f.t0, self._round_clock)
         self._round_clock = now
-        in_later = set(later.rows) if later is not None else set()
         new: dict[Request, list[int]] = {}
-        for i, r in enumerate(f.rows):
-            if r.finished:  # stopped in an earlier round; this row ran on, discarded
-                continue
-            n = int(accepted[i])
-            if f.snap_row[i] >= 0:  # keep the snapshot only if its row was committed
-                if f.snap_row[i] <= n:
-                    r.snapshots[int(r.position + f.snap_row[i] + 1)] = int(f.snap_id[i])
-                else:
-                    self.snapshot_ids.give_back([int(f.snap_id[i])])
-            before = len(r.output_ids)
-            kept = self._append(r, emitted[i, :n + 1].tolist())
-            new[r] = r.output_ids[before:]
-            r.num_rounds += 1
-            r.num_draft_tokens += int(num_draft[i])
-            r.num_accepted_tokens += min(n, kept)
-            r.position += n + 1
-            self._shrink(r, r.position + (2 * self.k + 1 if r in in_later else 0))
+        active = [r for r in f.rows if not r.finished]
+        for j in range(f.rounds):
+            for i, r in enumerate(f.rows):
+                if r.finished:  # stopped earlier; this row ran on, discarded
+                    continue
+                n = int(accepted[j, i])
+                if f.snap_row[i] >= 0:  # single rounds only: keep it if its row was committed
+                    if f.snap_row[i] <= n:
+                        r.snapshots[int(r.position + f.snap_row[i] + 1)] = int(f.snap_id[i])
+                    else:
+                        self.snapshot_ids.give_back([int(f.snap_id[i])])
+                before = len(r.output_ids)
+                kept = self._append(r, emitted[j, i, :n + 1].tolist())
+                new.setdefault(r, []).extend(r.output_ids[before:])
+                r.num_rounds += 1
+                r.num_draft_tokens += int(num_draft[j, i])
+                r.num_accepted_tokens += min(n, kept)
+                r.position += n + 1
+        in_later = set(later.rows) if later is not None else set()
+        for r in active:
+            self._shrink(r, r.position + (self._span(later.rounds) if r in in_later else 0))
         return new
 
     def _run_round(self, running: list[Request]) -> dict[Request, list[int]]:
@@ -421,7 +457,7 @@ class Engine(WarmupMixin):
         if not set(running) <= set(prev.rows):
             return False
         if self.prefix is not None:
-            st, reach = self.prefix.snapshot_tokens, 2 * (self.k + 1)
+            st, reach = self.prefix.snapshot_tokens, 2 * self.rounds_per_call * (self.k + 1)
             if any((r.position // st + 1) * st <= r.position + reach for r in running):
                 return False
         return True

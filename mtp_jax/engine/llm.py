@@ -63,6 +63,11 @@ class LLM:
       overlap_schedule: dispatch each round before reading the previous one's result, so the
         host's per-round work runs while the device computes (default True; tokens surface
         one round later, outputs are identical; ``False`` waits for every round).
+      num_scheduler_steps: rounds (decode steps, or speculative rounds) per program call
+        (default 1; multi-step scheduling as vLLM's). Above 1 the host's per-call work is paid
+        once for that many rounds: faster where the host, not the device, bounds a round (a
+        small model at batch 1); tokens surface in groups, outputs are identical. Not with
+        ``speculative_algorithm="external"``.
       mem_fraction: fraction of device memory for weights and pools (default 0.9);
       max_total_tokens: KV positions for all requests together (wins over ``mem_fraction``).
       ple_backend: qwen4_exp only: where the PLE n-gram tables live, ``"disk"`` (memory-mapped,
@@ -93,7 +98,7 @@ class LLM:
                  proposer: Proposer | None = None, seed: int = 0, max_model_len: int = 4096,
                  page_size: int = 16, dummy_weight: bool = False,
                  chunked_prefill_size: int = 2048, enable_prefix_cache: bool = True,
-                 overlap_schedule: bool = True,
+                 overlap_schedule: bool = True, num_scheduler_steps: int = 1,
                  mem_fraction: float = 0.9, max_total_tokens: int | None = None,
                  ple_backend: str = "disk", attention_backend: str = "auto",
                  gdn_backend: str = "auto", moe_backend: str = "auto",
@@ -124,6 +129,7 @@ class LLM:
                                   chunked_prefill_size=chunked_prefill_size,
                                   enable_prefix_cache=enable_prefix_cache,
                                   overlap_schedule=overlap_schedule,
+                                  num_scheduler_steps=num_scheduler_steps,
                                   mem_fraction=mem_fraction, max_total_tokens=max_total_tokens)
         self.seed = seed
         self.spec = spec  # the speculative settings in use (SpecConfig)
@@ -169,6 +175,9 @@ class LLM:
         if dummy_weight:
             raise ConfigError("dummy weights are not supported for qwen4_exp yet; write a random "
                               "checkpoint with mtp_jax.models.qwen4_exp.random_checkpoint.")
+        if engine_cfg.num_scheduler_steps != 1:
+            raise ConfigError(f"num_scheduler_steps {engine_cfg.num_scheduler_steps}: qwen4_exp "
+                              "runs one decode step per call for now; use 1 (the default).")
         if ple_backend not in ("disk", "memory"):
             raise ConfigError(f"ple_backend {ple_backend!r} is unknown; use 'disk' or 'memory'.")
         engine_cfg.validate()

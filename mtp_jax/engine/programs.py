@@ -11,8 +11,10 @@ once per shape bucket with the pools donated. The round is one program:
 
 so its only host transfer is the emitted tokens and accepted counts. With k = 0 it is a plain
 decode step, whose GDN layers use the decode form (output and new state in one pass, no
-commit) unless a prefix-cache snapshot is saved in the round. Each slot's position and generated-token count live in the pools and advance on
-the device, so the host can dispatch the next round before reading this one's result.
+commit) unless a prefix-cache snapshot is saved in the round. Each slot's position and
+generated-token count live in the pools and advance on the device, so the host can dispatch
+the next round before reading this one's result, and one call can run several rounds in a row
+(:func:`spec_rounds`, the engine's ``num_scheduler_steps``).
 """
 
 from __future__ import annotations
@@ -35,24 +37,26 @@ from mtp_jax.spec.accept import accept
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RoundOutput:
-    """A round's result as one ``readback [B, k+3]`` int32 array, so that the host reads it with
-    one device-to-host copy (``RoundOutput(np.asarray(out.readback))`` is its host copy):
-    ``emitted [B, k+1]`` (``d_1..d_n, bonus, -1...``) | ``num_accepted [B]`` | ``num_draft
-    [B]`` (drafts the row verified, k clamped by :func:`clamp_drafts`)."""
+    """A call's result as one ``readback [R, B, k+3]`` int32 array (``R`` rounds of the call,
+    in order), so that the host reads it with one device-to-host copy
+    (``RoundOutput(np.asarray(out.readback))`` is its host copy). Per round and row:
+    ``emitted [.., k+1]`` (``d_1..d_n, bonus, -1...``) | ``num_accepted`` | ``num_draft``
+    (drafts the row verified, k clamped by :func:`clamp_drafts`). :func:`spec_round` returns
+    one round without the leading axis (``[B, k+3]``); the properties index the last axis."""
 
     readback: jax.Array
 
     @property
     def emitted(self):
-        return self.readback[:, :-2]
+        return self.readback[..., :-2]
 
     @property
     def num_accepted(self):
-        return self.readback[:, -2]
+        return self.readback[..., -2]
 
     @property
     def num_draft(self):
-        return self.readback[:, -1]
+        return self.readback[..., -1]
 
 
 def clamp_drafts(k: int, position, step, limit, max_step):
@@ -257,6 +261,34 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
     return RoundOutput(jnp.concatenate([emitted, n[:, None], num_draft[:, None]], 1)), pools
 
 
+ROUNDS_UNROLL = 1  # spec_rounds' loop: 1 = one compiled round body in a loop; True = unrolled
+
+
+def spec_rounds(graphdef, params, pools: Pools, batch: RoundBatch, *, rounds: int, **static):
+    """``rounds`` consecutive :func:`spec_round` calls over the same batch in one program
+    (multi-step scheduling: the host's per-call cost is paid once for ``rounds`` rounds). Each
+    round reads the positions, generated-token counts and pending tokens the previous one left
+    in the pools, so the tokens equal those of ``rounds`` separate calls. The host must have
+    allocated pages for every round (``limit``); rounds past a request's stop compute tokens
+    the host discards. ``static``: :func:`spec_round`'s keywords (``snapshot`` needs
+    ``rounds == 1``: the host saves snapshots in single rounds).
+
+    Returns ``(RoundOutput with readback [rounds, B, k+3], pools)``.
+    Raises ValueError for ``rounds < 1`` or a multi-round snapshot call."""
+    if rounds < 1 or (rounds > 1 and static.get("snapshot")):
+        raise ValueError(f"spec_rounds: rounds={rounds} must be >= 1, and 1 with snapshot.")
+    if rounds == 1:
+        out, pools = spec_round(graphdef, params, pools, batch, **static)
+        return RoundOutput(out.readback[None]), pools
+
+    def body(pools, _):
+        out, pools = spec_round(graphdef, params, pools, batch, **static)
+        return pools, out.readback
+
+    pools, readback = jax.lax.scan(body, pools, None, length=rounds, unroll=ROUNDS_UNROLL)
+    return RoundOutput(readback), pools
+
+
 def save_snapshot(pools: Pools, slot: jax.Array, snapshot: jax.Array) -> Pools:
     """Copy the GDN state of ``slot [n]`` into snapshot ids ``snapshot [n]``."""
     return dataclasses.replace(pools, snapshots=pools.snapshots.scatter(
@@ -306,7 +338,8 @@ class Programs:
         return self.prefill_jit(leaves, pools, buf, spec=spec, **static)
 
     def round(self, leaves, pools, batch: RoundBatch, **static):
-        """:func:`spec_round` on a batch of numpy arrays; returns ``(RoundOutput, pools)``."""
+        """:func:`spec_rounds` on a batch of numpy arrays; returns ``(RoundOutput, pools)``
+        (``readback [rounds, B, k+3]``; ``rounds`` defaults to 1)."""
         buf, spec = pack(batch)
         if self.executables is not None:
             return self.executables.call("round", self.round_jit, leaves, pools, buf, spec,
@@ -333,13 +366,15 @@ def make_programs(graphdef, params, packing=None) -> Programs:
         return prefill(graphdef, params_of(leaves), pools, unpack(buf, spec), k=k, mtp=mtp,
                        greedy_only=greedy_only)
 
-    def round_(leaves, pools, buf, *, spec, k, proposer, greedy_only=False, snapshot=False):
-        return spec_round(graphdef, params_of(leaves), pools, unpack(buf, spec), k=k,
-                          proposer=proposer, greedy_only=greedy_only, snapshot=snapshot)
+    def round_(leaves, pools, buf, *, spec, k, proposer, greedy_only=False, snapshot=False,
+               rounds=1):
+        return spec_rounds(graphdef, params_of(leaves), pools, unpack(buf, spec), k=k,
+                           proposer=proposer, greedy_only=greedy_only, snapshot=snapshot,
+                           rounds=rounds)
 
     return Programs(
         prefill_jit=jax.jit(prefill_, static_argnames=("spec", "k", "mtp", "greedy_only"),
                             donate_argnums=(1,)),
         round_jit=jax.jit(round_, static_argnames=("spec", "k", "proposer", "greedy_only",
-                                                   "snapshot"), donate_argnums=(1,)),
+                                                   "snapshot", "rounds"), donate_argnums=(1,)),
         treedef=treedef, executables=ExecutableTable(graphdef))

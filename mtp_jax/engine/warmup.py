@@ -36,7 +36,7 @@ def next_pow2(n: int) -> int:
 class WarmupMixin:
     """Bucket lists and warm-up calls; uses the engine's ``cfg``, ``chunk_size``,
     ``max_model_len``, ``prefix``, ``programs``, ``pools``, ``k``, ``proposer_kind``,
-    ``max_pages_per_req`` and ``_leaves``."""
+    ``rounds_per_call``, ``max_pages_per_req`` and ``_leaves``."""
 
     def prefill_buckets(self) -> list[int]:
         top = max(MIN_PREFILL_BUCKET, next_pow2(min(self.chunk_size, self.max_model_len)))
@@ -59,8 +59,8 @@ class WarmupMixin:
         page and slot, so that no compile happens while requests are served. Returns seconds.
 
         Covers each prefill length bucket (one variant, :data:`PREFILL_GREEDY_ONLY`) and each
-        batch bucket's round, in the greedy-only variant and, with ``sampled``, the sampling
-        one, plus the rounds' snapshot variants when the prefix cache is on. ``max_batch``
+        batch bucket's round calls (:meth:`round_variants`), in the greedy-only variant and,
+        with ``sampled``, the sampling one. ``max_batch``
         (requests at once) and ``max_prompt_len`` (tokens) limit it to the buckets such a
         workload can reach. Programs missing from memory and from the executable cache are
         first built together
@@ -108,13 +108,23 @@ class WarmupMixin:
             _, self.pools = self.programs.prefill(self._leaves, self.pools, batch, k=self.k,
                                                   mtp=mtp, greedy_only=PREFILL_GREEDY_ONLY)
 
+    def round_variants(self) -> list[dict]:
+        """The static keywords of the round calls this engine makes per batch bucket and
+        sampling variant: ``num_scheduler_steps`` rounds per call, plus, with the prefix cache,
+        single rounds without and with a snapshot (calls that may reach a snapshot boundary).
+        ``rounds`` is given only above 1 (single-round calls keep their compile keys)."""
+        n = self.rounds_per_call
+        out = [{"snapshot": False, **({"rounds": n} if n > 1 else {})}]
+        if self.prefix is not None:
+            out += ([{"snapshot": False}] if n > 1 else []) + [{"snapshot": True}]
+        return out
+
     def _warmup_rounds(self, greedy_only: bool, batch_buckets) -> None:
-        for b, snapshot in itertools.product(batch_buckets,
-                                             (False, True) if self.prefix else (False,)):
+        for b, static in itertools.product(batch_buckets, self.round_variants()):
             batch = self.padding_round_batch(b)
             out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
                                                   proposer=self.proposer_kind,
-                                                  greedy_only=greedy_only, snapshot=snapshot)
+                                                  greedy_only=greedy_only, **static)
 
     def padding_round_batch(self, b: int) -> RoundBatch:
         """A round batch of ``b`` padding rows (they write only the trash page and slot)."""

@@ -1,0 +1,130 @@
+"""Multi-step scheduling (``num_scheduler_steps``): several rounds per program call give the
+same tokens as one round per call, greedy and sampled, with and without speculation, through
+stops inside a call, slot and page reuse, prefix-cache snapshot boundaries and a tight page
+pool; the settings are checked before anything runs."""
+
+import numpy as np
+import pytest
+
+from conftest import fixture_path
+from mtp_jax.checks import check_settings
+from mtp_jax.config import MAX_SCHEDULER_STEPS, ConfigError, EngineConfig, SpecConfig
+from mtp_jax.engine.engine import Engine
+from mtp_jax.engine.requests import Request, SamplingParams
+from mtp_jax.models.loader import load_model
+
+CKPT = fixture_path("tiny_dense")
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(CKPT, "float32", with_mtp=True)
+
+
+def _requests(specs):
+    return [Request(request_id=f"r{i}", index=i, prompt=None, prompt_ids=list(p), params=sp,
+                    seed=200 + i) for i, (p, sp) in enumerate(specs)]
+
+
+def _run(model, specs, k, steps, running=2, prefix=False, num_pages=None):
+    eng = Engine(model, EngineConfig(max_running_requests=running, dtype="float32",
+                                     max_model_len=96, num_pages=num_pages,
+                                     enable_prefix_cache=prefix, snapshot_interval_pages=1,
+                                     num_scheduler_steps=steps),
+                 SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3))
+    reqs = eng.run(_requests(specs))
+    assert not eng.has_work() and eng.slots.num_free == eng.slots.size - 1
+    assert eng.pages.num_free == eng.pages.size - 1 or prefix  # no page kept (trash aside)
+    return [(r.output_ids, r.finish_reason) for r in reqs], eng
+
+
+def _prompts(n, seed, lo=3, hi=40):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 300, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def _greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_multistep_equals_single_rounds_greedy(model, k):
+    """Five requests through two slots, lengths that are not multiples of the steps, one stop
+    id inside a call: the tokens and finish reasons equal one round per call, and plain
+    decoding's."""
+    prompts = _prompts(5, seed=30 + k)
+    plain, _ = _run(model, [(p, _greedy(23)) for p in prompts], 0, steps=1)
+    stop_id = plain[1][0][6]
+    specs = [(p, _greedy(5 + 3 * i)) for i, p in enumerate(prompts)]
+    specs[1] = (prompts[1], _greedy(20, stop_token_ids=[stop_id]))
+    want, one = _run(model, specs, k, steps=1)
+    got, eng = _run(model, specs, k, steps=4)
+    assert got == want
+    assert eng.stats.round_calls < eng.stats.rounds  # calls did run several rounds
+    assert one.stats.round_calls == one.stats.rounds
+    first_stop = plain[1][0].index(stop_id)
+    assert got[1] == (plain[1][0][:first_stop + 1], "stop")
+    for i, (out, reason) in enumerate(got):
+        if i != 1:
+            assert out == plain[i][0][:len(out)] and reason == "length" and len(out) == 5 + 3 * i
+
+
+def test_multistep_sampled(model):
+    """Sampled rows draw from streams keyed by the generated-token count, which advances on
+    the device inside a call: the draws must not depend on the rounds per call."""
+    prompts = _prompts(3, seed=41)
+    sp = [SamplingParams(temperature=t, top_p=tp, top_k=tk, max_tokens=13, ignore_eos=True)
+          for t, tp, tk in ((0.8, 0.9, 0), (1.0, 1.0, 20), (0.6, 0.5, 5))]
+    specs = list(zip(prompts, sp))
+    want, _ = _run(model, specs, 3, steps=1)
+    got, _ = _run(model, specs, 3, steps=4)
+    assert got == want
+
+
+def test_multistep_with_prefix_cache_snapshots(model):
+    """Snapshot boundaries every 16 tokens: calls that may reach one run a single round (and
+    save the snapshot); a second pass hits the cache and gives the same tokens."""
+    base = _prompts(1, seed=5, lo=40, hi=41)[0]
+    specs = [(p, _greedy(30)) for p in (base + [7, 8, 9], base[:33], base)]
+    want, _ = _run(model, specs, 0, steps=1, prefix=True)
+    got, eng = _run(model, specs, 0, steps=4, prefix=True)
+    assert got == want and eng.stats.round_calls < eng.stats.rounds
+    again = eng.run(_requests(specs))
+    assert [(r.output_ids, r.finish_reason) for r in again] == want
+    assert sum(r.cached_tokens for r in again) > 0
+
+
+def test_multistep_under_page_pressure(model):
+    """A pool of about two requests' pages: every call takes pages for all of its rounds, and
+    pages of a finished request are not handed out while a call that writes them runs."""
+    specs = [(p, _greedy(18)) for p in _prompts(4, seed=21, lo=20, hi=30)]
+    want, _ = _run(model, specs, 3, steps=1, num_pages=8)
+    got, _ = _run(model, specs, 3, steps=4, num_pages=8)
+    assert got == want
+
+
+def test_warmup_covers_multistep_calls(model):
+    """After ``warmup()``, serving with multi-step calls (and the single rounds near snapshot
+    boundaries) compiles nothing."""
+    eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", max_model_len=64,
+                                     chunked_prefill_size=32, snapshot_interval_pages=1,
+                                     num_scheduler_steps=2),
+                 SpecConfig(algorithm="none"))
+    assert eng.round_variants() == [{"snapshot": False, "rounds": 2}, {"snapshot": False},
+                                    {"snapshot": True}]
+    eng.warmup(sampled=False)
+    before = eng.compiled_program_count()
+    eng.run(_requests([(p, _greedy(20)) for p in _prompts(2, seed=3, lo=20, hi=30)]))
+    assert eng.compiled_program_count() == before
+
+
+@pytest.mark.parametrize("bad", [0, -1, MAX_SCHEDULER_STEPS + 1, True, 2.0, "4"])
+def test_num_scheduler_steps_checked(bad):
+    with pytest.raises(ConfigError, match="num_scheduler_steps"):
+        EngineConfig(num_scheduler_steps=bad).validate()
+
+
+def test_external_proposer_refuses_multistep():
+    with pytest.raises(ConfigError, match="num_scheduler_steps 2 needs drafts made on the dev"):
+        check_settings(SpecConfig(algorithm="external", num_steps=2),
+                       EngineConfig(num_scheduler_steps=2), has_proposer=True)
