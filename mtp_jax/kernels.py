@@ -6,7 +6,8 @@ One switch per op (``--attention-backend``, ``--gdn-backend``, ``--moe-backend``
 ``"xla"``, ``"pallas"`` or ``"auto"`` (``gemv`` also takes ``"reduce"``, XLA's multiply-reduce
 form of one-row projections: :data:`EXTRA_CHOICES`). ``auto`` picks the Pallas kernel where it
 has been checked and measured faster (the ops in :data:`AUTO_PALLAS_ON_GPU`, on a GPU), the
-choice in :data:`AUTO_ON_GPU` for the others that have one, and XLA elsewhere; the Pallas
+choice in :data:`AUTO_ON_GPU` for the others that have one, the norm kernel for hidden sizes up
+to :data:`AUTO_NORM_MAX_HIDDEN`, and XLA elsewhere; the Pallas
 kernels use the Triton lowering and need a CUDA GPU.
 
 The choice is static: it is stored in the model config and read by the layers when a program
@@ -22,7 +23,12 @@ from mtp_jax.config import ConfigError
 OPS = ("attention", "gdn", "moe", "norm", "gemv")
 CHOICES = ("auto", "xla", "pallas")
 EXTRA_CHOICES = {"gemv": ("reduce",)}
-AUTO_PALLAS_ON_GPU: tuple[str, ...] = ("gdn", "moe")
+# attention: measured faster on the H200 in the 2B and 27B decode steps and the 2B k = 3 round,
+# neutral in the 35B-A3B step (docs/benchmarks.md, session 12).
+AUTO_PALLAS_ON_GPU: tuple[str, ...] = ("gdn", "moe", "attention")
+# The fused add + RMSNorm kernel gains at hidden size 2048 (2B -0.07 ms, 35B-A3B -0.09 ms per
+# decode step) and loses at 5120 (27B +0.38 ms), so auto takes it up to this size only.
+AUTO_NORM_MAX_HIDDEN = 2048
 # Measured faster on the H200 than XLA's dot on every one-row projection shape with K <= 8192
 # (pallas_kernels/gemv/reduce_form.py; docs/benchmarks.md, session 11).
 AUTO_ON_GPU = {"gemv": "reduce"}
@@ -34,8 +40,6 @@ OP_DESCRIPTIONS = {"attention": "paged attention (decode/verify rows)",
                    "gemv": "the projections and LM head of one-row calls (batch-1 decode with "
                            "speculation off; batch-1 MTP draft steps)"}
 EXPERIMENTAL = {
-    "norm": "experimental: faster in the 2B decode step, no faster in the 27B step "
-            "(docs/benchmarks.md)",
     "gemv": "pallas is experimental: slower than reduce on every shape measured "
             "(docs/benchmarks.md)"}
 NOTES = {"gemv": "reduce = XLA's multiply-reduce form of one-row calls with K <= 8192 (XLA's "
@@ -66,6 +70,9 @@ def backend_help(op: str) -> str:
     where = "on a GPU in 16-bit dtypes" if op in SIXTEEN_BIT_ONLY else "on a GPU"
     if op in AUTO_PALLAS_ON_GPU:
         auto = f"auto = pallas {where}, else xla"
+    elif op == "norm":
+        auto = (f"auto = pallas on a GPU for hidden sizes up to {AUTO_NORM_MAX_HIDDEN} "
+                "(measured faster there, slower at 5120), else xla")
     elif op in AUTO_ON_GPU:
         auto = f"auto = {AUTO_ON_GPU[op]} {where}, else xla"
     elif op in EXPERIMENTAL:
@@ -107,8 +114,8 @@ class KernelBackends:
         ``gdn_dims``: the model's ``(linear_key_head_dim, linear_value_head_dim, conv width)``
         when known; sizes the fused GDN kernels cannot take make ``auto`` take XLA for GDN.
         ``hidden_size``: the model's, when known; checked against the norm kernel's pieces.
-        ``auto`` takes XLA for ``norm`` (experimental: see :data:`EXPERIMENTAL`) and
-        :data:`AUTO_ON_GPU` for ``gemv`` on a GPU.
+        On a GPU ``auto`` takes the norm kernel for a known ``hidden_size`` up to
+        :data:`AUTO_NORM_MAX_HIDDEN` (XLA otherwise) and :data:`AUTO_ON_GPU` for ``gemv``.
         Raises ConfigError for an unknown choice, ``pallas`` without a GPU, a 16-bit-only
         kernel asked for with float32, or the GDN or norm kernels asked for with sizes they
         cannot take.
@@ -149,6 +156,10 @@ class KernelBackends:
                                   "4096 columns; use --norm-backend xla or auto.")
             if value == "auto" and on_gpu and op in AUTO_ON_GPU:
                 value = AUTO_ON_GPU[op]
+            if value == "auto" and op == "norm":
+                value = ("pallas" if on_gpu and hidden_size is not None
+                         and hidden_size <= AUTO_NORM_MAX_HIDDEN
+                         and not _norm_misfit(hidden_size) else "xla")
             if value == "auto":
                 value = ("pallas" if on_gpu and op in AUTO_PALLAS_ON_GPU and not wide
                          and not misfit else "xla")
