@@ -226,10 +226,12 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
       draft_path: a separate folder to read the ``mtp.*`` tensors from (default: ``path``).
       attention_backend, gdn_backend, moe_backend: ``"auto"``, ``"xla"`` or ``"pallas"``, the
         implementation of paged attention, the GDN decode/verify/commit step form and the MoE
-        experts and router (:class:`mtp_jax.kernels.KernelBackends`; ``auto`` takes XLA for GDN
-        layers whose head sizes the kernels cannot take).
+        experts and router (:class:`mtp_jax.kernels.KernelBackends`; on a GPU ``auto`` takes
+        the kernels, the attention and MoE ones in 16-bit dtypes only, and XLA for GDN layers
+        whose head sizes the kernels cannot take).
       norm_backend: the same for the decoder layers' residual add + RMSNorm
-        (:mod:`pallas_kernels.norm`; ``auto`` takes XLA).
+        (:mod:`pallas_kernels.norm`; on a GPU ``auto`` takes the kernel for hidden sizes up to
+        :data:`mtp_jax.kernels.AUTO_NORM_MAX_HIDDEN`, XLA above).
       gemv_backend: the same for the projections (and LM head) of one-row calls
         (:mod:`pallas_kernels.gemv`: ``xla``, ``reduce`` or ``pallas``; ``auto`` takes
         ``reduce`` on a GPU, else XLA).
