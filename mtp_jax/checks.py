@@ -44,7 +44,6 @@ def check_settings(spec: SpecConfig, engine: EngineConfig | None = None, *,
     spec.validate()
     if engine is not None:
         engine.validate()
-        check_scheduler_steps(spec, engine)
     if spec.algorithm == "mtp" and dummy_weight and not dummy_draft_ok:
         raise ConfigError(DUMMY_WEIGHT_MTP_MESSAGE)
     if has_proposer is not None:
@@ -57,14 +56,17 @@ def check_settings(spec: SpecConfig, engine: EngineConfig | None = None, *,
             raise ConfigError(f"a proposer was given but speculative_algorithm is "
                               f"{spec.algorithm!r}; the proposer is only used with "
                               "speculative_algorithm='external'. Pass that, or drop the proposer.")
+    if engine is not None:
+        check_scheduler_steps(spec, engine)
 
 
 def check_scheduler_steps(spec: SpecConfig, engine: EngineConfig) -> None:
     """Multi-step calls need drafts made on the device (not by a host proposer)."""
     if spec.algorithm == "external" and engine.num_scheduler_steps > 1:
-        raise ConfigError(f"num_scheduler_steps {engine.num_scheduler_steps} needs drafts made "
-                          "on the device; speculative_algorithm='external' takes them from the "
-                          "host every round: use num_scheduler_steps=1.")
+        raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) "
+                          f"{engine.num_scheduler_steps} needs drafts made on the device; "
+                          "speculative_algorithm='external' takes them from the host every "
+                          "round: use num_scheduler_steps=1 (the default).")
 
 
 def read_model_config(path: str | None, *, mtp: bool) -> ModelConfig:

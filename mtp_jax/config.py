@@ -317,7 +317,7 @@ def normalize_algorithm(name: str | None) -> str:
     return {"nextn": "mtp", "eagle": "mtp", "": "none", "off": "none"}.get(n, n)
 
 
-MAX_SCHEDULER_STEPS = 16  # rounds per program call (the program is unrolled that many times)
+MAX_SCHEDULER_STEPS = 16  # rounds per program call (one lax.scan of that many rounds)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -341,7 +341,8 @@ class EngineConfig:
     # Rounds (decode steps, or speculative rounds) per program call: multi-step scheduling, as
     # vLLM's --num-scheduler-steps. The host's cost of a call (argument buffers, launch,
     # readback, stop checks) is paid once for that many rounds; tokens surface in groups of
-    # that many rounds, and up to that many - 1 rounds past a stop are computed and discarded.
+    # that many rounds, and up to 2N - 1 rounds past a stop (N - 1 without overlap) are
+    # computed and discarded.
     num_scheduler_steps: int = 1
 
     def validate(self) -> None:

@@ -214,6 +214,8 @@ def main(argv=None) -> int:
           + (f" (k={llm.spec.num_steps})" if llm.spec.enabled else "")
           + (f"; draft vocabulary {llm.engine.draft_vocab_size} hot ids"
              if getattr(llm.engine, "draft_vocab_size", None) else "")
+          + (f"; {args.num_scheduler_steps} rounds per call" if args.num_scheduler_steps > 1
+             else "")
           + ("" if args.prompt or args.prompts_file else f"; prompt {DEFAULT_PROMPT!r}"),
           file=sys.stderr)
     print(f"[warm-up] programs compiled or loaded from the compilation cache in {warm_s:.1f}s",

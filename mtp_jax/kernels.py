@@ -75,9 +75,7 @@ def backend_help(op: str) -> str:
                 "(measured faster there, slower at 5120), else xla")
     elif op in AUTO_ON_GPU:
         auto = f"auto = {AUTO_ON_GPU[op]} {where}, else xla"
-    elif op in EXPERIMENTAL:
-        auto = "auto = xla"
-    else:
+    else:  # no op takes this branch today; a new op starts here until it is measured
         auto = "auto = xla (the kernel is not measured faster yet)"
     notes = [n[op] for n in (NOTES, EXPERIMENTAL) if op in n]
     kinds = _either(["pallas (GPU kernels)" if c == "pallas" else c for c in choices_of(op)
@@ -104,7 +102,8 @@ class KernelBackends:
                 gdn_dims: tuple[int, int, int] | None = None,
                 norm: str | None = "auto",
                 hidden_size: int | None = None,
-                gemv: str | None = "auto") -> "KernelBackends":
+                gemv: str | None = "auto",
+                head_dim: int | None = None) -> "KernelBackends":
         """Validate the user's choices and resolve ``auto``.
 
         ``platform``: the JAX backend (``"gpu"``, ``"cpu"``; default: ``jax.default_backend()``).
@@ -114,6 +113,8 @@ class KernelBackends:
         ``gdn_dims``: the model's ``(linear_key_head_dim, linear_value_head_dim, conv width)``
         when known; sizes the fused GDN kernels cannot take make ``auto`` take XLA for GDN.
         ``hidden_size``: the model's, when known; checked against the norm kernel's pieces.
+        ``head_dim``: the attention heads', when known; the attention kernel needs a power of
+        two (``auto`` takes XLA otherwise).
         On a GPU ``auto`` takes the norm kernel for a known ``hidden_size`` up to
         :data:`AUTO_NORM_MAX_HIDDEN` (XLA otherwise) and :data:`AUTO_ON_GPU` for ``gemv``.
         Raises ConfigError for an unknown choice, ``pallas`` without a GPU, a 16-bit-only
@@ -146,6 +147,12 @@ class KernelBackends:
                                   "sized for bfloat16/float16) but dtype is float32; use "
                                   f"--{op}-backend xla or --dtype bfloat16.")
             misfit = _gdn_misfit(gdn_dims) if op == "gdn" and on_gpu else None
+            if op == "attention" and head_dim is not None and head_dim & (head_dim - 1):
+                misfit = f"head_dim {head_dim} is not a power of two"
+                if value == "pallas":
+                    raise ConfigError(f"attention_backend 'pallas' cannot run this model: "
+                                      f"{misfit} (the Triton kernel's tiles); use "
+                                      "--attention-backend xla or auto.")
             if value == "pallas" and misfit:
                 raise ConfigError(f"gdn_backend 'pallas' cannot run this model: {misfit} (the "
                                   "Triton kernels need power-of-two blocks); use --gdn-backend "
@@ -174,7 +181,8 @@ class KernelBackends:
         ``dtype``; the keywords are ``load_model``'s. Raises ConfigError as :meth:`resolve`."""
         return cls.resolve(attention_backend, gdn_backend, moe_backend, dtype=dtype,
                            gdn_dims=gdn_dims_of(cfg), norm=norm_backend,
-                           hidden_size=cfg.hidden_size, gemv=gemv_backend)
+                           hidden_size=cfg.hidden_size, gemv=gemv_backend,
+                           head_dim=getattr(cfg, "head_dim", None))
 
 
 def _norm_misfit(hidden_size: int | None) -> bool:

@@ -32,7 +32,6 @@ import numpy as np
 from mtp_jax.bench.floor import load_config
 from mtp_jax.bench.run import Ledger, Settings, make_engine, pipelined_rounds, prefill_all, requests
 from mtp_jax.engine.packing import pack
-from mtp_jax.engine.programs import RoundOutput
 from mtp_jax.kernels import OPS, add_backend_flags
 from mtp_jax.models.loader import load_model
 

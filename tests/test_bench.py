@@ -145,7 +145,7 @@ def test_multistep_decode_row(workdir, capsys):
     assert r["rounds_timed"] >= DECODE > r["rounds_timed"] - 3
     assert 0 < r["host_ms"] <= r["round_ms"]
     assert "steps/call=3" in stderr
-    assert "| tiny | 2 | 0 (3/call) |" in stdout
+    assert stdout.count("| tiny | 2 | 0 (3/call) |") == 2  # the main and the bytes tables
     assert {p["program"] for p in r["programs"]} == {"prefill[T=16,k=0]",
                                                     "round[B=2,k=0,steps=3]"}
 
@@ -393,3 +393,13 @@ def test_kernel_choices_are_refused_before_weights(monkeypatch, capsys):
     with pytest.raises(SystemExit):  # argparse: reduce is a gemv choice only
         main(["--config", config, "--norm-backend", "reduce"])
     assert "invalid choice: 'reduce'" in capsys.readouterr().err
+
+
+def test_scheduler_steps_without_a_plain_row_is_refused(capsys):
+    """Multi-step applies to k = 0 rows only: asking for it with k > 0 rows alone is an error,
+    not a silently ignored option."""
+    from mtp_jax.bench import main
+
+    config = os.path.join(os.path.dirname(__file__), "..", "configs", "Qwen3.5-2B.json")
+    assert main(["--config", config, "--k", "2", "--num-scheduler-steps", "4"]) == 2
+    assert "--num-scheduler-steps [4] applies to k = 0 rows only" in capsys.readouterr().err

@@ -127,3 +127,13 @@ def test_backend_help_names_what_auto_picks():
     assert "auto = pallas on a GPU for hidden sizes up to 2048" in backend_help("norm")
     assert "auto = reduce on a GPU, else xla" in backend_help("gemv")
     assert "pallas" in backend_help("gemv") and "experimental" in backend_help("gemv")
+
+
+def test_attention_kernel_needs_a_power_of_two_head_dim():
+    """auto falls back to XLA for a head_dim the Triton kernel cannot tile; asking for the
+    kernel there is refused at config time."""
+    assert KernelBackends.resolve(platform="gpu", head_dim=256).attention == "pallas"
+    assert KernelBackends.resolve(platform="gpu", head_dim=96).attention == "xla"
+    with pytest.raises(ConfigError, match="attention_backend 'pallas' cannot run this model: "
+                                          "head_dim 96 is not a power of two"):
+        KernelBackends.resolve("pallas", platform="gpu", head_dim=96)

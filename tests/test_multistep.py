@@ -80,8 +80,11 @@ def test_multistep_with_prefix_cache_snapshots(model):
     save the snapshot); a second pass hits the cache and gives the same tokens."""
     base = _prompts(1, seed=5, lo=40, hi=41)[0]
     specs = [(p, _greedy(30)) for p in (base + [7, 8, 9], base[:33], base)]
+    from mtp_jax.engine.engine import MultiStepWarning
+
     want, _ = _run(model, specs, 0, steps=1, prefix=True)
-    got, eng = _run(model, specs, 0, steps=4, prefix=True)
+    with pytest.warns(MultiStepWarning):  # 2 * 4 tokens against a 16-token interval
+        got, eng = _run(model, specs, 0, steps=4, prefix=True)
     assert got == want and eng.stats.round_calls < eng.stats.rounds
     again = eng.run(_requests(specs))
     assert [(r.output_ids, r.finish_reason) for r in again] == want
@@ -119,6 +122,28 @@ def test_num_scheduler_steps_checked(bad):
 
 
 def test_external_proposer_refuses_multistep():
-    with pytest.raises(ConfigError, match="num_scheduler_steps 2 needs drafts made on the dev"):
+    with pytest.raises(ConfigError, match=r"num_scheduler_steps \(--num-scheduler-steps\) 2 "
+                                          "needs drafts made on the device"):
         check_settings(SpecConfig(algorithm="external", num_steps=2),
                        EngineConfig(num_scheduler_steps=2), has_proposer=True)
+
+
+def test_warns_when_snapshots_would_undo_multistep(model):
+    """2 N (k + 1) tokens against the snapshot interval: 2 * 4 * 4 = 32 > 64 / 4 warns (most
+    calls near a boundary run one round); 2 * 4 * 1 = 8 <= 16 does not, nor the cache off."""
+    from mtp_jax.engine.engine import MultiStepWarning
+
+    def make(k, steps, prefix=True):
+        return Engine(model, EngineConfig(max_running_requests=1, dtype="float32",
+                                          max_model_len=64, enable_prefix_cache=prefix,
+                                          num_scheduler_steps=steps),
+                      SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3))
+
+    with pytest.warns(MultiStepWarning, match=r"num_scheduler_steps 4 with 3 drafts.*within "
+                                              r"32 tokens of a snapshot boundary \(every 64"):
+        make(3, 4)
+    import warnings
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", MultiStepWarning)
+        make(0, 2)
+        make(3, 4, prefix=False)

@@ -44,7 +44,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "forced rounds until that many are committed)")
     p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)  # old name
     p.add_argument("--warmup-rounds", type=int, default=3,
-                   help="untimed rounds before the timed phase (the first one compiles)")
+                   help="untimed rounds before the timed phase (the first one compiles); "
+                        "program calls for k = 0 rows with --num-scheduler-steps above 1")
     p.add_argument("--accept-lengths", type=float, nargs="+", default=[2.5, 3.0, 3.5],
                    help="accept lengths forced for k>0 (each in [1, k+1]; others skipped)")
     p.add_argument("--prefill-reps", type=int, default=3,
@@ -148,6 +149,10 @@ def main(argv=None, description: str | None = None) -> int:
                      engine_warmup=args.engine_warmup, draft_vocab_size=args.draft_vocab_size,
                      num_scheduler_steps=tuple(args.num_scheduler_steps))
         s.validate()
+        if max(s.num_scheduler_steps) > 1 and 0 not in ks:
+            raise ValueError(f"--num-scheduler-steps {list(s.num_scheduler_steps)} applies to "
+                             "k = 0 rows only (k > 0 rows force drafts between rounds, one round "
+                             "per call); add 0 to --k or drop the option.")
         for k in ks:
             if k and not any(1 <= a <= k + 1 for a in s.accept_lengths):
                 raise ValueError(f"--accept-lengths {list(s.accept_lengths)}: none can be "

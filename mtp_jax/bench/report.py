@@ -133,7 +133,7 @@ def bytes_table(results: list[dict]) -> str:
     for r in results:
         by = r["bytes"]
         cells = " | ".join(f"{by[k] / 1e9:.3f}" if k in by else "-" for k in kinds)
-        lines.append(f"| {_shape(r['config'])} | {r['batch']} | {r['k']} | {cells} | "
+        lines.append(f"| {_shape(r['config'])} | {r['batch']} | {_k_cell(r)} | {cells} | "
                      f"{r['floor_ms']:.2f} |")
     return "\n".join(lines)
 

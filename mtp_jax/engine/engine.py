@@ -26,6 +26,7 @@ from __future__ import annotations
 
 import dataclasses
 import time
+import warnings
 from collections import deque
 from typing import Callable, Iterable
 
@@ -61,6 +62,26 @@ def clamp_num_draft(k: int, position: int, allocated_tokens: int, emitted: int,
     room_pages = allocated_tokens - position - 1
     room_tokens = min(max_tokens - emitted, max_model_len - prompt_len - emitted) - 1
     return max(0, min(k, room_pages, room_tokens))
+
+
+def _warn_multistep_near_snapshots(n: int, k: int, prefix: RadixCache | None) -> None:
+    """Warn when multi-step calls would often fall back to single, waited-for rounds: calls
+    within ``2 n (k + 1)`` tokens of a prefix-cache snapshot boundary do, and boundaries come
+    every ``snapshot_tokens``."""
+    if prefix is None or n == 1:
+        return
+    reach, every = 2 * n * (k + 1), prefix.snapshot_tokens
+    if 4 * reach > every:
+        warnings.warn(f"num_scheduler_steps {n} with {k} drafts per round and the prefix cache "
+                      f"on: calls within {reach} tokens of a snapshot boundary (every {every} "
+                      f"tokens) run one round without overlap, about {min(1, reach / every):.0%}"
+                      " of them, which loses much of the gain. Lower num_scheduler_steps, raise "
+                      "snapshot_interval_pages, or turn the prefix cache off "
+                      "(--disable-prefix-cache).", MultiStepWarning, stacklevel=3)
+
+
+class MultiStepWarning(UserWarning):
+    """Multi-step scheduling settings that lose most of its gain."""
 
 
 def _all_greedy(reqs: Iterable[Request]) -> bool:
@@ -123,6 +144,7 @@ class Engine(WarmupMixin):
         mtp = self.proposer_kind == "mtp"
         self.prefix = (RadixCache(self.page_size, engine_cfg.snapshot_interval_pages)
                        if engine_cfg.enable_prefix_cache else None)
+        _warn_multistep_near_snapshots(self.rounds_per_call, self.k, self.prefix)
         n_snap = 0
         if self.prefix is not None:
             n_snap = (engine_cfg.max_prefix_snapshots if engine_cfg.max_prefix_snapshots

@@ -176,8 +176,9 @@ class LLM:
             raise ConfigError("dummy weights are not supported for qwen4_exp yet; write a random "
                               "checkpoint with mtp_jax.models.qwen4_exp.random_checkpoint.")
         if engine_cfg.num_scheduler_steps != 1:
-            raise ConfigError(f"num_scheduler_steps {engine_cfg.num_scheduler_steps}: qwen4_exp "
-                              "runs one decode step per call for now; use 1 (the default).")
+            raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) "
+                              f"{engine_cfg.num_scheduler_steps}: qwen4_exp runs one decode step "
+                              "per call for now; use 1 (the default).")
         if ple_backend not in ("disk", "memory"):
             raise ConfigError(f"ple_backend {ple_backend!r} is unknown; use 'disk' or 'memory'.")
         engine_cfg.validate()
