@@ -75,9 +75,11 @@ def _warn_multistep_near_snapshots(n: int, k: int, prefix: RadixCache | None) ->
         warnings.warn(f"num_scheduler_steps {n} with {k} drafts per round and the prefix cache "
                       f"on: calls within {reach} tokens of a snapshot boundary (every {every} "
                       f"tokens) run one round without overlap, about {min(1, reach / every):.0%}"
-                      " of them, which loses much of the gain. Lower num_scheduler_steps, raise "
-                      "snapshot_interval_pages, or turn the prefix cache off "
-                      "(--disable-prefix-cache).", MultiStepWarning, stacklevel=3)
+                      " of them, which loses much of the gain. Lower num_scheduler_steps "
+                      "(--num-scheduler-steps), turn the prefix cache off "
+                      "(--disable-prefix-cache, enable_prefix_cache=False), or, using the "
+                      "Engine directly, raise EngineConfig.snapshot_interval_pages.",
+                      MultiStepWarning, stacklevel=3)
 
 
 class MultiStepWarning(UserWarning):
