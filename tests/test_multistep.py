@@ -3,14 +3,14 @@ same tokens as one round per call, greedy and sampled, with and without speculat
 stops inside a call, slot and page reuse, prefix-cache snapshot boundaries and a tight page
 pool; the settings are checked before anything runs."""
 
-import numpy as np
 import pytest
 
 from conftest import fixture_path
+from engine_runs import greedy, make_requests, random_prompts, run_engine
 from mtp_jax.checks import check_settings
 from mtp_jax.config import MAX_SCHEDULER_STEPS, ConfigError, EngineConfig, SpecConfig
 from mtp_jax.engine.engine import Engine
-from mtp_jax.engine.requests import Request, SamplingParams
+from mtp_jax.engine.requests import SamplingParams
 from mtp_jax.models.loader import load_model
 
 CKPT = fixture_path("tiny_dense")
@@ -21,30 +21,10 @@ def model():
     return load_model(CKPT, "float32", with_mtp=True)
 
 
-def _requests(specs):
-    return [Request(request_id=f"r{i}", index=i, prompt=None, prompt_ids=list(p), params=sp,
-                    seed=200 + i) for i, (p, sp) in enumerate(specs)]
-
-
-def _run(model, specs, k, steps, running=2, prefix=False, num_pages=None):
-    eng = Engine(model, EngineConfig(max_running_requests=running, dtype="float32",
-                                     max_model_len=96, num_pages=num_pages,
-                                     enable_prefix_cache=prefix, snapshot_interval_pages=1,
-                                     num_scheduler_steps=steps),
-                 SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3))
-    reqs = eng.run(_requests(specs))
-    assert not eng.has_work() and eng.slots.num_free == eng.slots.size - 1
-    assert eng.pages.num_free == eng.pages.size - 1 or prefix  # no page kept (trash aside)
-    return [(r.output_ids, r.finish_reason) for r in reqs], eng
-
-
-def _prompts(n, seed, lo=3, hi=40):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(2, 300, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
-
-
-def _greedy(max_tokens, **kw):
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+def _run(model, specs, k, steps, **kw):
+    out, eng = run_engine(model, specs, k, seed=200, num_scheduler_steps=steps, **kw)
+    assert eng.pages.num_free == eng.pages.size - 1 or eng.prefix  # no page kept (trash aside)
+    return out, eng
 
 
 @pytest.mark.parametrize("k", [0, 3])
@@ -53,11 +33,11 @@ def test_multistep_equals_single_rounds(model, k):
     id inside a call, and (k = 0) one sampled request, whose draws come from streams keyed by
     the generated-token count that advances on the device inside a call: the tokens and finish
     reasons equal one round per call, and the greedy ones plain decoding's."""
-    prompts = _prompts(5, seed=30 + k)
-    plain, _ = _run(model, [(p, _greedy(23)) for p in prompts], 0, steps=1)
+    prompts = random_prompts(5, seed=30 + k)
+    plain, _ = _run(model, [(p, greedy(23)) for p in prompts], 0, steps=1)
     stop_id = plain[1][0][6]
-    specs = [(p, _greedy(5 + 3 * i)) for i, p in enumerate(prompts)]
-    specs[1] = (prompts[1], _greedy(20, stop_token_ids=[stop_id]))
+    specs = [(p, greedy(5 + 3 * i)) for i, p in enumerate(prompts)]
+    specs[1] = (prompts[1], greedy(20, stop_token_ids=[stop_id]))
     if not k:
         specs[3] = (prompts[3], SamplingParams(temperature=0.8, top_p=0.9, top_k=20,
                                                max_tokens=14, ignore_eos=True))
@@ -78,15 +58,15 @@ def test_multistep_equals_single_rounds(model, k):
 def test_multistep_with_prefix_cache_snapshots(model):
     """Snapshot boundaries every 16 tokens: calls that may reach one run a single round (and
     save the snapshot); a second pass hits the cache and gives the same tokens."""
-    base = _prompts(1, seed=5, lo=40, hi=41)[0]
-    specs = [(p, _greedy(30)) for p in (base + [7, 8, 9], base[:33], base)]
+    base = random_prompts(1, seed=5, lo=40, hi=41)[0]
+    specs = [(p, greedy(30)) for p in (base + [7, 8, 9], base[:33], base)]
     from mtp_jax.engine.engine import MultiStepWarning
 
     want, _ = _run(model, specs, 0, steps=1, prefix=True)
     with pytest.warns(MultiStepWarning):  # 2 * 4 tokens against a 16-token interval
         got, eng = _run(model, specs, 0, steps=4, prefix=True)
     assert got == want and eng.stats.round_calls < eng.stats.rounds
-    again = eng.run(_requests(specs))
+    again = eng.run(make_requests(specs, seed=200))
     assert [(r.output_ids, r.finish_reason) for r in again] == want
     assert sum(r.cached_tokens for r in again) > 0
 
@@ -94,7 +74,7 @@ def test_multistep_with_prefix_cache_snapshots(model):
 def test_multistep_under_page_pressure(model):
     """A pool of about two requests' pages: every call takes pages for all of its rounds, and
     pages of a finished request are not handed out while a call that writes them runs."""
-    specs = [(p, _greedy(18)) for p in _prompts(4, seed=21, lo=20, hi=30)]
+    specs = [(p, greedy(18)) for p in random_prompts(4, seed=21, lo=20, hi=30)]
     want, _ = _run(model, specs, 3, steps=1, num_pages=8)
     got, _ = _run(model, specs, 3, steps=4, num_pages=8)
     assert got == want
@@ -111,7 +91,8 @@ def test_warmup_covers_multistep_calls(model):
                                     {"snapshot": True}]
     eng.warmup(sampled=False)
     before = eng.compiled_program_count()
-    eng.run(_requests([(p, _greedy(20)) for p in _prompts(2, seed=3, lo=20, hi=30)]))
+    eng.run(make_requests([(p, greedy(20)) for p in random_prompts(2, seed=3, lo=20, hi=30)],
+                          seed=200))
     assert eng.compiled_program_count() == before
 
 

@@ -8,10 +8,11 @@ import numpy as np
 import pytest
 
 from conftest import fixture_path
-from mtp_jax.config import ConfigError, EngineConfig, SpecConfig
-from mtp_jax.engine.engine import Engine, clamp_num_draft
+from engine_runs import greedy, make_requests, random_prompts, run_engine
+from mtp_jax.config import ConfigError, EngineConfig
+from mtp_jax.engine.engine import clamp_num_draft
 from mtp_jax.engine.programs import clamp_drafts
-from mtp_jax.engine.requests import Request, SamplingParams
+from mtp_jax.engine.requests import SamplingParams
 from mtp_jax.models.loader import load_model
 
 CKPT = fixture_path("tiny_dense")
@@ -22,41 +23,19 @@ def model():
     return load_model(CKPT, "float32", with_mtp=True)
 
 
-def _requests(specs):
-    """``specs``: (prompt, SamplingParams) pairs -> requests with distinct seeds."""
-    return [Request(request_id=f"r{i}", index=i, prompt=None, prompt_ids=list(p), params=sp,
-                    seed=100 + i) for i, (p, sp) in enumerate(specs)]
-
-
-def _run(model, specs, k, overlap, running=2, prefix=False, num_pages=None):
-    eng = Engine(model, EngineConfig(max_running_requests=running, dtype="float32",
-                                     max_model_len=96, num_pages=num_pages,
-                                     enable_prefix_cache=prefix, snapshot_interval_pages=1,
-                                     overlap_schedule=overlap),
-                 SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3))
-    reqs = eng.run(_requests(specs))
-    assert not eng.has_work() and eng.slots.num_free == eng.slots.size - 1
-    return [(r.output_ids, r.finish_reason) for r in reqs], eng
-
-
-def _prompts(n, seed, lo=3, hi=40):
-    rng = np.random.default_rng(seed)
-    return [rng.integers(2, 300, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
-
-
-def _greedy(max_tokens, **kw):
-    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+def _run(model, specs, k, overlap, **kw):
+    return run_engine(model, specs, k, overlap_schedule=overlap, **kw)
 
 
 @pytest.mark.parametrize("k", [0, 3])
 def test_overlap_equals_waiting_rounds_greedy(model, k):
     """Five requests through two slots (admission and slot reuse while rounds are in flight),
     different lengths; one stops on a stop id that plain decoding emits mid-output."""
-    prompts = _prompts(5, seed=k)
-    plain, _ = _run(model, [(p, _greedy(24)) for p in prompts], 0, overlap=False)
+    prompts = random_prompts(5, seed=k)
+    plain, _ = _run(model, [(p, greedy(24)) for p in prompts], 0, overlap=False)
     stop_id = plain[2][0][7]  # request 2 stops at its 8th token (inside a round for k = 3)
-    specs = [(p, _greedy(5 + 4 * i)) for i, p in enumerate(prompts)]
-    specs[2] = (prompts[2], _greedy(20, stop_token_ids=[stop_id]))
+    specs = [(p, greedy(5 + 4 * i)) for i, p in enumerate(prompts)]
+    specs[2] = (prompts[2], greedy(20, stop_token_ids=[stop_id]))
     want, _ = _run(model, specs, k, overlap=False)
     got, eng = _run(model, specs, k, overlap=True)
     assert got == want
@@ -71,7 +50,7 @@ def test_overlap_equals_waiting_rounds_greedy(model, k):
 def test_overlap_equals_waiting_rounds_sampled(model):
     """Sampled rows draw from per-request streams keyed by the generated-token count, which
     the device now advances: the tokens must not depend on overlap."""
-    prompts = _prompts(4, seed=11)
+    prompts = random_prompts(4, seed=11)
     sp = [SamplingParams(temperature=t, top_p=tp, top_k=tk, max_tokens=14, ignore_eos=True)
           for t, tp, tk in ((0.8, 0.9, 0), (1.0, 1.0, 20), (0, 1.0, 0), (0.6, 0.5, 5))]
     specs = list(zip(prompts, sp))
@@ -83,15 +62,15 @@ def test_overlap_equals_waiting_rounds_sampled(model):
 def test_overlap_with_prefix_cache_snapshots(model):
     """Snapshot boundaries every page (16 tokens): rounds that may reach one wait for the round
     in flight; a second pass over the same prompts hits the cache and gives the same tokens."""
-    base = _prompts(1, seed=5, lo=40, hi=41)[0]
+    base = random_prompts(1, seed=5, lo=40, hi=41)[0]
     prompts = [base + [7, 8, 9], base[:33], base]
-    specs = [(p, _greedy(24)) for p in prompts]
+    specs = [(p, greedy(24)) for p in prompts]
     want, _ = _run(model, specs, 3, overlap=False, prefix=True)
     got, eng = _run(model, specs, 3, overlap=True, prefix=True)
     assert got == want and eng.stats.chained_rounds > 0
     plain, _ = _run(model, specs, 0, overlap=False)
     assert got == plain
-    again = eng.run(_requests(specs))
+    again = eng.run(make_requests(specs))
     assert [(r.output_ids, r.finish_reason) for r in again] == want
     assert sum(r.cached_tokens for r in again) > 0
 
@@ -99,8 +78,8 @@ def test_overlap_with_prefix_cache_snapshots(model):
 def test_overlap_under_page_pressure(model):
     """A KV pool that fits about two requests: pages freed by a finished request must not be
     handed out while a round that still writes them is in flight."""
-    prompts = _prompts(4, seed=21, lo=20, hi=30)
-    specs = [(p, _greedy(18)) for p in prompts]
+    prompts = random_prompts(4, seed=21, lo=20, hi=30)
+    specs = [(p, greedy(18)) for p in prompts]
     want, _ = _run(model, specs, 3, overlap=False, running=3, num_pages=9)
     got, eng = _run(model, specs, 3, overlap=True, running=3, num_pages=9)
     assert got == want and eng.stats.chained_rounds > 0

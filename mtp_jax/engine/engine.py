@@ -364,11 +364,17 @@ class Engine(WarmupMixin):
         and some row may reach a snapshot boundary within the call (snapshots are saved in
         single rounds)."""
         n = self.rounds_per_call
-        if n == 1 or self.prefix is None:
+        if n == 1:
             return n
-        st, reach = self.prefix.snapshot_tokens, ahead + n * (self.k + 1)
-        return 1 if any((r.position // st + 1) * st <= r.position + reach
-                        for r in running) else n
+        return 1 if self._near_snapshot(running, ahead + n * (self.k + 1)) else n
+
+    def _near_snapshot(self, running: list[Request], reach: int) -> bool:
+        """Whether the prefix cache is on and some row's next snapshot boundary lies within
+        ``reach`` tokens of its position."""
+        if self.prefix is None:
+            return False
+        st = self.prefix.snapshot_tokens
+        return any((r.position // st + 1) * st <= r.position + reach for r in running)
 
     def _round_batch(self, running: list[Request], ahead: int,
                      rounds: int = 1) -> tuple[RoundBatch, bool]:
@@ -480,11 +486,7 @@ class Engine(WarmupMixin):
             return False
         if not set(running) <= set(prev.rows):
             return False
-        if self.prefix is not None:
-            st, reach = self.prefix.snapshot_tokens, 2 * self.rounds_per_call * (self.k + 1)
-            if any((r.position // st + 1) * st <= r.position + reach for r in running):
-                return False
-        return True
+        return not self._near_snapshot(running, 2 * self.rounds_per_call * (self.k + 1))
 
     def _drain(self, new: dict[Request, list[int]]) -> None:
         """Wait for the round in flight, if any, and apply it."""

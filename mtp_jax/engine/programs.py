@@ -20,7 +20,6 @@ the next round before reading this one's result, and one call can run several ro
 from __future__ import annotations
 
 import dataclasses
-from typing import Any
 
 import jax
 import jax.numpy as jnp
@@ -261,9 +260,6 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
     return RoundOutput(jnp.concatenate([emitted, n[:, None], num_draft[:, None]], 1)), pools
 
 
-ROUNDS_UNROLL = 1  # spec_rounds' loop: 1 = one compiled round body in a loop; True = unrolled
-
-
 def spec_rounds(graphdef, params, pools: Pools, batch: RoundBatch, *, rounds: int, **static):
     """``rounds`` consecutive :func:`spec_round` calls over the same batch in one program
     (multi-step scheduling: the host's per-call cost is paid once for ``rounds`` rounds). Each
@@ -285,7 +281,8 @@ def spec_rounds(graphdef, params, pools: Pools, batch: RoundBatch, *, rounds: in
         out, pools = spec_round(graphdef, params, pools, batch, **static)
         return pools, out.readback
 
-    pools, readback = jax.lax.scan(body, pools, None, length=rounds, unroll=ROUNDS_UNROLL)
+    # One compiled round body; unrolling ran no faster on the H200 (docs/benchmarks.md).
+    pools, readback = jax.lax.scan(body, pools, None, length=rounds)
     return RoundOutput(readback), pools
 
 

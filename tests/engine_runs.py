@@ -1,0 +1,38 @@
+"""Helpers shared by the engine scheduling tests (overlap, multi-step): requests from
+``(prompt, SamplingParams)`` pairs, random prompts, and a whole run on a fresh engine."""
+
+import numpy as np
+
+from mtp_jax.config import EngineConfig, SpecConfig
+from mtp_jax.engine.engine import Engine
+from mtp_jax.engine.requests import Request, SamplingParams
+
+
+def make_requests(specs, seed=100):
+    """``specs``: (prompt, SamplingParams) pairs -> requests with distinct seeds from ``seed``."""
+    return [Request(request_id=f"r{i}", index=i, prompt=None, prompt_ids=list(p), params=sp,
+                    seed=seed + i) for i, (p, sp) in enumerate(specs)]
+
+
+def run_engine(model, specs, k, *, seed=100, running=2, prefix=False, num_pages=None, **cfg):
+    """Serve ``specs`` to completion on a fresh float32 engine (``max_model_len`` 96, snapshots
+    every page; ``cfg``: more ``EngineConfig`` fields), MTP with ``k`` drafts or plain decoding
+    for k = 0. Checks that nothing is left running and every slot is free. Returns
+    ``([(output_ids, finish_reason)], engine)``."""
+    eng = Engine(model, EngineConfig(max_running_requests=running, dtype="float32",
+                                     max_model_len=96, num_pages=num_pages,
+                                     enable_prefix_cache=prefix, snapshot_interval_pages=1,
+                                     **cfg),
+                 SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3))
+    reqs = eng.run(make_requests(specs, seed))
+    assert not eng.has_work() and eng.slots.num_free == eng.slots.size - 1
+    return [(r.output_ids, r.finish_reason) for r in reqs], eng
+
+
+def random_prompts(n, seed, lo=3, hi=40):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 300, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+def greedy(max_tokens, **kw):
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
