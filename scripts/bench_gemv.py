@@ -114,8 +114,9 @@ def tag(t):
     return f"gemv_{t.form}_{t.bn}_{t.bk}_{t.num_warps}_{t.num_stages}"
 
 
-def kernel_us(trace_dir):
-    """Median device duration (us) per kernel name of the newest trace under trace_dir."""
+def kernel_us(trace_dir, stat=statistics.median):
+    """``stat`` (default the median) of the device durations (us) per kernel name of the newest
+    trace under trace_dir, with the kernel's count: ``{name: (us, count)}``."""
     path = max(glob.glob(os.path.join(trace_dir, "**", "*.trace.json.gz"), recursive=True),
                key=os.path.getmtime)
     events = json.load(gzip.open(path))["traceEvents"]
@@ -132,7 +133,7 @@ def kernel_us(trace_dir):
         if "xla" in str(threads.get((e["pid"], e.get("tid")), "")).lower():
             continue
         by[e["name"]].append(e["dur"])
-    return {n: (statistics.median(d), len(d)) for n, d in by.items()}
+    return {n: (stat(d), len(d)) for n, d in by.items()}
 
 
 def main():

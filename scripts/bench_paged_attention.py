@@ -27,6 +27,7 @@ import functools
 import os
 import statistics
 import sys
+import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -37,6 +38,7 @@ import jax.numpy as jnp  # noqa: E402
 from pallas_kernels.paged_attention.pallas import (  # noqa: E402
     choose_num_splits, paged_attention_pallas)
 from pallas_kernels.paged_attention.reference import paged_attention_reference  # noqa: E402
+from bench_gemv import kernel_us  # noqa: E402  (scripts/, this script's folder)
 
 HBM_BYTES_PER_S = 4.2e12
 HEAD_DIM = 256
@@ -124,10 +126,60 @@ def sweep_variants(auto):
     return out
 
 
+def device_us(run, args, calls: int) -> float:
+    """Device time (us) of all kernels of ``calls`` back-to-back ``run(*args)``, traced."""
+    jax.block_until_ready(run(*args))
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for _ in range(calls):
+                out = run(*args)
+            jax.block_until_ready(out)
+        times = kernel_us(tmp, stat=sum)
+    return sum(us for us, _ in times.values()) / calls
+
+
+def grid_case_device(name, batch, t, context, page_size, unroll, table_len, calls=8):
+    hq, hkv = CONFIGS[name]
+    args = make_case(hq, hkv, batch, t, context, page_size, unroll, table_len)
+    scale = HEAD_DIM ** -0.5
+    ref = functools.partial(paged_attention_reference, scale=scale)
+    t_ref = device_us(unrolled(ref), args, calls) / unroll
+    max_blocks = -(-args[3].shape[1] // (max(64, page_size) // page_size))
+    head = f"{name:>3} B={batch:<2} T={t} ctx={context:<5} | ref {t_ref:6.1f} us"
+    for label, kw in grid_variants(choose_num_splits(batch, hkv, max_blocks)):
+        fn = functools.partial(paged_attention_pallas, scale=scale, **kw)
+        try:
+            us = device_us(unrolled(fn), args, calls) / unroll
+        except Exception as e:  # a variant may not compile (shared memory, registers)
+            print(f"{head} | [{label}] failed: {type(e).__name__}: {str(e)[:100]}")
+            continue
+        print(f"{head} | pallas {us:6.1f} us (kernel + merge) | {label}", flush=True)
+
+
+def grid_variants(auto):
+    out = [(f"default splits {auto}", {})]
+    for bk in (16, 32, 64):
+        for s in (8, 16, 32, 48, 64):
+            for w in (2, 4):
+                out.append((f"bk {bk} splits {s} warps {w}",
+                            {"block_keys": bk, "num_splits": s, "num_warps": w}))
+    return out
+
+
+def grid_case(text):
+    name, batch, t, context = text.split(",")
+    return name, int(batch), int(t), int(context)
+
+
 def main(argv=None):
     p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     p.add_argument("--quick", action="store_true", help="context 8192, batch 1 and 32 only")
     p.add_argument("--sweep", action="store_true", help="also sweep launch parameters")
+    p.add_argument("--grid", action="store_true",
+                   help="time block_keys x splits x warps on --grid-cases only")
+    p.add_argument("--grid-cases", type=grid_case, nargs="+",
+                   default=[grid_case("2B,1,1,1100"), grid_case("2B,1,4,1100")],
+                   help="NAME,BATCH,T,CONTEXT cases for --grid")
     p.add_argument("--unroll", type=int, default=4, help="attention calls per timed jit call")
     p.add_argument("--page-size", type=int, default=16)
     p.add_argument("--table-len", type=int, default=0,
@@ -136,6 +188,11 @@ def main(argv=None):
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}; page size {a.page_size}, "
           f"head dim {HEAD_DIM}, bf16, table {a.table_len or 'context'} tokens; "
           f"times per attention call")
+    if a.grid:
+        print("grid (block_keys x splits x warps), device time per call from the profiler:")
+        for name, batch, t, context in a.grid_cases:
+            grid_case_device(name, batch, t, context, a.page_size, a.unroll, a.table_len)
+        return
     batches, contexts = ((1, 32), (8192,)) if a.quick else ((1, 8, 32), (1024, 8192))
     for name in CONFIGS:
         for batch in batches:

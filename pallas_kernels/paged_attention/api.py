@@ -7,6 +7,11 @@
   ``MAX_QUERY_ROWS`` padded query rows per kv head), which reads each request's pages only up
   to its largest query position. Longer calls (prefill chunks) use the reference.
 
+A gated-attention layer on the ``pallas`` backend calls the kernel through
+:func:`~pallas_kernels.paged_attention.pallas.paged_attention_rows` on the query rows that
+:func:`~pallas_kernels.paged_attention.prep.qk_norm_rope_write` writes (norms, RoPE and the
+K/V pool writes in one kernel; ``mtp_jax.models.layers.attention``).
+
 Both backends agree up to float rounding.
 """
 

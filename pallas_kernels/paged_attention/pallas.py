@@ -181,10 +181,48 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     """
     _check(q, k_pages, v_pages, page_table, q_positions)
     b, t, hq, d = q.shape
-    num_pages, page_size, hkv, _ = k_pages.shape
+    hkv = k_pages.shape[2]
     group = hq // hkv
     n_rows = t * group
-    rows = padded_query_rows(t, group)
+    # Query rows of one kv head: row i is (t = i // group, head h * group + i % group).
+    qr = q.astype(k_pages.dtype).reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4)
+    qr = jnp.pad(qr.reshape(b, hkv, n_rows, d),
+                 ((0, 0), (0, 0), (0, padded_query_rows(t, group) - n_rows), (0, 0)))
+    return paged_attention_rows(qr, k_pages, v_pages, page_table, q_positions, num_q_heads=hq,
+                                scale=scale, block_keys=block_keys, num_splits=num_splits,
+                                num_warps=num_warps, num_stages=num_stages,
+                                interpret=interpret).astype(q.dtype)
+
+
+def paged_attention_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                         page_table: jax.Array, q_positions: jax.Array, *, num_q_heads: int,
+                         scale: float, block_keys: int | None = None,
+                         num_splits: int | None = None, num_warps: int | None = None,
+                         num_stages: int = 2, interpret: bool = False) -> jax.Array:
+    """:func:`paged_attention_pallas` on queries already laid out as the kernel's rows.
+
+    Args:
+      q_rows: ``[B, Hkv, rows, D]`` roped queries in the pools' dtype; row ``t * group + g``
+        is query head ``h * group + g`` of row ``t`` (``group = num_q_heads // Hkv``), rows
+        past ``T * group`` padding (any finite values), ``rows`` =
+        :func:`padded_query_rows` (e.g. written by
+        :func:`pallas_kernels.paged_attention.prep.qk_norm_rope_write`).
+      q_positions: ``[B, T]`` int32; other arguments as :func:`paged_attention_pallas`.
+    Returns:
+      ``[B, T, num_q_heads, D]`` float32.
+    Raises:
+      ValueError: shapes that do not match, or sizes the Triton lowering cannot express.
+    """
+    b, hkv, rows, d = q_rows.shape
+    t = q_positions.shape[1]
+    group = num_q_heads // hkv
+    n_rows = t * group
+    _check(jax.ShapeDtypeStruct((b, t, num_q_heads, d), q_rows.dtype), k_pages, v_pages,
+           page_table, q_positions)
+    if rows != padded_query_rows(t, group):
+        raise ValueError(f"q_rows has {rows} rows per kv head; T x group = {t} x {group} pad to "
+                         f"{padded_query_rows(t, group)}.")
+    num_pages, page_size, _, _ = k_pages.shape
     block_keys = block_keys or _default_block_keys(page_size)
     if block_keys % page_size or block_keys & (block_keys - 1):
         raise ValueError(f"block_keys {block_keys} must be a power of two and a multiple of "
@@ -195,10 +233,6 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     splits = num_splits or choose_num_splits(b, hkv, max_blocks)
     if num_warps is None:
         num_warps = 4 if rows <= 16 else 8
-
-    # Query rows of one kv head: row i is (t = i // group, head h * group + i % group).
-    qr = q.astype(k_pages.dtype).reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4)
-    qr = jnp.pad(qr.reshape(b, hkv, n_rows, d), ((0, 0), (0, 0), (0, rows - n_rows), (0, 0)))
     # Padded rows repeat the last real row's position, so they change neither bound.
     row_pos = jnp.pad(jnp.repeat(q_positions.astype(jnp.int32), group, axis=1),
                       ((0, 0), (0, rows - n_rows)), mode="edge")
@@ -225,17 +259,17 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
             pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, h, s, 0)),
         ],
         out_shape=[
-            jax.ShapeDtypeStruct((b, hkv, splits, rows, d), q.dtype),
+            jax.ShapeDtypeStruct((b, hkv, splits, rows, d), q_rows.dtype),
             jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32),
             jax.ShapeDtypeStruct((b, hkv, splits, rows), jnp.float32),
         ],
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=num_stages),
         interpret=interpret,
         name=f"paged_attention_r{rows}_bk{block_keys}",
-    )(qr, row_pos, table, k_pages, v_pages)
+    )(q_rows.astype(k_pages.dtype), row_pos, table, k_pages, v_pages)
     out = combine_splits(o[..., :n_rows, :], m[..., :n_rows], l[..., :n_rows])
     out = out.reshape(b, hkv, t, group, d).transpose(0, 2, 1, 3, 4)
-    return out.reshape(b, t, hq, d).astype(q.dtype)
+    return out.reshape(b, t, num_q_heads, d)
 
 
 def combine_splits(o: jax.Array, m: jax.Array, l: jax.Array) -> jax.Array:

@@ -19,7 +19,11 @@ from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import Linear, RMSNorm, as_data, merge_linears, project
 from mtp_jax.models.layers.rotary import apply_rotary
+from pallas_kernels.common import interpret_mode
 from pallas_kernels.paged_attention import paged_attention
+from pallas_kernels.paged_attention.api import uses_kernel
+from pallas_kernels.paged_attention.pallas import padded_query_rows, paged_attention_rows
+from pallas_kernels.paged_attention.prep import qk_norm_rope_write
 
 
 class GatedAttention(nnx.Module):
@@ -50,11 +54,38 @@ class GatedAttention(nnx.Module):
         Writes the rows' K/V at their positions, then attends causally over the pages.
         Returns ``(out [B, T, H], (k_pages, v_pages))``.
         """
+        if self._fused_prep(x.shape[1]):
+            return self._call_fused(x, batch, kv)
         q, gate, k, v = self.project(x, batch.positions)
         k_pages, v_pages = write_kv(kv[0], k, batch), write_kv(kv[1], v, batch)
         o = paged_attention(q, k_pages, v_pages, batch.page_table, batch.positions,
                             scale=self.head_dim ** -0.5, backend=self.backend)
         return self.gated_output(o, gate), (k_pages, v_pages)
+
+    def _fused_prep(self, t: int) -> bool:
+        """Whether ``T = t`` rows take the Pallas path from the merged projection on: q/k
+        norms, RoPE and the pool writes in one kernel
+        (:func:`pallas_kernels.paged_attention.prep.qk_norm_rope_write`), then the attention
+        kernel on its query rows. Needs the ``pallas`` backend, merged projections, a call the
+        attention kernel takes (decode, verify) and a power-of-two ``rotary_dim``."""
+        r = self.rotary_dim
+        return (self.backend == "pallas" and self.qkv_proj is not None and r >= 2
+                and r & (r - 1) == 0 and uses_kernel(t, self.num_heads, self.num_kv_heads))
+
+    def _call_fused(self, x: jax.Array, batch: AttentionBatch, kv):
+        b, t, _ = x.shape
+        d, hq = self.head_dim, self.num_heads
+        y = self.qkv_proj.stacked(x)
+        interpret = interpret_mode(None)
+        q_rows, k_pages, v_pages = qk_norm_rope_write(
+            y, self.q_norm.weight[...], self.k_norm.weight[...], batch.positions, batch.valid,
+            batch.page_table, kv[0], kv[1], num_heads=hq, rotary_dim=self.rotary_dim,
+            rope_theta=self.rope_theta, eps=self.q_norm.eps,
+            rows=padded_query_rows(t, hq // self.num_kv_heads), interpret=interpret)
+        o = paged_attention_rows(q_rows, k_pages, v_pages, batch.page_table, batch.positions,
+                                 num_q_heads=hq, scale=d ** -0.5, interpret=interpret)
+        gate = y[..., :2 * hq * d].reshape(b, t, hq, 2 * d)[..., d:]
+        return self.gated_output(o.astype(x.dtype), gate), (k_pages, v_pages)
 
     def project(self, x: jax.Array, positions: jax.Array):
         """``x [B, T, H]``, ``positions [B, T]`` -> roped ``q [B, T, Hq, D]``, the output

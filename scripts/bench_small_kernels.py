@@ -1,0 +1,125 @@
+"""Micro-benchmark of the small per-layer kernels of a batch-1 decode step (GPU machine helper;
+not part of the test suite): device time per call from ``jax.profiler``, so that launch and
+dispatch costs do not count.
+
+* the fused GDN conv (``gdn_conv_rows`` with the window write) and decode step (``gdn_step``,
+  ``mode="decode"``) at the Qwen3.5-2B (Hv 16, Hk 16), Qwen3.6-35B-A3B (32, 16) and 27B (48,
+  16) shapes, over ``block_v`` x ``num_warps`` of the step;
+* the fused residual add + RMSNorm (``add_rms_norm_pallas``) at hidden 2048.
+
+Each timed program runs ``--copies`` independent calls (like that many layers back to back);
+the time is the traced kernel time summed over one program call, over the copies.
+
+    PYTHONPATH=. python3 scripts/bench_small_kernels.py [--copies 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import os
+import sys
+import tempfile
+
+import jax
+import jax.numpy as jnp
+
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from bench_gemv import kernel_us  # noqa: E402  (scripts/, this script's folder)
+
+from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step  # noqa: E402
+from pallas_kernels.norm.add_rms import add_rms_norm_pallas  # noqa: E402
+
+D = 128
+KERNEL = 4
+SHAPES = {"2B": (16, 16), "35B": (32, 16), "27B": (48, 16)}  # name -> (Hv, Hk)
+
+
+def device_us(fn, args, calls: int = 8) -> dict:
+    """``{kernel name: us per call}`` of ``fn(*args)`` (jitted by the caller), traced."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        times = kernel_us(tmp, stat=sum)
+    return {name: us / calls for name, (us, _) in times.items()}
+
+
+def gdn_case(name: str, copies: int, batch: int = 1):
+    hv, hk = SHAPES[name]
+    c = 2 * hk * D + hv * D
+    n = c + hv * D + 2 * hv  # the merged in-projection's output: [qkv | z | b | a]
+    ks = jax.random.split(jax.random.key(0), 6)
+    proj = jax.random.normal(ks[0], (copies, batch, 1, n), jnp.bfloat16)
+    weight = jax.random.normal(ks[1], (c, KERNEL), jnp.bfloat16) * 0.5
+    window = jax.random.normal(ks[2], (copies, batch + 1, c, KERNEL - 1), jnp.bfloat16)
+    state = jax.random.normal(ks[3], (copies, batch + 1, hv, D, D), jnp.float32) * 0.3
+    a_log = jax.random.normal(ks[4], (hv,), jnp.float32)
+    dt_bias = jax.random.normal(ks[5], (hv,), jnp.float32)
+    slot = jnp.arange(batch, dtype=jnp.int32) + 1
+    keep = jnp.ones((batch, 1), bool)
+    length = jnp.ones((batch,), jnp.int32)
+
+    def layer(p, win, st, block_v, num_warps):
+        conv, win = gdn_conv_rows(p, weight, win, slot, length)
+        o, st = gdn_step(conv, p, p, a_log, dt_bias, keep, st, slot, num_k_heads=hk,
+                         mode="decode", a_col=c + hv * D + hv, b_col=c + hv * D,
+                         block_v=block_v, num_warps=num_warps)
+        return o, win, st
+
+    for block_v in (16, 32, 64, 128):
+        for num_warps in (4, 8):
+            @functools.partial(jax.jit, donate_argnums=(1, 2))
+            def run(p, win, st, block_v=block_v, num_warps=num_warps):
+                outs = [layer(p[i], win[i], st[i], block_v, num_warps) for i in range(copies)]
+                return ([o for o, _, _ in outs], jnp.stack([w for _, w, _ in outs]),
+                        jnp.stack([s for _, _, s in outs]))
+
+            def call(p, win, st, run=run):
+                return run(p, jnp.copy(win), jnp.copy(st))
+            try:
+                times = device_us(call, (proj, window, state))
+            except Exception as e:  # noqa: BLE001 - a tiling may not compile
+                print(f"{name} B={batch} block_v {block_v} warps {num_warps}: failed "
+                      f"{type(e).__name__}: {str(e)[:100]}", flush=True)
+                continue
+            step = sum(us for k, us in times.items() if k.startswith("gdn_fused")) / copies
+            conv = sum(us for k, us in times.items() if k.startswith("gdn_conv")) / copies
+            print(f"{name} B={batch} Hv={hv} block_v {block_v:3d} warps {num_warps}: step "
+                  f"{step:5.2f} us, conv {conv:5.2f} us per layer", flush=True)
+
+
+def norm_case(copies: int, hidden: int = 2048):
+    ks = jax.random.split(jax.random.key(1), 3)
+    x = jax.random.normal(ks[0], (copies, 1, hidden), jnp.bfloat16)
+    d = jax.random.normal(ks[1], (copies, 1, hidden), jnp.bfloat16)
+    w = jax.random.normal(ks[2], (hidden,), jnp.bfloat16) * 0.1
+
+    @jax.jit
+    def run(x, d):
+        h = x[0]
+        outs = []
+        for i in range(copies):  # chained, as in a model: each norm's sum feeds the next
+            h, y = add_rms_norm_pallas(h, d[i], w, 1e-6)
+            outs.append(y)
+        return h, outs
+    times = device_us(run, (x, d))
+    us = sum(t for k, t in times.items() if k.startswith("add_rms")) / copies
+    print(f"add_rms_norm hidden {hidden}: {us:5.2f} us per call", flush=True)
+
+
+def main():
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--copies", type=int, default=8)
+    ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    a = ap.parse_args()
+    print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
+    norm_case(a.copies)
+    for name in a.shapes:
+        gdn_case(name, a.copies)
+
+
+if __name__ == "__main__":
+    main()
