@@ -5,7 +5,9 @@ dispatch costs do not count.
 * the fused GDN conv (``gdn_conv_rows`` with the window write) and decode step (``gdn_step``,
   ``mode="decode"``) at the Qwen3.5-2B (Hv 16, Hk 16), Qwen3.6-35B-A3B (32, 16) and 27B (48,
   16) shapes, over ``block_v`` x ``num_warps`` of the step;
-* the fused residual add + RMSNorm (``add_rms_norm_pallas``) at hidden 2048.
+* the fused residual add + RMSNorm (``add_rms_norm_pallas``) at hidden 2048;
+* the attention layer's prep kernel (``qk_norm_rope_write``: q/k norms, RoPE, K/V writes) at
+  the three head layouts, T = 1 (decode) and 4 (a k = 3 verify).
 
 Each timed program runs ``--copies`` independent calls (like that many layers back to back);
 the time is the traced kernel time summed over one program call, over the copies.
@@ -29,6 +31,8 @@ from bench_gemv import kernel_us  # noqa: E402  (scripts/, this script's folder)
 
 from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step  # noqa: E402
 from pallas_kernels.norm.add_rms import add_rms_norm_pallas  # noqa: E402
+from pallas_kernels.paged_attention.pallas import padded_query_rows  # noqa: E402
+from pallas_kernels.paged_attention.prep import qk_norm_rope_write  # noqa: E402
 
 D = 128
 KERNEL = 4
@@ -110,6 +114,35 @@ def norm_case(copies: int, hidden: int = 2048):
     print(f"add_rms_norm hidden {hidden}: {us:5.2f} us per call", flush=True)
 
 
+ATTENTION = {"2B": (8, 2), "35B": (16, 2), "27B": (24, 4)}  # name -> (Hq, Hkv), head dim 256
+
+
+def prep_case(name: str, copies: int, t: int, batch: int = 1, page_size: int = 16):
+    hq, hkv = ATTENTION[name]
+    d, pages = 256, 96
+    ks = jax.random.split(jax.random.key(2), 4)
+    qkv = jax.random.normal(ks[0], (copies, batch, t, 2 * hq * d + 2 * hkv * d), jnp.bfloat16)
+    w = jax.random.normal(ks[1], (2, d), jnp.bfloat16) * 0.1
+    pool = jax.random.normal(ks[2], (copies, 1 + batch * pages, page_size, hkv, d),
+                             jnp.bfloat16)
+    table = (1 + jnp.arange(batch * pages, dtype=jnp.int32)).reshape(batch, pages)
+    pos = 1000 + jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (batch, t))
+    valid = jnp.ones((batch, t), bool)
+    rows = padded_query_rows(t, hq // hkv)
+
+    @functools.partial(jax.jit, donate_argnums=(1, 2))
+    def run(qkv, kp, vp):
+        outs = [qk_norm_rope_write(qkv[i], w[0], w[1], pos, valid, table, kp[i], vp[i],
+                                   num_heads=hq, rotary_dim=64, rope_theta=1e7, eps=1e-6,
+                                   rows=rows) for i in range(copies)]
+        return ([o[0] for o in outs], jnp.stack([o[1] for o in outs]),
+                jnp.stack([o[2] for o in outs]))
+
+    times = device_us(lambda q, k, v: run(q, jnp.copy(k), jnp.copy(v)), (qkv, pool, pool))
+    us = sum(x for k, x in times.items() if k.startswith("attention_qk")) / copies
+    print(f"prep {name} B={batch} T={t}: {us:5.2f} us per layer", flush=True)
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--copies", type=int, default=8)
@@ -117,6 +150,9 @@ def main():
     a = ap.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
     norm_case(a.copies)
+    for name in ATTENTION:
+        for t in (1, 4):
+            prep_case(name, a.copies, t)
     for name in a.shapes:
         gdn_case(name, a.copies)
 

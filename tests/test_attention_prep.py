@@ -2,13 +2,15 @@
 against the XLA path it replaces (RMSNorm, ``apply_rotary``, ``write_kv``, the query layout),
 and a gated-attention layer on it against the same layer on XLA.
 
-CPU: interpret mode (float32 to 1e-6; bfloat16 to one rounding step) and the Triton lowering at
-the released shapes. GPU (``-m gpu``): the compiled kernel in bfloat16.
+CPU: interpret mode (float32 to 2e-6; bfloat16 to a relative 1/64) and the Triton lowering at
+the released shapes. GPU (``-m gpu``): the compiled kernel in bfloat16 at the head layouts of
+Qwen3.5-2B, Qwen3.6-27B and Qwen3.6-35B-A3B.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import itertools
 
 import jax
 import jax.numpy as jnp
@@ -93,8 +95,8 @@ def test_matches_xla_path_float32(t, hq, hkv, d, rot):
 
 
 def test_matches_xla_path_bfloat16():
-    """Same rounding points as the XLA path: at most one bfloat16 step apart (sums of squares
-    in another order), and almost everywhere equal."""
+    """Same rounding points as the XLA path: a relative 1/64 apart at most (sums of squares
+    in another order can move a rounding), and almost everywhere bit-equal."""
     case = make_case(7, b=2, t=4, hq=8, hkv=2, d=64, dtype=jnp.bfloat16)
     got, want = run_both(case, hq=8, rot=16)
     for g, w in ((got[0], want[0]), (got[1], want[1])):
@@ -140,15 +142,15 @@ def test_triton_lowering_real_shapes(hq, hkv, t):
 
 @pytest.mark.gpu
 def test_compiled_matches_xla_path_on_gpu():
-    """Within two bfloat16 steps of the XLA path. Not bit for bit: XLA on a GPU may keep the
+    """To a relative 1/64 of the XLA path. Not bit for bit: XLA on a GPU may keep the
     normed q/k in float32 into the rotation (``xla_allow_excess_precision``), where the kernel
     rounds them to bfloat16 as HF does."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    for t in (1, 4):
-        case = make_case(3 + t, b=4, t=t, hq=8, hkv=2, d=256, page_size=16, max_pages=8,
+    for (hq, hkv), t in itertools.product([(8, 2), (24, 4), (16, 2)], (1, 4)):
+        case = make_case(3 + t, b=4, t=t, hq=hq, hkv=hkv, d=256, page_size=16, max_pages=8,
                          dtype=jnp.bfloat16)
-        got, want = run_both(case, hq=8, rot=64)
+        got, want = run_both(case, hq=hq, rot=64)
         for g, w in ((got[0], want[0]), (got[1][1:], want[1][1:])):
             g, w = np.asarray(g, np.float32), np.asarray(w, np.float32)
             err = np.abs(g - w) / np.maximum(np.abs(w), 1e-2)
@@ -184,6 +186,8 @@ def test_layer_fused_path_matches_xla(tiny):
     """The tiny model after a prefill: a decode step and a 3-row verify on the fused Pallas
     path (the prep kernel, then the attention kernel on its rows) give the hidden states and
     KV pools of the XLA path; one request's row is invalid."""
+    from flax import nnx
+
     from mtp_jax.engine.pools import make_pools
 
     b, t = 3, 6
@@ -199,13 +203,19 @@ def test_layer_fused_path_matches_xla(tiny):
                if layer.layer_type == "full_attention")
     _, kv, gdn = xla(ids, AttentionBatch(pos, jnp.ones((b, t), bool), table), pools.kv,
                      pools.gdn, "prefill")
+
+    def forward(model, mode):
+        graphdef, params = nnx.split(model)
+        return jax.jit(lambda p, *a: nnx.merge(graphdef, p)(*a, mode)), params
+
     for rows, mode in ((1, "decode"), (3, "verify")):
         tok = jnp.asarray(rng.integers(2, tiny.cfg.vocab_size, (b, rows)), jnp.int32)
         valid = jnp.ones((b, rows), bool).at[1, -1].set(False)
         step = AttentionBatch(t + jnp.broadcast_to(jnp.arange(rows, dtype=jnp.int32),
                                                    (b, rows)), valid, table)
-        h_x, kv_x, _ = xla(tok, step, kv, gdn, mode)
-        h_f, kv_f, _ = fused(tok, step, kv, gdn, mode)
+        (fx, px), (ff, pf) = forward(xla, mode), forward(fused, mode)
+        h_x, kv_x, _ = fx(px, tok, step, kv, gdn)
+        h_f, kv_f, _ = ff(pf, tok, step, kv, gdn)
         np.testing.assert_allclose(np.asarray(h_f), np.asarray(h_x), atol=2e-5, rtol=2e-5)
         for a, c in zip(jax.tree.leaves(kv_f), jax.tree.leaves(kv_x)):
             np.testing.assert_allclose(np.asarray(a)[1:], np.asarray(c)[1:], atol=2e-6)
