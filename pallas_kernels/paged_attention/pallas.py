@@ -185,7 +185,7 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     group = hq // hkv
     n_rows = t * group
     # Query rows of one kv head: row i is (t = i // group, head h * group + i % group).
-    qr = q.astype(k_pages.dtype).reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4)
+    qr = q.reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4)
     qr = jnp.pad(qr.reshape(b, hkv, n_rows, d),
                  ((0, 0), (0, 0), (0, padded_query_rows(t, group) - n_rows), (0, 0)))
     return paged_attention_rows(qr, k_pages, v_pages, page_table, q_positions, num_q_heads=hq,
@@ -202,7 +202,8 @@ def paged_attention_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     """:func:`paged_attention_pallas` on queries already laid out as the kernel's rows.
 
     Args:
-      q_rows: ``[B, Hkv, rows, D]`` roped queries in the pools' dtype; row ``t * group + g``
+      q_rows: ``[B, Hkv, rows, D]`` roped queries (cast to the pools' dtype for the matmuls;
+        the split partial outputs are kept in ``q_rows.dtype``); row ``t * group + g``
         is query head ``h * group + g`` of row ``t`` (``group = num_q_heads // Hkv``), rows
         past ``T * group`` padding (any finite values), ``rows`` =
         :func:`padded_query_rows` (e.g. written by

@@ -1,5 +1,6 @@
 """The steps between a gated-attention layer's merged q/k/v projection and the paged attention
-kernel, as one Pallas (Triton lowering) kernel for decode and verify rows.
+kernel, as one Pallas (Triton lowering) kernel for the calls the attention kernel takes
+(decode, verify, the 16-row prefill bucket).
 
 Per row of a request, for each kv head (one program per (request, kv head)):
 
@@ -9,13 +10,14 @@ Per row of a request, for each kv head (one program per (request, kv head)):
 * ``q = rope(q_norm(q))`` of the kv head's ``group`` query heads, written as the attention
   kernel's query rows ``[B, Hkv, rows, D]`` (row ``t * group + g``; the padded rows zero).
 
-On a GPU XLA ran these as seven small kernels per attention layer (the norms, the rotation and
-its concatenation, a slice, the query padding and the two pool writes; ``docs/benchmarks.md``,
-session 13). The arithmetic is that of the XLA path it replaces, row for row:
-``RMSNorm`` of HF ``Qwen3_5RMSNorm`` (float32 statistics, ``x / rms(x) * (1 + w)``, rounded to
-the model dtype), then NeoX rotate-half RoPE on the first ``rotary_dim`` channels in float32,
-rounded again (:func:`mtp_jax.models.layers.rotary.apply_rotary`; ``cos`` and ``sin`` come in
-precomputed). Sums of squares may be taken in another order than XLA's (last-bit differences).
+On a GPU XLA ran these as seven small kernels per attention layer (the q/k norms, the rotation
+and its concatenation, a slice, another small fusion, the query padding and the two pool
+writes; ``docs/benchmarks.md``, session 13). The arithmetic is that of the XLA path it
+replaces, row for row: ``RMSNorm`` of HF ``Qwen3_5RMSNorm`` (float32 statistics, ``x / rms(x) *
+(1 + w)``, rounded to the model dtype), then NeoX rotate-half RoPE on the first ``rotary_dim``
+channels in float32, rounded again (:func:`mtp_jax.models.layers.rotary.apply_rotary`; ``cos``
+and ``sin`` come in precomputed). Sums of squares may be taken in another order than XLA's
+(last-bit differences).
 
 The merged projection's columns are ``[q_0 | gate_0 | q_1 | gate_1 | ... | k heads | v heads]``
 (each ``D`` wide; HF ``q_proj`` holds the query and its output gate per head).
@@ -31,6 +33,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import interpret_mode
+from pallas_kernels.paged_attention.pallas import padded_query_rows
 
 F32 = jnp.float32
 TRASH_PAGE = 0  # as mtp_jax.cache.paged: the page invalid rows write to
@@ -110,7 +113,7 @@ def qk_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: 
       k_pages, v_pages: ``[num_pages, page_size, Hkv, D]`` the layer's pools (updated in place
         when the caller donates them).
       num_heads: ``Hq``; rotary_dim, rope_theta: RoPE on the first ``rotary_dim`` channels;
-      eps: the norms' epsilon.
+      eps: the epsilon of both norms (the caller checks that q's and k's are equal).
       rows: query rows per kv head in the output, ``>= T * Hq / Hkv`` (the attention kernel's
         :func:`pallas_kernels.paged_attention.pallas.padded_query_rows`).
       interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
@@ -124,7 +127,8 @@ def qk_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: 
     group = num_heads // max(hkv, 1)
     if (n != 2 * num_heads * d + 2 * hkv * d or num_heads % hkv or v_pages.shape != k_pages.shape
             or q_norm_weight.shape != (d,) or k_norm_weight.shape != (d,)
-            or positions.shape != (b, t) or valid.shape != (b, t) or page_table.shape[0] != b):
+            or positions.shape != (b, t) or valid.shape != (b, t) or page_table.ndim != 2
+            or page_table.shape[0] != b):
         raise ValueError(f"qk_norm_rope_write: qkv {qkv.shape}, pools {k_pages.shape} / "
                          f"{v_pages.shape}, norms {q_norm_weight.shape} / {k_norm_weight.shape}, "
                          f"positions {positions.shape}, valid {valid.shape}, page table "
@@ -136,7 +140,8 @@ def qk_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: 
                          "powers of two with 2 <= rotary_dim <= head_dim for the Triton "
                          "lowering; use the XLA attention backend.")
     if rows < t * group:
-        raise ValueError(f"qk_norm_rope_write: rows {rows} < T x group = {t} x {group}.")
+        raise ValueError(f"qk_norm_rope_write: rows {rows} < T x group = {t} x {group}; pass "
+                         f"padded_query_rows(T, group) = {padded_query_rows(t, group)}.")
     cos, sin = rope_tables(positions, rotary_dim, rope_theta)
     kernel = functools.partial(_kernel, t=t, group=group, rows=rows, rotary_dim=rotary_dim,
                                eps=float(eps), page_size=page_size, k_col=2 * num_heads * d,

@@ -67,10 +67,12 @@ class GatedAttention(nnx.Module):
         norms, RoPE and the pool writes in one kernel
         (:func:`pallas_kernels.paged_attention.prep.qk_norm_rope_write`), then the attention
         kernel on its query rows. Needs the ``pallas`` backend, merged projections, a call the
-        attention kernel takes (decode, verify) and a power-of-two ``rotary_dim``."""
+        attention kernel takes (decode, verify, the 16-row prefill bucket), a power-of-two
+        ``rotary_dim`` and one epsilon for both norms (as every released config has)."""
         r = self.rotary_dim
         return (self.backend == "pallas" and self.qkv_proj is not None and r >= 2
-                and r & (r - 1) == 0 and uses_kernel(t, self.num_heads, self.num_kv_heads))
+                and r & (r - 1) == 0 and self.q_norm.eps == self.k_norm.eps
+                and uses_kernel(t, self.num_heads, self.num_kv_heads))
 
     def _call_fused(self, x: jax.Array, batch: AttentionBatch, kv):
         b, t, _ = x.shape
