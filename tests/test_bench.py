@@ -403,3 +403,26 @@ def test_scheduler_steps_without_a_plain_row_is_refused(capsys):
     config = os.path.join(os.path.dirname(__file__), "..", "configs", "Qwen3.5-2B.json")
     assert main(["--config", config, "--k", "2", "--num-scheduler-steps", "4"]) == 2
     assert "--num-scheduler-steps [4] applies to k = 0 rows only" in capsys.readouterr().err
+
+
+def test_commit_is_read_only_at_the_top_of_a_checkout(tmp_path):
+    """The run's commit comes from the checkout the sources are the top of; a copy of them
+    inside another repository (a snapshot folder) reports none, not that repository's."""
+    import shutil
+    import subprocess
+
+    from mtp_jax.bench.report import _git
+
+    if shutil.which("git") is None:
+        pytest.skip("no git")
+    repo = tmp_path / "repo"
+    (repo / "copy").mkdir(parents=True)
+    env = dict(os.environ, GIT_AUTHOR_NAME="t", GIT_AUTHOR_EMAIL="t@t", GIT_COMMITTER_NAME="t",
+               GIT_COMMITTER_EMAIL="t@t")
+    for cmd in (["init", "-q"], ["commit", "-q", "--allow-empty", "-m", "x"]):
+        subprocess.run(["git", *cmd], cwd=repo, check=True, env=env)
+    head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], cwd=repo, check=True,
+                          capture_output=True, text=True).stdout.strip()
+    assert _git("rev-parse", "--short", "HEAD", root=str(repo)) == head
+    assert _git("rev-parse", "--short", "HEAD", root=str(repo / "copy")) is None
+    assert _git("rev-parse", "--short", "HEAD", root=str(tmp_path)) is None  # no checkout

@@ -199,7 +199,8 @@ def main(argv=None, description: str | None = None) -> int:
     print(report.bytes_table(results))
     print()
     print(report.programs_table(results))
-    print(f"\n{meta['date_utc']}, commit {meta['git_commit']}"
+    commit = meta["git_commit"] or "unknown (the sources are not the top of a git checkout)"
+    print(f"\n{meta['date_utc']}, commit {commit}"
           f"{' (dirty)' if meta['git_dirty'] else ''}, jax {meta['jax_version']}, "
           f"{meta['device_kind']}, XLA_FLAGS={meta['xla_flags']!r}, compilation cache "
           f"{cache_dir}")

@@ -12,14 +12,26 @@ import sys
 import jax
 
 
-def _git(*args: str) -> str | None:
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-    try:
-        out = subprocess.run(["git", *args], cwd=root, capture_output=True, text=True,
-                             timeout=10)
-    except (OSError, subprocess.SubprocessError):
+SOURCE_ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+
+def _git(*args: str, root: str = SOURCE_ROOT) -> str | None:
+    """``git *args`` in ``root`` when ``root`` is the top of a git checkout, else ``None``.
+
+    A copy of the sources inside another repository (e.g. a snapshot folder copied to a GPU
+    machine) is not that repository's commit, so it reports none rather than a wrong one."""
+    def run(*a: str) -> str | None:
+        try:
+            out = subprocess.run(["git", *a], cwd=root, capture_output=True, text=True,
+                                 timeout=10)
+        except (OSError, subprocess.SubprocessError):
+            return None
+        return out.stdout.strip() if out.returncode == 0 else None
+
+    top = run("rev-parse", "--show-toplevel")
+    if top is None or os.path.realpath(top) != os.path.realpath(root):
         return None
-    return out.stdout.strip() if out.returncode == 0 else None
+    return run(*args)
 
 
 def run_metadata(args: dict, cache_dir: str | None, kernels: dict | None) -> dict:
