@@ -7,7 +7,8 @@ dispatch costs do not count.
   16) shapes, over ``block_v`` x ``num_warps`` of the step;
 * the fused residual add + RMSNorm (``add_rms_norm_pallas``) at hidden 2048;
 * the attention layer's prep kernel (``qk_norm_rope_write``: q/k norms, RoPE, K/V writes) at
-  the three head layouts, T = 1 (decode) and 4 (a k = 3 verify).
+  the three head layouts, T = 1 (decode) and 4 (a k = 3 verify), one program per kv head
+  (the default) and one per head row (``split_heads``).
 
 Each timed program runs ``--copies`` independent calls (like that many layers back to back);
 the time is the traced kernel time summed over one program call, over the copies.
@@ -117,7 +118,8 @@ def norm_case(copies: int, hidden: int = 2048):
 ATTENTION = {"2B": (8, 2), "35B": (16, 2), "27B": (24, 4)}  # name -> (Hq, Hkv), head dim 256
 
 
-def prep_case(name: str, copies: int, t: int, batch: int = 1, page_size: int = 16):
+def prep_case(name: str, copies: int, t: int, batch: int = 1, page_size: int = 16,
+              split_heads: bool = False):
     hq, hkv = ATTENTION[name]
     d, pages = 256, 96
     ks = jax.random.split(jax.random.key(2), 4)
@@ -134,13 +136,15 @@ def prep_case(name: str, copies: int, t: int, batch: int = 1, page_size: int = 1
     def run(qkv, kp, vp):
         outs = [qk_norm_rope_write(qkv[i], w[0], w[1], pos, valid, table, kp[i], vp[i],
                                    num_heads=hq, rotary_dim=64, rope_theta=1e7, eps=1e-6,
-                                   rows=rows) for i in range(copies)]
+                                   rows=rows, split_heads=split_heads)
+                for i in range(copies)]
         return ([o[0] for o in outs], jnp.stack([o[1] for o in outs]),
                 jnp.stack([o[2] for o in outs]))
 
     times = device_us(lambda q, k, v: run(q, jnp.copy(k), jnp.copy(v)), (qkv, pool, pool))
     us = sum(x for k, x in times.items() if k.startswith("attention_qk")) / copies
-    print(f"prep {name} B={batch} T={t}: {us:5.2f} us per layer", flush=True)
+    print(f"prep {name} B={batch} T={t} split_heads={split_heads}: {us:5.2f} us per layer",
+          flush=True)
 
 
 def main():
@@ -152,7 +156,8 @@ def main():
     norm_case(a.copies)
     for name in ATTENTION:
         for t in (1, 4):
-            prep_case(name, a.copies, t)
+            for split in (False, True):
+                prep_case(name, a.copies, t, split_heads=split)
     for name in a.shapes:
         gdn_case(name, a.copies)
 

@@ -69,14 +69,14 @@ def xla_path(qkv, qw, kw, positions, valid, table, k_pages, v_pages, *, hq, rot,
     return qr, write_kv(k_pages, k, batch), write_kv(v_pages, v, batch)
 
 
-def run_both(case, *, hq, rot, theta=1e7, eps=1e-6):
+def run_both(case, *, hq, rot, theta=1e7, eps=1e-6, split_heads=False):
     t, hkv = case[0].shape[1], case[6].shape[2]
     rows = padded_query_rows(t, hq // hkv)
     kw = dict(hq=hq, rot=rot, theta=theta, eps=eps, rows=rows)
     want = jax.jit(lambda *a: xla_path(*a, **kw))(*case)
     got = jax.jit(lambda *a: qk_norm_rope_write(
         *a, num_heads=hq, rotary_dim=rot, rope_theta=theta, eps=eps, rows=rows,
-        interpret=jax.default_backend() != "gpu"))(*case)
+        split_heads=split_heads, interpret=jax.default_backend() != "gpu"))(*case)
     return got, want
 
 
@@ -104,12 +104,14 @@ def assert_pools_match(got, want, case, tol):
         assert np.all(np.any(moved, axis=(-2, -1)))
 
 
-@pytest.mark.parametrize("t, hq, hkv, d, rot", [
-    (1, 4, 2, 32, 8), (4, 4, 2, 32, 8), (1, 6, 2, 64, 16), (4, 6, 2, 64, 16),
-    (4, 8, 8, 16, 16), (16, 4, 2, 32, 32)])  # T = 16: the 16-row prefill bucket
-def test_matches_xla_path_float32(t, hq, hkv, d, rot):
+@pytest.mark.parametrize("t, hq, hkv, d, rot, split", [
+    (1, 4, 2, 32, 8, False), (4, 4, 2, 32, 8, False), (1, 6, 2, 64, 16, False),
+    (4, 6, 2, 64, 16, False), (4, 8, 8, 16, 16, False),
+    (16, 4, 2, 32, 32, False),  # T = 16: the 16-row prefill bucket
+    (1, 6, 2, 64, 16, True), (4, 4, 2, 32, 8, True)])  # one program per head row
+def test_matches_xla_path_float32(t, hq, hkv, d, rot, split):
     case = make_case(t * 100 + hq, b=3, t=t, hq=hq, hkv=hkv, d=d)
-    got, want = run_both(case, hq=hq, rot=rot)
+    got, want = run_both(case, hq=hq, rot=rot, split_heads=split)
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-6, rtol=2e-6)
     assert np.all(np.asarray(got[0])[:, :, t * hq // hkv:] == 0)  # padded query rows
     assert_pools_match(got, want, case, 2e-6)
@@ -153,13 +155,14 @@ def test_attention_rows_refuses_a_row_count_that_does_not_match():
 
 
 @pytest.mark.parametrize("hq, hkv", [(8, 2), (24, 4), (16, 2)])  # 2B, 27B, 35B-A3B
-@pytest.mark.parametrize("t", [1, 4, 16])
-def test_triton_lowering_real_shapes(hq, hkv, t):
+@pytest.mark.parametrize("t, split", [(1, False), (4, False), (16, False), (1, True),
+                                      (4, True)])
+def test_triton_lowering_real_shapes(hq, hkv, t, split):
     case = make_case(0, b=2, t=t, hq=hq, hkv=hkv, d=256, page_size=16, dtype=jnp.bfloat16)
     rows = padded_query_rows(t, hq // hkv)
     text = lower_for_cuda(lambda *a: qk_norm_rope_write(
         *a, num_heads=hq, rotary_dim=64, rope_theta=1e7, eps=1e-6, rows=rows,
-        interpret=False), *case)
+        split_heads=split, interpret=False), *case)
     assert "attention_qk_norm_rope_write" in text
 
 
@@ -170,10 +173,11 @@ def test_compiled_matches_xla_path_on_gpu():
     rounds them to bfloat16 as HF does."""
     if jax.default_backend() != "gpu":
         pytest.skip("needs a GPU")
-    for (hq, hkv), t in itertools.product([(8, 2), (24, 4), (16, 2)], (1, 4)):
+    for (hq, hkv), t, split in itertools.product([(8, 2), (24, 4), (16, 2)], (1, 4),
+                                                 (False, True)):
         case = make_case(3 + t, b=4, t=t, hq=hq, hkv=hkv, d=256, page_size=16, max_pages=8,
                          dtype=jnp.bfloat16)
-        got, want = run_both(case, hq=hq, rot=64)
+        got, want = run_both(case, hq=hq, rot=64, split_heads=split)
         pages, offs = written_slots(case)
         for g, w in ((real_rows(case, got[0], hq), real_rows(case, want[0], hq)),
                      (np.asarray(got[1], np.float32)[pages, offs],

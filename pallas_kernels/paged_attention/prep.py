@@ -45,8 +45,11 @@ def _whole(shape) -> pl.BlockSpec:
 
 def _kernel(pos_ref, valid_ref, table_ref, qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref,
             k_in_ref, v_in_ref, q_out_ref, k_out_ref, v_out_ref, *, t: int, group: int,
-            rows: int, rotary_dim: int, eps: float, page_size: int, k_col: int, v_col: int):
-    """One (request, kv head). ``k_in`` / ``v_in`` alias ``k_out`` / ``v_out`` (not read)."""
+            rows: int, rotary_dim: int, eps: float, page_size: int, k_col: int, v_col: int,
+            split_heads: bool):
+    """One (request, kv head), or with ``split_heads`` one (request, kv head, head row): row
+    ``j < group`` is query head ``h * group + j``, row ``group`` the kv head's K/V writes and
+    the padding. ``k_in`` / ``v_in`` alias ``k_out`` / ``v_out`` (not read)."""
     del k_in_ref, v_in_ref
     bi, h = pl.program_id(0), pl.program_id(1)
     d = q_out_ref.shape[-1]
@@ -62,8 +65,10 @@ def _kernel(pos_ref, valid_ref, table_ref, qkv_ref, qw_ref, kw_ref, cos_ref, sin
     sign = jnp.where(col < half, -1.0, 1.0).astype(F32)
     qw, qwp = 1.0 + qw_ref[...].astype(F32), 1.0 + qw_ref[partner].astype(F32)
     kw, kwp = 1.0 + kw_ref[...].astype(F32), 1.0 + kw_ref[partner].astype(F32)
+    cos_sin = [(cos_ref[bi, ti, freq], sin_ref[bi, ti, freq]) for ti in range(t)]
 
-    def norm_rope(ti, base, w, wp, cos, sin):
+    def norm_rope(ti, base, w, wp):
+        cos, sin = cos_sin[ti]
         x = qkv_ref[bi, ti, pl.ds(base, d)].astype(F32)
         xp = qkv_ref[bi, ti, base + partner].astype(F32)
         scale = jax.lax.rsqrt(jnp.sum(x * x) / d + eps)
@@ -71,10 +76,9 @@ def _kernel(pos_ref, valid_ref, table_ref, qkv_ref, qw_ref, kw_ref, cos_ref, sin
         xpn = (xp * scale * wp).astype(dtype).astype(F32)
         return jnp.where(in_rot, xn * cos + sign * xpn * sin, xn).astype(dtype)
 
-    for ti in range(t):
+    def write_kv(ti):
         pos = pos_ref[bi, ti]
-        cos, sin = cos_ref[bi, ti, freq], sin_ref[bi, ti, freq]
-        k = norm_rope(ti, k_col + h * d, kw, kwp, cos, sin)
+        k = norm_rope(ti, k_col + h * d, kw, kwp)
         v = qkv_ref[bi, ti, pl.ds(v_col + h * d, d)]
         valid = valid_ref[bi, ti] != 0
         page = table_ref[bi, jnp.clip(pos // page_size, 0, max_pages - 1)]
@@ -82,11 +86,34 @@ def _kernel(pos_ref, valid_ref, table_ref, qkv_ref, qw_ref, kw_ref, cos_ref, sin
         off = jnp.where(valid, pos % page_size, 0)
         k_out_ref[page, off, h, :] = k.astype(k_out_ref.dtype)
         v_out_ref[page, off, h, :] = v.astype(v_out_ref.dtype)
-        for g in range(group):
-            q_col = (h * group + g) * 2 * d  # [query | gate] per head
-            q_out_ref[bi, h, ti * group + g, :] = norm_rope(ti, q_col, qw, qwp, cos, sin)
-    for r in range(t * group, rows):
-        q_out_ref[bi, h, r, :] = jnp.zeros((d,), dtype)
+
+    def write_q(ti, g):
+        q_col = (h * group + g) * 2 * d  # [query | gate] per head
+        q_out_ref[bi, h, ti * group + g, :] = norm_rope(ti, q_col, qw, qwp)
+
+    def write_padding():
+        for r in range(t * group, rows):
+            q_out_ref[bi, h, r, :] = jnp.zeros((d,), dtype)
+
+    if not split_heads:
+        for ti in range(t):
+            write_kv(ti)
+            for g in range(group):
+                write_q(ti, g)
+        write_padding()
+        return
+    j = pl.program_id(2)
+
+    @pl.when(j == group)
+    def _():
+        for ti in range(t):
+            write_kv(ti)
+        write_padding()
+
+    @pl.when(j < group)
+    def _():
+        for ti in range(t):
+            write_q(ti, j)
 
 
 def rope_tables(positions: jax.Array, rotary_dim: int, theta: float):
@@ -101,7 +128,7 @@ def qk_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: 
                        positions: jax.Array, valid: jax.Array, page_table: jax.Array,
                        k_pages: jax.Array, v_pages: jax.Array, *, num_heads: int,
                        rotary_dim: int, rope_theta: float, eps: float, rows: int,
-                       interpret: bool | None = None):
+                       split_heads: bool = False, interpret: bool | None = None):
     """q/k norms, RoPE and the K/V pool writes of a gated-attention layer in one kernel.
 
     Args:
@@ -116,6 +143,9 @@ def qk_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: 
       eps: the epsilon of both norms (the caller checks that q's and k's are equal).
       rows: query rows per kv head in the output, ``>= T * Hq / Hkv`` (the attention kernel's
         :func:`pallas_kernels.paged_attention.pallas.padded_query_rows`).
+      split_heads: one program per (request, kv head, head row) instead of per (request,
+        kv head): ``group + 1`` programs of one row each, against one program doing them in
+        turn (an option to time, ``scripts/bench_small_kernels.py``; same results).
       interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
     Returns:
       ``(q_rows [B, Hkv, rows, D] in qkv.dtype, k_pages, v_pages)``.
@@ -145,7 +175,7 @@ def qk_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: 
     cos, sin = rope_tables(positions, rotary_dim, rope_theta)
     kernel = functools.partial(_kernel, t=t, group=group, rows=rows, rotary_dim=rotary_dim,
                                eps=float(eps), page_size=page_size, k_col=2 * num_heads * d,
-                               v_col=2 * num_heads * d + hkv * d)
+                               v_col=2 * num_heads * d + hkv * d, split_heads=split_heads)
     args = (positions.astype(jnp.int32), valid.astype(jnp.int32), page_table.astype(jnp.int32),
             qkv, q_norm_weight, k_norm_weight, cos, sin, k_pages, v_pages)
     out_shape = [jax.ShapeDtypeStruct((b, hkv, rows, d), qkv.dtype),
@@ -153,7 +183,7 @@ def qk_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: 
                  jax.ShapeDtypeStruct(v_pages.shape, v_pages.dtype)]
     return tuple(pl.pallas_call(
         kernel,
-        grid=(b, hkv),
+        grid=(b, hkv, group + 1) if split_heads else (b, hkv),
         in_specs=[_whole(a.shape) for a in args],
         out_specs=[_whole(o.shape) for o in out_shape],
         out_shape=out_shape,
