@@ -136,6 +136,19 @@ def kernel_us(trace_dir, stat=statistics.median):
     return {n: (stat(d), len(d)) for n, d in by.items()}
 
 
+def device_us(fn, args, calls: int = 8) -> dict:
+    """``{kernel name: device us per call}`` of ``calls`` back-to-back ``fn(*args)`` (jitted by
+    the caller; one warm-up call first), from a ``jax.profiler`` trace."""
+    jax.block_until_ready(fn(*args))
+    with tempfile.TemporaryDirectory() as tmp:
+        with jax.profiler.trace(tmp):
+            for _ in range(calls):
+                out = fn(*args)
+            jax.block_until_ready(out)
+        times = kernel_us(tmp, stat=sum)
+    return {name: us / calls for name, (us, _) in times.items()}
+
+
 def main():
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--shapes", default="all")

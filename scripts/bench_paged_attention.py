@@ -27,7 +27,6 @@ import functools
 import os
 import statistics
 import sys
-import tempfile
 import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -38,7 +37,7 @@ import jax.numpy as jnp  # noqa: E402
 from pallas_kernels.paged_attention.pallas import (  # noqa: E402
     choose_num_splits, paged_attention_pallas)
 from pallas_kernels.paged_attention.reference import paged_attention_reference  # noqa: E402
-from bench_gemv import kernel_us  # noqa: E402  (scripts/, this script's folder)
+from bench_gemv import device_us  # noqa: E402  (scripts/, this script's folder)
 
 HBM_BYTES_PER_S = 4.2e12
 HEAD_DIM = 256
@@ -126,30 +125,18 @@ def sweep_variants(auto):
     return out
 
 
-def device_us(run, args, calls: int) -> float:
-    """Device time (us) of all kernels of ``calls`` back-to-back ``run(*args)``, traced."""
-    jax.block_until_ready(run(*args))
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            for _ in range(calls):
-                out = run(*args)
-            jax.block_until_ready(out)
-        times = kernel_us(tmp, stat=sum)
-    return sum(us for us, _ in times.values()) / calls
-
-
 def grid_case_device(name, batch, t, context, page_size, unroll, table_len, calls=8):
     hq, hkv = CONFIGS[name]
     args = make_case(hq, hkv, batch, t, context, page_size, unroll, table_len)
     scale = HEAD_DIM ** -0.5
     ref = functools.partial(paged_attention_reference, scale=scale)
-    t_ref = device_us(unrolled(ref), args, calls) / unroll
+    t_ref = sum(device_us(unrolled(ref), args, calls).values()) / unroll
     max_blocks = -(-args[3].shape[1] // (max(64, page_size) // page_size))
     head = f"{name:>3} B={batch:<2} T={t} ctx={context:<5} | ref {t_ref:6.1f} us"
     for label, kw in grid_variants(choose_num_splits(batch, hkv, max_blocks)):
         fn = functools.partial(paged_attention_pallas, scale=scale, **kw)
         try:
-            us = device_us(unrolled(fn), args, calls) / unroll
+            us = sum(device_us(unrolled(fn), args, calls).values()) / unroll
         except Exception as e:  # a variant may not compile (shared memory, registers)
             print(f"{head} | [{label}] failed: {type(e).__name__}: {str(e)[:100]}")
             continue

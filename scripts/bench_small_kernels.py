@@ -22,13 +22,12 @@ import argparse
 import functools
 import os
 import sys
-import tempfile
 
 import jax
 import jax.numpy as jnp
 
 sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from bench_gemv import kernel_us  # noqa: E402  (scripts/, this script's folder)
+from bench_gemv import device_us  # noqa: E402  (scripts/, this script's folder)
 
 from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step  # noqa: E402
 from pallas_kernels.norm.add_rms import add_rms_norm_pallas  # noqa: E402
@@ -38,18 +37,6 @@ from pallas_kernels.paged_attention.prep import qk_norm_rope_write  # noqa: E402
 D = 128
 KERNEL = 4
 SHAPES = {"2B": (16, 16), "35B": (32, 16), "27B": (48, 16)}  # name -> (Hv, Hk)
-
-
-def device_us(fn, args, calls: int = 8) -> dict:
-    """``{kernel name: us per call}`` of ``fn(*args)`` (jitted by the caller), traced."""
-    jax.block_until_ready(fn(*args))
-    with tempfile.TemporaryDirectory() as tmp:
-        with jax.profiler.trace(tmp):
-            for _ in range(calls):
-                out = fn(*args)
-            jax.block_until_ready(out)
-        times = kernel_us(tmp, stat=sum)
-    return {name: us / calls for name, (us, _) in times.items()}
 
 
 def gdn_case(name: str, copies: int, batch: int = 1):

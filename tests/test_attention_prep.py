@@ -9,7 +9,6 @@ Qwen3.5-2B, Qwen3.6-27B and Qwen3.6-35B-A3B.
 
 from __future__ import annotations
 
-import dataclasses
 import itertools
 
 import jax
@@ -22,6 +21,7 @@ from mtp_jax.models.layers.rotary import apply_rotary
 from pallas_kernels.norm.add_rms import rms_norm_reference
 from pallas_kernels.paged_attention.pallas import padded_query_rows
 from pallas_kernels.paged_attention.prep import qk_norm_rope_write
+from tests.model_backends import with_backend
 from tests.triton_lowering import lower_for_cuda
 
 TRASH = 0
@@ -200,19 +200,6 @@ def tiny():
     return load_model(fixture_path("tiny_dense"), "float32", with_mtp=False)
 
 
-def _with_attention_backend(m, backend):
-    from flax import nnx
-
-    from mtp_jax.kernels import KernelBackends
-
-    model = nnx.merge(m.graphdef, m.params)
-    model.cfg = dataclasses.replace(m.cfg, kernels=KernelBackends(attention=backend))
-    for layer in model.layers:
-        if layer.layer_type == "full_attention":
-            layer.self_attn.backend = backend
-    return model
-
-
 def test_layer_fused_path_matches_xla(tiny):
     """The tiny model after a prefill: a decode step and a 3-row verify on the fused Pallas
     path (the prep kernel, then the attention kernel on its rows) give the hidden states and
@@ -228,8 +215,8 @@ def test_layer_fused_path_matches_xla(tiny):
                        dtype=jnp.float32)
     table = jnp.asarray(1 + rng.permutation(b * 2).reshape(b, 2), jnp.int32)
     pos = jnp.broadcast_to(jnp.arange(t, dtype=jnp.int32), (b, t))
-    xla = _with_attention_backend(tiny, "xla")
-    fused = _with_attention_backend(tiny, "pallas")
+    xla = with_backend(tiny, "attention", "xla")
+    fused = with_backend(tiny, "attention", "pallas")
     assert any(layer.self_attn._fused_prep(1) for layer in fused.layers
                if layer.layer_type == "full_attention")
     _, kv, gdn = xla(ids, AttentionBatch(pos, jnp.ones((b, t), bool), table), pools.kv,

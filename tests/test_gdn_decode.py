@@ -9,7 +9,6 @@ non-zero state and some rows not live (g = beta = 0, as the model masks padding 
 
 from __future__ import annotations
 
-import dataclasses
 import functools
 
 import jax
@@ -20,6 +19,7 @@ import pytest
 from conftest import fixture_path
 from pallas_kernels.gdn import BACKENDS, api
 from pallas_kernels.gdn.pallas import gdn_commit_pallas, gdn_decode_pallas, gdn_verify_pallas
+from tests.model_backends import with_backend
 from tests.triton_lowering import lower_for_cuda
 
 
@@ -163,20 +163,6 @@ def tiny():
     return load_model(fixture_path("tiny_dense"), "float32", with_mtp=False, gdn_backend="xla")
 
 
-def _with_gdn_backend(m, backend):
-    """The tiny model as an nnx module whose GDN layers (and commit) use ``backend``."""
-    from flax import nnx
-
-    from mtp_jax.kernels import KernelBackends
-
-    model = nnx.merge(m.graphdef, m.params)
-    model.cfg = dataclasses.replace(m.cfg, kernels=KernelBackends(gdn=backend))
-    for layer in model.layers:
-        if layer.layer_type != "full_attention":
-            layer.linear_attn.backend = backend
-    return model
-
-
 @pytest.mark.parametrize("backend", BACKENDS)
 def test_model_decode_equals_verify_plus_commit(tiny, backend):
     """After a prefill, one decode-mode step gives the hidden states, KV and GDN states of a
@@ -186,7 +172,7 @@ def test_model_decode_equals_verify_plus_commit(tiny, backend):
     from mtp_jax.cache.paged import AttentionBatch
     from mtp_jax.engine.pools import make_pools
 
-    model = _with_gdn_backend(tiny, backend)
+    model = with_backend(tiny, "gdn", backend)
     b, t = 4, 5
     rng = np.random.default_rng(1)
     ids = jnp.asarray(rng.integers(2, tiny.cfg.vocab_size, (b, t)), jnp.int32)
