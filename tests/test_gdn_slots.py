@@ -16,7 +16,8 @@ import pytest
 from mtp_jax.cache.paged import AttentionBatch
 from mtp_jax.engine.pools import make_pools
 from mtp_jax.models.layers.gdn import GDNConvRows, GDNRows
-from tests.test_gdn_decode import _with_gdn_backend, tiny  # noqa: F401 (fixture)
+from tests.model_backends import with_backend
+from tests.test_gdn_decode import tiny  # noqa: F401 (fixture)
 
 B, SLOTS, PROMPT = 3, 6, 5
 
@@ -53,7 +54,7 @@ def _check_pool(new_pool, old_pool, slots, view):
 
 @pytest.mark.parametrize("backend", ["xla", "pallas"])
 def test_slot_addressed_steps_equal_batch_view_steps(tiny, backend):  # noqa: F811
-    model = _with_gdn_backend(tiny, backend)
+    model = with_backend(tiny, "gdn", backend)
     rng = np.random.default_rng(11)
     gdn, kv, table, slots = _prefilled(model, rng)
     cfg = model.cfg
@@ -102,7 +103,7 @@ def test_fused_pallas_steps_match_the_xla_reference(tiny):  # noqa: F811
     (interpret mode) and through the XLA reference: hidden states and new pools agree."""
     out = {}
     for backend in ("xla", "pallas"):
-        model = _with_gdn_backend(tiny, backend)
+        model = with_backend(tiny, "gdn", backend)
         rng = np.random.default_rng(13)  # the same pools, tokens and slots for both
         gdn, kv, table, slots = _prefilled(model, rng)
         tok = jnp.asarray(rng.integers(2, model.cfg.vocab_size, (B, 1)), jnp.int32)
