@@ -6,14 +6,16 @@ dispatch costs do not count.
   ``mode="decode"``) at the Qwen3.5-2B (Hv 16, Hk 16), Qwen3.6-35B-A3B (32, 16) and 27B (48,
   16) shapes, over ``block_v`` x ``num_warps`` of the step;
 * the fused residual add + RMSNorm (``add_rms_norm_pallas``) at hidden 2048;
+* the one-kernel GDN decode on a ring conv state (``gdn_decode_ring``) over ``block_v`` x
+  ``num_warps``, to set against the two kernels above;
 * the attention layer's prep kernel (``qk_norm_rope_write``: q/k norms, RoPE, K/V writes) at
   the three head layouts, T = 1 (decode) and 4 (a k = 3 verify), one program per kv head
-  (the default) and one per head row (``split_heads``).
+  and one per head row (``split_heads``, the default).
 
 Each timed program runs ``--copies`` independent calls (like that many layers back to back);
 the time is the traced kernel time summed over one program call, over the copies.
 
-    PYTHONPATH=. python3 scripts/bench_small_kernels.py [--copies 8]
+    PYTHONPATH=. python3 scripts/bench_small_kernels.py [--copies 8] [--parts ring prep]
 """
 
 from __future__ import annotations
@@ -30,12 +32,14 @@ sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
 from bench_gemv import device_us  # noqa: E402  (scripts/, this script's folder)
 
 from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step  # noqa: E402
+from pallas_kernels.gdn.fused_decode import gdn_decode_ring  # noqa: E402
 from pallas_kernels.norm.add_rms import add_rms_norm_pallas  # noqa: E402
 from pallas_kernels.paged_attention.pallas import padded_query_rows  # noqa: E402
 from pallas_kernels.paged_attention.prep import qk_norm_rope_write  # noqa: E402
 
 D = 128
 KERNEL = 4
+PARTS = ("norm", "prep", "ring", "gdn")
 SHAPES = {"2B": (16, 16), "35B": (32, 16), "27B": (48, 16)}  # name -> (Hv, Hk)
 
 
@@ -81,6 +85,46 @@ def gdn_case(name: str, copies: int, batch: int = 1):
             conv = sum(us for k, us in times.items() if k.startswith("gdn_conv")) / copies
             print(f"{name} B={batch} Hv={hv} block_v {block_v:3d} warps {num_warps}: step "
                   f"{step:5.2f} us, conv {conv:5.2f} us per layer", flush=True)
+
+
+def ring_case(name: str, copies: int, batch: int = 1):
+    """``gdn_decode_ring`` (conv on a ring window, gates, recurrence: one kernel) per layer."""
+    hv, hk = SHAPES[name]
+    c = 2 * hk * D + hv * D
+    n = c + hv * D + 2 * hv
+    ks = jax.random.split(jax.random.key(0), 6)
+    proj = jax.random.normal(ks[0], (copies, batch, 1, n), jnp.bfloat16)
+    weight = jax.random.normal(ks[1], (c, KERNEL), jnp.bfloat16) * 0.5
+    window = jax.random.normal(ks[2], (copies, batch + 1, c, KERNEL), jnp.bfloat16)
+    state = jax.random.normal(ks[3], (copies, batch + 1, hv, D, D), jnp.float32) * 0.3
+    a_log = jax.random.normal(ks[4], (hv,), jnp.float32)
+    dt_bias = jax.random.normal(ks[5], (hv,), jnp.float32)
+    slot = jnp.arange(batch, dtype=jnp.int32) + 1
+    valid = jnp.ones((batch, 1), bool)
+    start = jnp.full((batch,), 1029, jnp.int32)
+    for block_v in (16, 32, 64):
+        for num_warps in (2, 4):
+            @functools.partial(jax.jit, donate_argnums=(1, 2))
+            def run(p, win, st, block_v=block_v, num_warps=num_warps):
+                outs = [gdn_decode_ring(p[i], weight, win[i], p[i], p[i], a_log, dt_bias, valid,
+                                        st[i], slot, start, num_k_heads=hk,
+                                        a_col=c + hv * D + hv, b_col=c + hv * D,
+                                        block_v=block_v, num_warps=num_warps)
+                        for i in range(copies)]
+                return ([o for o, _, _ in outs], jnp.stack([s for _, s, _ in outs]),
+                        jnp.stack([w for _, _, w in outs]))
+
+            def call(p, win, st, run=run):
+                return run(p, jnp.copy(win), jnp.copy(st))
+            try:
+                times = device_us(call, (proj, window, state))
+            except Exception as e:  # noqa: BLE001 - a tiling may not compile
+                print(f"{name} ring B={batch} block_v {block_v} warps {num_warps}: failed "
+                      f"{type(e).__name__}: {str(e)[:100]}", flush=True)
+                continue
+            us = sum(v for k, v in times.items() if k.startswith("gdn_fused_decode_ring"))
+            print(f"{name} ring B={batch} Hv={hv} block_v {block_v:3d} warps {num_warps}: "
+                  f"{us / copies:5.2f} us per layer (conv + step in one kernel)", flush=True)
 
 
 def norm_case(copies: int, hidden: int = 2048):
@@ -138,15 +182,21 @@ def main():
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--copies", type=int, default=8)
     ap.add_argument("--shapes", nargs="+", default=list(SHAPES))
+    ap.add_argument("--parts", nargs="+", default=list(PARTS), choices=PARTS)
     a = ap.parse_args()
     print(f"jax {jax.__version__} on {jax.devices()[0].device_kind}", flush=True)
-    norm_case(a.copies)
-    for name in ATTENTION:
-        for t in (1, 4):
-            for split in (False, True):
-                prep_case(name, a.copies, t, split_heads=split)
+    if "norm" in a.parts:
+        norm_case(a.copies)
+    if "prep" in a.parts:
+        for name in ATTENTION:
+            for t in (1, 4):
+                for split in (False, True):
+                    prep_case(name, a.copies, t, split_heads=split)
     for name in a.shapes:
-        gdn_case(name, a.copies)
+        if "ring" in a.parts:
+            ring_case(name, a.copies)
+        if "gdn" in a.parts:
+            gdn_case(name, a.copies)
 
 
 if __name__ == "__main__":

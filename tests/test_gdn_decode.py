@@ -199,11 +199,14 @@ def test_model_decode_equals_verify_plus_commit(tiny, backend):
 
     h_d, kv_d, gdn_d = decode(params, kv, gdn)
     h_v, kv_v, gdn_v = verify_commit(params, kv, gdn)
-    _close(h_d, h_v, 1e-6)
+    # With the pallas backend a decode is one kernel (conv ring, gates, recurrence) and a verify
+    # two; the interpreter's XLA orders their float32 sums differently (a few ulps per layer).
+    tol = 1e-5 if backend == "pallas" else 1e-6
+    _close(h_d, h_v, tol)
     for a, c in zip(jax.tree.leaves(kv_d), jax.tree.leaves(kv_v)):
-        _close(a, c, 1e-6)
+        _close(a, c, tol)
     for a, c in zip(gdn_d.recurrent + gdn_d.conv, gdn_v.recurrent + gdn_v.conv):
-        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=1e-6, rtol=0)
+        np.testing.assert_allclose(np.asarray(a), np.asarray(c), atol=tol, rtol=0)
     for a, c in zip(gdn_d.recurrent + gdn_d.conv, gdn.recurrent + gdn.conv):
         assert np.array_equal(np.asarray(a)[1::2], np.asarray(c)[1::2])  # not-valid rows
         assert not np.allclose(np.asarray(a)[0], np.asarray(c)[0])  # valid rows moved

@@ -17,6 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step
+from pallas_kernels.gdn.fused_decode import gdn_decode_ring
 from tests.triton_lowering import lower_for_cuda
 
 
@@ -282,3 +283,159 @@ def test_gpu_matches_numpy_and_commit_equals_decodes(b, hv):
 def test_gpu_merged_layout_is_read_in_place():
     _check_merged_layout(_case(10, 2, 4, 16, 32, 128, 128, slots=5, dtype=ml_dtypes.bfloat16),
                          16, False)
+
+
+# ---- the ring conv state and the one-kernel decode (pallas_kernels.gdn.fused_decode) ----------
+
+
+def _ring_case(seed, b, hk, hv, dk, dv, dtype, kernel=4, slots=7):
+    """A case with a ring window ``[S, C, K]``, positions from 0 (partly before K-1) upwards,
+    and request 1 not valid."""
+    c = _case(seed, b, 1, hk, hv, dk, dv, kernel=kernel, slots=slots, dtype=dtype)
+    rng = np.random.default_rng(seed + 100)
+    c["window"] = rng.standard_normal((slots, c["qkv"].shape[-1], kernel)).astype(dtype)
+    c["start"] = np.array([0, 5, 2, 9, 13, 3, 1][:b], np.int32)
+    c["valid"] = np.arange(b)[:, None] != 1
+    return c
+
+
+def _np_ordered(ring, slot, start):
+    """The K-1 inputs before ``start`` per request, oldest first (column p mod K holds p)."""
+    kernel = ring.shape[-1]
+    cols = (start[:, None] + 1 + np.arange(kernel - 1)[None, :]) % kernel
+    return np.stack([ring[s][:, cols[i]] for i, s in enumerate(slot)])  # [B, C, K-1]
+
+
+def _np_ring_after(ring, slot, start, valid, qkv):
+    """The ring pool after one row per request: column ``start mod K`` of a valid row's slot
+    takes its raw input; everything else is unchanged."""
+    out = ring.copy()
+    for i, s in enumerate(slot):
+        if valid[i, 0]:
+            out[s][:, start[i] % ring.shape[-1]] = qkv[i, 0, :ring.shape[1]]
+    return out
+
+
+def _ring_decode(c, hk, interpret, **kw):
+    return gdn_decode_ring(*(jnp.asarray(c[k]) for k in (
+        "qkv", "weight", "window", "a", "b", "a_log", "dt_bias", "valid", "state", "slot",
+        "start")), num_k_heads=hk, interpret=interpret, **kw)
+
+
+@pytest.mark.parametrize("hk,hv,dk,dv,block_v,dtype", [
+    (2, 4, 16, 32, 16, np.float32),
+    (1, 3, 32, 16, 16, ml_dtypes.bfloat16),
+    (2, 2, 16, 32, 32, ml_dtypes.bfloat16),
+])
+def test_ring_decode_matches_numpy(hk, hv, dk, dv, block_v, dtype):
+    """One kernel (conv on the ring, norms, gates, recurrence) against float64 numpy; the
+    ring gets each valid row's raw input at column ``position mod K`` and nothing else."""
+    b = 5
+    c = _ring_case(11, b, hk, hv, dk, dv, dtype)
+    o, pool, window = _ring_decode(c, hk, True, block_v=block_v)
+    conv = _np_conv(c["qkv"], c["weight"], _np_ordered(c["window"], c["slot"], c["start"]),
+                    np.arange(b), dtype)
+    o_want, pool_want = _np_step(conv, c["a"], c["b"], c["a_log"], c["dt_bias"], c["valid"],
+                                 c["state"], c["slot"], hk)
+    tol = 1e-4 if dtype == np.float32 else 2e-2
+    _close(o, o_want, rtol=tol, atol=tol / 10)
+    _close(pool, pool_want, rtol=tol, atol=tol / 10)
+    np.testing.assert_array_equal(np.asarray(pool)[c["slot"][1]], c["state"][c["slot"][1]])
+    untouched = np.setdiff1d(np.arange(c["state"].shape[0]), c["slot"])
+    np.testing.assert_array_equal(np.asarray(pool)[untouched], c["state"][untouched])
+    want_ring = _np_ring_after(c["window"], c["slot"], c["start"], c["valid"], c["qkv"])
+    np.testing.assert_array_equal(np.asarray(window), want_ring)
+
+
+def test_ring_conv_rows_match_numpy_and_the_decode_kernel():
+    """``gdn_conv_rows`` on a ring: the conv against numpy, and after ``length`` rows column c
+    holds the last row at a position = c (mod K); one row of it plus ``gdn_step`` equals the
+    one-kernel decode."""
+    c = _ring_case(12, 4, 2, 4, 16, 32, ml_dtypes.bfloat16)
+    t = 6
+    rng = np.random.default_rng(5)
+    rows = rng.standard_normal((4, t, c["qkv"].shape[-1])).astype(ml_dtypes.bfloat16)
+    length = np.array([6, 0, 3, 1], np.int32)
+    slot, start = jnp.asarray(c["slot"]), jnp.asarray(c["start"])
+    conv, window = gdn_conv_rows(jnp.asarray(rows), jnp.asarray(c["weight"]),
+                                 jnp.asarray(c["window"]), slot, jnp.asarray(length),
+                                 start=start, interpret=True)
+    ordered = _np_ordered(c["window"], c["slot"], c["start"])
+    want = _np_conv(rows, c["weight"], ordered, np.arange(4), ml_dtypes.bfloat16)
+    _close(conv, want, rtol=2.0 ** -7, atol=2.0 ** -7)
+    expect = c["window"].copy()
+    for i, s in enumerate(c["slot"]):
+        for r in range(length[i]):
+            expect[s][:, (c["start"][i] + r) % 4] = rows[i, r]
+    np.testing.assert_array_equal(np.asarray(window), expect)
+    # One row through the two kernels gives the one-kernel decode's pools and outputs.
+    one = jnp.asarray(c["valid"].sum(1).astype(np.int32))
+    conv1, window1 = gdn_conv_rows(jnp.asarray(c["qkv"]), jnp.asarray(c["weight"]),
+                                   jnp.asarray(c["window"]), slot, one, start=start,
+                                   interpret=True)
+    o1, pool1 = gdn_step(conv1, jnp.asarray(c["a"]), jnp.asarray(c["b"]),
+                         jnp.asarray(c["a_log"]), jnp.asarray(c["dt_bias"]),
+                         jnp.asarray(c["valid"]), jnp.asarray(c["state"]), slot, num_k_heads=2,
+                         mode="decode", interpret=True)
+    o, pool, window = _ring_decode(c, 2, True)
+    np.testing.assert_array_equal(np.asarray(window), np.asarray(window1))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(pool), np.asarray(pool1), rtol=1e-5, atol=1e-6)
+
+
+def test_ring_refusals():
+    c = _ring_case(13, 2, 2, 2, 16, 16, np.float32)
+    with pytest.raises(ValueError, match="ring .*pass start"):
+        gdn_conv_rows(jnp.asarray(c["qkv"]), jnp.asarray(c["weight"]),
+                      jnp.asarray(c["window"]), jnp.asarray(c["slot"]))
+    bad = dict(c, window=c["window"][..., :3])
+    with pytest.raises(ValueError, match="weight is"):
+        _ring_decode(bad, 2, True)
+    with pytest.raises(ValueError, match="start is"):
+        _ring_decode(dict(c, start=c["start"][:1]), 2, True)
+    with pytest.raises(ValueError, match="block_v=24 must be a power of two"):
+        _ring_decode(c, 2, True, block_v=24)
+
+
+@pytest.mark.parametrize("hk,hv", [(16, 16), (16, 48), (16, 32)])  # 2B, 27B, 35B-A3B
+def test_ring_decode_lowers_to_triton(hk, hv):
+    c = _ring_case(14, 2, hk, hv, 128, 128, ml_dtypes.bfloat16)
+    wide = np.concatenate([c["qkv"], c["b"], c["a"]], axis=-1)
+    cols = {"b_col": c["qkv"].shape[-1], "a_col": c["qkv"].shape[-1] + hv}
+    text = lower_for_cuda(
+        lambda w, weight, window, a_log, dt_bias, valid, state, slot, start: gdn_decode_ring(
+            w, weight, window, w, w, a_log, dt_bias, valid, state, slot, start,
+            num_k_heads=hk, interpret=False, **cols),
+        jnp.asarray(wide), *(jnp.asarray(c[k]) for k in (
+            "weight", "window", "a_log", "dt_bias", "valid", "state", "slot", "start")))
+    assert "gdn_fused_decode_ring" in text and "output_operand_aliases" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hv", [(1, 16), (1, 48), (8, 32), (32, 16)])
+def test_gpu_ring_decode(b, hv):
+    """Compiled: against numpy, and against the two-kernel ring path (same per-row code)."""
+    c = _ring_case(15, b, 16, hv, 128, 128, ml_dtypes.bfloat16, slots=b + 3)
+    c["start"] = np.random.default_rng(b).integers(0, 3000, b).astype(np.int32)
+    c["slot"] = np.random.default_rng(b + 1).permutation(np.arange(1, b + 3))[:b].astype(np.int32)
+    o, pool, window = _ring_decode(c, 16, False)
+    conv = _np_conv(c["qkv"], c["weight"], _np_ordered(c["window"], c["slot"], c["start"]),
+                    np.arange(b), ml_dtypes.bfloat16)
+    o_want, pool_want = _np_step(conv, c["a"], c["b"], c["a_log"], c["dt_bias"], c["valid"],
+                                 c["state"], c["slot"], 16)
+    _close(o, o_want, rtol=2e-2, atol=2e-3)
+    _close(pool, pool_want, rtol=2e-2, atol=2e-3)
+    np.testing.assert_array_equal(
+        np.asarray(window), _np_ring_after(c["window"], c["slot"], c["start"], c["valid"],
+                                           c["qkv"]))
+    slot, start = jnp.asarray(c["slot"]), jnp.asarray(c["start"])
+    conv1, window1 = gdn_conv_rows(jnp.asarray(c["qkv"]), jnp.asarray(c["weight"]),
+                                   jnp.asarray(c["window"]), slot,
+                                   jnp.asarray(c["valid"].sum(1).astype(np.int32)), start=start)
+    o1, pool1 = gdn_step(conv1, jnp.asarray(c["a"]), jnp.asarray(c["b"]),
+                         jnp.asarray(c["a_log"]), jnp.asarray(c["dt_bias"]),
+                         jnp.asarray(c["valid"]), jnp.asarray(c["state"]), slot, num_k_heads=16,
+                         mode="decode")
+    np.testing.assert_array_equal(np.asarray(window), np.asarray(window1))
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o1), rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(pool), np.asarray(pool1), rtol=1e-5, atol=1e-6)

@@ -1,7 +1,10 @@
 """Gated DeltaNet state pool: one recurrent state and one conv window per slot and GDN layer.
 
 recurrent: ``[slots, Hv, Dk, Dv]`` float32 per layer.
-conv:      ``[slots, conv_dim, K-1]`` per layer, the last K-1 raw (pre-conv) inputs, model dtype.
+conv:      ``[slots, conv_dim, K]`` per layer, a ring of raw (pre-conv) inputs keyed by position
+           (position p in column p mod K), model dtype; with ``ring=False`` the shift register
+           ``[slots, conv_dim, K-1]`` of the last K-1 inputs (qwen4_exp). See
+           :mod:`mtp_jax.models.layers.conv_state`.
 Slot 0 is the trash slot used by padding rows; requests get slots 1..slots-1.
 """
 
@@ -23,10 +26,11 @@ class LinearState:
 
     @classmethod
     def zeros(cls, num_layers: int, slots: int, hv: int, dk: int, dv: int, conv_dim: int,
-              kernel: int, dtype) -> "LinearState":
+              kernel: int, dtype, ring: bool = True) -> "LinearState":
+        cols = kernel if ring else kernel - 1
         return cls(
             recurrent=tuple(jnp.zeros((slots, hv, dk, dv), jnp.float32) for _ in range(num_layers)),
-            conv=tuple(jnp.zeros((slots, conv_dim, kernel - 1), dtype) for _ in range(num_layers)))
+            conv=tuple(jnp.zeros((slots, conv_dim, cols), dtype) for _ in range(num_layers)))
 
     def gather(self, slots: jax.Array) -> "LinearState":
         """The states of ``slots [B]`` (a batch view, ``[B, ...]`` per layer)."""

@@ -44,8 +44,9 @@ def _build_qwen3_5(cfg: ModelConfig, dtype, with_mtp: bool):
 _QWEN3_5_SLOT_STATES = (
     SlotState("gdn_recurrent", "Gated DeltaNet recurrent state [slots, Hv, Dk, Dv] float32 per "
               "linear-attention layer", "replay"),
-    SlotState("gdn_conv", "Gated DeltaNet causal-conv window [slots, conv_dim, K-1] per "
-              "linear-attention layer", "replay"),
+    SlotState("gdn_conv", "Gated DeltaNet causal-conv window [slots, conv_dim, K] per "
+              "linear-attention layer, a ring keyed by position (position p in column p mod K)",
+              "replay"),
 )
 
 REGISTRY: dict[str, ModelSpec] = {

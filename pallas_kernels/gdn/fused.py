@@ -1,18 +1,23 @@
 """Fused Pallas (Triton lowering) kernels of a GDN layer's step form, addressing the state pools
 by slot.
 
-A decode step or a verify window of a ``linear_attention`` layer, from the in-projections on,
-is two kernels:
+A verify window (or, on a shift-register window, a decode step) of a ``linear_attention``
+layer, from the in-projections on, is two kernels:
 
 * :func:`gdn_conv_rows`: the causal depthwise conv and SiLU of ``T`` raw rows ``qkv`` against
-  the slot's conv window (pool ``[S, C, K-1]``), rounded to the model dtype as the XLA path
-  does; with ``length`` it also moves the window past the first ``length[b]`` rows, in place.
+  the slot's conv window (pool ``[S, C, K-1]``, or a ring ``[S, C, K]``), rounded to the model
+  dtype as the XLA path does; with ``length`` it also moves the window past the first
+  ``length[b]`` rows, in place.
 * :func:`gdn_step`: per (request, value head, value block), the L2 norms of q and k (q scaled by
   ``Dk**-0.5``), the gates ``beta = sigmoid(b)`` and ``g = -exp(A_log) softplus(a + dt_bias)``
   (both 0 on rows that are not kept, which leaves the state unchanged exactly), then the step
   form on the slot's ``[Dk, block_v]`` tile of the recurrent pool ``[S, Hv, Dk, Dv]``:
   ``verify`` (outputs; the pool is only read), ``commit`` (the pool written in place) or
   ``decode`` (both from one read).
+
+A decode step on a ring window (the Qwen3.5 family's pools) runs both as one kernel,
+:func:`pallas_kernels.gdn.fused_decode.gdn_decode_ring`, which shares :func:`ring_ext` and
+:func:`l2` with these.
 
 Neither gathers the states into a batch view nor scatters them back, and no XLA kernel runs
 between the in-projections and the recurrence: both read their inputs at column offsets of a
@@ -44,7 +49,7 @@ MODES = ("verify", "commit", "decode")
 CONV_BLOCK = 256  # channels per conv program (at most)
 
 
-def _whole(shape) -> pl.BlockSpec:
+def whole(shape) -> pl.BlockSpec:
     """The whole array as one block (the kernel indexes it itself, e.g. by slot)."""
     return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
 
@@ -64,14 +69,34 @@ def unsupported_shape(dk: int, dv: int, conv_dim: int) -> str | None:
 # ---------------------------------------------------------------- conv ----------------------
 
 
-def _conv_kernel(slot_ref, length_ref, qkv_ref, w_ref, win_ref, out_ref, *win_out,
-                 n_rows: int, width: int, kernel: int):
-    """One (request, channel block). ``ext`` = the window's K-1 columns then the T new rows;
-    row t's output is ``silu(sum_i ext[t + i] * w[:, i])``."""
+def pick_column(cols: list, index) -> jax.Array:
+    """``cols[index]`` for a traced scalar ``index`` (selects; no dynamic load)."""
+    out = cols[0]
+    for c in range(1, len(cols)):
+        out = jnp.where(index == c, cols[c], out)
+    return out
+
+
+def ring_ext(cols: list, position) -> list:
+    """The ``K-1`` inputs before ``position``, oldest first, from a ring's ``K`` columns
+    (column ``p mod K`` holds position ``p``; :mod:`mtp_jax.models.layers.conv_state`)."""
+    kernel = len(cols)
+    return [pick_column(cols, jax.lax.rem(position + 1 + i, kernel)) for i in range(kernel - 1)]
+
+
+def _conv_kernel(slot_ref, length_ref, start_ref, qkv_ref, w_ref, win_ref, out_ref, *win_out,
+                 n_rows: int, width: int, kernel: int, ring: bool):
+    """One (request, channel block). ``ext`` = the K-1 inputs before row 0 then the T new
+    rows; row t's output is ``silu(sum_i ext[t + i] * w[:, i])``."""
     bi = pl.program_id(0)
     cs = pl.ds(pl.multiple_of(pl.program_id(1) * width, width), width)
     slot = slot_ref[bi]
-    ext = [win_ref[slot, cs, i].astype(F32) for i in range(kernel - 1)]
+    if ring:
+        start = start_ref[bi]
+        cols = [win_ref[slot, cs, c].astype(F32) for c in range(kernel)]
+        ext = ring_ext(cols, start)
+    else:
+        ext = [win_ref[slot, cs, i].astype(F32) for i in range(kernel - 1)]
     ext += [qkv_ref[bi, t, cs].astype(F32) for t in range(n_rows)]
     w = [w_ref[cs, i].astype(F32) for i in range(kernel)]
     for t in range(n_rows):
@@ -79,40 +104,61 @@ def _conv_kernel(slot_ref, length_ref, qkv_ref, w_ref, win_ref, out_ref, *win_ou
         for i in range(1, kernel):
             acc = acc + ext[t + i] * w[i]
         out_ref[bi, t, cs] = jax.nn.silu(acc).astype(out_ref.dtype)
-    if win_out:
-        n = length_ref[bi]
-        for i in range(kernel - 1):
-            new = ext[i]
-            for m in range(1, n_rows + 1):
-                new = jnp.where(n == m, ext[i + m], new)
-            win_out[0][slot, cs, i] = new.astype(win_out[0].dtype)
+    if not win_out:
+        return
+    n = length_ref[bi]
+    if ring:  # column c takes the last of rows 0..n-1 at a position = c (mod K)
+        for c in range(kernel):
+            new = cols[c]
+            for t in range(n_rows):
+                at_c = (t < n) & (jax.lax.rem(start + t, kernel) == c)
+                new = jnp.where(at_c, ext[kernel - 1 + t], new)
+            win_out[0][slot, cs, c] = new.astype(win_out[0].dtype)
+        return
+    for i in range(kernel - 1):
+        new = ext[i]
+        for m in range(1, n_rows + 1):
+            new = jnp.where(n == m, ext[i + m], new)
+        win_out[0][slot, cs, i] = new.astype(win_out[0].dtype)
 
 
 def gdn_conv_rows(qkv: jax.Array, weight: jax.Array, window: jax.Array, slot: jax.Array,
-                  length: jax.Array | None = None, *, interpret: bool | None = None):
+                  length: jax.Array | None = None, *, start: jax.Array | None = None,
+                  interpret: bool | None = None):
     """Causal depthwise conv + SiLU of ``T`` rows against each slot's conv window.
 
     Args:
       qkv: ``[B, T, N]``, ``N >= C``: the raw conv inputs in its first ``C`` columns (model
         dtype); the rest is not read (e.g. the merged in-projection's output, read in place).
       weight: ``[C, K]`` conv taps (``conv1d.weight[:, 0, :]``).
-      window: ``[S, C, K-1]`` the pool of windows (last K-1 raw inputs per slot).
+      window: the pool of windows, a shift register ``[S, C, K-1]`` (last K-1 raw inputs per
+        slot) or a ring ``[S, C, K]`` (position p in column p mod K; needs ``start``); see
+        :mod:`mtp_jax.models.layers.conv_state`.
       slot: ``[B]`` int32 slot of each request, in ``[0, S)``.
       length: ``[B]`` int32 in ``[0, T]``: rows to move the window past (``None``: leave the
         pool alone). The new window ends at row ``length - 1`` (unchanged for 0).
+      start: ``[B]`` int32 position of row 0 (a ring only).
       interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
     Returns:
       ``conv [B, T, C]`` in ``qkv.dtype``, or ``(conv, new window pool)`` with ``length``; the
       pool output aliases ``window`` (updated in place when the caller donates it).
     Raises:
-      ValueError: shapes that do not fit, or ``C`` not a multiple of 16.
+      ValueError: shapes that do not fit, ``C`` not a multiple of 16, or a ring without
+        ``start``.
     """
     b, t, n = qkv.shape
-    s, c, km1 = window.shape
-    if weight.shape != (c, km1 + 1) or n < c or slot.shape != (b,):
+    s, c, cols = window.shape
+    kernel = weight.shape[-1]
+    if (weight.shape != (c, kernel) or cols not in (kernel - 1, kernel) or n < c
+            or slot.shape != (b,)):
         raise ValueError(f"gdn_conv_rows: qkv {qkv.shape}, weight {weight.shape}, window "
                          f"{window.shape}, slot {slot.shape} do not fit (qkv [B,T,N>=C], "
-                         "weight [C,K], window [S,C,K-1], slot [B]).")
+                         "weight [C,K], window [S,C,K-1] or [S,C,K], slot [B]).")
+    ring = cols == kernel
+    if ring and (start is None or start.shape != (b,)):
+        raise ValueError(f"gdn_conv_rows: the window {window.shape} is a ring (K={kernel} "
+                         f"columns); pass start [B={b}], the position of each row 0 (got "
+                         f"{None if start is None else start.shape}).")
     width = min(c & -c, CONV_BLOCK)
     if width < 16:
         raise ValueError(f"gdn_conv_rows: conv_dim {c} must be a multiple of 16 (Triton blocks "
@@ -120,21 +166,22 @@ def gdn_conv_rows(qkv: jax.Array, weight: jax.Array, window: jax.Array, slot: ja
     tp = next_pow2(t)
     write = length is not None
     length = jnp.zeros((b,), jnp.int32) if length is None else length.astype(jnp.int32)
+    start = jnp.zeros((b,), jnp.int32) if start is None else start.astype(jnp.int32)
     out_shape = [jax.ShapeDtypeStruct((b, tp, c), qkv.dtype)]  # conv of the first C columns
     if write:
         out_shape.append(jax.ShapeDtypeStruct(window.shape, window.dtype))
     outs = pl.pallas_call(
-        functools.partial(_conv_kernel, n_rows=tp, width=width, kernel=km1 + 1),
+        functools.partial(_conv_kernel, n_rows=tp, width=width, kernel=kernel, ring=ring),
         grid=(b, c // width),
-        in_specs=[_whole((b,)), _whole((b,)), _whole((b, tp, n)), _whole(weight.shape),
-                  _whole(window.shape)],
-        out_specs=[_whole(o.shape) for o in out_shape],
+        in_specs=[whole((b,)), whole((b,)), whole((b,)), whole((b, tp, n)),
+                  whole(weight.shape), whole(window.shape)],
+        out_specs=[whole(o.shape) for o in out_shape],
         out_shape=out_shape,
-        input_output_aliases={4: 1} if write else {},
+        input_output_aliases={5: 1} if write else {},
         compiler_params=plgpu.CompilerParams(num_warps=4, num_stages=1),
         interpret=interpret_mode(interpret),
         name="gdn_conv_write" if write else "gdn_conv",
-    )(slot.astype(jnp.int32), length, pad_rows(qkv, tp), weight, window)
+    )(slot.astype(jnp.int32), length, start, pad_rows(qkv, tp), weight, window)
     conv = outs[0][:, :t]
     return (conv, outs[1]) if write else conv
 
@@ -142,7 +189,7 @@ def gdn_conv_rows(qkv: jax.Array, weight: jax.Array, window: jax.Array, slot: ja
 # ---------------------------------------------------------------- step ----------------------
 
 
-def _l2(a: jax.Array) -> jax.Array:
+def l2(a: jax.Array) -> jax.Array:
     return a * jax.lax.rsqrt(jnp.sum(a * a) + 1e-6)
 
 
@@ -151,8 +198,8 @@ def _prep(conv_ref, a_ref, b_ref, keep_ref, bi, t, h, kh, j, alog, dtb, *, hk, d
     """Row ``t`` of request ``bi`` for value head ``h`` (key head ``kh``), value block ``j``:
     ``(q [Dk] or None, k [Dk], v [bv], g, beta)`` float32."""
     row = lambda off, n: conv_ref[bi, t, pl.ds(off, n)].astype(F32)
-    q = _l2(row(kh * dk, dk)) * (dk ** -0.5) if need_q else None
-    k = _l2(row(hk * dk + kh * dk, dk))
+    q = l2(row(kh * dk, dk)) * (dk ** -0.5) if need_q else None
+    k = l2(row(hk * dk + kh * dk, dk))
     v = row(2 * hk * dk + h * dv + j * bv, bv)
     keep = keep_ref[bi, t] != 0
     beta = jax.nn.sigmoid(b_ref[bi, t, b_col + h].astype(F32))
@@ -256,8 +303,8 @@ def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
         functools.partial(_step_kernel, n_rows=tp, hk=num_k_heads, rep=hv // num_k_heads,
                           dv=dv, a_col=a_col, b_col=b_col, mode=mode),
         grid=(bsz, hv, dv // block_v),
-        in_specs=[_whole((bsz,)), _whole((bsz, tp)), _whole(conv.shape), _whole(a.shape),
-                  _whole(b.shape), _whole((hv,)), _whole((hv,)), state_spec],
+        in_specs=[whole((bsz,)), whole((bsz, tp)), whole(conv.shape), whole(a.shape),
+                  whole(b.shape), whole((hv,)), whole((hv,)), state_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases,

@@ -1,6 +1,6 @@
 """Gated DeltaNet (``linear_attention`` layers) of the Qwen3.5 family.
 
-    qkv = conv_silu(in_proj_qkv x)            # causal depthwise conv, kernel K, state = K-1 raw rows
+    qkv = conv_silu(in_proj_qkv x)            # causal depthwise conv, kernel K, over the raw rows
     q, k = l2norm(q), l2norm(k); q *= Dk**-0.5; q, k heads repeated (interleaved) to Hv
     beta = sigmoid(in_proj_b x);  g = -exp(A_log) * softplus(in_proj_a x + dt_bias)
     o = gated_delta_rule(q, k, v, g, beta)    # pallas_kernels.gdn.reference
@@ -16,8 +16,13 @@ state from one read of the state, equal to a one-row verify plus commit).
 with ``slots [B]``, the whole pool (``[S, ...]``), which they read and write at those slots.
 With the ``pallas`` GDN backend the step form runs as the fused slot-addressed kernels of
 :mod:`pallas_kernels.gdn.fused` (conv, norms, gates and recurrence; no gather or scatter of the
-states) and a verify returns :class:`GDNConvRows`; the ``xla`` backend gathers the slots'
-states, runs the XLA code below and scatters them back.
+states; a decode on a ring conv state is one kernel, :mod:`pallas_kernels.gdn.fused_decode`)
+and a verify returns :class:`GDNConvRows`; the ``xla`` backend gathers the slots' states, runs
+the XLA code below and scatters them back.
+
+The conv state is a ring of K raw inputs keyed by position (the Qwen3.5 family's pools; every
+call then takes ``start [B]``, the position of each request's row 0) or a shift register of the
+last K-1 (qwen4_exp); see :mod:`mtp_jax.models.layers.conv_state`.
 Source: HF transformers ``qwen3_5`` (``Qwen3_5GatedDeltaNet``).
 """
 
@@ -33,8 +38,10 @@ from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import (Linear, as_data, merge_linears, project,
                                          rms_normalize)
+from mtp_jax.models.layers.conv_state import advance, conv_window, is_ring, window_before
 from pallas_kernels.gdn.api import gdn_commit, gdn_decode, gdn_verify
 from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step
+from pallas_kernels.gdn.fused_decode import gdn_decode_ring
 from pallas_kernels.gdn.reference import gdn_chunked_reference
 
 
@@ -44,7 +51,8 @@ class GDNRows:
     """Per-row recurrence inputs of a verify window, kept for the commit.
 
     q, k: ``[B, T, Hv, Dk]`` f32; v: ``[B, T, Hv, Dv]`` f32; g, beta: ``[B, T, Hv]`` f32;
-    qkv: ``[B, T, conv_dim]`` raw conv inputs (model dtype).
+    qkv: ``[B, T, conv_dim]`` raw conv inputs (model dtype); start: ``[B]`` int32 position of
+    row 0 (``None`` with a shift-register conv state, which does not need it).
     """
 
     q: jax.Array
@@ -53,6 +61,7 @@ class GDNRows:
     g: jax.Array
     beta: jax.Array
     qkv: jax.Array
+    start: jax.Array | None = None
 
 
 @jax.tree_util.register_dataclass
@@ -64,7 +73,8 @@ class GDNConvRows:
     the raw ``in_proj_a`` / ``in_proj_b`` outputs ``[B, T, Hv]`` and conv inputs ``[B, T, C]``
     (model dtype); after ``merge_projections`` all three are the merged in-projection's whole
     output ``[B, T, N]``, which the kernels read at the layer's columns
-    (:meth:`GatedDeltaNet._gate_cols`).
+    (:meth:`GatedDeltaNet._gate_cols`). start: ``[B]`` int32 position of row 0 (``None`` with a
+    shift-register conv state).
     """
 
     conv: jax.Array
@@ -72,6 +82,7 @@ class GDNConvRows:
     b: jax.Array
     valid: jax.Array
     qkv: jax.Array
+    start: jax.Array | None = None
 
 
 def gather_states(pool: tuple[jax.Array, jax.Array], slots: jax.Array):
@@ -82,18 +93,6 @@ def gather_states(pool: tuple[jax.Array, jax.Array], slots: jax.Array):
 def scatter_states(pool: tuple[jax.Array, jax.Array], slots: jax.Array, view):
     """Write the batch view ``view`` back into the pools at ``slots``."""
     return tuple(a.at[slots].set(v.astype(a.dtype)) for a, v in zip(pool, view))
-
-
-def conv_window(conv_state: jax.Array, qkv: jax.Array, length: jax.Array) -> jax.Array:
-    """New conv window after consuming the first ``length [B]`` rows of ``qkv [B, T, C]``.
-
-    ``conv_state [B, C, K-1]`` holds the last K-1 raw inputs; the result holds the K-1 raw
-    inputs ending at row ``length - 1`` (unchanged when ``length`` is 0).
-    """
-    km1 = conv_state.shape[-1]
-    ext = jnp.concatenate([jnp.swapaxes(conv_state, 1, 2), qkv.astype(conv_state.dtype)], axis=1)
-    take = lambda e, n: jax.lax.dynamic_slice_in_dim(e, n, km1, axis=0)
-    return jnp.swapaxes(jax.vmap(take)(ext, length), 1, 2)
 
 
 def commit(state: tuple[jax.Array, jax.Array], rows: GDNRows, length: jax.Array,
@@ -109,7 +108,9 @@ def commit(state: tuple[jax.Array, jax.Array], rows: GDNRows, length: jax.Array,
     g = jnp.where(keep[..., None], rows.g, 0.0)
     beta = jnp.where(keep[..., None], rows.beta, 0.0)
     recurrent = gdn_commit(rows.q, rows.k, rows.v, g, beta, recurrent, backend=backend)
-    return recurrent, conv_window(conv, rows.qkv, length)
+    if rows.start is None:  # a shift register: verify sets ``start`` for a ring only
+        return recurrent, conv_window(conv, rows.qkv, length)
+    return recurrent, advance(conv, conv.shape[-1], rows.qkv, length, rows.start)
 
 
 class GatedDeltaNet(nnx.Module):
@@ -181,57 +182,74 @@ class GatedDeltaNet(nnx.Module):
         """The output gate's activation of ``z`` (float32): SiLU in the Qwen3.5 family."""
         return jax.nn.silu(z)
 
-    def prefill(self, x, state, valid):
+    def _start(self, conv: jax.Array, start):
+        """``start`` as ``[B]`` int32 for a ring conv state, ``None`` for a shift register
+        (:mod:`mtp_jax.models.layers.conv_state`). Raises ValueError for a ring without it."""
+        if not is_ring(conv, self.kernel):
+            return None
+        if start is None:
+            raise ValueError("GatedDeltaNet: the conv state is a ring (K columns, keyed by "
+                             "position); pass `start [B]`, the position of each request's row 0.")
+        return jnp.asarray(start, jnp.int32)
+
+    def prefill(self, x, state, valid, start=None):
         """Chunked form over ``x [B, T, H]``; rows where ``valid [B, T]`` is False (a padded
-        tail) change nothing. ``state = (recurrent [B,Hv,Dk,Dv], conv [B,C,K-1])``.
-        Returns ``(out [B, T, H], new state)``."""
+        tail) change nothing. ``state = (recurrent [B,Hv,Dk,Dv], conv)``, conv a ring
+        ``[B,C,K]`` (then ``start [B]``, the position of row 0, is needed) or a shift register
+        ``[B,C,K-1]``. Returns ``(out [B, T, H], new state)``."""
         recurrent, conv = state
+        start = self._start(conv, start)
         proj = self._project(x)
-        rows = self._rows(proj, conv, valid)
+        rows = self._rows(proj, window_before(conv, self.kernel, start), valid)
         o, recurrent = gdn_chunked_reference(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent)
         length = jnp.sum(valid, axis=1).astype(jnp.int32)
-        return self._output(o, proj[1]), (recurrent, conv_window(conv, rows.qkv, length))
+        return self._output(o, proj[1]), (recurrent,
+                                          advance(conv, self.kernel, rows.qkv, length, start))
 
-    def verify(self, x, state, valid, slots=None):
+    def verify(self, x, state, valid, slots=None, start=None):
         """Step form over the rows of a verify window from the live state, which it does not
-        change. ``state``: the batch view, or the pools when ``slots [B]`` is given.
-        Returns ``(out [B, T, H], GDNRows | GDNConvRows)`` for :meth:`commit`."""
+        change. ``state``: the batch view, or the pools when ``slots [B]`` is given; ``start
+        [B]``: as :meth:`prefill`. Returns ``(out [B, T, H], GDNRows | GDNConvRows)`` for
+        :meth:`commit`."""
+        start = self._start(state[1], start)
         if self.backend == "pallas":
-            return self._verify_fused(x, state, valid, _slots_of(slots, x))
+            return self._verify_fused(x, state, valid, _slots_of(slots, x), start)
         recurrent, conv = state if slots is None else gather_states(state, slots)
         proj = self._project(x)
-        rows = self._rows(proj, conv, valid)
+        rows = self._rows(proj, window_before(conv, self.kernel, start), valid)
         o = gdn_verify(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent,
                        backend=self.backend)
-        return self._output(o, proj[1]), rows
+        return self._output(o, proj[1]), dataclasses.replace(rows, start=start)
 
-    def decode(self, x, state, valid, slots=None):
+    def decode(self, x, state, valid, slots=None, start=None):
         """One decode row per request (``x [B, 1, H]``): the step form's output and new state
         from one read of the state (:func:`pallas_kernels.gdn.api.gdn_decode`, or the fused
         kernels with the ``pallas`` backend), equal to :meth:`verify` followed by
         :meth:`commit` of that row. A request whose row is not ``valid [B, 1]`` (a padding row)
         keeps its recurrent state (its ``g = beta = 0``) and its conv window (length 0).
-        ``state``: the batch view, or the pools when ``slots [B]`` is given.
-        Returns ``(out [B, 1, H], new (recurrent, conv))`` in the form ``state`` came in.
-        Raises ValueError when ``T != 1`` (a window needs verify + commit)."""
+        ``state``: the batch view, or the pools when ``slots [B]`` is given; ``start [B]``: as
+        :meth:`prefill`. Returns ``(out [B, 1, H], new (recurrent, conv))`` in the form
+        ``state`` came in. Raises ValueError when ``T != 1`` (a window needs verify + commit)."""
         if x.shape[1] != 1:
             raise ValueError(f"GatedDeltaNet.decode: T={x.shape[1]} rows; decode takes one row "
                              "per request (use verify + commit for a window).")
+        start = self._start(state[1], start)
         if self.backend == "pallas":
-            return self._decode_fused(x, state, valid, _slots_of(slots, x))
+            return self._decode_fused(x, state, valid, _slots_of(slots, x), start)
         recurrent, conv = state if slots is None else gather_states(state, slots)
         proj = self._project(x)
-        rows = self._rows(proj, conv, valid)
+        rows = self._rows(proj, window_before(conv, self.kernel, start), valid)
         o, recurrent = gdn_decode(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent,
                                   backend=self.backend)
         length = jnp.sum(valid, axis=1).astype(jnp.int32)
-        new = (recurrent, conv_window(conv, rows.qkv, length))
+        new = (recurrent, advance(conv, self.kernel, rows.qkv, length, start))
         return self._output(o, proj[1]), new if slots is None else scatter_states(state, slots, new)
 
     def commit(self, state, rows, length: jax.Array, slots=None):
         """Apply the first ``length [B]`` rows of a verify window (its ``GDNRows`` or
-        ``GDNConvRows``) to ``state``: the batch view, or the pools when ``slots [B]`` is
-        given. Returns the new ``(recurrent, conv)`` in the form ``state`` came in."""
+        ``GDNConvRows``, which carry the rows' start position for a ring) to ``state``: the
+        batch view, or the pools when ``slots [B]`` is given. Returns the new
+        ``(recurrent, conv)`` in the form ``state`` came in."""
         if isinstance(rows, GDNConvRows):
             return self._commit_fused(state, rows, length, _slots_of(slots, rows.qkv))
         view = state if slots is None else gather_states(state, slots)
@@ -262,18 +280,24 @@ class GatedDeltaNet(nnx.Module):
         off = self.in_proj.offsets
         return {"b_col": off[2], "a_col": off[3]}
 
-    def _verify_fused(self, x, state, valid, slots):
+    def _verify_fused(self, x, state, valid, slots, start):
         recurrent, window = state
         qkv, z, b, a = self._fused_inputs(x)
-        conv = gdn_conv_rows(qkv, self._conv_weight(), window, slots)
+        conv = gdn_conv_rows(qkv, self._conv_weight(), window, slots, start=start)
         o = gdn_step(conv, a, b, self.A_log[...], self.dt_bias[...], valid, recurrent, slots,
                      num_k_heads=self.hk, mode="verify", **self._gate_cols())
-        return self._output(o, z), GDNConvRows(conv=conv, a=a, b=b, valid=valid, qkv=qkv)
+        return self._output(o, z), GDNConvRows(conv=conv, a=a, b=b, valid=valid, qkv=qkv,
+                                               start=start)
 
-    def _decode_fused(self, x, state, valid, slots):
+    def _decode_fused(self, x, state, valid, slots, start):
         recurrent, window = state
-        length = jnp.sum(valid, axis=1).astype(jnp.int32)
         qkv, z, b, a = self._fused_inputs(x)
+        if start is not None:  # a ring: conv, gates and recurrence in one kernel
+            o, recurrent, window = gdn_decode_ring(
+                qkv, self._conv_weight(), window, a, b, self.A_log[...], self.dt_bias[...],
+                valid, recurrent, slots, start, num_k_heads=self.hk, **self._gate_cols())
+            return self._output(o, z), (recurrent, window)
+        length = jnp.sum(valid, axis=1).astype(jnp.int32)
         conv, window = gdn_conv_rows(qkv, self._conv_weight(), window, slots, length)
         o, recurrent = gdn_step(conv, a, b, self.A_log[...], self.dt_bias[...], valid, recurrent,
                                 slots, num_k_heads=self.hk, mode="decode", **self._gate_cols())
@@ -285,7 +309,8 @@ class GatedDeltaNet(nnx.Module):
         recurrent = gdn_step(rows.conv, rows.a, rows.b, self.A_log[...], self.dt_bias[...],
                              keep, recurrent, slots, num_k_heads=self.hk, mode="commit",
                              **self._gate_cols())
-        _, window = gdn_conv_rows(rows.qkv, self._conv_weight(), window, slots, length)
+        _, window = gdn_conv_rows(rows.qkv, self._conv_weight(), window, slots, length,
+                                  start=rows.start)
         return recurrent, window
 
 

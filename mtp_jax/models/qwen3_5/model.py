@@ -60,12 +60,13 @@ class DecoderLayer(nnx.Module):
         if self.layer_type == "full_attention":
             out, kv = self.self_attn(hn, batch, kv)
             return out, kv, None
+        start = batch.positions[:, 0]  # the conv ring's position of row 0
         if gdn_mode == "prefill":
-            out, gdn = self.linear_attn.prefill(hn, gdn, batch.valid)
+            out, gdn = self.linear_attn.prefill(hn, gdn, batch.valid, start)
         elif gdn_mode == "decode":
-            out, gdn = self.linear_attn.decode(hn, gdn, batch.valid, slots)
+            out, gdn = self.linear_attn.decode(hn, gdn, batch.valid, slots, start)
         else:
-            out, gdn = self.linear_attn.verify(hn, gdn, batch.valid, slots)
+            out, gdn = self.linear_attn.verify(hn, gdn, batch.valid, slots, start)
         return out, None, gdn
 
     def __call__(self, x, batch, kv=None, gdn=None, gdn_mode="prefill", slots=None):

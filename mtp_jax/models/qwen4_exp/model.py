@@ -61,7 +61,7 @@ class Qwen4State:
                                    dtype) for _ in range(n_qsa))
         gdn = LinearState.zeros(len(cfg.linear_layer_ids), slots, cfg.linear_num_value_heads,
                                 cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                                cfg.linear_conv_dim, cfg.linear_conv_kernel_dim, dtype)
+                                cfg.linear_conv_dim, cfg.linear_conv_kernel_dim, dtype, ring=False)
         ple = tuple(jnp.zeros((slots, cfg.hc_hidden, cfg.ple_conv_state_len), dtype)
                     for _ in cfg.ple_layers)
         return cls(kv, idx, open_idx, gdn, ple)

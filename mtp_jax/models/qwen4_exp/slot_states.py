@@ -95,7 +95,7 @@ def group_ring_commit(live, kept, length, accepted):
 def shift_register_commit(live: jax.Array, rows: jax.Array, length, accepted) -> jax.Array:
     """Window state ``live [B, C, L]`` (time last) after the first ``accepted [B]`` of
     ``rows [B, T, C]``: the ``L`` rows ending at the last accepted one (unchanged for 0)."""
-    from mtp_jax.models.layers.gdn import conv_window
+    from mtp_jax.models.layers.conv_state import conv_window
 
     del length
     return conv_window(live, rows, jnp.asarray(accepted, jnp.int32))

@@ -1,0 +1,174 @@
+"""A GDN layer's decode step (one row per request) from the in-projection on, as one Pallas
+(Triton lowering) kernel: causal conv + SiLU, the q/k L2 norms, the gates and the step-form
+recurrence, with the conv window and the recurrent state updated in place by slot.
+
+It does what :func:`pallas_kernels.gdn.fused.gdn_conv_rows` (with ``length``) followed by
+:func:`~pallas_kernels.gdn.fused.gdn_step` (``mode="decode"``) do, with the same per-row
+arithmetic (the conv summed tap by tap in float32 and rounded to the model dtype, then
+:func:`~pallas_kernels.gdn.fused.l2` and :func:`pallas_kernels.gdn.pallas.step`), minus one
+kernel launch and the conv output's round trip through memory.
+
+One program per (request, value head, value block) computes the conv of the channels it reads:
+its key head's q and k (shared with every other value block of the head and, with GQA, the
+other value heads of the key head) and its value block. That is why the conv state must be a
+**ring** (``[S, C, K]``, the input at position ``p`` in column ``p mod K``; see
+:mod:`mtp_jax.models.layers.conv_state`): the step at ``p`` reads columns ``(p-K+1 .. p-1) mod
+K`` and writes only column ``p mod K``, so one program's write can never reach another's read.
+With a shift register every write would move columns that other programs still read.
+
+Source of the formulas: HF transformers ``qwen3_5`` (``Qwen3_5GatedDeltaNet``), as in
+:mod:`mtp_jax.models.layers.gdn`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import interpret_mode
+from pallas_kernels.gdn.fused import l2, ring_ext, whole
+from pallas_kernels.gdn.pallas import default_tiling, step
+
+F32 = jnp.float32
+
+
+def _conv(qkv_ref, w_ref, win_ref, bi, slot, start, off: int | jax.Array, n: int, kernel: int,
+          dtype):
+    """Conv + SiLU of channels ``off .. off+n`` at the row of request ``bi`` (position
+    ``start``), rounded to ``dtype``: ``(out [n] f32, raw input [n] in the window's dtype)``."""
+    cs = pl.ds(off, n)
+    cols = [win_ref[slot, cs, c].astype(F32) for c in range(kernel)]
+    x = qkv_ref[bi, 0, cs]
+    ext = ring_ext(cols, start) + [x.astype(F32)]
+    acc = ext[0] * w_ref[cs, 0].astype(F32)
+    for i in range(1, kernel):
+        acc = acc + ext[i] * w_ref[cs, i].astype(F32)
+    return jax.nn.silu(acc).astype(dtype).astype(F32), x.astype(win_ref.dtype)
+
+
+def _decode_kernel(slot_ref, valid_ref, start_ref, qkv_ref, w_ref, a_ref, b_ref, alog_ref,
+                   dtb_ref, win_ref, s_ref, o_ref, s_out, win_out, *, hk: int, rep: int,
+                   dv: int, kernel: int, a_col: int, b_col: int):
+    """One (request, value head ``h``, value block ``j``); ``s_ref``: ``[S, Dk, bv]`` (this
+    head's and block's column of the recurrent pool); ``o_ref``: ``[bv]``."""
+    bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    _, dk, bv = s_ref.shape
+    slot, start, valid = slot_ref[bi], start_ref[bi], valid_ref[bi] != 0
+    kh = h // rep
+    dtype = qkv_ref.dtype
+    conv = functools.partial(_conv, qkv_ref, w_ref, win_ref, bi, slot, start, kernel=kernel,
+                             dtype=dtype)
+    q_off, k_off = kh * dk, hk * dk + kh * dk
+    v_off = pl.multiple_of(2 * hk * dk + h * dv + j * bv, bv)
+    q, q_raw = conv(q_off, dk)
+    k, k_raw = conv(k_off, dk)
+    v, v_raw = conv(v_off, bv)
+    q, k = l2(q) * (dk ** -0.5), l2(k)
+    beta = jax.nn.sigmoid(b_ref[bi, 0, b_col + h].astype(F32))
+    g = -jnp.exp(alog_ref[h]) * jax.nn.softplus(a_ref[bi, 0, a_col + h].astype(F32) + dtb_ref[h])
+    s = step(s_ref[slot], k, v, jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0))
+    o_ref[...] = jnp.sum(s * q[:, None], axis=0)
+    s_out[slot] = s
+    column = jax.lax.rem(start, kernel)  # the column this step's input goes to
+
+    @pl.when(valid)
+    def _():
+        win_out[slot, pl.ds(v_off, bv), column] = v_raw
+
+    @pl.when(valid & (j == 0) & (h % rep == 0))  # one writer per key head's q/k channels
+    def _():
+        win_out[slot, pl.ds(q_off, dk), column] = q_raw
+        win_out[slot, pl.ds(k_off, dk), column] = k_raw
+
+
+def _check(qkv, weight, window, a, b, a_log, dt_bias, valid, state, slot, start, hk, a_col,
+           b_col):
+    bsz, t, n = qkv.shape
+    s, c, kernel = window.shape
+    _, hv, dk, dv = state.shape
+    want = {"qkv": ((t, n >= c), (1, True)), "weight": (weight.shape, (c, kernel)),
+            "A_log": (a_log.shape, (hv,)), "dt_bias": (dt_bias.shape, (hv,)),
+            "valid": (valid.shape, (bsz, 1)), "slot": (slot.shape, (bsz,)),
+            "start": (start.shape, (bsz,)), "state": (state.shape[0], s),
+            "conv width": (c, 2 * hk * dk + hv * dv)}
+    for name, (got, expected) in want.items():
+        if got != expected:
+            raise ValueError(f"gdn_decode_ring: {name} is {got}, expected {expected} (qkv "
+                             "[B,1,N>=C], weight [C,K], window [S,C,K] (a ring), a/b [B,1,N], "
+                             "A_log/dt_bias [Hv], valid [B,1], state [S,Hv,Dk,Dv], slot and "
+                             "start [B], C = 2*Hk*Dk + Hv*Dv).")
+    for name, x, col in (("a", a, a_col), ("b", b, b_col)):
+        if x.ndim != 3 or x.shape[:2] != (bsz, 1) or col < 0 or x.shape[2] < col + hv:
+            raise ValueError(f"gdn_decode_ring: {name} has shape {x.shape} with {name}_col="
+                             f"{col}; it must be [B={bsz}, 1, N] holding Hv={hv} columns from "
+                             f"{name}_col.")
+    if hv % hk or dk & (dk - 1) or state.dtype != F32:
+        raise ValueError(f"gdn_decode_ring: Hv={hv} must be a multiple of Hk={hk}, Dk={dk} a "
+                         f"power of two and the state float32 (got {state.dtype}); use the "
+                         "XLA backend.")
+
+
+def gdn_decode_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax.Array,
+                    b: jax.Array, a_log: jax.Array, dt_bias: jax.Array, valid: jax.Array,
+                    state: jax.Array, slot: jax.Array, start: jax.Array, *, num_k_heads: int,
+                    a_col: int = 0, b_col: int = 0, block_v: int | None = None,
+                    num_warps: int | None = None, interpret: bool | None = None):
+    """One decode row per request: conv, norms, gates and recurrence; both pools in place.
+
+    Args:
+      qkv: ``[B, 1, N]``, the raw conv inputs in its first ``C = 2 Hk Dk + Hv Dv`` columns
+        (``[q heads | k heads | v heads]``, model dtype); e.g. the merged in-projection's whole
+        output, read in place.
+      weight: ``[C, K]`` conv taps (``conv1d.weight[:, 0, :]``).
+      window: ``[S, C, K]`` ring of raw inputs (position p in column p mod K).
+      a, b: ``[B, 1, N]`` holding the raw ``in_proj_a`` / ``in_proj_b`` outputs in the ``Hv``
+        columns from ``a_col`` / ``b_col``.
+      a_log, dt_bias: ``[Hv]``.
+      valid: ``[B, 1]`` bool; an invalid row (padding) leaves both pools unchanged
+        (``g = beta = 0``, no window write).
+      state: ``[S, Hv, Dk, Dv]`` float32 recurrent pool.
+      slot: ``[B]`` int32 rows of the pools; a live slot appears once.
+      start: ``[B]`` int32 position of the row (tokens the slot's state has consumed).
+      num_k_heads: ``Hk``; value head ``h`` reads key head ``h // (Hv / Hk)``.
+      a_col, b_col: static column offsets of ``a`` and ``b``.
+      block_v, num_warps: tiling (default :func:`pallas_kernels.gdn.pallas.default_tiling`).
+      interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
+    Returns:
+      ``(o [B, 1, Hv, Dv] float32, new state pool, new window pool)``; the pools alias the
+      inputs (updated in place when the caller donates them).
+    Raises:
+      ValueError: shapes that do not fit, or sizes Triton cannot take.
+    """
+    _check(qkv, weight, window, a, b, a_log, dt_bias, valid, state, slot, start, num_k_heads,
+           a_col, b_col)
+    bsz = qkv.shape[0]
+    _, hv, dk, dv = state.shape
+    bv0, nw0 = default_tiling(bsz, hv, dv)
+    block_v, num_warps = block_v or bv0, num_warps or nw0
+    if dv % block_v or block_v & (block_v - 1):
+        raise ValueError(f"gdn_decode_ring: block_v={block_v} must be a power of two dividing "
+                         f"Dv={dv}.")
+    state_spec = pl.BlockSpec((state.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
+    o_spec = pl.BlockSpec((None, None, None, block_v), lambda i, h, j: (i, 0, h, j))
+    scalars = (slot.astype(jnp.int32), valid.reshape(bsz).astype(jnp.int32),
+               start.astype(jnp.int32))
+    o, state, window = pl.pallas_call(
+        functools.partial(_decode_kernel, hk=num_k_heads, rep=hv // num_k_heads, dv=dv,
+                          kernel=window.shape[-1], a_col=a_col, b_col=b_col),
+        grid=(bsz, hv, dv // block_v),
+        in_specs=[whole((bsz,))] * 3 + [whole(x.shape) for x in (qkv, weight, a, b)]
+        + [whole((hv,))] * 2 + [whole(window.shape), state_spec],
+        out_specs=[o_spec, state_spec, whole(window.shape)],
+        out_shape=[jax.ShapeDtypeStruct((bsz, 1, hv, dv), F32),
+                   jax.ShapeDtypeStruct(state.shape, F32),
+                   jax.ShapeDtypeStruct(window.shape, window.dtype)],
+        input_output_aliases={10: 1, 9: 2},
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret_mode(interpret),
+        name="gdn_fused_decode_ring",
+    )(*scalars, qkv, weight, a, b, a_log.astype(F32), dt_bias.astype(F32), window, state)
+    return o, state, window
