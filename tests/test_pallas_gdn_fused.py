@@ -17,7 +17,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step
-from pallas_kernels.gdn.fused_decode import gdn_decode_ring
+from pallas_kernels.gdn.fused_decode import OutputNorm, gdn_decode_ring
 from tests.triton_lowering import lower_for_cuda
 
 
@@ -316,6 +316,60 @@ def _np_ring_after(ring, slot, start, valid, qkv):
     return out
 
 
+def _merged(c, seed):
+    """The case's rows as a merged in-projection output ``[qkv | z | b | a]`` (random z), its
+    column offsets and the ``OutputNorm`` reading z there."""
+    hv = c["a"].shape[-1]
+    dv = c["state"].shape[-1]
+    z = np.random.default_rng(seed).standard_normal(c["qkv"].shape[:2] + (hv * dv,))
+    wide = np.concatenate([c["qkv"], z.astype(c["qkv"].dtype), c["b"], c["a"]], axis=-1)
+    z_col = c["qkv"].shape[-1]
+    cols = {"b_col": z_col + hv * dv, "a_col": z_col + hv * dv + hv}
+    return wide, cols, OutputNorm(z_col=z_col, eps=1e-6)
+
+
+def _np_gated_norm(o, z, weight, eps, dtype):
+    """float64 ``norm(o) * w * silu(z)`` per head, rounded to ``dtype`` where the layer rounds:
+    ``o [B, 1, Hv, Dv]``, ``z [B, 1, Hv * Dv]`` -> ``[B, 1, Hv * Dv]``."""
+    o = np.asarray(o, np.float64)
+    y = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + eps)
+    y = (y.astype(dtype).astype(np.float64) * weight.astype(np.float64)).astype(dtype)
+    z = np.asarray(z, np.float64).reshape(o.shape)
+    y = (y.astype(np.float64) * z / (1 + np.exp(-z))).astype(dtype)
+    return y.reshape(z.shape[0], 1, -1)
+
+
+def _ring_norm_check(c, hk, interpret, repeats=1):
+    """The kernel with the output norm folded in against the kernel without it plus a float64
+    gated norm of its output; ``sync`` comes back zero; ``repeats`` calls give one result."""
+    wide, cols, norm = _merged(c, 21)
+    dv = c["state"].shape[-1]
+    weight = (1 + 0.2 * np.random.default_rng(22).standard_normal(dv)).astype(c["qkv"].dtype)
+    args = [jnp.asarray(wide), *(jnp.asarray(c[k]) for k in ("weight", "window")),
+            jnp.asarray(wide), jnp.asarray(wide),
+            *(jnp.asarray(c[k]) for k in ("a_log", "dt_bias", "valid", "state", "slot", "start"))]
+    o, pool, window = gdn_decode_ring(*args, num_k_heads=hk, interpret=interpret, **cols)
+    sync = jnp.zeros((wide.shape[0], c["a"].shape[-1]), jnp.int32)
+    runs = [gdn_decode_ring(*args, num_k_heads=hk, interpret=interpret, output_norm=norm,
+                            norm_weight=jnp.asarray(weight), sync=sync, **cols)
+            for _ in range(repeats)]
+    y, pool_n, window_n, sync_out = runs[0]
+    np.testing.assert_array_equal(np.asarray(sync_out), 0)
+    np.testing.assert_array_equal(np.asarray(pool_n), np.asarray(pool))
+    np.testing.assert_array_equal(np.asarray(window_n), np.asarray(window))
+    want = _np_gated_norm(o, wide[..., norm.z_col:norm.z_col + o.shape[2] * dv], weight,
+                          norm.eps, c["qkv"].dtype)
+    ulp = 2.0 ** -7 if c["qkv"].dtype == ml_dtypes.bfloat16 else 1e-5
+    _close(y, want.astype(np.float64), rtol=2 * ulp, atol=ulp / 8)
+    for other in runs[1:]:
+        np.testing.assert_array_equal(np.asarray(other[0]), np.asarray(y))
+
+
+@pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
+def test_ring_decode_folds_the_output_norm(dtype):
+    _ring_norm_check(_ring_case(16, 5, 2, 4, 16, 32, dtype), 2, True)
+
+
 def _ring_decode(c, hk, interpret, **kw):
     return gdn_decode_ring(*(jnp.asarray(c[k]) for k in (
         "qkv", "weight", "window", "a", "b", "a_log", "dt_bias", "valid", "state", "slot",
@@ -395,20 +449,31 @@ def test_ring_refusals():
         _ring_decode(dict(c, start=c["start"][:1]), 2, True)
     with pytest.raises(ValueError, match="block_v=24 must be a power of two"):
         _ring_decode(c, 2, True, block_v=24)
+    norm = OutputNorm(z_col=0, eps=1e-6)
+    with pytest.raises(ValueError, match="needs sync, int32 zeros"):
+        _ring_decode(c, 2, True, output_norm=norm, norm_weight=jnp.ones((16,)))
+    with pytest.raises(ValueError, match="needs norm_weight"):
+        _ring_decode(c, 2, True, output_norm=norm, sync=jnp.zeros((2, 2), jnp.int32))
+    with pytest.raises(ValueError, match="'relu' must be 'silu' or 'sigmoid'"):
+        _ring_decode(c, 2, True, output_norm=OutputNorm(0, 1e-6, "relu"),
+                     norm_weight=jnp.ones((16,)), sync=jnp.zeros((2, 2), jnp.int32))
 
 
 @pytest.mark.parametrize("hk,hv", [(16, 16), (16, 48), (16, 32)])  # 2B, 27B, 35B-A3B
 def test_ring_decode_lowers_to_triton(hk, hv):
     c = _ring_case(14, 2, hk, hv, 128, 128, ml_dtypes.bfloat16)
-    wide = np.concatenate([c["qkv"], c["b"], c["a"]], axis=-1)
-    cols = {"b_col": c["qkv"].shape[-1], "a_col": c["qkv"].shape[-1] + hv}
+    wide, cols, norm = _merged(c, 1)
     text = lower_for_cuda(
-        lambda w, weight, window, a_log, dt_bias, valid, state, slot, start: gdn_decode_ring(
-            w, weight, window, w, w, a_log, dt_bias, valid, state, slot, start,
-            num_k_heads=hk, interpret=False, **cols),
+        lambda w, weight, window, a_log, dt_bias, valid, state, slot, start, nw: (
+            gdn_decode_ring(w, weight, window, w, w, a_log, dt_bias, valid, state, slot, start,
+                            num_k_heads=hk, interpret=False, **cols),
+            gdn_decode_ring(w, weight, window, w, w, a_log, dt_bias, valid, state, slot, start,
+                            num_k_heads=hk, interpret=False, output_norm=norm, norm_weight=nw,
+                            sync=jnp.zeros((2, hv), jnp.int32), **cols)),
         jnp.asarray(wide), *(jnp.asarray(c[k]) for k in (
-            "weight", "window", "a_log", "dt_bias", "valid", "state", "slot", "start")))
-    assert "gdn_fused_decode_ring" in text and "output_operand_aliases" in text
+            "weight", "window", "a_log", "dt_bias", "valid", "state", "slot", "start")),
+        jnp.ones((128,), jnp.bfloat16))
+    assert "gdn_fused_decode_ring_norm" in text and "output_operand_aliases" in text
 
 
 @pytest.mark.gpu
@@ -439,3 +504,15 @@ def test_gpu_ring_decode(b, hv):
     np.testing.assert_array_equal(np.asarray(window), np.asarray(window1))
     np.testing.assert_allclose(np.asarray(o), np.asarray(o1), rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(pool), np.asarray(pool1), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hv", [(1, 16), (8, 48), (32, 32)])
+def test_gpu_ring_decode_folds_the_output_norm(b, hv):
+    """Compiled, where the last block of a head to finish (an atomic counter) reads the other
+    blocks' outputs: against the unfolded kernel plus a float64 gated norm, and 20 calls give
+    one result bit for bit (a block read before it was written would differ)."""
+    c = _ring_case(17, b, 16, hv, 128, 128, ml_dtypes.bfloat16, slots=b + 3)
+    c["start"] = np.random.default_rng(b).integers(0, 3000, b).astype(np.int32)
+    c["slot"] = np.random.default_rng(b + 1).permutation(np.arange(1, b + 3))[:b].astype(np.int32)
+    _ring_norm_check(c, 16, False, repeats=20)

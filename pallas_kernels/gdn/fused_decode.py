@@ -22,6 +22,7 @@ Source of the formulas: HF transformers ``qwen3_5`` (``Qwen3_5GatedDeltaNet``), 
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
 import jax
@@ -50,11 +51,43 @@ def _conv(qkv_ref, w_ref, win_ref, bi, slot, start, off: int | jax.Array, n: int
     return jax.nn.silu(acc).astype(dtype).astype(F32), x.astype(win_ref.dtype)
 
 
+@dataclasses.dataclass(frozen=True)
+class OutputNorm:
+    """The layer's gated output norm, ``norm(o) * weight * act(z)`` (HF ``Qwen3_5RMSNormGated``:
+    RMSNorm without zero-centring, rounded to the model dtype, times the weight, times the
+    gate's activation in float32, rounded again), folded into :func:`gdn_decode_ring`.
+
+    z_col: static column of ``z`` (the ``in_proj_z`` output, ``Hv * Dv`` columns) in the array
+    passed as ``qkv``; eps: the norm's epsilon; act: ``"silu"`` (Qwen3.5) or ``"sigmoid"``.
+    """
+
+    z_col: int
+    eps: float
+    act: str = "silu"
+
+
+def _gated_norm(o, z, weight, norm: OutputNorm, dtype):
+    """``o [Dv]`` f32, ``z [Dv]``, ``weight [Dv]`` -> the gated norm ``[Dv]`` in ``dtype``,
+    rounded where :meth:`mtp_jax.models.layers.gdn.GatedDeltaNet._output` rounds."""
+    y = (o * jax.lax.rsqrt(jnp.mean(o * o) + norm.eps)).astype(dtype)
+    y = (y.astype(F32) * weight.astype(F32)).astype(dtype)
+    z = z.astype(F32)
+    act = jax.nn.sigmoid(z) if norm.act == "sigmoid" else jax.nn.silu(z)
+    return (y.astype(F32) * act).astype(dtype)
+
+
 def _decode_kernel(slot_ref, valid_ref, start_ref, qkv_ref, w_ref, a_ref, b_ref, alog_ref,
-                   dtb_ref, win_ref, s_ref, o_ref, s_out, win_out, *, hk: int, rep: int,
-                   dv: int, kernel: int, a_col: int, b_col: int):
+                   dtb_ref, *refs, hk: int, rep: int, dv: int, kernel: int, a_col: int,
+                   b_col: int, norm: OutputNorm | None, barrier: bool):
     """One (request, value head ``h``, value block ``j``); ``s_ref``: ``[S, Dk, bv]`` (this
-    head's and block's column of the recurrent pool); ``o_ref``: ``[bv]``."""
+    head's and block's column of the recurrent pool). Without ``norm``, ``o_ref`` is this
+    program's ``[bv]`` of the output; with it, the whole ``[B, 1, Hv, Dv]`` float32 output,
+    and the last program of a (request, head) to finish (counted in ``sync_ref``) writes the
+    head's gated norm to ``y_ref``."""
+    if norm is None:
+        win_ref, s_ref, o_ref, s_out, win_out = refs
+    else:
+        nw_ref, win_ref, s_ref, _, o_ref, s_out, win_out, y_ref, sync_ref = refs
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     _, dk, bv = s_ref.shape
     slot, start, valid = slot_ref[bi], start_ref[bi], valid_ref[bi] != 0
@@ -71,7 +104,7 @@ def _decode_kernel(slot_ref, valid_ref, start_ref, qkv_ref, w_ref, a_ref, b_ref,
     beta = jax.nn.sigmoid(b_ref[bi, 0, b_col + h].astype(F32))
     g = -jnp.exp(alog_ref[h]) * jax.nn.softplus(a_ref[bi, 0, a_col + h].astype(F32) + dtb_ref[h])
     s = step(s_ref[slot], k, v, jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0))
-    o_ref[...] = jnp.sum(s * q[:, None], axis=0)
+    o = jnp.sum(s * q[:, None], axis=0)
     s_out[slot] = s
     column = jax.lax.rem(start, kernel)  # the column this step's input goes to
 
@@ -83,6 +116,26 @@ def _decode_kernel(slot_ref, valid_ref, start_ref, qkv_ref, w_ref, a_ref, b_ref,
     def _():
         win_out[slot, pl.ds(q_off, dk), column] = q_raw
         win_out[slot, pl.ds(k_off, dk), column] = k_raw
+
+    if norm is None:
+        o_ref[...] = o
+        return
+    o_ref[bi, 0, h, pl.ds(pl.multiple_of(j * bv, bv), bv)] = o
+    # The last block of the head to finish reads the others' outputs and writes the gated
+    # norm. The barrier puts every thread's store before the counter's (acquire-release,
+    # GPU-scope) increment, which one thread does; the winner's loads come after its acquire
+    # and are volatile (not served from L1). The winner resets the counter, so it is zero for the next call.
+    if barrier:  # not in interpret mode, which runs the programs one after another
+        plgpu.debug_barrier()
+    arrived = plgpu.atomic_add(sync_ref, (bi, h), jnp.ones((), jnp.int32))
+
+    @pl.when(arrived == dv // bv - 1)
+    def _():
+        o_head = plgpu.load(o_ref.at[bi, pl.ds(0, 1), h, :], volatile=True)[0]
+        z = qkv_ref[bi, 0, pl.ds(norm.z_col + h * dv, dv)]
+        y_ref[bi, 0, pl.ds(h * dv, dv)] = _gated_norm(o_head, z, nw_ref[...], norm,
+                                                      y_ref.dtype)
+        sync_ref[bi, h] = 0
 
 
 def _check(qkv, weight, window, a, b, a_log, dt_bias, valid, state, slot, start, hk, a_col,
@@ -115,14 +168,17 @@ def _check(qkv, weight, window, a, b, a_log, dt_bias, valid, state, slot, start,
 def gdn_decode_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax.Array,
                     b: jax.Array, a_log: jax.Array, dt_bias: jax.Array, valid: jax.Array,
                     state: jax.Array, slot: jax.Array, start: jax.Array, *, num_k_heads: int,
-                    a_col: int = 0, b_col: int = 0, block_v: int | None = None,
-                    num_warps: int | None = None, interpret: bool | None = None):
-    """One decode row per request: conv, norms, gates and recurrence; both pools in place.
+                    a_col: int = 0, b_col: int = 0, output_norm: OutputNorm | None = None,
+                    norm_weight: jax.Array | None = None, sync: jax.Array | None = None,
+                    block_v: int | None = None, num_warps: int | None = None,
+                    interpret: bool | None = None):
+    """One decode row per request: conv, norms, gates and recurrence (and optionally the gated
+    output norm); both pools in place.
 
     Args:
       qkv: ``[B, 1, N]``, the raw conv inputs in its first ``C = 2 Hk Dk + Hv Dv`` columns
         (``[q heads | k heads | v heads]``, model dtype); e.g. the merged in-projection's whole
-        output, read in place.
+        output, read in place (then also ``z`` at ``output_norm.z_col``).
       weight: ``[C, K]`` conv taps (``conv1d.weight[:, 0, :]``).
       window: ``[S, C, K]`` ring of raw inputs (position p in column p mod K).
       a, b: ``[B, 1, N]`` holding the raw ``in_proj_a`` / ``in_proj_b`` outputs in the ``Hv``
@@ -135,11 +191,15 @@ def gdn_decode_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax
       start: ``[B]`` int32 position of the row (tokens the slot's state has consumed).
       num_k_heads: ``Hk``; value head ``h`` reads key head ``h // (Hv / Hk)``.
       a_col, b_col: static column offsets of ``a`` and ``b``.
+      output_norm: fold the gated output norm in (:class:`OutputNorm`); then ``norm_weight
+        [Dv]`` (the norm's weight) and ``sync [B, Hv]`` int32 (zeros; the kernel leaves it
+        zero, so one buffer can pass from layer to layer) are needed.
       block_v, num_warps: tiling (default :func:`pallas_kernels.gdn.pallas.default_tiling`).
       interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
     Returns:
-      ``(o [B, 1, Hv, Dv] float32, new state pool, new window pool)``; the pools alias the
-      inputs (updated in place when the caller donates them).
+      ``(o [B, 1, Hv, Dv] float32, new state pool, new window pool)``, or with
+      ``output_norm`` ``(y [B, 1, Hv * Dv] in qkv.dtype, new state pool, new window pool,
+      sync)``; the pools alias the inputs (updated in place when the caller donates them).
     Raises:
       ValueError: shapes that do not fit, or sizes Triton cannot take.
     """
@@ -153,22 +213,62 @@ def gdn_decode_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax
         raise ValueError(f"gdn_decode_ring: block_v={block_v} must be a power of two dividing "
                          f"Dv={dv}.")
     state_spec = pl.BlockSpec((state.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
-    o_spec = pl.BlockSpec((None, None, None, block_v), lambda i, h, j: (i, 0, h, j))
-    scalars = (slot.astype(jnp.int32), valid.reshape(bsz).astype(jnp.int32),
-               start.astype(jnp.int32))
-    o, state, window = pl.pallas_call(
+    o_shape = jax.ShapeDtypeStruct((bsz, 1, hv, dv), F32)
+    args = [slot.astype(jnp.int32), valid.reshape(bsz).astype(jnp.int32),
+            start.astype(jnp.int32), qkv, weight, a, b, a_log.astype(F32), dt_bias.astype(F32)]
+    in_specs = [whole((bsz,))] * 3 + [whole(x.shape) for x in (qkv, weight, a, b)]
+    in_specs += [whole((hv,))] * 2
+    out_shape = [o_shape, jax.ShapeDtypeStruct(state.shape, F32),
+                 jax.ShapeDtypeStruct(window.shape, window.dtype)]
+    if output_norm is None:
+        out_specs = [pl.BlockSpec((None, None, None, block_v), lambda i, h, j: (i, 0, h, j))]
+    else:
+        _check_norm(qkv, norm_weight, sync, output_norm, hv, dv)
+        args.append(norm_weight)
+        in_specs.append(whole((dv,)))
+        out_specs = [whole(o_shape.shape)]
+        out_shape += [jax.ShapeDtypeStruct((bsz, 1, hv * dv), qkv.dtype),
+                      jax.ShapeDtypeStruct((bsz, hv), jnp.int32)]
+    n = len(args)
+    args += [window, state]
+    in_specs += [whole(window.shape), state_spec]
+    out_specs += [state_spec, whole(window.shape)]
+    aliases = {n + 1: 1, n: 2}
+    if output_norm is not None:
+        args.append(sync)
+        in_specs.append(whole(sync.shape))
+        out_specs += [whole(out_shape[3].shape), whole(sync.shape)]
+        aliases[n + 2] = 4
+    outs = pl.pallas_call(
         functools.partial(_decode_kernel, hk=num_k_heads, rep=hv // num_k_heads, dv=dv,
-                          kernel=window.shape[-1], a_col=a_col, b_col=b_col),
+                          kernel=window.shape[-1], a_col=a_col, b_col=b_col, norm=output_norm,
+                          barrier=not interpret_mode(interpret)),
         grid=(bsz, hv, dv // block_v),
-        in_specs=[whole((bsz,))] * 3 + [whole(x.shape) for x in (qkv, weight, a, b)]
-        + [whole((hv,))] * 2 + [whole(window.shape), state_spec],
-        out_specs=[o_spec, state_spec, whole(window.shape)],
-        out_shape=[jax.ShapeDtypeStruct((bsz, 1, hv, dv), F32),
-                   jax.ShapeDtypeStruct(state.shape, F32),
-                   jax.ShapeDtypeStruct(window.shape, window.dtype)],
-        input_output_aliases={10: 1, 9: 2},
+        in_specs=in_specs,
+        out_specs=out_specs,
+        out_shape=out_shape,
+        input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret_mode(interpret),
-        name="gdn_fused_decode_ring",
-    )(*scalars, qkv, weight, a, b, a_log.astype(F32), dt_bias.astype(F32), window, state)
-    return o, state, window
+        name="gdn_fused_decode_ring" + ("_norm" if output_norm is not None else ""),
+    )(*args)
+    if output_norm is None:
+        return tuple(outs)
+    _, state, window, y, sync = outs
+    return y, state, window, sync
+
+
+def _check_norm(qkv, norm_weight, sync, norm: OutputNorm, hv: int, dv: int):
+    bsz, _, n = qkv.shape
+    if norm.act not in ("silu", "sigmoid"):
+        raise ValueError(f"gdn_decode_ring: output_norm.act {norm.act!r} must be 'silu' or "
+                         "'sigmoid'.")
+    if norm_weight is None or norm_weight.shape != (dv,):
+        raise ValueError(f"gdn_decode_ring: output_norm needs norm_weight [Dv={dv}]; got "
+                         f"{None if norm_weight is None else norm_weight.shape}.")
+    if sync is None or sync.shape != (bsz, hv) or sync.dtype != jnp.int32:
+        raise ValueError(f"gdn_decode_ring: output_norm needs sync, int32 zeros [B={bsz}, "
+                         f"Hv={hv}]; got {None if sync is None else (sync.shape, sync.dtype)}.")
+    if norm.z_col < 0 or norm.z_col + hv * dv > n:
+        raise ValueError(f"gdn_decode_ring: z_col={norm.z_col} + Hv*Dv={hv * dv} exceeds the "
+                         f"{n} columns of qkv.")

@@ -41,7 +41,7 @@ from mtp_jax.models.layers.basic import (Linear, as_data, merge_linears, project
 from mtp_jax.models.layers.conv_state import advance, conv_window, is_ring, window_before
 from pallas_kernels.gdn.api import gdn_commit, gdn_decode, gdn_verify
 from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step
-from pallas_kernels.gdn.fused_decode import gdn_decode_ring
+from pallas_kernels.gdn.fused_decode import OutputNorm, gdn_decode_ring
 from pallas_kernels.gdn.reference import gdn_chunked_reference
 
 
@@ -178,9 +178,12 @@ class GatedDeltaNet(nnx.Module):
         y = (y.astype(jnp.float32) * self._output_gate(z)).astype(dtype)
         return self.out_proj(y.reshape(b, t, self.hv * self.dv))
 
+    # The output gate's activation (``"silu"`` in the Qwen3.5 family, ``"sigmoid"`` possible).
+    output_gate = "silu"
+
     def _output_gate(self, z: jax.Array) -> jax.Array:
-        """The output gate's activation of ``z`` (float32): SiLU in the Qwen3.5 family."""
-        return jax.nn.silu(z)
+        """The output gate's activation of ``z`` (float32)."""
+        return jax.nn.sigmoid(z) if self.output_gate == "sigmoid" else jax.nn.silu(z)
 
     def _start(self, conv: jax.Array, start):
         """``start`` as ``[B]`` int32 for a ring conv state, ``None`` for a shift register
@@ -228,14 +231,25 @@ class GatedDeltaNet(nnx.Module):
         :meth:`commit` of that row. A request whose row is not ``valid [B, 1]`` (a padding row)
         keeps its recurrent state (its ``g = beta = 0``) and its conv window (length 0).
         ``state``: the batch view, or the pools when ``slots [B]`` is given; ``start [B]``: as
-        :meth:`prefill`. Returns ``(out [B, 1, H], new (recurrent, conv))`` in the form
-        ``state`` came in. Raises ValueError when ``T != 1`` (a window needs verify + commit)."""
+        :meth:`prefill`. ``state`` may carry a third element, ``sync [B, Hv]`` int32 zeros: the
+        scratch of the one-kernel decode's folded output norm, which it leaves zero, so the
+        model passes one buffer from layer to layer instead of zeroing one per layer (without
+        it the layer makes its own). Returns ``(out [B, 1, H], new (recurrent, conv[, sync]))``
+        in the form ``state`` came in. Raises ValueError when ``T != 1`` (a window needs verify
+        + commit)."""
         if x.shape[1] != 1:
             raise ValueError(f"GatedDeltaNet.decode: T={x.shape[1]} rows; decode takes one row "
                              "per request (use verify + commit for a window).")
+        sync = state[2] if len(state) == 3 else None
+        state = tuple(state[:2])
         start = self._start(state[1], start)
         if self.backend == "pallas":
-            return self._decode_fused(x, state, valid, _slots_of(slots, x), start)
+            out, new, sync = self._decode_fused(x, state, valid, _slots_of(slots, x), start, sync)
+        else:
+            out, new = self._decode_xla(x, state, valid, slots, start)
+        return out, new if sync is None else (*new, sync)
+
+    def _decode_xla(self, x, state, valid, slots, start):
         recurrent, conv = state if slots is None else gather_states(state, slots)
         proj = self._project(x)
         rows = self._rows(proj, window_before(conv, self.kernel, start), valid)
@@ -289,19 +303,32 @@ class GatedDeltaNet(nnx.Module):
         return self._output(o, z), GDNConvRows(conv=conv, a=a, b=b, valid=valid, qkv=qkv,
                                                start=start)
 
-    def _decode_fused(self, x, state, valid, slots, start):
+    def _decode_fused(self, x, state, valid, slots, start, sync):
+        """Returns ``(out, (recurrent, conv), sync)``; ``sync`` passes through unless the
+        one-kernel decode folds the output norm in (a ring and merged in-projections)."""
         recurrent, window = state
         qkv, z, b, a = self._fused_inputs(x)
-        if start is not None:  # a ring: conv, gates and recurrence in one kernel
-            o, recurrent, window = gdn_decode_ring(
-                qkv, self._conv_weight(), window, a, b, self.A_log[...], self.dt_bias[...],
-                valid, recurrent, slots, start, num_k_heads=self.hk, **self._gate_cols())
-            return self._output(o, z), (recurrent, window)
-        length = jnp.sum(valid, axis=1).astype(jnp.int32)
-        conv, window = gdn_conv_rows(qkv, self._conv_weight(), window, slots, length)
-        o, recurrent = gdn_step(conv, a, b, self.A_log[...], self.dt_bias[...], valid, recurrent,
-                                slots, num_k_heads=self.hk, mode="decode", **self._gate_cols())
-        return self._output(o, z), (recurrent, window)
+        if start is None:  # a shift register: conv, then gates and recurrence
+            length = jnp.sum(valid, axis=1).astype(jnp.int32)
+            conv, window = gdn_conv_rows(qkv, self._conv_weight(), window, slots, length)
+            o, recurrent = gdn_step(conv, a, b, self.A_log[...], self.dt_bias[...], valid,
+                                    recurrent, slots, num_k_heads=self.hk, mode="decode",
+                                    **self._gate_cols())
+            return self._output(o, z), (recurrent, window), sync
+        args = (qkv, self._conv_weight(), window, a, b, self.A_log[...], self.dt_bias[...],
+                valid, recurrent, slots, start)
+        if self.in_proj is None:  # z is its own array: the norm stays outside
+            o, recurrent, window = gdn_decode_ring(*args, num_k_heads=self.hk,
+                                                   **self._gate_cols())
+            return self._output(o, z), (recurrent, window), sync
+        own = sync is None
+        if own:
+            sync = jnp.zeros((x.shape[0], self.hv), jnp.int32)
+        norm = OutputNorm(z_col=self.in_proj.offsets[1], eps=self.eps, act=self.output_gate)
+        y, recurrent, window, sync = gdn_decode_ring(
+            *args, num_k_heads=self.hk, output_norm=norm, norm_weight=self.norm.weight[...],
+            sync=sync, **self._gate_cols())
+        return self.out_proj(y), (recurrent, window), None if own else sync
 
     def _commit_fused(self, state, rows: GDNConvRows, length, slots):
         recurrent, window = state

@@ -170,17 +170,23 @@ class Qwen35Model(nnx.Module):
         ks, vs = list(kv.k), list(kv.v)
         rec, conv = list(gdn.recurrent), list(gdn.conv)
         rows: list = [None] * len(rec)  # GDNRows, or GDNConvRows (fused Pallas path)
+        # One zeroed scratch for every GDN layer's one-kernel decode (GatedDeltaNet.decode).
+        sync = (jnp.zeros((input_ids.shape[0], self.cfg.linear_num_value_heads), jnp.int32)
+                if gdn_mode == "decode" and kernels_of(self.cfg).gdn == "pallas" else None)
         for layer in self.layers:
             i = layer.cache_index
             if layer.layer_type == "full_attention":
                 x, delta, (ks[i], vs[i]), _ = layer.forward(x, delta, batch, kv=(ks[i], vs[i]))
+                continue
+            state = (rec[i], conv[i]) if sync is None else (rec[i], conv[i], sync)
+            x, delta, _, out = layer.forward(x, delta, batch, gdn=state, gdn_mode=gdn_mode,
+                                             slots=slots)
+            if not writes_state:
+                rows[i] = out
+            elif sync is None:
+                rec[i], conv[i] = out
             else:
-                x, delta, _, out = layer.forward(x, delta, batch, gdn=(rec[i], conv[i]),
-                                                 gdn_mode=gdn_mode, slots=slots)
-                if writes_state:
-                    rec[i], conv[i] = out
-                else:
-                    rows[i] = out
+                rec[i], conv[i], sync = out
         new_kv = PagedKV(tuple(ks), tuple(vs))
         new_gdn = LinearState(tuple(rec), tuple(conv)) if writes_state else tuple(rows)
         return self.norm.add_norm(x, delta)[1], new_kv, new_gdn

@@ -108,7 +108,7 @@ class GatedDeltaNetGate(GatedDeltaNet):
 
     def __init__(self, cfg, dtype):
         super().__init__(cfg, dtype)
-        self.gate_act = cfg.output_gate_type
+        self.output_gate = cfg.output_gate_type  # read by GatedDeltaNet._output_gate
 
     def decode(self, x, state, valid):
         """Step form over ``x [B, T, H]``: a verify of the rows (the decode recurrence row by
@@ -118,10 +118,6 @@ class GatedDeltaNetGate(GatedDeltaNet):
         out, rows = self.verify(x, state, valid)
         accepted = jnp.sum(valid, axis=1).astype(jnp.int32)
         return out, by_name("gdn_recurrent").commit(state, rows, None, accepted)
-
-    def _output_gate(self, z):
-        """The output gate's activation of ``z`` (float32): sigmoid or silu."""
-        return jax.nn.sigmoid(z) if self.gate_act == "sigmoid" else jax.nn.silu(z)
 
 
 class DecoderLayer(nnx.Module):
