@@ -194,12 +194,14 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                                 interpret=interpret).astype(q.dtype)
 
 
-def paged_attention_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+def paged_attention_partials(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                          page_table: jax.Array, q_positions: jax.Array, *, num_q_heads: int,
                          scale: float, block_keys: int | None = None,
                          num_splits: int | None = None, num_warps: int | None = None,
-                         num_stages: int = 2, interpret: bool = False) -> jax.Array:
-    """:func:`paged_attention_pallas` on queries already laid out as the kernel's rows.
+                         num_stages: int = 2, interpret: bool = False):
+    """The attention kernel's per-split partials for queries laid out as the kernel's rows
+    (merge them with :func:`combine_splits`, or with the output gate by
+    :func:`pallas_kernels.paged_attention.merge.merge_gate`).
 
     Args:
       q_rows: ``[B, Hkv, rows, D]`` roped queries (cast to the pools' dtype for the matmuls;
@@ -210,7 +212,9 @@ def paged_attention_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         :func:`pallas_kernels.paged_attention.prep.qk_norm_rope_write`).
       q_positions: ``[B, T]`` int32; other arguments as :func:`paged_attention_pallas`.
     Returns:
-      ``[B, T, num_q_heads, D]`` float32.
+      ``(o [B, Hkv, S, rows, D] in q_rows.dtype, m [B, Hkv, S, rows], l [B, Hkv, S, rows])``
+      float32 m, l: per key split ``S`` the unnormalised output and the row max and sum of
+      the base-2 scores.
     Raises:
       ValueError: shapes that do not match, or sizes the Triton lowering cannot express.
     """
@@ -268,6 +272,21 @@ def paged_attention_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
         interpret=interpret,
         name=f"paged_attention_r{rows}_bk{block_keys}",
     )(q_rows.astype(k_pages.dtype), row_pos, table, k_pages, v_pages)
+    return o, m, l
+
+
+def paged_attention_rows(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
+                         page_table: jax.Array, q_positions: jax.Array, *, num_q_heads: int,
+                         **kwargs) -> jax.Array:
+    """:func:`paged_attention_pallas` on queries already laid out as the kernel's rows: the
+    partials of :func:`paged_attention_partials` (same arguments) merged by
+    :func:`combine_splits`. Returns ``[B, T, num_q_heads, D]`` float32."""
+    b, hkv, _, d = q_rows.shape
+    t = q_positions.shape[1]
+    group = num_q_heads // hkv
+    o, m, l = paged_attention_partials(q_rows, k_pages, v_pages, page_table, q_positions,
+                                       num_q_heads=num_q_heads, **kwargs)
+    n_rows = t * group
     out = combine_splits(o[..., :n_rows, :], m[..., :n_rows], l[..., :n_rows])
     out = out.reshape(b, hkv, t, group, d).transpose(0, 2, 1, 3, 4)
     return out.reshape(b, t, num_q_heads, d)

@@ -22,7 +22,8 @@ from mtp_jax.models.layers.rotary import apply_rotary
 from pallas_kernels.common import interpret_mode
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.paged_attention.api import uses_kernel
-from pallas_kernels.paged_attention.pallas import padded_query_rows, paged_attention_rows
+from pallas_kernels.paged_attention.merge import merge_gate
+from pallas_kernels.paged_attention.pallas import padded_query_rows, paged_attention_partials
 from pallas_kernels.paged_attention.prep import qk_norm_rope_write
 
 
@@ -66,9 +67,11 @@ class GatedAttention(nnx.Module):
         """Whether ``T = t`` rows take the Pallas path from the merged projection on: q/k
         norms, RoPE and the pool writes in one kernel
         (:func:`pallas_kernels.paged_attention.prep.qk_norm_rope_write`), then the attention
-        kernel on its query rows. Needs the ``pallas`` backend, merged projections, a call the
-        attention kernel takes (decode, verify, the 16-row prefill bucket), a power-of-two
-        ``rotary_dim`` and one epsilon for both norms (as every released config has)."""
+        kernel on its query rows, then the split merge and the output gate in one kernel
+        (:func:`pallas_kernels.paged_attention.merge.merge_gate`). Needs the ``pallas``
+        backend, merged projections, a call the attention kernel takes (decode, verify, the
+        16-row prefill bucket), a power-of-two ``rotary_dim`` and one epsilon for both norms
+        (as every released config has)."""
         r = self.rotary_dim
         return (self.backend == "pallas" and self.qkv_proj is not None and r >= 2
                 and r & (r - 1) == 0 and self.q_norm.eps == self.k_norm.eps
@@ -84,10 +87,11 @@ class GatedAttention(nnx.Module):
             batch.page_table, kv[0], kv[1], num_heads=hq, rotary_dim=self.rotary_dim,
             rope_theta=self.rope_theta, eps=self.q_norm.eps,
             rows=padded_query_rows(t, hq // self.num_kv_heads), interpret=interpret)
-        o = paged_attention_rows(q_rows, k_pages, v_pages, batch.page_table, batch.positions,
-                                 num_q_heads=hq, scale=d ** -0.5, interpret=interpret)
-        gate = y[..., :2 * hq * d].reshape(b, t, hq, 2 * d)[..., d:]
-        return self.gated_output(o.astype(x.dtype), gate), (k_pages, v_pages)
+        o, m, l = paged_attention_partials(q_rows, k_pages, v_pages, batch.page_table,
+                                           batch.positions, num_q_heads=hq, scale=d ** -0.5,
+                                           interpret=interpret)
+        gated = merge_gate(o, m, l, y, t=t, num_q_heads=hq, interpret=interpret)
+        return self.o_proj(gated), (k_pages, v_pages)
 
     def project(self, x: jax.Array, positions: jax.Array):
         """``x [B, T, H]``, ``positions [B, T]`` -> roped ``q [B, T, Hq, D]``, the output
