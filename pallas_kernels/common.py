@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import jax
+from jax.experimental import pallas as pl
 
 
 def interpret_mode(interpret: bool | None) -> bool:
@@ -15,4 +16,9 @@ def next_pow2(n: int) -> int:
     return 1 << max(n - 1, 0).bit_length()
 
 
-__all__ = ["interpret_mode", "next_pow2"]
+def whole(shape) -> pl.BlockSpec:
+    """The whole array as one block (the kernel indexes it itself, e.g. by slot)."""
+    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
+
+
+__all__ = ["interpret_mode", "next_pow2", "whole"]

@@ -41,17 +41,12 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import interpret_mode, next_pow2
+from pallas_kernels.common import interpret_mode, next_pow2, whole
 from pallas_kernels.gdn.pallas import default_tiling, pad_rows, step
 
 F32 = jnp.float32
 MODES = ("verify", "commit", "decode")
 CONV_BLOCK = 256  # channels per conv program (at most)
-
-
-def whole(shape) -> pl.BlockSpec:
-    """The whole array as one block (the kernel indexes it itself, e.g. by slot)."""
-    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
 
 
 def unsupported_shape(dk: int, dv: int, conv_dim: int) -> str | None:

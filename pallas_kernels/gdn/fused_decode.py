@@ -30,8 +30,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import interpret_mode
-from pallas_kernels.gdn.fused import l2, ring_ext, whole
+from pallas_kernels.common import interpret_mode, whole
+from pallas_kernels.gdn.fused import l2, ring_ext
 from pallas_kernels.gdn.pallas import default_tiling, step
 
 F32 = jnp.float32

@@ -23,7 +23,7 @@ from jax import lax
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import interpret_mode
+from pallas_kernels.common import interpret_mode, whole
 
 BACKENDS = ("xla", "pallas")
 MAX_CHUNK = 4096  # columns a program holds per piece (a power of two)
@@ -81,10 +81,6 @@ def _kernel(*refs, eps: float, chunk: int, pieces: int, has_delta: bool):
         y_ref[i, cols] = (rows[j] * scale * w).astype(y_ref.dtype)
 
 
-def _whole(shape) -> pl.BlockSpec:
-    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
-
-
 @functools.partial(jax.jit, static_argnames=("eps", "interpret"))
 def add_rms_norm_pallas(x: jax.Array, delta: jax.Array | None, weight: jax.Array, eps: float,
                         *, interpret: bool = False):
@@ -98,8 +94,8 @@ def add_rms_norm_pallas(x: jax.Array, delta: jax.Array | None, weight: jax.Array
         functools.partial(_kernel, eps=eps, chunk=chunk, pieces=hidden // chunk,
                           has_delta=has_delta),
         grid=(r,),
-        in_specs=[_whole(a.shape) for a in args],
-        out_specs=[_whole((r, hidden))] * len(out_shape),
+        in_specs=[whole(a.shape) for a in args],
+        out_specs=[whole((r, hidden))] * len(out_shape),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=4 if chunk >= 1024 else 1,
                                              num_stages=1),

@@ -20,13 +20,9 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import interpret_mode
+from pallas_kernels.common import interpret_mode, whole
 
 F32 = jnp.float32
-
-
-def _whole(shape) -> pl.BlockSpec:
-    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
 
 
 def _kernel(o_ref, m_ref, l_ref, y_ref, out_ref, *, group: int, head_dim: int, splits: int):
@@ -79,8 +75,8 @@ def merge_gate(o: jax.Array, m: jax.Array, l: jax.Array, y: jax.Array, *, t: int
     return pl.pallas_call(
         functools.partial(_kernel, group=group, head_dim=d, splits=splits),
         grid=(b, hkv, t * group),
-        in_specs=[_whole(a.shape) for a in (o, m, l, y)],
-        out_specs=_whole(out_shape.shape),
+        in_specs=[whole(a.shape) for a in (o, m, l, y)],
+        out_specs=whole(out_shape.shape),
         out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=2, num_stages=1),
         interpret=interpret_mode(interpret),

@@ -33,15 +33,11 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import interpret_mode
+from pallas_kernels.common import interpret_mode, whole
 from pallas_kernels.paged_attention.pallas import padded_query_rows
 
 F32 = jnp.float32
 TRASH_PAGE = 0  # as mtp_jax.cache.paged: the page invalid rows write to
-
-
-def _whole(shape) -> pl.BlockSpec:
-    return pl.BlockSpec(tuple(shape), lambda *_: (0,) * len(shape))
 
 
 def _kernel(pos_ref, valid_ref, table_ref, qkv_ref, qw_ref, kw_ref, cos_ref, sin_ref,
@@ -186,8 +182,8 @@ def qk_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: 
     return tuple(pl.pallas_call(
         kernel,
         grid=(b, hkv, group + 1) if split_heads else (b, hkv),
-        in_specs=[_whole(a.shape) for a in args],
-        out_specs=[_whole(o.shape) for o in out_shape],
+        in_specs=[whole(a.shape) for a in args],
+        out_specs=[whole(o.shape) for o in out_shape],
         out_shape=out_shape,
         input_output_aliases={8: 1, 9: 2},
         compiler_params=plgpu.CompilerParams(num_warps=2, num_stages=1),
