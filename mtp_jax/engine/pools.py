@@ -6,7 +6,8 @@ padding rows write to):
 * ``kv``: target paged KV, per attention layer ``[num_pages, page_size, Hkv, D]``.
 * ``draft_kv``: MTP draft paged KV, per MTP layer, same page ids as the target (the target's page
   table addresses it); empty when MTP is off.
-* ``gdn``: GDN recurrent ``[slots, Hv, Dk, Dv]`` f32 and conv ``[slots, conv_dim, K]`` (a ring keyed by position) per layer.
+* ``gdn``: GDN recurrent ``[slots, Hv, Dk, Dv]`` f32 and conv ``[slots, conv_dim, K]`` (a ring
+  keyed by position) per layer.
 * ``next_tokens``: ``[slots, k+1]`` int32, the pending token and the k drafts of each slot's
   next round (written by prefill and by each round).
 * ``draft_probs``: ``[slots, k, V]`` f32, the draft distributions q of those drafts (MTP only;

@@ -124,7 +124,8 @@ def _decode_kernel(slot_ref, valid_ref, start_ref, qkv_ref, w_ref, a_ref, b_ref,
     # The last block of the head to finish reads the others' outputs and writes the gated
     # norm. The barrier puts every thread's store before the counter's (acquire-release,
     # GPU-scope) increment, which one thread does; the winner's loads come after its acquire
-    # and are volatile (not served from L1). The winner resets the counter, so it is zero for the next call.
+    # and are volatile (not served from L1). The winner resets the counter to zero for the
+    # next call.
     if barrier:  # not in interpret mode, which runs the programs one after another
         plgpu.debug_barrier()
     arrived = plgpu.atomic_add(sync_ref, (bi, h), jnp.ones((), jnp.int32))
