@@ -82,7 +82,7 @@ def _assert_states_match(states, ref_states, tag, ref_tag):
             np.testing.assert_allclose(a, b, atol=4e-6, rtol=0, err_msg=f"{tag} conv @ {pos}")
 
 
-@pytest.mark.parametrize("k", [1, 2, 3, 4])
+@pytest.mark.parametrize("k", [1, 3, 4])  # every accepted count 0..k of each k
 def test_external_drafts_reproduce_plain_decoding(model, reference, k):
     prompts, ref_out, ref_states = reference
     vocab = model.cfg.vocab_size
