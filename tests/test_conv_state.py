@@ -77,3 +77,21 @@ def test_layouts_and_refusals():
         is_ring(jnp.zeros((2, C, 5)), K)
     with pytest.raises(ValueError, match="pass the rows' first position"):
         window_before(jnp.zeros((2, C, K)), K, None)
+
+
+def test_layer_refuses_a_ring_without_a_start_of_shape_b():
+    from conftest import fixture_path
+    from mtp_jax.models.loader import load_model
+
+    from flax import nnx
+
+    loaded = load_model(fixture_path("tiny_dense"), "float32", with_mtp=False)
+    model = nnx.merge(loaded.graphdef, loaded.params)
+    layer = next(m.linear_attn for m in model.layers if m.layer_type != "full_attention")
+    x = jnp.zeros((2, 1, model.cfg.hidden_size))
+    conv_dim = model.cfg.linear_conv_dim
+    state = (jnp.zeros((2, layer.hv, layer.dk, layer.dv)), jnp.zeros((2, conv_dim, K)))
+    valid = jnp.ones((2, 1), bool)
+    for start in (None, jnp.zeros((2, 1), jnp.int32)):
+        with pytest.raises(ValueError, match=r"pass `start \[B=2\]`"):
+            layer.decode(x, state, valid, start=start)

@@ -341,28 +341,39 @@ def _np_gated_norm(o, z, weight, eps, dtype):
 
 def _ring_norm_check(c, hk, interpret, repeats=1):
     """The kernel with the output norm folded in against the kernel without it plus a float64
-    gated norm of its output; ``sync`` comes back zero; ``repeats`` calls give one result."""
+    gated norm of its output, for the case's state and a second one; ``sync`` comes back zero.
+    Then ``repeats`` calls alternating the two states each give their state's first result
+    bit for bit: a block that read another block's output before it was written would see the
+    other state's (the previous call's buffer) or garbage."""
     wide, cols, norm = _merged(c, 21)
     dv = c["state"].shape[-1]
     weight = (1 + 0.2 * np.random.default_rng(22).standard_normal(dv)).astype(c["qkv"].dtype)
-    args = [jnp.asarray(wide), *(jnp.asarray(c[k]) for k in ("weight", "window")),
-            jnp.asarray(wide), jnp.asarray(wide),
-            *(jnp.asarray(c[k]) for k in ("a_log", "dt_bias", "valid", "state", "slot", "start"))]
-    o, pool, window = gdn_decode_ring(*args, num_k_heads=hk, interpret=interpret, **cols)
     sync = jnp.zeros((wide.shape[0], c["a"].shape[-1]), jnp.int32)
-    runs = [gdn_decode_ring(*args, num_k_heads=hk, interpret=interpret, output_norm=norm,
-                            norm_weight=jnp.asarray(weight), sync=sync, **cols)
-            for _ in range(repeats)]
-    y, pool_n, window_n, sync_out = runs[0]
-    np.testing.assert_array_equal(np.asarray(sync_out), 0)
-    np.testing.assert_array_equal(np.asarray(pool_n), np.asarray(pool))
-    np.testing.assert_array_equal(np.asarray(window_n), np.asarray(window))
-    want = _np_gated_norm(o, wide[..., norm.z_col:norm.z_col + o.shape[2] * dv], weight,
-                          norm.eps, c["qkv"].dtype)
     ulp = 2.0 ** -7 if c["qkv"].dtype == ml_dtypes.bfloat16 else 1e-5
-    _close(y, want.astype(np.float64), rtol=2 * ulp, atol=ulp / 8)
-    for other in runs[1:]:
-        np.testing.assert_array_equal(np.asarray(other[0]), np.asarray(y))
+    first = []
+    for state in (c["state"], 0.5 - c["state"]):
+        args = [jnp.asarray(wide), *(jnp.asarray(c[k]) for k in ("weight", "window")),
+                jnp.asarray(wide), jnp.asarray(wide),
+                *(jnp.asarray(c[k]) for k in ("a_log", "dt_bias", "valid")), jnp.asarray(state),
+                *(jnp.asarray(c[k]) for k in ("slot", "start"))]
+        run = functools.partial(gdn_decode_ring, *args, num_k_heads=hk, interpret=interpret,
+                                **cols)
+        o, pool, window = run()
+        y, pool_n, window_n, sync_out = run(output_norm=norm, norm_weight=jnp.asarray(weight),
+                                            sync=sync)
+        np.testing.assert_array_equal(np.asarray(sync_out), 0)
+        np.testing.assert_array_equal(np.asarray(pool_n), np.asarray(pool))
+        np.testing.assert_array_equal(np.asarray(window_n), np.asarray(window))
+        want = _np_gated_norm(o, wide[..., norm.z_col:norm.z_col + o.shape[2] * dv], weight,
+                              norm.eps, c["qkv"].dtype)
+        _close(y, want.astype(np.float64), rtol=2 * ulp, atol=ulp / 8)
+        first.append((functools.partial(run, output_norm=norm,
+                                        norm_weight=jnp.asarray(weight), sync=sync),
+                      np.asarray(y)))
+    assert not np.array_equal(first[0][1], first[1][1])
+    for i in range(repeats):
+        call, y = first[i % 2]
+        np.testing.assert_array_equal(np.asarray(call()[0]), y)
 
 
 @pytest.mark.parametrize("dtype", [np.float32, ml_dtypes.bfloat16])
@@ -443,7 +454,7 @@ def test_ring_refusals():
         gdn_conv_rows(jnp.asarray(c["qkv"]), jnp.asarray(c["weight"]),
                       jnp.asarray(c["window"]), jnp.asarray(c["slot"]))
     bad = dict(c, window=c["window"][..., :3])
-    with pytest.raises(ValueError, match="weight is"):
+    with pytest.raises(ValueError, match="has 3 columns; this kernel needs a ring"):
         _ring_decode(bad, 2, True)
     with pytest.raises(ValueError, match="start is"):
         _ring_decode(dict(c, start=c["start"][:1]), 2, True)
@@ -510,8 +521,8 @@ def test_gpu_ring_decode(b, hv):
 @pytest.mark.parametrize("b,hv", [(1, 16), (8, 48), (32, 32)])
 def test_gpu_ring_decode_folds_the_output_norm(b, hv):
     """Compiled, where the last block of a head to finish (an atomic counter) reads the other
-    blocks' outputs: against the unfolded kernel plus a float64 gated norm, and 20 calls give
-    one result bit for bit (a block read before it was written would differ)."""
+    blocks' outputs: against the unfolded kernel plus a float64 gated norm, and 20 calls
+    alternating two states give their own results bit for bit."""
     c = _ring_case(17, b, 16, hv, 128, 128, ml_dtypes.bfloat16, slots=b + 3)
     c["start"] = np.random.default_rng(b).integers(0, 3000, b).astype(np.int32)
     c["slot"] = np.random.default_rng(b + 1).permutation(np.arange(1, b + 3))[:b].astype(np.int32)

@@ -65,7 +65,8 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype: str, mtp: bool) -> int:
 def gdn_bytes(cfg: ModelConfig, dtype: str) -> int:
     """One request's GDN state: recurrent (float32) and conv window, all GDN layers."""
     rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    conv = cfg.linear_conv_dim * cfg.linear_conv_kernel_dim * _ITEMSIZE[dtype]  # a ring of K
+    # A ring of K columns (qwen4_exp's shift register keeps K-1: one column over).
+    conv = cfg.linear_conv_dim * cfg.linear_conv_kernel_dim * _ITEMSIZE[dtype]
     return len(cfg.linear_layer_ids) * (rec + conv)
 
 

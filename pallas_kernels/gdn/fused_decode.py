@@ -3,10 +3,15 @@
 recurrence, with the conv window and the recurrent state updated in place by slot.
 
 It does what :func:`pallas_kernels.gdn.fused.gdn_conv_rows` (with ``length``) followed by
-:func:`~pallas_kernels.gdn.fused.gdn_step` (``mode="decode"``) do, with the same per-row
-arithmetic (the conv summed tap by tap in float32 and rounded to the model dtype, then
+:func:`~pallas_kernels.gdn.fused.gdn_step` (``mode="decode"``) do, with the same formulas in
+the same order (the conv summed tap by tap in float32 and rounded to the model dtype, then
 :func:`~pallas_kernels.gdn.fused.l2` and :func:`pallas_kernels.gdn.pallas.step`), minus one
-kernel launch and the conv output's round trip through memory.
+kernel launch and the conv output's round trip through memory. Being another kernel, it is
+not promised bit for bit equal to them (the compiler may contract or order float32 operations
+differently; the tests check a relative 1e-5), and the folded output norm (:class:`OutputNorm`)
+takes its mean in another order than XLA's fusion on the verify path. So a plain decode step
+and a verify of the same row can differ in the last bits, as the one-row and multi-row
+projections already do.
 
 One program per (request, value head, value block) computes the conv of the channels it reads:
 its key head's q and k (shared with every other value block of the head and, with GQA, the
@@ -142,8 +147,13 @@ def _decode_kernel(slot_ref, valid_ref, start_ref, qkv_ref, w_ref, a_ref, b_ref,
 def _check(qkv, weight, window, a, b, a_log, dt_bias, valid, state, slot, start, hk, a_col,
            b_col):
     bsz, t, n = qkv.shape
-    s, c, kernel = window.shape
+    s, c, cols = window.shape
+    kernel = weight.shape[-1]
     _, hv, dk, dv = state.shape
+    if cols != kernel:
+        raise ValueError(f"gdn_decode_ring: window {window.shape} has {cols} columns; this "
+                         f"kernel needs a ring [S, C, K={kernel}] (a shift register of K-1 "
+                         "columns takes gdn_conv_rows + gdn_step).")
     want = {"qkv": ((t, n >= c), (1, True)), "weight": (weight.shape, (c, kernel)),
             "A_log": (a_log.shape, (hv,)), "dt_bias": (dt_bias.shape, (hv,)),
             "valid": (valid.shape, (bsz, 1)), "slot": (slot.shape, (bsz,)),

@@ -212,9 +212,9 @@ def paged_attention_partials(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax
         :func:`pallas_kernels.paged_attention.prep.qk_norm_rope_write`).
       q_positions: ``[B, T]`` int32; other arguments as :func:`paged_attention_pallas`.
     Returns:
-      ``(o [B, Hkv, S, rows, D] in q_rows.dtype, m [B, Hkv, S, rows], l [B, Hkv, S, rows])``
-      float32 m, l: per key split ``S`` the unnormalised output and the row max and sum of
-      the base-2 scores.
+      ``(o, m, l)``: per key split ``S``, ``o [B, Hkv, S, rows, D]`` (``q_rows.dtype``) the
+      unnormalised output, ``m`` and ``l [B, Hkv, S, rows]`` (float32) the row max and the
+      row sum of the base-2 scores.
     Raises:
       ValueError: shapes that do not match, or sizes the Triton lowering cannot express.
     """

@@ -185,14 +185,17 @@ class GatedDeltaNet(nnx.Module):
         """The output gate's activation of ``z`` (float32)."""
         return jax.nn.sigmoid(z) if self.output_gate == "sigmoid" else jax.nn.silu(z)
 
-    def _start(self, conv: jax.Array, start):
+    def _start(self, conv: jax.Array, start, batch: int):
         """``start`` as ``[B]`` int32 for a ring conv state, ``None`` for a shift register
-        (:mod:`mtp_jax.models.layers.conv_state`). Raises ValueError for a ring without it."""
+        (:mod:`mtp_jax.models.layers.conv_state`). Raises ValueError for a ring without it or
+        with another shape."""
         if not is_ring(conv, self.kernel):
             return None
-        if start is None:
-            raise ValueError("GatedDeltaNet: the conv state is a ring (K columns, keyed by "
-                             "position); pass `start [B]`, the position of each request's row 0.")
+        if start is None or jnp.shape(start) != (batch,):
+            got = None if start is None else jnp.shape(start)
+            raise ValueError(f"GatedDeltaNet: the conv state is a ring (K columns, keyed by "
+                             f"position); pass `start [B={batch}]`, the position of each "
+                             f"request's row 0 (got {got}).")
         return jnp.asarray(start, jnp.int32)
 
     def prefill(self, x, state, valid, start=None):
@@ -201,7 +204,7 @@ class GatedDeltaNet(nnx.Module):
         ``[B,C,K]`` (then ``start [B]``, the position of row 0, is needed) or a shift register
         ``[B,C,K-1]``. Returns ``(out [B, T, H], new state)``."""
         recurrent, conv = state
-        start = self._start(conv, start)
+        start = self._start(conv, start, x.shape[0])
         proj = self._project(x)
         rows = self._rows(proj, window_before(conv, self.kernel, start), valid)
         o, recurrent = gdn_chunked_reference(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent)
@@ -214,7 +217,7 @@ class GatedDeltaNet(nnx.Module):
         change. ``state``: the batch view, or the pools when ``slots [B]`` is given; ``start
         [B]``: as :meth:`prefill`. Returns ``(out [B, T, H], GDNRows | GDNConvRows)`` for
         :meth:`commit`."""
-        start = self._start(state[1], start)
+        start = self._start(state[1], start, x.shape[0])
         if self.backend == "pallas":
             return self._verify_fused(x, state, valid, _slots_of(slots, x), start)
         recurrent, conv = state if slots is None else gather_states(state, slots)
@@ -242,7 +245,7 @@ class GatedDeltaNet(nnx.Module):
                              "per request (use verify + commit for a window).")
         sync = state[2] if len(state) == 3 else None
         state = tuple(state[:2])
-        start = self._start(state[1], start)
+        start = self._start(state[1], start, x.shape[0])
         if self.backend == "pallas":
             out, new, sync = self._decode_fused(x, state, valid, _slots_of(slots, x), start, sync)
         else:

@@ -110,12 +110,16 @@ class GatedDeltaNetGate(GatedDeltaNet):
         super().__init__(cfg, dtype)
         self.output_gate = cfg.output_gate_type  # read by GatedDeltaNet._output_gate
 
-    def decode(self, x, state, valid):
+    def decode(self, x, state, valid, slots=None, start=None):
         """Step form over ``x [B, T, H]``: a verify of the rows (the decode recurrence row by
         row) committed in full through the ``gdn_recurrent`` slot-state hooks, instead of the
         chunked prefill form, which pads every call to a 64-row chunk. Same arguments and
-        results as :meth:`prefill`."""
-        out, rows = self.verify(x, state, valid)
+        results as :meth:`prefill` (a batch view of the states: ``slots`` must be None; the
+        shift-register conv state needs no ``start``). Raises ValueError with ``slots``."""
+        if slots is not None:
+            raise ValueError("GatedDeltaNetGate.decode takes a batch view of the states; "
+                             "gather the slots first (slots=None).")
+        out, rows = self.verify(x, state, valid, start=start)
         accepted = jnp.sum(valid, axis=1).astype(jnp.int32)
         return out, by_name("gdn_recurrent").commit(state, rows, None, accepted)
 
