@@ -43,88 +43,86 @@ PARTS = ("norm", "prep", "ring", "gdn")
 SHAPES = {"2B": (16, 16), "35B": (32, 16), "27B": (48, 16)}  # name -> (Hv, Hk)
 
 
-def gdn_case(name: str, copies: int, batch: int = 1):
-    hv, hk = SHAPES[name]
-    c = 2 * hk * D + hv * D
-    n = c + hv * D + 2 * hv  # the merged in-projection's output: [qkv | z | b | a]
-    ks = jax.random.split(jax.random.key(0), 6)
-    proj = jax.random.normal(ks[0], (copies, batch, 1, n), jnp.bfloat16)
-    weight = jax.random.normal(ks[1], (c, KERNEL), jnp.bfloat16) * 0.5
-    window = jax.random.normal(ks[2], (copies, batch + 1, c, KERNEL - 1), jnp.bfloat16)
-    state = jax.random.normal(ks[3], (copies, batch + 1, hv, D, D), jnp.float32) * 0.3
-    a_log = jax.random.normal(ks[4], (hv,), jnp.float32)
-    dt_bias = jax.random.normal(ks[5], (hv,), jnp.float32)
-    slot = jnp.arange(batch, dtype=jnp.int32) + 1
-    keep = jnp.ones((batch, 1), bool)
-    length = jnp.ones((batch,), jnp.int32)
-
-    def layer(p, win, st, block_v, num_warps):
-        conv, win = gdn_conv_rows(p, weight, win, slot, length)
-        o, st = gdn_step(conv, p, p, a_log, dt_bias, keep, st, slot, num_k_heads=hk,
-                         mode="decode", a_col=c + hv * D + hv, b_col=c + hv * D,
-                         block_v=block_v, num_warps=num_warps)
-        return o, win, st
-
-    for block_v in (16, 32, 64, 128):
-        for num_warps in (4, 8):
-            @functools.partial(jax.jit, donate_argnums=(1, 2))
-            def run(p, win, st, block_v=block_v, num_warps=num_warps):
-                outs = [layer(p[i], win[i], st[i], block_v, num_warps) for i in range(copies)]
-                return ([o for o, _, _ in outs], jnp.stack([w for _, w, _ in outs]),
-                        jnp.stack([s for _, _, s in outs]))
-
-            def call(p, win, st, run=run):
-                return run(p, jnp.copy(win), jnp.copy(st))
-            try:
-                times = device_us(call, (proj, window, state))
-            except Exception as e:  # noqa: BLE001 - a tiling may not compile
-                print(f"{name} B={batch} block_v {block_v} warps {num_warps}: failed "
-                      f"{type(e).__name__}: {str(e)[:100]}", flush=True)
-                continue
-            step = sum(us for k, us in times.items() if k.startswith("gdn_fused")) / copies
-            conv = sum(us for k, us in times.items() if k.startswith("gdn_conv")) / copies
-            print(f"{name} B={batch} Hv={hv} block_v {block_v:3d} warps {num_warps}: step "
-                  f"{step:5.2f} us, conv {conv:5.2f} us per layer", flush=True)
-
-
-def ring_case(name: str, copies: int, batch: int = 1):
-    """``gdn_decode_ring`` (conv on a ring window, gates, recurrence: one kernel) per layer."""
+def _gdn_inputs(name: str, copies: int, batch: int, window_cols: int) -> dict:
+    """Random inputs of ``copies`` GDN layers at a shape: the merged in-projection's output
+    ``proj [copies, B, 1, N]`` (``[qkv | z | b | a]``), the conv weight, the window and state
+    pools (``B + 1`` slots, ``window_cols`` columns), the gates' parameters, and the column
+    offsets of ``b`` and ``a``."""
     hv, hk = SHAPES[name]
     c = 2 * hk * D + hv * D
     n = c + hv * D + 2 * hv
     ks = jax.random.split(jax.random.key(0), 6)
-    proj = jax.random.normal(ks[0], (copies, batch, 1, n), jnp.bfloat16)
-    weight = jax.random.normal(ks[1], (c, KERNEL), jnp.bfloat16) * 0.5
-    window = jax.random.normal(ks[2], (copies, batch + 1, c, KERNEL), jnp.bfloat16)
-    state = jax.random.normal(ks[3], (copies, batch + 1, hv, D, D), jnp.float32) * 0.3
-    a_log = jax.random.normal(ks[4], (hv,), jnp.float32)
-    dt_bias = jax.random.normal(ks[5], (hv,), jnp.float32)
-    slot = jnp.arange(batch, dtype=jnp.int32) + 1
-    valid = jnp.ones((batch, 1), bool)
-    start = jnp.full((batch,), 1029, jnp.int32)
-    for block_v in (16, 32, 64):
-        for num_warps in (2, 4):
-            @functools.partial(jax.jit, donate_argnums=(1, 2))
-            def run(p, win, st, block_v=block_v, num_warps=num_warps):
-                outs = [gdn_decode_ring(p[i], weight, win[i], p[i], p[i], a_log, dt_bias, valid,
-                                        st[i], slot, start, num_k_heads=hk,
-                                        a_col=c + hv * D + hv, b_col=c + hv * D,
-                                        block_v=block_v, num_warps=num_warps)
-                        for i in range(copies)]
-                return ([o for o, _, _ in outs], jnp.stack([s for _, s, _ in outs]),
-                        jnp.stack([w for _, _, w in outs]))
+    return dict(
+        hv=hv, hk=hk, cols={"a_col": c + hv * D + hv, "b_col": c + hv * D},
+        proj=jax.random.normal(ks[0], (copies, batch, 1, n), jnp.bfloat16),
+        weight=jax.random.normal(ks[1], (c, KERNEL), jnp.bfloat16) * 0.5,
+        window=jax.random.normal(ks[2], (copies, batch + 1, c, window_cols), jnp.bfloat16),
+        state=jax.random.normal(ks[3], (copies, batch + 1, hv, D, D), jnp.float32) * 0.3,
+        a_log=jax.random.normal(ks[4], (hv,), jnp.float32),
+        dt_bias=jax.random.normal(ks[5], (hv,), jnp.float32),
+        slot=jnp.arange(batch, dtype=jnp.int32) + 1, valid=jnp.ones((batch, 1), bool))
 
-            def call(p, win, st, run=run):
-                return run(p, jnp.copy(win), jnp.copy(st))
-            try:
-                times = device_us(call, (proj, window, state))
-            except Exception as e:  # noqa: BLE001 - a tiling may not compile
-                print(f"{name} ring B={batch} block_v {block_v} warps {num_warps}: failed "
-                      f"{type(e).__name__}: {str(e)[:100]}", flush=True)
-                continue
-            us = sum(v for k, v in times.items() if k.startswith("gdn_fused_decode_ring"))
-            print(f"{name} ring B={batch} Hv={hv} block_v {block_v:3d} warps {num_warps}: "
-                  f"{us / copies:5.2f} us per layer (conv + step in one kernel)", flush=True)
+
+def _time_layers(label: str, x: dict, copies: int, layer, tilings):
+    """Device time per layer of ``layer(proj, window, state, block_v, num_warps) -> (o,
+    window, state)`` over ``tilings``; yields ``(block_v, num_warps, times)``, skipping (with a
+    line) tilings that do not compile."""
+    for block_v, num_warps in tilings:
+        @functools.partial(jax.jit, donate_argnums=(1, 2))
+        def run(p, win, st, block_v=block_v, num_warps=num_warps):
+            outs = [layer(p[i], win[i], st[i], block_v, num_warps) for i in range(copies)]
+            return ([o for o, _, _ in outs], jnp.stack([w for _, w, _ in outs]),
+                    jnp.stack([s for _, _, s in outs]))
+
+        def call(p, win, st, run=run):
+            return run(p, jnp.copy(win), jnp.copy(st))
+        try:
+            times = device_us(call, (x["proj"], x["window"], x["state"]))
+        except Exception as e:  # noqa: BLE001 - a tiling may not compile
+            print(f"{label} block_v {block_v} warps {num_warps}: failed "
+                  f"{type(e).__name__}: {str(e)[:100]}", flush=True)
+            continue
+        yield block_v, num_warps, times
+
+
+def gdn_case(name: str, copies: int, batch: int = 1):
+    """The conv kernel with the window write, then the fused decode step, per layer."""
+    x = _gdn_inputs(name, copies, batch, KERNEL - 1)
+    length = jnp.ones((batch,), jnp.int32)
+
+    def layer(p, win, st, block_v, num_warps):
+        conv, win = gdn_conv_rows(p, x["weight"], win, x["slot"], length)
+        o, st = gdn_step(conv, p, p, x["a_log"], x["dt_bias"], x["valid"], st, x["slot"],
+                         num_k_heads=x["hk"], mode="decode", block_v=block_v,
+                         num_warps=num_warps, **x["cols"])
+        return o, win, st
+
+    tilings = [(bv, nw) for bv in (16, 32, 64, 128) for nw in (4, 8)]
+    for block_v, num_warps, times in _time_layers(f"{name} B={batch}", x, copies, layer,
+                                                   tilings):
+        step = sum(us for k, us in times.items() if k.startswith("gdn_fused")) / copies
+        conv = sum(us for k, us in times.items() if k.startswith("gdn_conv")) / copies
+        print(f"{name} B={batch} Hv={x['hv']} block_v {block_v:3d} warps {num_warps}: step "
+              f"{step:5.2f} us, conv {conv:5.2f} us per layer", flush=True)
+
+
+def ring_case(name: str, copies: int, batch: int = 1):
+    """``gdn_decode_ring`` (conv on a ring window, gates, recurrence: one kernel) per layer."""
+    x = _gdn_inputs(name, copies, batch, KERNEL)
+    start = jnp.full((batch,), 1029, jnp.int32)
+
+    def layer(p, win, st, block_v, num_warps):
+        o, st, win = gdn_decode_ring(p, x["weight"], win, p, p, x["a_log"], x["dt_bias"],
+                                     x["valid"], st, x["slot"], start, num_k_heads=x["hk"],
+                                     block_v=block_v, num_warps=num_warps, **x["cols"])
+        return o, win, st
+
+    tilings = [(bv, nw) for bv in (16, 32, 64) for nw in (2, 4)]
+    for block_v, num_warps, times in _time_layers(f"{name} ring B={batch}", x, copies, layer,
+                                                   tilings):
+        us = sum(v for k, v in times.items() if k.startswith("gdn_fused_decode_ring"))
+        print(f"{name} ring B={batch} Hv={x['hv']} block_v {block_v:3d} warps {num_warps}: "
+              f"{us / copies:5.2f} us per layer (conv + step in one kernel)", flush=True)
 
 
 def norm_case(copies: int, hidden: int = 2048):

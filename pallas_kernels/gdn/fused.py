@@ -42,7 +42,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import interpret_mode, next_pow2, whole
-from pallas_kernels.gdn.pallas import default_tiling, pad_rows, step
+from pallas_kernels.gdn.pallas import pad_rows, resolve_tiling, step
 
 F32 = jnp.float32
 MODES = ("verify", "commit", "decode")
@@ -278,10 +278,7 @@ def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
     _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, num_k_heads, mode, a_col, b_col)
     bsz, t, _ = conv.shape
     _, hv, dk, dv = state.shape
-    bv0, nw0 = default_tiling(bsz, hv, dv)
-    block_v, num_warps = block_v or bv0, num_warps or nw0
-    if dv % block_v or block_v & (block_v - 1):
-        raise ValueError(f"gdn_step: block_v={block_v} must be a power of two dividing Dv={dv}.")
+    block_v, num_warps = resolve_tiling("gdn_step", bsz, hv, dv, block_v, num_warps)
     tp = next_pow2(t)
     conv, a, b = (pad_rows(x, tp) for x in (conv, a, b))
     keep = pad_rows(keep.astype(jnp.int32), tp)

@@ -37,7 +37,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import interpret_mode, whole
 from pallas_kernels.gdn.fused import l2, ring_ext
-from pallas_kernels.gdn.pallas import default_tiling, step
+from pallas_kernels.gdn.pallas import resolve_tiling, step
 
 F32 = jnp.float32
 
@@ -218,11 +218,7 @@ def gdn_decode_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax
            a_col, b_col)
     bsz = qkv.shape[0]
     _, hv, dk, dv = state.shape
-    bv0, nw0 = default_tiling(bsz, hv, dv)
-    block_v, num_warps = block_v or bv0, num_warps or nw0
-    if dv % block_v or block_v & (block_v - 1):
-        raise ValueError(f"gdn_decode_ring: block_v={block_v} must be a power of two dividing "
-                         f"Dv={dv}.")
+    block_v, num_warps = resolve_tiling("gdn_decode_ring", bsz, hv, dv, block_v, num_warps)
     state_spec = pl.BlockSpec((state.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
     o_shape = jax.ShapeDtypeStruct((bsz, 1, hv, dv), F32)
     args = [slot.astype(jnp.int32), valid.reshape(bsz).astype(jnp.int32),

@@ -87,6 +87,18 @@ def default_tiling(batch: int, heads: int, dv: int) -> tuple[int, int]:
     return min(16, dv), 4
 
 
+def resolve_tiling(caller: str, batch: int, heads: int, dv: int, block_v: int | None,
+                   num_warps: int | None) -> tuple[int, int]:
+    """``(block_v, num_warps)``: the given ones, else :func:`default_tiling`'s. Raises
+    ValueError (naming ``caller``) when ``block_v`` is not a power of two dividing ``dv``."""
+    bv0, nw0 = default_tiling(batch, heads, dv)
+    block_v, num_warps = block_v or bv0, num_warps or nw0
+    if dv % block_v or block_v & (block_v - 1):
+        raise ValueError(f"{caller}: block_v={block_v} must be a power of two dividing "
+                         f"Dv={dv}.")
+    return block_v, num_warps
+
+
 def _specs(t: int, dk: int, bv: int):
     rows_k = pl.BlockSpec((None, t, None, dk), lambda b, h, j: (b, 0, h, 0))
     rows_v = pl.BlockSpec((None, t, None, bv), lambda b, h, j: (b, 0, h, j))
