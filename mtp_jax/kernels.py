@@ -22,7 +22,7 @@ from mtp_jax.config import ConfigError
 
 OPS = ("attention", "gdn", "moe", "norm", "gemv")
 CHOICES = ("auto", "xla", "pallas")
-EXTRA_CHOICES = {"gemv": ("reduce",)}
+EXTRA_CHOICES = {"gemv": ("reduce", "fused")}
 # attention: measured faster on the H200 in the 2B and 27B decode steps and the 2B k = 3 round,
 # neutral in the 35B-A3B step (docs/benchmarks.md, session 12).
 AUTO_PALLAS_ON_GPU: tuple[str, ...] = ("gdn", "moe", "attention")
@@ -40,11 +40,13 @@ OP_DESCRIPTIONS = {"attention": "paged attention (decode/verify rows)",
                    "gemv": "the projections and LM head of one-row calls (batch-1 decode with "
                            "speculation off; batch-1 MTP draft steps)"}
 EXPERIMENTAL = {
-    "gemv": "pallas is experimental: slower than reduce on every shape measured "
+    "gemv": "pallas is experimental: slower than reduce on every shape measured; fused is "
+            "experimental: the 2B decode step -0.016 ms on one H200 and +0.024 ms on another "
             "(docs/benchmarks.md)"}
 NOTES = {"gemv": "reduce = XLA's multiply-reduce form of one-row calls with K <= 8192 (XLA's "
                  "GEMM for the others); pallas = a Triton kernel for one-row calls with >= 4096 "
-                 "output columns"}
+                 "output columns; fused = reduce, with each one-row MLP's residual add + norm, "
+                 "gate/up projection and SwiGLU as one Triton kernel (Qwen3.5 family)"}
 
 
 def choices_of(op: str) -> tuple[str, ...]:
@@ -135,10 +137,10 @@ class KernelBackends:
         on_gpu = platform in ("gpu", "cuda")
         out = {}
         for op, value in chosen.items():
-            if value == "pallas" and not on_gpu:
-                others = _either([c for c in choices_of(op) if c not in ("pallas", "auto")]
-                                 + ["auto"])
-                raise ConfigError(f"{op}_backend 'pallas' needs a CUDA GPU (the kernels use the "
+            if value in ("pallas", "fused") and not on_gpu:
+                others = _either([c for c in choices_of(op)
+                                  if c not in ("pallas", "fused", "auto")] + ["auto"])
+                raise ConfigError(f"{op}_backend {value!r} needs a CUDA GPU (the kernels use the "
                                   f"Pallas Triton lowering) but JAX runs on {platform!r}; use "
                                   f"--{op}-backend {others}.")
             wide = dtype == "float32" and op in SIXTEEN_BIT_ONLY

@@ -31,6 +31,13 @@ def test_auto_norm_by_hidden_size(hidden, want):
     assert KernelBackends.resolve(platform="cpu", hidden_size=hidden).norm == "xla"
 
 
+def test_fused_gemv_without_gpu_is_refused():
+    with pytest.raises(ConfigError, match="gemv_backend 'fused' needs a CUDA GPU.*"
+                                          "--gemv-backend xla, reduce or auto"):
+        KernelBackends.resolve(gemv="fused", platform="cpu")
+    assert KernelBackends.resolve(gemv="fused", platform="gpu").gemv == "fused"
+
+
 def test_reduce_is_a_gemv_choice_only():
     assert KernelBackends.resolve(platform="cpu", gemv="reduce").gemv == "reduce"  # XLA: any
     with pytest.raises(ConfigError, match=r"norm_backend 'reduce'.*auto, xla, pallas "

@@ -31,7 +31,7 @@ import jax.numpy as jnp
 from pallas_kernels.gemv.few_rows import GemvTiles, few_rows_matmul
 from pallas_kernels.gemv.reduce_form import reduce_applies, reduce_matmul
 
-BACKENDS = ("xla", "reduce", "pallas")
+BACKENDS = ("xla", "reduce", "pallas", "fused")
 MIN_COLUMNS = 4096  # output columns below which XLA wins (too few programs to fill the card)
 PROGRAM_ELEMENTS = 16384  # weights a program reads (bn x K): 32 KB in bf16
 
@@ -60,7 +60,9 @@ def gemv(x: jax.Array, w: jax.Array, *, backend: str = "xla",
     """``x [..., K] @ w[N, K].T -> [..., N]`` in ``w.dtype`` (``x`` is cast to it first), float32
     sums.
 
-    ``backend="reduce"`` runs :func:`reduce_matmul` where
+    ``backend="reduce"`` (and ``"fused"``, whose add + norm + projection fusion the layers
+    call themselves: :func:`pallas_kernels.gemv.norm_gemv.norm_gemv`) runs
+    :func:`reduce_matmul` where
     :func:`pallas_kernels.gemv.reduce_form.reduce_applies` (one row, K <= 8192);
     ``backend="pallas"`` runs :func:`few_rows_matmul` when ``x`` holds one row and
     :func:`default_tiles` fits ``w``; every other call is XLA's einsum. ``interpret``: Pallas
@@ -73,7 +75,7 @@ def gemv(x: jax.Array, w: jax.Array, *, backend: str = "xla",
     if x.shape[-1] != k:
         raise ValueError(f"gemv: x {x.shape} and w {w.shape} must be [..., K] and [N, K].")
     x = x.astype(w.dtype)
-    if backend == "reduce" and reduce_applies(x.shape, w.shape):
+    if backend in ("reduce", "fused") and reduce_applies(x.shape, w.shape):
         return reduce_matmul(x, w)
     tiles = default_tiles(n, k)
     if backend != "pallas" or tiles is None or math.prod(x.shape[:-1]) != 1:

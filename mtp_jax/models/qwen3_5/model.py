@@ -9,6 +9,8 @@ the batch view of its GDN states and returns their new values; nothing is stored
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -21,6 +23,7 @@ from mtp_jax.models.layers.attention import GatedAttention
 from mtp_jax.models.layers.basic import Embed, Linear, RMSNorm
 from mtp_jax.models.layers.gdn import GatedDeltaNet
 from mtp_jax.models.layers.mlp import MLP, SparseMoE
+from pallas_kernels.gemv.norm_gemv import norm_gemv, supports
 
 
 class DecoderLayer(nnx.Module):
@@ -80,8 +83,23 @@ class DecoderLayer(nnx.Module):
         layer's output is ``h + mlp_out``, left for the next :meth:`RMSNorm.add_norm`."""
         x, hn = self.input_layernorm.add_norm(x, delta)
         out, kv, gdn = self.mix(hn, batch, kv, gdn, gdn_mode, slots)
+        if self._fuses_mlp(x):
+            norm, mlp = self.post_attention_layernorm, self.mlp
+            h, act = norm_gemv(x, out, norm.weight[...], mlp.gate_up_proj.weight[...],
+                               norm.eps, act="silu_mul")
+            return h, mlp.down_proj(act), kv, gdn
         h, hn = self.post_attention_layernorm.add_norm(x, out)
         return h, self.mlp(hn), kv, gdn
+
+    def _fuses_mlp(self, x: jax.Array) -> bool:
+        """Whether the residual add, ``post_attention_layernorm``, the gate/up projection and
+        SwiGLU run as one kernel (:func:`pallas_kernels.gemv.norm_gemv.norm_gemv`): one row,
+        a dense MLP with merged gate/up whose backend is ``"fused"``, of a shape the kernel
+        takes (:func:`pallas_kernels.gemv.norm_gemv.supports`)."""
+        gate_up = getattr(self.mlp, "gate_up_proj", None)
+        return (gate_up is not None and gate_up.backend == "fused"
+                and math.prod(x.shape[:-1]) == 1
+                and supports(gate_up.weight.shape, "silu_mul"))
 
 
 class Qwen35Model(nnx.Module):
