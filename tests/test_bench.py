@@ -67,7 +67,9 @@ def _bench(workdir, capsys, name, *extra):
 
 @pytest.fixture(scope="module")
 def cold(workdir):
-    """The first run: k 0 and 2, cold compilation cache. Returns (rc, JSON, stdout, stderr)."""
+    """The first run: k 0 and 2, one and three rounds per call, cold compilation cache (rows:
+    k = 0 at 1 and 3 steps per call, k = 2 forced, k = 2 at 3 rounds per call with its own
+    drafts). Returns (rc, JSON, stdout, stderr)."""
     import contextlib
     import io
 
@@ -76,7 +78,7 @@ def cold(workdir):
     out, err = io.StringIO(), io.StringIO()
     with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
         rc = main(["--config", str(workdir / "tiny.json"), *ARGS, "--k", "0", "2",
-                   "--out", str(workdir / "cold.json"),
+                   "--num-scheduler-steps", "1", "3", "--out", str(workdir / "cold.json"),
                    "--compilation-cache-dir", str(workdir / "xla")])
     return rc, json.loads((workdir / "cold.json").read_text()), out.getvalue(), err.getvalue()
 
@@ -89,9 +91,10 @@ def test_bench_runs_exact_and_reports(cold):
                 "compilation_cache_dir"):
         assert key in meta
     assert meta["jax_version"] == jax.__version__
-    rows = {r["k"]: r for r in data["results"]}
-    assert sorted(rows) == [0, 2]
-    for r in rows.values():
+    assert [(r["k"], r["steps_per_call"]) for r in data["results"]] == [
+        (0, 1), (0, 3), (2, 1), (2, 3)]
+    rows = {r["k"]: r for r in data["results"] if r["steps_per_call"] == 1}
+    for r in data["results"]:
         for key in ("round_ms", "round_ms_p10", "round_ms_p90", "context", "floor_ms",
                     "fraction_of_floor", "bytes", "prefill_tokens_per_s", "programs",
                     "compiles_timed", "compiles_warmup", "startup_s", "peak_device_bytes"):
@@ -127,27 +130,49 @@ def test_bench_runs_exact_and_reports(cold):
     lines = stdout.splitlines()
     assert lines[0].startswith("| shape | batch | k | round ms")
     assert set(lines[1]) <= set("|-")
-    assert lines[2].startswith("| tiny | 2 | 0 |") and lines[3].startswith("| tiny | 2 | 2 |")
+    assert lines[2].startswith("| tiny | 2 | 0 |") and lines[4].startswith("| tiny | 2 | 2 |")
     assert os.listdir(meta["compilation_cache_dir"])  # programs were written to the cache
 
 
-def test_multistep_decode_row(workdir, capsys):
-    """``--num-scheduler-steps 1 3``: two k = 0 rows; the second runs three decode steps per
-    call and reports times per step; the calls cover the decode tokens and nothing compiles in
-    the timed part."""
-    rc, data, stdout, stderr = _bench(workdir, capsys, "steps", "--k", "0",
-                                      "--num-scheduler-steps", "1", "3")
-    assert rc == 0, stderr
-    one, r = data["results"]
-    assert one["steps_per_call"] == 1 and one["rounds_timed"] == DECODE
-    assert r["steps_per_call"] == 3 and r["compiles_timed"] == 0
+def test_multistep_decode_row(cold):
+    """``--num-scheduler-steps 1 3``: a second k = 0 row runs three decode steps per call and
+    reports times per step; the calls cover the decode tokens and nothing compiles in the
+    timed part."""
+    rc, data, stdout, stderr = cold
+    r = data["results"][1]
+    assert r["k"] == 0 and r["steps_per_call"] == 3 and r["compiles_timed"] == 0
     assert r["rounds_timed"] == 3 * r["calls_timed"]
     assert r["rounds_timed"] >= DECODE > r["rounds_timed"] - 3
     assert 0 < r["host_ms"] <= r["round_ms"]
-    assert "steps/call=3" in stderr
+    assert "k=0 steps/call=3" in stderr
     assert stdout.count("| tiny | 2 | 0 (3/call) |") == 2  # the main and the bytes tables
     assert {p["program"] for p in r["programs"]} == {"prefill[T=16,k=0]",
                                                     "round[B=2,k=0,steps=3]"}
+
+
+def test_multiround_spec_row_with_own_drafts(cold):
+    """k = 2 at three rounds per call: the MTP drafts as drafted (nothing forced inside a
+    call); in float32 every committed token equals both the forced row's rounds with every
+    draft rejected and plain decoding; each request committed the decode tokens; times and
+    the derived tokens/s are per round. (The tiny random model's drafts are rarely right;
+    accepted drafts inside multi-round calls are tests/test_multistep.py's.)"""
+    rc, data, stdout, stderr = cold
+    forced_row, r = data["results"][2:]
+    assert r["k"] == 2 and r["steps_per_call"] == 3 and "forced" not in r
+    assert r["exact"] is True and r["rounds_exact"] is True
+    assert r["rounds_match"]["tokens_compared"] >= 2 * DECODE
+    assert r["decode_match"]["exact"] and r["decode_match"]["tokens_compared"] >= 2 * DECODE
+    assert r["compiles_timed"] == 0 and r["rounds_timed"] == 3 * r["calls_timed"]
+    assert 1 <= r["accept_length_measured"] <= 3
+    assert r["accept_length_measured"] * r["rounds_timed"] >= DECODE
+    assert set(r["tokens_per_s_at_accept_length"]) == {"2.5", "3.0"}  # 3.5 > k + 1
+    for al, tps in r["tokens_per_s_at_accept_length"].items():
+        assert tps == pytest.approx(float(al) * 2 / (r["round_ms"] / 1e3))
+    assert {p["program"] for p in r["programs"]} == {"prefill[T=16,k=2]",
+                                                    "round[B=2,k=2,steps=3]"}
+    assert "k=2 steps/call=3" in stderr
+    assert stdout.count("| tiny | 2 | 2 (3/call) |") == 2  # the main and the bytes tables
+    assert forced_row["steps_per_call"] == 1 and forced_row["forced"]
 
 
 def test_corrupted_references_are_detected_and_cached_startup(cold, workdir, monkeypatch,
@@ -161,7 +186,8 @@ def test_corrupted_references_are_detected_and_cached_startup(cold, workdir, mon
     * the rejected-drafts continuation corrupted at request 0, token 6: the forced runs
       differ from it there (``MISMATCH``).
 
-    The second start-up loads the engine programs from the persistent cache."""
+    The row with three rounds per call and its own drafts catches both too. The second
+    start-up loads the engine programs from the persistent cache."""
     from mtp_jax.bench import run
 
     real_plain, real_rounds = run.plain_reference, run.rejected_drafts_reference
@@ -180,9 +206,15 @@ def test_corrupted_references_are_detected_and_cached_startup(cold, workdir, mon
     monkeypatch.setattr(run, "plain_reference", corrupted_plain)
     monkeypatch.setattr(run, "rejected_drafts_reference", corrupted_rounds)
     rc, data, stdout, stderr = _bench(workdir, capsys, "corrupt", "--k", "2",
-                                      "--accept-lengths", "3.0")
+                                      "--accept-lengths", "3.0", "--num-scheduler-steps", "3")
     assert rc == 1
-    (row,) = data["results"]
+    row, drafted = data["results"]
+    assert drafted["exact"] is False and drafted["rounds_exact"] is False
+    for match, request, index in ((drafted["rounds_match"], 0, 6),
+                                  (drafted["decode_match"], 1, 4)):
+        assert match["mismatched_requests"] == [request]
+        assert match["first_mismatch"]["index"] == index
+    assert "MISMATCH tiny batch=2 k=2 (3/call): the rounds with their own drafts" in stderr
     assert row["exact"] is False and row["rounds_exact"] is False
     d = row["decode_match"]
     assert d["mismatched_requests"] == [0, 1]  # the plain corruption and the rounds' one
@@ -192,10 +224,11 @@ def test_corrupted_references_are_detected_and_cached_startup(cold, workdir, mon
     assert f["first_mismatch"]["request"] == 0 and f["first_mismatch"]["index"] == 6
     assert "MISMATCH" in stderr and "DIVERGENCE" in stderr
     assert "**NO**" in stdout
-    for p in row["programs"]:
+    # (the drafted row's prefill program is the forced row's, compiled once in this process)
+    for p in row["programs"] + [p for p in drafted["programs"] if p["program"][:5] == "round"]:
         if p["program"].startswith(("prefill", "round")):
             assert p["compiles"] >= 1 and p["cache_hits"] == p["compiles"], p
-    assert row["startup_from_cache"] == "cached"
+    assert row["startup_from_cache"] == drafted["startup_from_cache"] == "cached"
 
 
 def test_a_decode_divergence_does_not_end_the_forced_accept_length(cold, workdir,
@@ -395,14 +428,14 @@ def test_kernel_choices_are_refused_before_weights(monkeypatch, capsys):
     assert "invalid choice: 'reduce'" in capsys.readouterr().err
 
 
-def test_scheduler_steps_without_a_plain_row_is_refused(capsys):
-    """Multi-step applies to k = 0 rows only: asking for it with k > 0 rows alone is an error,
-    not a silently ignored option."""
-    from mtp_jax.bench import main
+def test_row_plan_orders_forced_before_drafted_rows():
+    """A k > 0 row with several rounds per call compares with its forced row's continuation,
+    so the forced row (one round per call) runs first, whatever order the steps came in."""
+    from mtp_jax.bench.cli import row_plan
 
-    config = os.path.join(os.path.dirname(__file__), "..", "configs", "Qwen3.5-2B.json")
-    assert main(["--config", config, "--k", "2", "--num-scheduler-steps", "4"]) == 2
-    assert "--num-scheduler-steps [4] applies to k = 0 rows only" in capsys.readouterr().err
+    assert row_plan([0, 3], (4, 1)) == [(0, 4), (0, 1), (3, 1), (3, 4)]
+    assert row_plan([3], (4,)) == [(3, 1), (3, 4)]
+    assert row_plan([2], (1,)) == [(2, 1)]
 
 
 def test_commit_is_read_only_at_the_top_of_a_checkout(tmp_path):

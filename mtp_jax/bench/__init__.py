@@ -32,6 +32,10 @@ request, it reports:
   (both checks pass), ``rounds yes, decode from N`` (the forced runs pass; the continuation
   parts from plain decoding at token N) or ``NO``. A failed check is printed (``MISMATCH`` /
   ``DIVERGENCE``); in float32 the exit status is then 1, in 16-bit dtypes it is a warning;
+* k > 0 with ``--num-scheduler-steps N``, N > 1: a further row with N rounds per program call
+  and the drafts as drafted (nothing can be forced inside a call): the round time, tokens/s
+  derived from it at the accept lengths, the measured accept length and both exactness
+  checks on the committed tokens;
 * the first call of every program (prefill bucket, round bucket, forced drafts) in seconds,
   the XLA executables built and how many came from the persistent compilation cache, the
   compile count of the warm-up and of the timed phase (must be 0, else exit status 1);

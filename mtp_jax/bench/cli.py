@@ -41,11 +41,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request")
     p.add_argument("--decode-tokens", type=int, default=1024,
                    help="tokens each request decodes in the timed phase (k=0: steps; k>0: "
-                        "forced rounds until that many are committed)")
+                        "rounds until that many are committed)")
     p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)  # old name
     p.add_argument("--warmup-rounds", type=int, default=3,
                    help="untimed rounds before the timed phase (the first one compiles); "
-                        "program calls for k = 0 rows with --num-scheduler-steps above 1")
+                        "program calls for k = 0 rows with --num-scheduler-steps above 1; "
+                        "rounds, in whole calls, for k > 0 rows above 1")
     p.add_argument("--accept-lengths", type=float, nargs="+", default=[2.5, 3.0, 3.5],
                    help="accept lengths forced for k>0 (each in [1, k+1]; others skipped)")
     p.add_argument("--prefill-reps", type=int, default=3,
@@ -58,10 +59,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "(speculative_draft_vocab_size); the floor counts N draft LM-head rows "
                         "(default: the full vocabulary)")
     p.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1],
-                   help="k = 0 rows: decode steps per program call (multi-step scheduling, "
-                        "EngineConfig.num_scheduler_steps; times are reported per step), one "
-                        "row per value. k > 0 rows run one round per call (their drafts are "
-                        "forced between rounds)")
+                   help="rounds per program call (multi-step scheduling, "
+                        "EngineConfig.num_scheduler_steps; times are reported per round), one "
+                        "row per value. k > 0: the forced-draft row always runs one round per "
+                        "call (its drafts are forced between rounds); each value above 1 adds "
+                        "a row with the drafts as drafted (round time and exactness; the "
+                        "accept length is the model's)")
     p.add_argument("--page-size", type=int, default=16,
                    help="tokens per KV page (default %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -112,6 +115,14 @@ def _kernels(model) -> dict | None:
     return dataclasses.asdict(k) if dataclasses.is_dataclass(k) else None
 
 
+def row_plan(ks: list[int], steps: tuple[int, ...]) -> list[tuple[int, int]]:
+    """The ``(k, rounds per call)`` rows of one batch, in order: k = 0 once per ``steps``
+    value; each k > 0 first with one round per call (the forced-draft row), then once per
+    value above 1 (drafts as drafted)."""
+    return [(k, n) for k in ks
+            for n in (steps if k == 0 else (1, *sorted({n for n in steps if n > 1})))]
+
+
 def _progress(r: dict) -> str:
     tps = (f"{r['tokens_per_s']:.1f}" if not r["k"] else " / ".join(
         f"{v:.1f}" for v in r["tokens_per_s_at_accept_length"].values()))
@@ -149,10 +160,6 @@ def main(argv=None, description: str | None = None) -> int:
                      engine_warmup=args.engine_warmup, draft_vocab_size=args.draft_vocab_size,
                      num_scheduler_steps=tuple(args.num_scheduler_steps))
         s.validate()
-        if max(s.num_scheduler_steps) > 1 and 0 not in ks:
-            raise ValueError(f"--num-scheduler-steps {list(s.num_scheduler_steps)} applies to "
-                             "k = 0 rows only (k > 0 rows force drafts between rounds, one round "
-                             "per call); add 0 to --k or drop the option.")
         for k in ks:
             if k and not any(1 <= a <= k + 1 for a in s.accept_lengths):
                 raise ValueError(f"--accept-lengths {list(s.accept_lengths)}: none can be "
@@ -182,10 +189,9 @@ def main(argv=None, description: str | None = None) -> int:
         print(f"{path}: random weights in {time.perf_counter() - t0:.1f}s", file=sys.stderr,
               flush=True)
         for b in args.batch:
-            reference = None
-            for k, steps in [(k, n) for k in ks for n in (s.num_scheduler_steps if k == 0
-                                                           else (1,))]:
-                r, reference = bench_one(model, b, k, s, reference, steps)
+            refs: dict = {}  # this batch's continuations, shared by its rows (bench_one)
+            for k, steps in row_plan(ks, s.num_scheduler_steps):
+                r = bench_one(model, b, k, s, refs, steps)
                 r = {"config": path, **r, "kernel_backends": _kernels(model)}
                 results.append(r)
                 print(_progress(r), file=sys.stderr, flush=True)

@@ -81,8 +81,9 @@ def main_table(results: list[dict]) -> str:
     for r in results:
         if r["k"]:
             derived = " / ".join(_n(v) for v in r["tokens_per_s_at_accept_length"].values())
+            runs = r.get("forced") or [r]  # a drafted row (rounds per call > 1): its own run
             e2e = " / ".join(f"{_n(f['tokens_per_s_e2e'])} ({f['accept_length_measured']:.2f})"
-                             for f in r["forced"])
+                             for f in runs)
         else:
             derived, e2e = _n(r["tokens_per_s"]), _n(r["tokens_per_s_e2e"])
         built = sum(p["compiles"] for p in r["programs"])
@@ -101,9 +102,10 @@ def main_table(results: list[dict]) -> str:
 
 
 def exact_cell(r: dict) -> str:
-    """``-`` (k = 0), ``yes``, ``**NO**`` (a forced run left the round program's own greedy
-    continuation), or ``rounds yes, decode from N`` (the forced runs reproduced it, but it
-    parts from plain decoding at token N: a 16-bit near-tie between verify and decode shapes)."""
+    """``-`` (k = 0), ``yes``, ``**NO**`` (a forced run, or a drafted row, left the round
+    program's own greedy continuation), or ``rounds yes, decode from N`` (the rounds
+    reproduced it, but it parts from plain decoding at token N: a 16-bit near-tie between
+    verify and decode shapes)."""
     if r["exact"] is None:
         return "-"
     if r["exact"]:
@@ -151,12 +153,20 @@ def bytes_table(results: list[dict]) -> str:
 
 
 def failures(results: list[dict]) -> list[str]:
-    """One line per row whose forced rounds did not reproduce the round program's own greedy
-    continuation (``MISMATCH``), whose continuation parts from plain decoding (``DIVERGENCE``),
-    or that compiled in its timed phase."""
+    """One line per row whose forced rounds (or drafted rounds) did not reproduce the round
+    program's own greedy continuation (``MISMATCH``), whose continuation parts from plain
+    decoding (``DIVERGENCE``), or that compiled in its timed phase."""
     out = []
     for r in results:
-        tag = f"{_shape(r['config'])} batch={r['batch']} k={r['k']}"
+        tag = f"{_shape(r['config'])} batch={r['batch']} k={_k_cell(r)}"
+        drafted = "forced" not in r  # k > 0 with several rounds per call: drafts as drafted
+        rm = r.get("rounds_match")
+        if rm is not None and not rm["exact"]:
+            m = rm["first_mismatch"]
+            out.append(f"MISMATCH {tag}: the rounds with their own drafts differ from the "
+                       f"rounds with every draft rejected in requests "
+                       f"{rm['mismatched_requests']}; first at request {m['request']} token "
+                       f"{m['index']}: expected {m['expected']}, got {m['got']}")
         for f in r.get("forced", []):
             if not f["exact"]:
                 m = f["first_mismatch"]
@@ -167,7 +177,8 @@ def failures(results: list[dict]) -> list[str]:
         d = r.get("decode_match")
         if d is not None and not d["exact"]:
             m = d["first_mismatch"]
-            out.append(f"DIVERGENCE {tag}: the rounds with every draft rejected differ from "
+            which = "their own drafts" if drafted else "every draft rejected"
+            out.append(f"DIVERGENCE {tag}: the rounds with {which} differ from "
                        f"plain decoding in requests {d['mismatched_requests']}; first at "
                        f"request {m['request']} token {m['index']}: decode {m['expected']}, "
                        f"rounds {m['got']}")

@@ -21,7 +21,8 @@ them with ``overlap_schedule`` (:func:`pipelined_rounds`): round i + 1 is dispat
 round i's result is read, and a round's time is the interval between two results. The forced
 drafts of round i + 1 are written on the device between the two dispatches
 (:func:`~mtp_jax.bench.forced.force_on_device`); its device time is inside the round times
-(a few microseconds) and its host dispatch time is reported apart (``overwrite_ms``).
+(a few microseconds) and its host dispatch time is reported apart (``overwrite_ms``). A k > 0
+row with several rounds per call (:func:`drafted_rounds`) keeps the MTP drafts as drafted.
 """
 
 from __future__ import annotations
@@ -64,9 +65,9 @@ class Settings:
     max_k: int = 3
     engine_warmup: bool = False
     draft_vocab_size: int | None = None  # k > 0 rows: the MTP draft scores the N lowest ids
-    # k = 0 rows: decode steps per program call (EngineConfig.num_scheduler_steps), one row
-    # per value. k > 0 rows run one round per call: their drafts are forced on the device
-    # between rounds.
+    # Rounds per program call (EngineConfig.num_scheduler_steps), one row per value. k > 0:
+    # the forced-draft row always runs one round per call (its drafts are written on the
+    # device between rounds); each value above 1 adds a row with the drafts as drafted.
     num_scheduler_steps: tuple[int, ...] = (1,)
 
     def validate(self) -> None:
@@ -99,7 +100,7 @@ class Settings:
         """Room for the reference plus slack, minus 2 max_k + 1 so that every k gets the same
         page-table width (``pages_needed(max_model_len + 2k + 1)`` for k <= max_k)."""
         k, ps = self.max_k, self.page_size
-        slack = 4 * k + 8 + 8 * max(self.num_scheduler_steps)  # k = 0: multi-step overshoot
+        slack = 4 * k + 8 + 8 * max(self.num_scheduler_steps)  # multi-round overshoot
         pages = pages_needed(self.prompt_len + self.reference_len + slack, ps)
         return pages * ps - (2 * k + 1)
 
@@ -136,16 +137,16 @@ class Ledger:
 
 
 def make_engine(model, batch: int, k: int, s: Settings, steps: int = 1) -> Engine:
-    """An engine for ``batch`` requests plus one slot for the prefill-throughput prompt (k > 0:
-    with the reduced draft vocabulary of ``s.draft_vocab_size``, if set; k = 0: with
-    ``steps`` decode steps per call)."""
+    """An engine for ``batch`` requests plus one slot for the prefill-throughput prompt, with
+    ``steps`` rounds per call (k > 0: with the reduced draft vocabulary of
+    ``s.draft_vocab_size``, if set)."""
     spec = SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3,
                       draft_vocab_size=s.draft_vocab_size if k else None)
     return Engine(model, EngineConfig(max_running_requests=batch + 1, page_size=s.page_size,
                                       max_model_len=s.max_model_len,
                                       chunked_prefill_size=s.prompt_len,
                                       enable_prefix_cache=False, dtype=model.dtype,
-                                      num_scheduler_steps=1 if k else steps),
+                                      num_scheduler_steps=steps),
                   spec)
 
 
@@ -236,6 +237,36 @@ def plain_decode(eng: Engine, reqs: list[Request], s: Settings, ledger: Ledger,
     tokens = len(run["times"]) * steps
     return {**_timing(run["times"], run["host"], steps), "context": _context(run["positions"]),
             "tokens_per_s_e2e": tokens * len(reqs) / run["wall"], "wall_s": run["wall"],
+            "steps_per_call": steps}
+
+
+def drafted_rounds(eng: Engine, reqs: list[Request], s: Settings, ledger: Ledger,
+                   round_program: str) -> dict:
+    """k > 0 with the engine's ``rounds_per_call`` (> 1) rounds per call, the drafts as the MTP
+    head drafted them (a multi-round call runs its rounds without the host, so nothing can be
+    forced between them): warm-up calls (``warmup_rounds`` rounds, at least one call), then
+    calls until each request committed ``decode_tokens`` tokens. Times are per round; the round
+    time does not depend on acceptance (fixed shapes), the measured accept length does (low
+    with random weights). Leaves the requests' outputs in place."""
+    steps = eng.rounds_per_call
+    with ledger.phase("warmup", round_program):
+        eng._run_round(reqs)
+    with ledger.phase("warmup"):
+        for _ in range(-(-s.warmup_rounds // steps) - 1):
+            eng._run_round(reqs)
+    tally = [0] * len(reqs)
+
+    def counted(results: list[dict]) -> bool:
+        for i, r in enumerate(reqs):
+            tally[i] += len(results[-1].get(r, ()))
+        return min(tally) >= s.decode_tokens
+
+    with ledger.phase("timed"):
+        run = pipelined_rounds(eng, reqs, counted)
+    rounds = len(run["times"]) * steps
+    return {**_timing(run["times"], run["host"], steps), "context": _context(run["positions"]),
+            "accept_length_measured": sum(tally) / (rounds * len(reqs)),
+            "tokens_per_s_e2e": sum(tally) / run["wall"], "wall_s": run["wall"],
             "steps_per_call": steps}
 
 
@@ -396,25 +427,26 @@ def plain_reference(model, batch: int, s: Settings, ledger: Ledger) -> list[list
     return out
 
 
-def bench_one(model, batch: int, k: int, s: Settings,
-              reference: list[list[int]] | None = None,
-              steps: int = 1) -> tuple[dict, list[list[int]] | None]:
-    """Benchmark one (batch, k); k = 0 with ``steps`` decode steps per program call. k > 0
-    needs ``reference`` (plain continuations of the same prompts, from the k = 0 row of this
-    batch); without it one is decoded first.
+def bench_one(model, batch: int, k: int, s: Settings, refs: dict,
+              steps: int = 1) -> dict:
+    """Benchmark one (batch, k) with ``steps`` rounds per program call; returns the result.
 
-    Returns ``(result dict, reference)`` where the reference is the plain continuation this
-    row produced (k = 0) or used (k > 0).
+    ``refs``: the continuations of this batch's prompts shared by its rows, filled in here:
+    ``"plain"`` (plain decoding: from the k = 0 row, or decoded first for a k > 0 row) and,
+    for each k > 0 with a forced row (one round per call), ``k``: the round program's own
+    greedy continuation (:func:`rejected_drafts_reference`). A k > 0 row with ``steps`` > 1
+    (:func:`drafted_rounds`) is compared with both (with the second when its forced row ran
+    first, as the CLI orders them).
     """
     cfg = model.cfg
     ledger = Ledger()
-    if k and reference is None:
-        reference = plain_reference(model, batch, s, ledger)
+    if k and "plain" not in refs:
+        refs["plain"] = plain_reference(model, batch, s, ledger)
     with ledger.phase("engine_setup"):
         eng = make_engine(model, batch, k, s, steps)
     names = _bucket_names(eng, batch, k, s)
     res: dict = {"batch": batch, "k": k, "prompt_len": s.prompt_len,
-                 "decode_tokens": s.decode_tokens,
+                 "decode_tokens": s.decode_tokens, "steps_per_call": steps,
                  "draft_vocab_size": s.draft_vocab_size if k else None}
     if s.engine_warmup:
         with ledger.phase("engine_warmup") as w:
@@ -422,20 +454,34 @@ def bench_one(model, batch: int, k: int, s: Settings,
         res["engine_warmup"] = {"buckets": {"prefill": eng.prefill_buckets(),
                                             "batch": eng.batch_buckets()}, **w.as_dict()}
     prefill_s = None
-    if k == 0:
+    if k == 0 or steps > 1:
         reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0)
         prefill_all(eng, reqs, ledger, "warmup", names[0])
         with ledger.phase("warmup"):
             prefill_s = measure_prefill(eng, s, cfg.vocab_size)
-        run = plain_decode(eng, reqs, s, ledger, names[1])
-        reference = [list(r.output_ids[:s.reference_len]) for r in reqs]
+        if k == 0:
+            run = plain_decode(eng, reqs, s, ledger, names[1])
+            refs.setdefault("plain", [list(r.output_ids[:s.reference_len]) for r in reqs])
+            res["tokens_per_s"] = batch / (run["round_ms"] / 1e3)
+            res["exact"] = None  # plain decoding is the reference itself
+        else:
+            run = drafted_rounds(eng, reqs, s, ledger, names[1])
+            res["tokens_per_s_at_accept_length"] = {
+                str(al): al * batch / (run["round_ms"] / 1e3) for al in s.accept_lengths
+                if 1 <= al <= k + 1}
+            outputs = [list(r.output_ids) for r in reqs]
+            res["decode_match"] = compare_to_reference(_cut(outputs, refs["plain"]),
+                                                       refs["plain"])
+            if k in refs:
+                res["rounds_match"] = compare_to_reference(_cut(outputs, refs[k]), refs[k])
+                res["rounds_exact"] = res["rounds_match"]["exact"]
+            res["exact"] = res.get("rounds_exact", True) and res["decode_match"]["exact"]
         release_all(eng, reqs)
         res.update(run)
-        res["tokens_per_s"] = batch / (run["round_ms"] / 1e3)
-        res["exact"] = None  # plain decoding is the reference itself
     else:
         reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0)
-        rounds_ref = rejected_drafts_reference(eng, reqs, reference, k, s, ledger, names)
+        rounds_ref = rejected_drafts_reference(eng, reqs, refs["plain"], k, s, ledger, names)
+        refs[k] = rounds_ref
         forced, skipped = [], []
         for al in s.accept_lengths:
             try:
@@ -463,7 +509,7 @@ def bench_one(model, batch: int, k: int, s: Settings,
         res["forced"] = forced
         res["skipped_accept_lengths"] = skipped
         res["rounds_exact"] = all(f["exact"] for f in forced)
-        res["decode_match"] = compare_to_reference(rounds_ref, reference)
+        res["decode_match"] = compare_to_reference(rounds_ref, refs["plain"])
         res["exact"] = res["rounds_exact"] and res["decode_match"]["exact"]
     res["prefill_s"] = prefill_s
     res["prefill_tokens_per_s"] = s.prompt_len / prefill_s
@@ -488,4 +534,9 @@ def bench_one(model, batch: int, k: int, s: Settings,
     res["peak_device_bytes"] = stats.get("peak_bytes_in_use")
     del eng
     gc.collect()
-    return res, reference
+    return res
+
+
+def _cut(outputs: list[list[int]], reference: list[list[int]]) -> list[list[int]]:
+    """Each output cut to its reference's length (a drafted row may run past it)."""
+    return [out[:len(ref)] for out, ref in zip(outputs, reference)]
