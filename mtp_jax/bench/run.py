@@ -453,64 +453,16 @@ def bench_one(model, batch: int, k: int, s: Settings, refs: dict,
             eng.warmup()
         res["engine_warmup"] = {"buckets": {"prefill": eng.prefill_buckets(),
                                             "batch": eng.batch_buckets()}, **w.as_dict()}
-    prefill_s = None
-    if k == 0 or steps > 1:
-        reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0)
+    reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0)
+    if k and steps == 1:
+        row, prefill_s = _forced_row(eng, reqs, k, s, refs, ledger, names)
+    else:
         prefill_all(eng, reqs, ledger, "warmup", names[0])
         with ledger.phase("warmup"):
             prefill_s = measure_prefill(eng, s, cfg.vocab_size)
-        if k == 0:
-            run = plain_decode(eng, reqs, s, ledger, names[1])
-            refs.setdefault("plain", [list(r.output_ids[:s.reference_len]) for r in reqs])
-            res["tokens_per_s"] = batch / (run["round_ms"] / 1e3)
-            res["exact"] = None  # plain decoding is the reference itself
-        else:
-            run = drafted_rounds(eng, reqs, s, ledger, names[1])
-            res["tokens_per_s_at_accept_length"] = {
-                str(al): al * batch / (run["round_ms"] / 1e3) for al in s.accept_lengths
-                if 1 <= al <= k + 1}
-            outputs = [list(r.output_ids) for r in reqs]
-            res["decode_match"] = compare_to_reference(_cut(outputs, refs["plain"]),
-                                                       refs["plain"])
-            if k in refs:
-                res["rounds_match"] = compare_to_reference(_cut(outputs, refs[k]), refs[k])
-                res["rounds_exact"] = res["rounds_match"]["exact"]
-            res["exact"] = res.get("rounds_exact", True) and res["decode_match"]["exact"]
+        row = (_plain_row if k == 0 else _drafted_row)(eng, reqs, k, s, refs, ledger, names)
         release_all(eng, reqs)
-        res.update(run)
-    else:
-        reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0)
-        rounds_ref = rejected_drafts_reference(eng, reqs, refs["plain"], k, s, ledger, names)
-        refs[k] = rounds_ref
-        forced, skipped = [], []
-        for al in s.accept_lengths:
-            try:
-                accept_fraction(al, k)
-            except ValueError as e:
-                skipped.append({"accept_length": al, "reason": str(e)})
-                continue
-            reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0)
-            first = not forced
-            forced.append(forced_decode(eng, reqs, rounds_ref, al, k, s, ledger))
-            if first:
-                with ledger.phase("warmup"):
-                    prefill_s = measure_prefill(eng, s, cfg.vocab_size)
-        if not forced:
-            raise ValueError(f"no accept length of {list(s.accept_lengths)} can be forced with "
-                             f"k={k} (each must be in [1, {k + 1}]).")
-        pooled = [t for f in forced for t in f.pop("_times")]
-        res.update(_timing(pooled, [t for f in forced for t in f.pop("_host")]))
-        res["context"] = {"start": min(f["context"]["start"] for f in forced),
-                          "end": max(f["context"]["end"] for f in forced),
-                          "mean": float(np.mean([f["context"]["mean"] for f in forced]))}
-        res["tokens_per_s_at_accept_length"] = {
-            str(f["accept_length"]): f["accept_length"] * batch / (res["round_ms"] / 1e3)
-            for f in forced}
-        res["forced"] = forced
-        res["skipped_accept_lengths"] = skipped
-        res["rounds_exact"] = all(f["exact"] for f in forced)
-        res["decode_match"] = compare_to_reference(rounds_ref, refs["plain"])
-        res["exact"] = res["rounds_exact"] and res["decode_match"]["exact"]
+    res.update(row)
     res["prefill_s"] = prefill_s
     res["prefill_tokens_per_s"] = s.prompt_len / prefill_s
     itemsize = 2 if model.dtype != "float32" else 4
@@ -535,6 +487,71 @@ def bench_one(model, batch: int, k: int, s: Settings, refs: dict,
     del eng
     gc.collect()
     return res
+
+
+def _plain_row(eng, reqs, k, s, refs, ledger, names) -> dict:
+    """k = 0 (``reqs`` prefilled): :func:`plain_decode`; its continuation becomes the batch's
+    plain reference unless one is there."""
+    run = plain_decode(eng, reqs, s, ledger, names[1])
+    refs.setdefault("plain", [list(r.output_ids[:s.reference_len]) for r in reqs])
+    # exact None: plain decoding is the reference itself
+    return {**run, "tokens_per_s": len(reqs) / (run["round_ms"] / 1e3), "exact": None}
+
+
+def _drafted_row(eng, reqs, k, s, refs, ledger, names) -> dict:
+    """k > 0 with several rounds per call (``reqs`` prefilled): :func:`drafted_rounds`, the
+    derived tokens/s at the accept lengths a round can commit, and the committed tokens
+    against plain decoding (``decode_match``) and the forced row's continuation
+    (``rounds_match``, when that row ran)."""
+    run = drafted_rounds(eng, reqs, s, ledger, names[1])
+    row = {**run, "tokens_per_s_at_accept_length": {
+        str(al): al * len(reqs) / (run["round_ms"] / 1e3) for al in s.accept_lengths
+        if 1 <= al <= k + 1}}
+    outputs = [list(r.output_ids) for r in reqs]
+    row["decode_match"] = compare_to_reference(_cut(outputs, refs["plain"]), refs["plain"])
+    if k in refs:
+        row["rounds_match"] = compare_to_reference(_cut(outputs, refs[k]), refs[k])
+        row["rounds_exact"] = row["rounds_match"]["exact"]
+    row["exact"] = row.get("rounds_exact", True) and row["decode_match"]["exact"]
+    return row
+
+
+def _forced_row(eng, reqs, k, s, refs, ledger, names) -> tuple[dict, float]:
+    """k > 0, one round per call: the rounds' own continuation
+    (:func:`rejected_drafts_reference`, stored as ``refs[k]``), then :func:`forced_decode` at
+    each accept length that k can force. Returns ``(row, prefill seconds)``."""
+    vocab = eng.model.cfg.vocab_size
+    rounds_ref = rejected_drafts_reference(eng, reqs, refs["plain"], k, s, ledger, names)
+    refs[k] = rounds_ref
+    forced, skipped, prefill_s = [], [], None
+    for al in s.accept_lengths:
+        try:
+            accept_fraction(al, k)
+        except ValueError as e:
+            skipped.append({"accept_length": al, "reason": str(e)})
+            continue
+        reqs = requests(len(reqs), s.prompt_len, 10**9, vocab, 0)
+        forced.append(forced_decode(eng, reqs, rounds_ref, al, k, s, ledger))
+        if prefill_s is None:
+            with ledger.phase("warmup"):
+                prefill_s = measure_prefill(eng, s, vocab)
+    if not forced:
+        raise ValueError(f"no accept length of {list(s.accept_lengths)} can be forced with "
+                         f"k={k} (each must be in [1, {k + 1}]).")
+    pooled = [t for f in forced for t in f.pop("_times")]
+    row = _timing(pooled, [t for f in forced for t in f.pop("_host")])
+    row["context"] = {"start": min(f["context"]["start"] for f in forced),
+                      "end": max(f["context"]["end"] for f in forced),
+                      "mean": float(np.mean([f["context"]["mean"] for f in forced]))}
+    row["tokens_per_s_at_accept_length"] = {
+        str(f["accept_length"]): f["accept_length"] * len(reqs) / (row["round_ms"] / 1e3)
+        for f in forced}
+    row["forced"] = forced
+    row["skipped_accept_lengths"] = skipped
+    row["rounds_exact"] = all(f["exact"] for f in forced)
+    row["decode_match"] = compare_to_reference(rounds_ref, refs["plain"])
+    row["exact"] = row["rounds_exact"] and row["decode_match"]["exact"]
+    return row, prefill_s
 
 
 def _cut(outputs: list[list[int]], reference: list[list[int]]) -> list[list[int]]:
