@@ -40,6 +40,18 @@ def pytest_configure(config):
     jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(scope="session")
+def vocab_cache(tmp_path_factory) -> str:
+    """A pytest tmp cache holding the converted tokenizer.json: the one slow step (~6 s) of
+    building a tokenizer or the default model; converted once per session (test_tokenizer.py
+    tests the conversion and the cache file)."""
+    from mtp_jax.tools import qwen_vocab
+
+    cache = str(tmp_path_factory.mktemp("qwen_vocab_cache"))
+    qwen_vocab.converted_tokenizer_json(cache)
+    return cache
+
+
 @pytest.fixture(scope="module")
 def restore_jax_cache_config():
     """Put back jax's compilation-cache settings (folder, thresholds) after a module whose tests

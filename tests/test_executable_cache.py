@@ -250,18 +250,21 @@ def test_changed_static_keyword_or_shape_misses(model, cold, tmp_path):
     folder = tmp_path / "xla"
     shutil.copytree(cold[0], folder)
     _use_cache(folder)
+    # max_batch=1: the warm-ups here reach the prefill and the batch-1 round only (of the
+    # three programs saved), which is enough to see which keys hit and which miss.
     m = _fresh(model)
-    _engine(m, k=1).warmup(sampled=False)  # static k differs (and the pools' shapes with it)
+    _engine(m, k=1).warmup(sampled=False, max_batch=1)  # static k differs (and pool shapes)
     t = m.programs.executables
-    assert (t.loads, t.traces) == (0, 3) and _traces(m) == 3
+    assert (t.loads, t.traces) == (0, 2) and _traces(m) == 2
     m = _fresh(model)
     _engine(m, chunk=32).warmup(sampled=False)  # a new prefill bucket: input shape [1, 32]
     t = m.programs.executables
     assert (t.loads, t.traces) == (3, 1) and _traces(m) == 1
     m = _fresh(model)
-    _engine(m).warmup(sampled=True)  # the rounds' sampled variants (prefill has only that one)
+    # the round's sampled variant (the prefill has only that one)
+    _engine(m).warmup(sampled=True, max_batch=1)
     t = m.programs.executables
-    assert (t.loads, t.traces) == (3, 2)
+    assert (t.loads, t.traces) == (2, 1)
 
 
 def test_key_changes_with_config_flags_and_source(model, tmp_path, monkeypatch):
@@ -334,9 +337,10 @@ def test_cache_off_writes_nothing(model, cold, tmp_path, monkeypatch):
     assert _files(cold[0]) == before and not (tmp_path / "home").exists()
 
 
-def test_build_ahead_compiles_the_warmup_on_threads(model, tmp_path):
+def test_build_ahead_compiles_the_warmup_on_threads(model, cold, tmp_path):
     """A dry run of the warm-up records its programs without running any; they are built on
-    two threads; the warm-up after it traces nothing and matches the jit path's tokens."""
+    two threads; the warm-up after it traces nothing and matches the jit path's tokens (those
+    of the ``cold`` fixture: same engine settings and prompts, no executable table)."""
     from mtp_jax.engine.startup import build_warmup_programs
 
     _use_cache(tmp_path / "xla")
@@ -352,7 +356,7 @@ def test_build_ahead_compiles_the_warmup_on_threads(model, tmp_path):
     with JaxTraces() as jt:
         eng.warmup(sampled=False)
     assert jt.count == 0 and _traces(m) == 3 and len(t) == 3
-    assert _generate(eng) == _generate(_engine(_fresh(model, table=False)))
+    assert _generate(eng) == cold[2]
 
 
 def test_warmup_loads_saved_programs_on_threads(model, cold, tmp_path):

@@ -73,11 +73,10 @@ def test_bad_requests_raise_before_work(llm_mtp):
         llm_mtp.generate("hello")
 
 
-def test_external_proposer_all_right_accepts_everything():
-    ref_llm = LLM(CKPT, dtype="float32", speculative_algorithm="none")
+def test_external_proposer_all_right_accepts_everything(llm_mtp):
     p = _prompts(1)[0]
     params = SamplingParams(temperature=0, max_tokens=9, ignore_eos=True)
-    ref = ref_llm.generate([p], params)[0].token_ids
+    ref = llm_mtp.generate([p], params)[0].token_ids  # greedy: the model's own tokens
 
     def proposer(rid, ids, k):
         done = len(ids) - len(p)
@@ -104,9 +103,16 @@ def test_stats_line_reports_accept_length_with_speculation_off():
     assert "accept_length=3.00 acceptance_rate=66.7%" in _stats_line(on, 1.0)
 
 
-def test_cli_on_default_model(tmp_path, monkeypatch, capsys):
-    from mtp_jax import generate
+def test_cli_on_default_model(vocab_cache, tmp_path, monkeypatch, capsys):
+    import shutil
 
+    from mtp_jax import generate
+    from mtp_jax.tools import qwen_vocab
+
+    # An empty cache but for the converted tokenizer.json (the session's, as test_tokenizer's
+    # test_default_model does): the CLI builds the default model there, without converting the
+    # vocabulary a second time in the session.
+    shutil.copy(qwen_vocab.converted_tokenizer_json(vocab_cache), tmp_path)
     monkeypatch.setenv("MTP_JAX_CACHE", str(tmp_path))
     rc = generate.main(["--prompt", "Hello there", "--max-tokens", "5", "--json",
                         "--speculative-num-steps", "2", "--chat"])
@@ -139,7 +145,7 @@ def test_generate_stream_yields_tokens_as_rounds_complete(llm_mtp):
         assert got[i] == ref[i].token_ids == finals[i].token_ids
 
 
-def test_cli_prompts_file(tmp_path, capsys):
+def test_cli_prompts_file(llm_mtp, tmp_path, capsys):
     from mtp_jax import generate
 
     f = tmp_path / "reqs.jsonl"
@@ -151,10 +157,9 @@ def test_cli_prompts_file(tmp_path, capsys):
     assert rc == 0
     lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert [rec["output_tokens"] for rec in lines] == [3, 4, 5]
-    llm = LLM(CKPT, dtype="float32", speculative_algorithm="none")
     for p, rec in zip(prompts, lines):
-        solo = llm.generate([p], SamplingParams(temperature=0, max_tokens=rec["output_tokens"],
-                                                ignore_eos=True))[0]
+        solo = llm_mtp.generate([p], SamplingParams(
+            temperature=0, max_tokens=rec["output_tokens"], ignore_eos=True))[0]
         assert rec["token_ids"] == solo.token_ids
     # Without --json and without a tokenizer the text output shows the token ids.
     assert generate.main(["--model", CKPT, "--prompts-file", str(f), "--ignore-eos",
@@ -174,8 +179,9 @@ def test_cli_prompts_file_bad_sampling_line_fails_alone(tmp_path, capsys):
     p = _prompts(2)
     f.write_text(json.dumps({"prompt": p[0], "max_tokens": 2}) + "\n"
                  + json.dumps({"prompt": p[1], "temperature": -1}) + "\n")
+    # llm_mtp's settings (MTP, k = 2, two slots): the CLI loads the programs it saved.
     rc = generate.main(["--model", CKPT, "--prompts-file", str(f), "--json",
-                        "--speculative-algorithm", "none"])
+                        "--speculative-num-steps", "2", "--max-running-requests", "2"])
     assert rc == 1
     recs = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert recs[0]["output_tokens"] == 2 and recs[0]["finish_reason"] in ("length", "stop")

@@ -73,17 +73,20 @@ def test_multistep_with_prefix_cache_snapshots(model):
 
 def test_multistep_under_page_pressure(model):
     """A pool of about two requests' pages: every call takes pages for all of its rounds, and
-    pages of a finished request are not handed out while a call that writes them runs."""
+    pages of a finished request are not handed out while a call that writes them runs.
+    (The reference: one round per call in the default pool, the settings of
+    ``test_multistep_equals_single_rounds[3]``, whose programs are compiled already.)"""
     specs = [(p, greedy(18)) for p in random_prompts(4, seed=21, lo=20, hi=30)]
-    want, _ = _run(model, specs, 3, steps=1, num_pages=8)
+    want, _ = _run(model, specs, 3, steps=1)
     got, _ = _run(model, specs, 3, steps=4, num_pages=8)
     assert got == want
 
 
 def test_warmup_covers_multistep_calls(model):
     """After ``warmup()``, serving with multi-step calls (and the single rounds near snapshot
-    boundaries) compiles nothing."""
-    eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", max_model_len=64,
+    boundaries) compiles nothing. (One slot: the round variants are compiled for batch bucket
+    1 only; the warm-up's other buckets are covered by the scheduler and LLM warm-up tests.)"""
+    eng = Engine(model, EngineConfig(max_running_requests=1, dtype="float32", max_model_len=64,
                                      chunked_prefill_size=32, snapshot_interval_pages=1,
                                      num_scheduler_steps=2),
                  SpecConfig(algorithm="none"))

@@ -77,12 +77,11 @@ def test_norm_gemv_rejects_bad_input():
         norm_gemv(x, d, nw, w[:95], EPS, act="silu_mul")
 
 
-@pytest.mark.parametrize("gdn_mode", ["verify", "decode"])
-def test_decoder_fused_matches_hf_decode_logits(gdn_mode):
+def test_decoder_fused_matches_hf_decode_logits():
     """One-row steps of the tiny dense fixture with the gemv backend ``fused`` give HF's
     cached decode logits (golden fixture, float32; interpret mode on the CPU), and the kernel
-    is in the traced step (each MLP's add + norm + gate/up + SwiGLU), in verify mode (T = 1)
-    and in decode mode with the fused GDN decode (GDN backend ``pallas``)."""
+    is in the traced step (each MLP's add + norm + gate/up + SwiGLU), in decode mode with the
+    fused GDN decode (GDN backend ``pallas``), as the engine's batch-1 steps run on a GPU."""
     from flax import nnx
 
     from conftest import fixture_path
@@ -95,9 +94,8 @@ def test_decoder_fused_matches_hf_decode_logits(gdn_mode):
     m = load_model(fixture_path("tiny_dense"), "float32", with_mtp=False)
     model = nnx.merge(m.graphdef, m.params)
     assert set_gemv_backend(model, "fused") > 0
-    gdn_layers = [layer for layer in model.layers if layer.layer_type != "full_attention"]
-    if gdn_mode == "decode":
-        for layer in gdn_layers:
+    for layer in model.layers:
+        if layer.layer_type != "full_attention":
             layer.linear_attn.backend = "pallas"
     ids = g["input_ids"][:1]
     t = ids.shape[1]
@@ -113,14 +111,10 @@ def test_decoder_fused_matches_hf_decode_logits(gdn_mode):
                                table)
         tok = jnp.asarray(tokens[:, step:step + 1])
         if step == 0:
-            text = str(jax.make_jaxpr(lambda a, b, c: model(a, batch, b, c, gdn_mode))(
+            text = str(jax.make_jaxpr(lambda a, b, c: model(a, batch, b, c, "decode"))(
                 tok, kv, gdn))
             assert text.count("name=norm_gemv_pallas") == m.cfg.num_hidden_layers
-        if gdn_mode == "decode":
-            hidden, kv, gdn = model(tok, batch, kv, gdn, "decode")
-        else:
-            hidden, kv, rows = model(tok, batch, kv, gdn, "verify")
-            gdn = model.commit(gdn, rows, jnp.ones((1,), jnp.int32))
+        hidden, kv, gdn = model(tok, batch, kv, gdn, "decode")
         logits = np.asarray(model.logits(hidden))[0, 0]
         np.testing.assert_allclose(logits, g["decode_logits"][0, step], atol=1e-4, rtol=1e-4)
 

@@ -81,12 +81,16 @@ def test_radix_lookahead_and_lru_eviction():
 
 
 def test_eviction_under_page_pressure(model):
-    eng = _engine(model, "mtp", True, num_pages=40)
+    # The default pool (37 pages: 2 requests of max_model_len 64 + the trash page) holds the
+    # cached pages of about three of these requests (10 pages each): later ones must evict.
+    # (It is the pool of the other cache-on engines here, so no program is compiled again.)
+    eng = _engine(model, "mtp", True)
     rng = np.random.default_rng(5)
     reqs = [_req(f"r{i}", rng.integers(2, 300, 30).tolist(), max_tokens=8) for i in range(8)]
     for r in reqs:
         eng.run([r])
     assert all(r.finish_reason == "length" for r in reqs)
+    assert sum(-(-(len(r.prompt_ids) + 8) // PAGE) for r in reqs) > eng.pages.size
     ref = _engine(model, "mtp", False)
     again = [_req(f"x{i}", r.prompt_ids, max_tokens=8) for i, r in enumerate(reqs)]
     ref.run(again)

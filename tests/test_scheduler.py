@@ -150,25 +150,58 @@ def test_first_verify_crosses_a_page_and_max_model_len_finishes(model, solo):
     prompts, ref = solo
     # 15 prompt tokens: the pending token sits at position 15, the last slot of page 0, so the
     # first verify window (15..18) crosses into the next page.
+    # Both speculative runs use one engine configuration (max_model_len 24), so its programs
+    # compile once: the first finishes on max_tokens (15 + 8 < 24), the second on the length.
     p = (prompts[0] * 10)[:15]
     plain = _req("p", p, max_tokens=12)
     _engine(model, "none", running=1).run([plain])
-    spec = _req("s", p, max_tokens=12)
-    _engine(model, "mtp", k=3, running=1).run([spec])
-    assert spec.output_ids == plain.output_ids
+    spec = _req("s", p, max_tokens=8)
+    _engine(model, "mtp", k=3, running=1, max_len=24).run([spec])
+    assert spec.output_ids == plain.output_ids[:8] and spec.finish_reason == "length"
     long = _req("l", p, max_tokens=100)
     _engine(model, "mtp", k=3, running=1, max_len=24).run([long])
     assert long.finish_reason == "length" and len(p) + len(long.output_ids) == 24
+    assert long.output_ids == plain.output_ids[:9]
+
+
+# Three of the `solo` requests (prompts of 20, 25 and 21 tokens) and a KV pool just big enough
+# for their guaranteed pages (2 + 3 + 3, plus the trash page).
+CLAMP_ROWS = (3, 4, 6)
+
+
+def _clamp_requests(prompts):
+    return [_req(f"b{i}", prompts[i], max_tokens=6 + i) for i in CLAMP_ROWS]
+
+
+def _clamp_pool():
+    need = sum(-(-(len(r.prompt_ids) + r.params.max_tokens) // 16)
+               for r in _clamp_requests(_prompts(9)))
+    return need + 1
+
+
+def test_no_compile_after_warmup(model):
+    # The engine settings of test_k_is_clamped_when_pages_run_out (k = 3, 3 slots, its tight
+    # pool; chunks of at most 32 tokens, so longer prompts are prefilled in pieces), which runs
+    # after this test on the programs compiled here. 50 requests of varied lengths through the
+    # 8-page pool: batches of 1 to 3 rows (buckets 1, 2, 4), drafts clamped for lack of pages.
+    eng = _engine(model, "mtp", k=3, running=3, chunk=32, num_pages=_clamp_pool())
+    eng.warmup(sampled=False)  # greedy requests only
+    before = eng.compiled_program_count()
+    reqs = [_req(f"r{i}", p, max_tokens=int(3 + i % 7))
+            for i, p in enumerate(_prompts(50, seed=10, lo=2, hi=60))]
+    eng.run(reqs)
+    assert all(r.finished for r in reqs)
+    assert eng.compiled_program_count() == before
 
 
 def test_k_is_clamped_when_pages_run_out(model, solo):
     prompts, ref = solo
     # A pool just big enough for the guaranteed pages: drafts must be clamped, output unchanged.
-    reqs = [_req(f"b{i}", prompts[i], max_tokens=6 + i) for i in range(3)]
-    need = sum(-(-(len(r.prompt_ids) + r.params.max_tokens) // 16) for r in reqs)
-    eng = _engine(model, "mtp", k=3, running=3, num_pages=need + 1)
+    reqs = _clamp_requests(prompts)
+    assert _clamp_pool() == 9
+    eng = _engine(model, "mtp", k=3, running=3, num_pages=_clamp_pool())
     eng.run(reqs)
-    for i, r in enumerate(reqs):
+    for i, r in zip(CLAMP_ROWS, reqs):
         assert r.output_ids == ref[i]
     assert clamp_num_draft(3, 30, 32, 0, 100, 10, 100) == 1
     assert clamp_num_draft(3, 10, 64, 5, 6, 10, 100) == 0
@@ -194,7 +227,9 @@ def test_stops_inside_an_accepted_chunk(model, solo):
         return (truth + [0] * 8)[done:done + k]
 
     def run(**kw):
-        eng = _engine(model, "external", k=3, running=1, proposer=all_right)
+        # The settings of test_batch_equivalence_with_mixed_acceptance (its programs are
+        # compiled already); one request at a time.
+        eng = _engine(model, "external", k=3, running=4, proposer=all_right, num_pages=40)
         eng.tokenizer = _CharTokenizer()
         r = _req("x", prompts[5], **kw)
         eng.run([r])
@@ -215,17 +250,6 @@ def test_stops_inside_an_accepted_chunk(model, solo):
     assert r.finish_reason == "stop"
     assert r.output_ids == truth[:text.index(stop) + len(stop)]
     assert r.stop_text_len == text.index(stop)
-
-
-def test_no_compile_after_warmup(model):
-    eng = _engine(model, "mtp", k=2, running=4)
-    eng.warmup(sampled=False)  # greedy requests only
-    before = eng.compiled_program_count()
-    reqs = [_req(f"r{i}", p, max_tokens=int(3 + i % 7))
-            for i, p in enumerate(_prompts(50, seed=10, lo=2, hi=60))]
-    eng.run(reqs)
-    assert all(r.finished for r in reqs)
-    assert eng.compiled_program_count() == before
 
 
 def test_greedy_round_program_has_no_host_synchronising_control_flow(model):

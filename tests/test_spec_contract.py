@@ -82,7 +82,11 @@ def _assert_states_match(states, ref_states, tag, ref_tag):
             np.testing.assert_allclose(a, b, atol=4e-6, rtol=0, err_msg=f"{tag} conv @ {pos}")
 
 
-@pytest.mark.parametrize("k", [1, 3, 4])  # every accepted count 0..k of each k
+# every accepted count 0..k of each k: k = 1 and k = 4 (4 covers the counts 0..3 that k = 3 had,
+# through the same programs but for the static k; k = 3 with MTP drafts is
+# test_mtp_reproduces_plain_decoding[3], and with external drafts of every count 0..3 against
+# plain decoding test_scheduler.py's test_batch_equivalence_with_mixed_acceptance)
+@pytest.mark.parametrize("k", [1, 4])
 def test_external_drafts_reproduce_plain_decoding(model, reference, k):
     prompts, ref_out, ref_states = reference
     vocab = model.cfg.vocab_size

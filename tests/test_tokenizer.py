@@ -45,12 +45,8 @@ SAMPLES = [
 ]
 
 
-@pytest.fixture(scope="session")
-def vocab_cache(tmp_path_factory) -> str:
-    """A pytest tmp cache holding the converted tokenizer.json: the one slow step (~6 s)."""
-    cache = str(tmp_path_factory.mktemp("qwen_vocab_cache"))
-    qwen_vocab.converted_tokenizer_json(cache)
-    return cache
+# vocab_cache (the converted tokenizer.json, made once per session) is in conftest.py: the CLI
+# test in test_llm.py builds the default model with it too.
 
 
 @pytest.fixture(scope="session")
