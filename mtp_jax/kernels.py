@@ -4,7 +4,8 @@ projections) XLA's multiply-reduce form.
 One switch per op (``--attention-backend``, ``--gdn-backend``, ``--moe-backend``,
 ``--norm-backend``, ``--gemv-backend``), each
 ``"xla"``, ``"pallas"`` or ``"auto"`` (``gemv`` also takes ``"reduce"``, XLA's multiply-reduce
-form of one-row projections: :data:`EXTRA_CHOICES`). ``auto`` picks the Pallas kernel where it
+form of one-row projections, and ``"fused"``, ``reduce`` with a dense MLP's norm, gate/up and
+SwiGLU as one kernel: :data:`EXTRA_CHOICES`). ``auto`` picks the Pallas kernel where it
 has been checked and measured faster (the ops in :data:`AUTO_PALLAS_ON_GPU`, on a GPU), the
 choice in :data:`AUTO_ON_GPU` for the others that have one, the norm kernel for hidden sizes up
 to :data:`AUTO_NORM_MAX_HIDDEN`, and XLA elsewhere; the Pallas
@@ -45,8 +46,9 @@ EXPERIMENTAL = {
             "(docs/benchmarks.md)"}
 NOTES = {"gemv": "reduce = XLA's multiply-reduce form of one-row calls with K <= 8192 (XLA's "
                  "GEMM for the others); pallas = a Triton kernel for one-row calls with >= 4096 "
-                 "output columns; fused = reduce, with each one-row MLP's residual add + norm, "
-                 "gate/up projection and SwiGLU as one Triton kernel (Qwen3.5 family)"}
+                 "output columns; fused = reduce, with each one-row dense MLP's residual add + "
+                 "norm, gate/up projection and SwiGLU as one Triton kernel (qwen3_5; merged "
+                 "projections)"}
 
 
 def choices_of(op: str) -> tuple[str, ...]:
@@ -80,8 +82,8 @@ def backend_help(op: str) -> str:
     else:  # no op takes this branch today; a new op starts here until it is measured
         auto = "auto = xla (the kernel is not measured faster yet)"
     notes = [n[op] for n in (NOTES, EXPERIMENTAL) if op in n]
-    kinds = _either(["pallas (GPU kernels)" if c == "pallas" else c for c in choices_of(op)
-                     if c != "auto"])
+    labels = {"pallas": "pallas (GPU kernels)", "fused": "fused (a GPU kernel)"}
+    kinds = _either([labels.get(c, c) for c in choices_of(op) if c != "auto"])
     return f"implementation of {OP_DESCRIPTIONS[op]}: {kinds}; " + "; ".join([auto, *notes])
 
 
@@ -105,7 +107,8 @@ class KernelBackends:
                 norm: str | None = "auto",
                 hidden_size: int | None = None,
                 gemv: str | None = "auto",
-                head_dim: int | None = None) -> "KernelBackends":
+                head_dim: int | None = None,
+                dense_mlp: bool | None = None) -> "KernelBackends":
         """Validate the user's choices and resolve ``auto``.
 
         ``platform``: the JAX backend (``"gpu"``, ``"cpu"``; default: ``jax.default_backend()``).
@@ -117,11 +120,14 @@ class KernelBackends:
         ``hidden_size``: the model's, when known; checked against the norm kernel's pieces.
         ``head_dim``: the attention heads', when known; the attention kernel needs a power of
         two (``auto`` takes XLA otherwise).
+        ``dense_mlp``: whether the model's MLPs are dense (not mixture-of-experts), when known;
+        ``gemv`` ``fused`` fuses a dense MLP's norm, gate/up and SwiGLU, so it is refused for
+        MoE models rather than silently taken as ``reduce``.
         On a GPU ``auto`` takes the norm kernel for a known ``hidden_size`` up to
         :data:`AUTO_NORM_MAX_HIDDEN` (XLA otherwise) and :data:`AUTO_ON_GPU` for ``gemv``.
-        Raises ConfigError for an unknown choice, ``pallas`` without a GPU, a 16-bit-only
-        kernel asked for with float32, or the GDN or norm kernels asked for with sizes they
-        cannot take.
+        Raises ConfigError for an unknown choice, ``pallas`` or ``fused`` without a GPU, a
+        16-bit-only kernel asked for with float32, the GDN or norm kernels asked for with sizes
+        they cannot take, or ``fused`` for a model without dense MLPs.
         """
         chosen = {"attention": attention, "gdn": gdn, "moe": moe, "norm": norm, "gemv": gemv}
         for op, value in chosen.items():
@@ -173,6 +179,10 @@ class KernelBackends:
                 value = ("pallas" if on_gpu and op in AUTO_PALLAS_ON_GPU and not wide
                          and not misfit else "xla")
             out[op] = value
+        if out["gemv"] == "fused" and dense_mlp is False:
+            raise ConfigError("gemv_backend 'fused' fuses a dense MLP's residual add + norm, "
+                              "gate/up projection and SwiGLU, but this model's MLPs are "
+                              "mixture-of-experts; use --gemv-backend reduce or auto.")
         return cls(**out)
 
     @classmethod
@@ -184,7 +194,8 @@ class KernelBackends:
         return cls.resolve(attention_backend, gdn_backend, moe_backend, dtype=dtype,
                            gdn_dims=gdn_dims_of(cfg), norm=norm_backend,
                            hidden_size=cfg.hidden_size, gemv=gemv_backend,
-                           head_dim=getattr(cfg, "head_dim", None))
+                           head_dim=getattr(cfg, "head_dim", None),
+                           dense_mlp=not getattr(cfg, "is_moe", False))
 
 
 def _norm_misfit(hidden_size: int | None) -> bool:

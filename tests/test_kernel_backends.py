@@ -38,6 +38,30 @@ def test_fused_gemv_without_gpu_is_refused():
     assert KernelBackends.resolve(gemv="fused", platform="gpu").gemv == "fused"
 
 
+def test_fused_gemv_needs_dense_merged_mlps(monkeypatch):
+    """``fused`` works on a dense MLP's merged gate/up: a MoE model or unmerged projections
+    are refused before any weight is read, not silently run as ``reduce`` (a GPU is faked:
+    on the CPU ``fused`` is refused first for that)."""
+    import jax
+
+    import mtp_jax
+    from conftest import fixture_path
+    from mtp_jax.models import loader
+
+    with pytest.raises(ConfigError, match="mixture-of-experts; use --gemv-backend reduce"):
+        KernelBackends.resolve(platform="gpu", gemv="fused", dense_mlp=False)
+    assert KernelBackends.resolve(platform="gpu", gemv="fused", dense_mlp=True).gemv == "fused"
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+    opened = []
+    monkeypatch.setattr(loader, "load_tensors", lambda *a, **k: opened.append(a))
+    with pytest.raises(ConfigError, match="mixture-of-experts"):
+        mtp_jax.load_model(fixture_path("tiny_moe_fused"), "float32", gemv_backend="fused")
+    with pytest.raises(ConfigError, match="merge_projections is False"):
+        mtp_jax.load_model(fixture_path("tiny_dense"), "float32", gemv_backend="fused",
+                           merge_projections=False)
+    assert not opened
+
+
 def test_reduce_is_a_gemv_choice_only():
     assert KernelBackends.resolve(platform="cpu", gemv="reduce").gemv == "reduce"  # XLA: any
     with pytest.raises(ConfigError, match=r"norm_backend 'reduce'.*auto, xla, pallas "
@@ -134,6 +158,7 @@ def test_backend_help_names_what_auto_picks():
     assert "auto = pallas on a GPU for hidden sizes up to 2048" in backend_help("norm")
     assert "auto = reduce on a GPU, else xla" in backend_help("gemv")
     assert "pallas" in backend_help("gemv") and "experimental" in backend_help("gemv")
+    assert "fused (a GPU kernel)" in backend_help("gemv")
 
 
 def test_attention_kernel_needs_a_power_of_two_head_dim():

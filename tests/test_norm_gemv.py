@@ -65,6 +65,17 @@ def test_norm_gemv_bf16_matches_xla_roundings(act):
     assert np.max(np.abs(np.asarray(y, np.float64) - y64)) < 0.05 * np.max(np.abs(y64))
 
 
+def test_norm_gemv_small_rows_see_eps():
+    """A row of tiny values (mean of squares 1e-8, below eps = 1e-6): eps sets the scale, so a
+    kernel that dropped it (or misplaced it) would be off by a factor of about 10."""
+    x, d, nw, w = inputs(4, 64, 128, jnp.float32)
+    x, d = x * 1e-4, d * 1e-4
+    h, y = norm_gemv(x, d, nw, w, EPS, act="silu_mul", tiles=NormGemvTiles(8, 64, 4, 0, False))
+    h64, y64 = numpy_norm_gemv(x, d, nw, w, "silu_mul")
+    np.testing.assert_allclose(np.asarray(h), h64, rtol=0, atol=1e-10)
+    np.testing.assert_allclose(np.asarray(y), y64, rtol=2e-5, atol=1e-7)
+
+
 def test_norm_gemv_rejects_bad_input():
     x, d, nw, w = inputs(3, 96, 256, jnp.float32)
     with pytest.raises(ValueError, match="one row"):
@@ -120,8 +131,9 @@ def test_decoder_fused_matches_hf_decode_logits():
 
 
 def test_supports_bounds_the_pieces():
-    """Shapes the kernel compiles quickly: the released hidden sizes, the tiny fixture's; not
-    a K with no power-of-two piece of 64 or more, nor an odd [gate; up]."""
+    """Shapes the kernel compiles quickly (at most 16 power-of-two pieces of K, up to 1024
+    each): the released hidden sizes, the tiny fixture's; not K = 1000 (125 pieces of 8), nor
+    an odd [gate; up]."""
     from pallas_kernels.gemv.norm_gemv import supports
 
     assert supports((12288, 2048), "silu_mul") and supports((34816, 5120), "silu_mul")

@@ -45,8 +45,9 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--steps", type=int, default=None, help=argparse.SUPPRESS)  # old name
     p.add_argument("--warmup-rounds", type=int, default=3,
                    help="untimed rounds before the timed phase (the first one compiles); "
-                        "program calls for k = 0 rows with --num-scheduler-steps above 1; "
-                        "rounds, in whole calls, for k > 0 rows above 1")
+                        "with several rounds per call (--num-scheduler-steps above 1): that "
+                        "many calls for k = 0 rows, that many rounds rounded up to whole calls "
+                        "for k > 0 rows")
     p.add_argument("--accept-lengths", type=float, nargs="+", default=[2.5, 3.0, 3.5],
                    help="accept lengths forced for k>0 (each in [1, k+1]; others skipped)")
     p.add_argument("--prefill-reps", type=int, default=3,
@@ -64,7 +65,7 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "row per value. k > 0: the forced-draft row always runs one round per "
                         "call (its drafts are forced between rounds); each value above 1 adds "
                         "a row with the drafts as drafted (round time and exactness; the "
-                        "accept length is the model's)")
+                        "accept length is the model's); default 1")
     p.add_argument("--page-size", type=int, default=16,
                    help="tokens per KV page (default %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],

@@ -66,7 +66,8 @@ def _n(x: float) -> str:
 
 
 def _k_cell(r: dict) -> str:
-    """k, with the decode steps per program call when above 1 (``0 (4/call)``)."""
+    """k, with the rounds (decode steps, or speculative rounds) per program call when above 1
+    (``0 (4/call)``, ``3 (4/call)``)."""
     steps = r.get("steps_per_call", 1)
     return f"{r['k']} ({steps}/call)" if steps > 1 else str(r["k"])
 
@@ -134,7 +135,7 @@ def programs_table(results: list[dict]) -> str:
                          f"(prefill T={w['buckets']['prefill']}, B={w['buckets']['batch']}) | "
                          f"{w['seconds']:.2f} | {w['compiles']} | {w['cache_hits']} |")
         for p in r["programs"]:
-            lines.append(f"| {_shape(r['config'])} | {r['batch']} | {r['k']} | {p['program']} "
+            lines.append(f"| {_shape(r['config'])} | {r['batch']} | {_k_cell(r)} | {p['program']} "
                          f"| {p['first_call_s']:.2f} | {p['compiles']} | {p['cache_hits']} |")
     return "\n".join(lines)
 
@@ -159,7 +160,7 @@ def failures(results: list[dict]) -> list[str]:
     out = []
     for r in results:
         tag = f"{_shape(r['config'])} batch={r['batch']} k={_k_cell(r)}"
-        drafted = "forced" not in r  # k > 0 with several rounds per call: drafts as drafted
+        drafted = r["k"] and "forced" not in r  # several rounds per call, drafts as drafted
         rm = r.get("rounds_match")
         if rm is not None and not rm["exact"]:
             m = rm["first_mismatch"]

@@ -233,7 +233,9 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
         (:mod:`pallas_kernels.norm`; on a GPU ``auto`` takes the kernel for hidden sizes up to
         :data:`mtp_jax.kernels.AUTO_NORM_MAX_HIDDEN`, XLA above).
       gemv_backend: the same for the projections (and LM head) of one-row calls
-        (:mod:`pallas_kernels.gemv`: ``xla``, ``reduce`` or ``pallas``; ``auto`` takes
+        (:mod:`pallas_kernels.gemv`: ``xla``, ``reduce``, ``pallas`` or ``fused``: ``reduce``
+        with each one-row dense MLP's add + norm, gate/up and SwiGLU as one kernel,
+        :mod:`pallas_kernels.gemv.norm_gemv`, needing merged projections; ``auto`` takes
         ``reduce`` on a GPU, else XLA).
       merge_projections: after loading, stack the projections that read one input into one
         matrix each (``Qwen35Model.merge_projections``: one GEMM per group, faster decode);
@@ -286,6 +288,10 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
     cfg = dataclasses.replace(cfg, kernels=KernelBackends.for_model(
         cfg, dtype, attention_backend=attention_backend, gdn_backend=gdn_backend,
         moe_backend=moe_backend, norm_backend=norm_backend, gemv_backend=gemv_backend))
+    if cfg.kernels.gemv == "fused" and not merge_projections:
+        raise ConfigError("gemv_backend 'fused' runs on the MLPs' merged gate/up projection, but "
+                          "merge_projections is False (the bench's --no-merge-projections); "
+                          "merge them or use --gemv-backend reduce.")
     graphdef, abstract = abstract_model(cfg, dtype, with_mtp)
     expected = expected_tensors(abstract)
     if dummy_weight:

@@ -2,7 +2,8 @@
 as one Triton kernel: at batch-1 decode the three ops around a projection are each a kernel of
 1-2 us on the H200 (latency, not bytes), as long as a fifth of the projection itself.
 
-    h  = x + delta                                    (x's dtype, as the model's residual add)
+    h  = x + delta                                    (delta cast to x's dtype, the sum rounded
+                                                       to it: the model's residual add)
     hn = h / sqrt(mean(h^2) + eps) * (1 + nw)         (float32, rounded to x's dtype)
     p  = hn @ w.T                                     (float32 sums, rounded once)
     y  = p                      (act=None)
@@ -74,7 +75,8 @@ def default_tiles(out: int, k: int, act: str | None) -> NormGemvTiles:
 
 def norm_gemv_reference(x, delta, nw, w, eps: float, act: str | None = None):
     """XLA reference of :func:`norm_gemv`: ``(h, y)``."""
-    h = x if delta is None else (x.astype(F32) + delta.astype(F32)).astype(x.dtype)
+    h = x if delta is None else (x.astype(F32) + delta.astype(x.dtype).astype(F32)).astype(
+        x.dtype)
     h32 = h.astype(F32)
     hn = (h32 * lax.rsqrt(jnp.mean(h32 * h32, axis=-1, keepdims=True) + eps)
           * (1.0 + nw.astype(F32))).astype(x.dtype)

@@ -23,7 +23,8 @@ class Linear(nnx.Module):
     """``y = x @ weight.T`` with ``weight [out_features, in_features]`` (no bias).
 
     ``backend`` (static): how a call runs (:func:`pallas_kernels.gemv.gemv`: ``"xla"``,
-    ``"reduce"`` or ``"pallas"``; the loader sets it from ``KernelBackends.gemv``)."""
+    ``"reduce"``, ``"pallas"`` or ``"fused"``; the loader sets it from
+    ``KernelBackends.gemv``)."""
 
     def __init__(self, in_features: int, out_features: int, dtype, backend: str = "xla"):
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))
@@ -45,7 +46,8 @@ class MergedLinear(nnx.Module):
     the CPU: differences of a few 1e-6).
 
     ``backend`` (static): what a call runs (:func:`pallas_kernels.gemv.gemv`: ``"xla"``,
-    ``"reduce"`` or ``"pallas"``; the loader sets it from ``KernelBackends.gemv``).
+    ``"reduce"``, ``"pallas"`` or ``"fused"``; the loader sets it from ``KernelBackends.gemv``;
+    a decoder layer reads ``"fused"`` on its MLP's merged gate/up to run the fused kernel).
     """
 
     def __init__(self, weights: Sequence[jax.Array], backend: str = "xla"):
@@ -79,7 +81,7 @@ def merge_linears(linears: Sequence[Linear]) -> MergedLinear:
 def set_gemv_backend(module, backend: str) -> int:
     """Set ``backend`` on every :class:`Linear`, :class:`MergedLinear` and :class:`Embed` (its
     tied LM head) under ``module`` (in place); returns how many were set. ``backend``:
-    ``"xla"``, ``"reduce"`` or ``"pallas"`` (:func:`pallas_kernels.gemv.gemv`)."""
+    ``"xla"``, ``"reduce"``, ``"pallas"`` or ``"fused"`` (:func:`pallas_kernels.gemv.gemv`)."""
     count = 0
     for _, node in nnx.iter_graph(module):
         if isinstance(node, (Linear, MergedLinear, Embed)):
