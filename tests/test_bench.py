@@ -145,7 +145,8 @@ def test_multistep_decode_row(cold):
     assert r["rounds_timed"] >= DECODE > r["rounds_timed"] - 3
     assert 0 < r["host_ms"] <= r["round_ms"]
     assert "k=0 steps/call=3" in stderr
-    assert stdout.count("| tiny | 2 | 0 (3/call) |") == 2  # the main and the bytes tables
+    # the main and the bytes tables, and the programs table (prefill and round)
+    assert stdout.count("| tiny | 2 | 0 (3/call) |") == 4
     assert {p["program"] for p in r["programs"]} == {"prefill[T=16,k=0]",
                                                     "round[B=2,k=0,steps=3]"}
 
@@ -171,7 +172,8 @@ def test_multiround_spec_row_with_own_drafts(cold):
     assert {p["program"] for p in r["programs"]} == {"prefill[T=16,k=2]",
                                                     "round[B=2,k=2,steps=3]"}
     assert "k=2 steps/call=3" in stderr
-    assert stdout.count("| tiny | 2 | 2 (3/call) |") == 2  # the main and the bytes tables
+    # the main and the bytes tables, and the programs table (prefill and round)
+    assert stdout.count("| tiny | 2 | 2 (3/call) |") == 4
     assert forced_row["steps_per_call"] == 1 and forced_row["forced"]
 
 
