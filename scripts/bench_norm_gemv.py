@@ -131,7 +131,8 @@ def main():
                 print(f"  {t}: failed {type(e).__name__}: {str(e)[:300]}", flush=True)
         for wall, dev, t, err in sorted(rows, key=lambda r: r[0])[:8]:
             print(f"  fused bn={t.bn:2d} bk={t.bk:4d} w={t.num_warps} pre={int(t.preload)} "
-                  f"red={int(t.reduce_each)} wall {wall:6.2f} us  device {dev:6.2f} us  err {err:.1e}", flush=True)
+                  f"red={int(t.reduce_each)} wall {wall:6.2f} us  device {dev:6.2f} us  "
+                  f"err {err:.1e}", flush=True)
         del ws
 
 

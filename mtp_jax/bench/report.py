@@ -135,8 +135,9 @@ def programs_table(results: list[dict]) -> str:
                          f"(prefill T={w['buckets']['prefill']}, B={w['buckets']['batch']}) | "
                          f"{w['seconds']:.2f} | {w['compiles']} | {w['cache_hits']} |")
         for p in r["programs"]:
-            lines.append(f"| {_shape(r['config'])} | {r['batch']} | {_k_cell(r)} | {p['program']} "
-                         f"| {p['first_call_s']:.2f} | {p['compiles']} | {p['cache_hits']} |")
+            lines.append(f"| {_shape(r['config'])} | {r['batch']} | {_k_cell(r)} | "
+                         f"{p['program']} | {p['first_call_s']:.2f} | {p['compiles']} | "
+                         f"{p['cache_hits']} |")
     return "\n".join(lines)
 
 

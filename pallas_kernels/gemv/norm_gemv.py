@@ -231,5 +231,5 @@ def norm_gemv(x, delta, nw, w, eps: float, *, act: str | None = None,
     return h.reshape(x.shape), y.reshape(*lead, y.shape[-1])
 
 
-__all__ = ["ACTS", "NormGemvTiles", "check_norm_gemv", "default_tiles", "supports", "norm_gemv", "norm_gemv_pallas",
-           "norm_gemv_reference"]
+__all__ = ["ACTS", "NormGemvTiles", "check_norm_gemv", "default_tiles", "norm_gemv",
+           "norm_gemv_pallas", "norm_gemv_reference", "supports"]
