@@ -49,7 +49,9 @@ def test_budget_from_device_memory_and_refusal():
 def test_resize_cache_keeps_generation_working(model):
     from mtp_jax.engine.requests import Request, SamplingParams
 
-    eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", max_model_len=64),
+    # One slot to start: the reference run is one row at a time (prefill and the batch-1
+    # round only); the slot resize then gives three requests a slot each at once.
+    eng = Engine(model, EngineConfig(max_running_requests=1, dtype="float32", max_model_len=64),
                  SpecConfig(algorithm="mtp", num_steps=2))
 
     def run():
@@ -61,6 +63,7 @@ def test_resize_cache_keeps_generation_working(model):
 
     ref = run()
     kv_before = eng.pools.kv
+    assert eng.pools.gdn.recurrent[0].shape[0] == 2
     eng.resize_cache(max_running_requests=3)  # slot pool only: KV and draft KV kept
     assert eng.pools.kv is kv_before and eng.pools.gdn.recurrent[0].shape[0] == 4
     assert run() == ref

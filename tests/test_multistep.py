@@ -27,6 +27,32 @@ def _run(model, specs, k, steps, **kw):
     return out, eng
 
 
+def test_warmup_covers_multistep_calls(model):
+    """After ``warmup()``, serving with multi-step calls (and the single rounds near snapshot
+    boundaries) compiles nothing. (The first test here: ``run_engine``'s settings with the
+    prefix cache and 4 rounds per call, those of
+    ``test_multistep_with_prefix_cache_snapshots``, which then runs on the programs compiled
+    here; chunks of 16 tokens, the snapshot interval, which no chunk crosses with the cache.)"""
+    from mtp_jax.engine.engine import MultiStepWarning
+
+    with pytest.warns(MultiStepWarning):  # 2 * 4 tokens against a 16-token interval
+        eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32",
+                                         max_model_len=96, enable_prefix_cache=True,
+                                         chunked_prefill_size=16, snapshot_interval_pages=1,
+                                         num_scheduler_steps=4),
+                     SpecConfig(algorithm="none"))
+    assert eng.round_variants() == [{"snapshot": False, "rounds": 4}, {"snapshot": False},
+                                    {"snapshot": True}]
+    assert eng.prefill_buckets() == [16] and eng.batch_buckets() == [1, 2]
+    eng.warmup(sampled=False)
+    before = eng.compiled_program_count()
+    got = eng.run(make_requests([(p, greedy(20)) for p in random_prompts(3, seed=3, lo=20,
+                                                                         hi=30)], seed=200))
+    assert eng.compiled_program_count() == before
+    assert all(len(r.output_ids) == 20 for r in got)
+    assert eng.stats.round_calls < eng.stats.rounds  # calls did run several rounds
+
+
 @pytest.mark.parametrize("k", [0, 3])
 def test_multistep_equals_single_rounds(model, k):
     """Five requests through two slots, lengths that are not multiples of the steps, one stop
@@ -80,23 +106,6 @@ def test_multistep_under_page_pressure(model):
     want, _ = _run(model, specs, 3, steps=1)
     got, _ = _run(model, specs, 3, steps=4, num_pages=8)
     assert got == want
-
-
-def test_warmup_covers_multistep_calls(model):
-    """After ``warmup()``, serving with multi-step calls (and the single rounds near snapshot
-    boundaries) compiles nothing. (One slot: the round variants are compiled for batch bucket
-    1 only; the warm-up's other buckets are covered by the scheduler and LLM warm-up tests.)"""
-    eng = Engine(model, EngineConfig(max_running_requests=1, dtype="float32", max_model_len=64,
-                                     chunked_prefill_size=32, snapshot_interval_pages=1,
-                                     num_scheduler_steps=2),
-                 SpecConfig(algorithm="none"))
-    assert eng.round_variants() == [{"snapshot": False, "rounds": 2}, {"snapshot": False},
-                                    {"snapshot": True}]
-    eng.warmup(sampled=False)
-    before = eng.compiled_program_count()
-    eng.run(make_requests([(p, greedy(20)) for p in random_prompts(2, seed=3, lo=20, hi=30)],
-                          seed=200))
-    assert eng.compiled_program_count() == before
 
 
 @pytest.mark.parametrize("bad", [0, -1, MAX_SCHEDULER_STEPS + 1, True, 2.0, "4"])
