@@ -180,10 +180,10 @@ def test_reduce_backend_reaches_every_projection_and_matches_hf():
     from flax import nnx
 
     from mtp_jax.cache.paged import AttentionBatch
-    from mtp_jax.engine.pools import make_pools
     from mtp_jax.models.layers.basic import Embed, Linear, MergedLinear
     from mtp_jax.models.loader import load_model
     from tests.conftest import fixture_path
+    from tests.model_backends import prefill_one_row
 
     g = np.load(fixture_path("tiny_dense") + "/golden.npz")
     m = load_model(fixture_path("tiny_dense"), "float32", with_mtp=False, gemv_backend="reduce")
@@ -198,13 +198,7 @@ def test_reduce_backend_reaches_every_projection_and_matches_hf():
     assert "dot_general" not in _ops(model.logits, hidden)
     t = g["input_ids"].shape[1]
     for row in range(g["input_ids"].shape[0]):
-        ids = g["input_ids"][row:row + 1]
-        pools = make_pools(m.cfg, num_pages=5, page_size=8, slots=1, k=0, mtp=False,
-                           dtype=jnp.float32)
-        table = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
-        pos = jnp.arange(t, dtype=jnp.int32)[None]
-        _, kv, gdn = model(jnp.asarray(ids), AttentionBatch(pos, jnp.ones((1, t), bool), table),
-                           pools.kv, pools.gdn, "prefill")
+        kv, gdn, table = prefill_one_row(model, m.cfg, g["input_ids"][row:row + 1])
         for step in range(3):
             p = jnp.full((1, 1), t + step, jnp.int32)
             tok = jnp.asarray(g["greedy_tokens"][row:row + 1, step:step + 1])

@@ -97,9 +97,9 @@ def test_decoder_fused_matches_hf_decode_logits():
 
     from conftest import fixture_path
     from mtp_jax.cache.paged import AttentionBatch
-    from mtp_jax.engine.pools import make_pools
     from mtp_jax.models.layers.basic import set_gemv_backend
     from mtp_jax.models.loader import load_model
+    from tests.model_backends import prefill_one_row
 
     g = np.load(fixture_path("tiny_dense") + "/golden.npz")
     m = load_model(fixture_path("tiny_dense"), "float32", with_mtp=False)
@@ -110,12 +110,7 @@ def test_decoder_fused_matches_hf_decode_logits():
             layer.linear_attn.backend = "pallas"
     ids = g["input_ids"][:1]
     t = ids.shape[1]
-    pools = make_pools(m.cfg, num_pages=5, page_size=8, slots=1, k=0, mtp=False,
-                       dtype=jnp.float32)
-    table = jnp.asarray([[1, 2, 3, 4]], jnp.int32)
-    pos = jnp.arange(t, dtype=jnp.int32)[None]
-    _, kv, gdn = model(jnp.asarray(ids), AttentionBatch(pos, jnp.ones((1, t), bool), table),
-                       pools.kv, pools.gdn, "prefill")
+    kv, gdn, table = prefill_one_row(model, m.cfg, ids)
     tokens = g["greedy_tokens"][:1]
     for step in range(3):
         batch = AttentionBatch(jnp.full((1, 1), t + step, jnp.int32), jnp.ones((1, 1), bool),
