@@ -15,9 +15,12 @@ layer, from the in-projections on, is two kernels:
   ``verify`` (outputs; the pool is only read), ``commit`` (the pool written in place) or
   ``decode`` (both from one read).
 
-A decode step on a ring window (the Qwen3.5 family's pools) runs both as one kernel,
-:func:`pallas_kernels.gdn.fused_decode.gdn_decode_ring`, which shares :func:`ring_ext` and
-:func:`l2` with these.
+On a ring window (the Qwen3.5 family's pools) a decode step runs both as one kernel,
+:func:`pallas_kernels.gdn.fused_decode.gdn_decode_ring`, a verify window too,
+:func:`pallas_kernels.gdn.fused_verify.gdn_verify_ring` (which also returns the conv rows), and
+the commit of its accepted rows is :func:`gdn_step` with ``ring``: the recurrence on those
+conv rows and the ring's new columns in one kernel. They share :func:`ring_ext` and :func:`l2`
+with these.
 
 Neither gathers the states into a batch view nor scatters them back, and no XLA kernel runs
 between the in-projections and the recurrence: both read their inputs at column offsets of a
@@ -202,12 +205,17 @@ def _prep(conv_ref, a_ref, b_ref, keep_ref, bi, t, h, kh, j, alog, dtb, *, hk, d
     return q, k, v, jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
 
 
-def _step_kernel(slot_ref, keep_ref, conv_ref, a_ref, b_ref, alog_ref, dtb_ref, s_ref, *outs,
-                 n_rows: int, hk: int, rep: int, dv: int, a_col: int, b_col: int, mode: str):
-    """One (request, value head, value block). ``s_ref``: ``[S, Dk, bv]`` (this head's and
-    block's column of the pool); outs: ``o [T, bv]`` (verify, decode) then the state (commit,
-    decode), which aliases the pool: the tile is read whole before it is written."""
+def _step_kernel(slot_ref, keep_ref, conv_ref, a_ref, b_ref, alog_ref, dtb_ref, *refs,
+                 n_rows: int, hk: int, rep: int, dv: int, a_col: int, b_col: int, mode: str,
+                 kernel: int):
+    """One (request, value head, value block). ``refs``: with ``kernel`` (a commit that also
+    writes a ring window) ``start_ref, qkv_ref, win_ref`` first; then ``s_ref``: ``[S, Dk,
+    bv]`` (this head's and block's column of the pool); then the outputs: ``o [T, bv]``
+    (verify, decode), the state (commit, decode), which aliases the pool: the tile is read
+    whole before it is written, and the ring window (aliased)."""
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    ring, refs = (refs[:3], refs[3:]) if kernel else (None, refs)
+    s_ref, outs = refs[0], refs[1:]
     _, dk, bv = s_ref.shape
     slot = slot_ref[bi]
     s = s_ref[slot]
@@ -220,7 +228,39 @@ def _step_kernel(slot_ref, keep_ref, conv_ref, a_ref, b_ref, alog_ref, dtb_ref, 
         if mode != "commit":
             outs[0][t, :] = jnp.sum(s * q[:, None], axis=0)
     if mode != "verify":
-        outs[-1][slot] = s
+        outs[1 if mode == "decode" else 0][slot] = s
+    if ring:
+        _ring_write(*ring, outs[-1], keep_ref, bi, slot, h, j, hk=hk, rep=rep, dk=dk, bv=bv,
+                    dv=dv, n_rows=n_rows, kernel=kernel)
+
+
+def _ring_write(start_ref, qkv_ref, win_ref, win_out, keep_ref, bi, slot, h, j, *, hk, rep,
+                dk, bv, dv, n_rows, kernel):
+    """The kept rows' raw inputs into the ring (position p in column p mod K; the kept rows
+    are a prefix, and of rows sharing a column only the last is written). Each program
+    writes its value block's channels, value block 0 of a key head's first value head the
+    key head's q/k channels; the window is never read here, so no write races a read."""
+    del win_ref  # aliased to win_out: passed only to keep the columns not written
+    start = start_ref[bi]
+    kept = sum(keep_ref[bi, t] for t in range(n_rows))
+    kh = h // rep
+    q_off, k_off = kh * dk, hk * dk + kh * dk
+    v_off = pl.multiple_of(2 * hk * dk + h * dv + j * bv, bv)
+    writer = (j == 0) & (h % rep == 0)
+    for t in range(n_rows):
+        col = jax.lax.rem(start + t, kernel)
+        last = (keep_ref[bi, t] != 0) & (t + kernel >= kept)
+
+        @pl.when(last)
+        def _():
+            win_out[slot, pl.ds(v_off, bv), col] = qkv_ref[bi, t, pl.ds(v_off, bv)].astype(
+                win_out.dtype)
+
+        @pl.when(last & writer)
+        def _():
+            for off in (q_off, k_off):
+                win_out[slot, pl.ds(off, dk), col] = qkv_ref[bi, t, pl.ds(off, dk)].astype(
+                    win_out.dtype)
 
 
 def _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, hk, mode, a_col, b_col):
@@ -248,9 +288,23 @@ def _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, hk, mode, a_col, 
                          f"(got {state.dtype}); use the XLA backend.")
 
 
+def _check_ring(ring, conv, mode):
+    if mode != "commit":
+        raise ValueError(f"gdn_step: ring is for mode='commit' only (got {mode!r}); a verify "
+                         "on a ring takes gdn_verify_ring.")
+    qkv, window, start = ring
+    bsz, t, c = conv.shape
+    if (qkv.ndim != 3 or qkv.shape[:2] != (bsz, t) or qkv.shape[2] < c or window.ndim != 3
+            or window.shape[1] != c or start.shape != (bsz,)):
+        raise ValueError(f"gdn_step: ring qkv {qkv.shape}, window {window.shape}, start "
+                         f"{start.shape} do not fit conv {conv.shape} (qkv [B,T,N>=C], window "
+                         "[S,C,K], start [B]).")
+
+
 def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
              dt_bias: jax.Array, keep: jax.Array, state: jax.Array, slot: jax.Array, *,
              num_k_heads: int, mode: str, a_col: int = 0, b_col: int = 0,
+             ring: tuple[jax.Array, jax.Array, jax.Array] | None = None,
              block_v: int | None = None,
              num_warps: int | None = None, interpret: bool | None = None):
     """Gates, q/k norms and the step-form recurrence of ``T`` rows on the slots' states.
@@ -267,15 +321,24 @@ def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
       num_k_heads: ``Hk``.
       mode: ``"verify"`` -> ``o``; ``"commit"`` -> new pool; ``"decode"`` -> ``(o, new pool)``.
       a_col, b_col: static column offsets of ``a`` and ``b``.
+      ring: ``mode="commit"`` only: ``(qkv [B, T, N], window [S, C, K], start [B])``, the
+        rows' raw conv inputs (first ``C`` columns), the ring of the slots' conv windows and
+        each row 0's position; the kept rows (a prefix of each request's rows) are also
+        written into the ring, as :func:`gdn_conv_rows` with ``length`` = kept rows does,
+        in the same kernel. ``conv`` must then be those rows' conv (e.g. from
+        :func:`pallas_kernels.gdn.fused_verify.gdn_verify_ring`): the window is not read.
       block_v, num_warps: tiling (default :func:`pallas_kernels.gdn.pallas.default_tiling`).
       interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
     Returns:
       ``o [B, T, Hv, Dv]`` float32 and/or the new pool (aliasing ``state``: updated in place
-      when the caller donates it), per ``mode``.
+      when the caller donates it), per ``mode``; with ``ring``, ``(new pool, new window)``.
     Raises:
-      ValueError: unknown mode, shapes that do not fit, or sizes Triton cannot take.
+      ValueError: unknown mode, shapes that do not fit, sizes Triton cannot take, or a
+        ``ring`` outside a commit or of the wrong shape.
     """
     _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, num_k_heads, mode, a_col, b_col)
+    if ring is not None:
+        _check_ring(ring, conv, mode)
     bsz, t, _ = conv.shape
     _, hv, dk, dv = state.shape
     block_v, num_warps = resolve_tiling("gdn_step", bsz, hv, dv, block_v, num_warps)
@@ -291,19 +354,32 @@ def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
         "commit": ([state_spec], [s_shape], {7: 0}),
         "decode": ([o_spec, state_spec], [o_shape, s_shape], {7: 1}),
     }[mode]
+    args = [slot.astype(jnp.int32), keep, conv, a, b, a_log.astype(F32), dt_bias.astype(F32)]
+    in_specs = [whole((bsz,)), whole((bsz, tp)), whole(conv.shape), whole(a.shape),
+                whole(b.shape), whole((hv,)), whole((hv,))]
+    kernel = 0
+    if ring is not None:
+        qkv, window, start = ring
+        kernel = window.shape[-1]
+        args += [start.astype(jnp.int32), pad_rows(qkv, tp), window]
+        in_specs += [whole((bsz,)), whole((bsz, tp, qkv.shape[2])), whole(window.shape)]
+        out_specs = out_specs + [whole(window.shape)]
+        out_shape = out_shape + [jax.ShapeDtypeStruct(window.shape, window.dtype)]
+        aliases = {10: 0, 9: 1}
     outs = pl.pallas_call(
         functools.partial(_step_kernel, n_rows=tp, hk=num_k_heads, rep=hv // num_k_heads,
-                          dv=dv, a_col=a_col, b_col=b_col, mode=mode),
+                          dv=dv, a_col=a_col, b_col=b_col, mode=mode, kernel=kernel),
         grid=(bsz, hv, dv // block_v),
-        in_specs=[whole((bsz,)), whole((bsz, tp)), whole(conv.shape), whole(a.shape),
-                  whole(b.shape), whole((hv,)), whole((hv,)), state_spec],
+        in_specs=in_specs + [state_spec],
         out_specs=out_specs,
         out_shape=out_shape,
         input_output_aliases=aliases,
         compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
         interpret=interpret_mode(interpret),
-        name=f"gdn_fused_{mode}",
-    )(slot.astype(jnp.int32), keep, conv, a, b, a_log.astype(F32), dt_bias.astype(F32), state)
+        name=f"gdn_fused_{mode}" + ("_ring" if ring is not None else ""),
+    )(*args, state)
+    if ring is not None:
+        return outs[0], outs[1]
     if mode == "commit":
         return outs[0]
     o = outs[0][:, :t]

@@ -29,6 +29,7 @@ Source: HF transformers ``qwen3_5`` (``Qwen3_5GatedDeltaNet``).
 from __future__ import annotations
 
 import dataclasses
+import functools
 
 import jax
 import jax.numpy as jnp
@@ -42,6 +43,7 @@ from mtp_jax.models.layers.conv_state import advance, conv_window, is_ring, wind
 from pallas_kernels.gdn.api import gdn_commit, gdn_decode, gdn_verify
 from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step
 from pallas_kernels.gdn.fused_decode import OutputNorm, gdn_decode_ring
+from pallas_kernels.gdn.fused_verify import gdn_verify_ring
 from pallas_kernels.gdn.reference import gdn_chunked_reference
 
 
@@ -300,9 +302,14 @@ class GatedDeltaNet(nnx.Module):
     def _verify_fused(self, x, state, valid, slots, start):
         recurrent, window = state
         qkv, z, b, a = self._fused_inputs(x)
-        conv = gdn_conv_rows(qkv, self._conv_weight(), window, slots, start=start)
-        o = gdn_step(conv, a, b, self.A_log[...], self.dt_bias[...], valid, recurrent, slots,
-                     num_k_heads=self.hk, mode="verify", **self._gate_cols())
+        if start is None:  # a shift register: conv, then gates and recurrence
+            conv = gdn_conv_rows(qkv, self._conv_weight(), window, slots)
+            o = gdn_step(conv, a, b, self.A_log[...], self.dt_bias[...], valid, recurrent,
+                         slots, num_k_heads=self.hk, mode="verify", **self._gate_cols())
+        else:  # a ring: one kernel
+            o, conv = gdn_verify_ring(qkv, self._conv_weight(), window, a, b, self.A_log[...],
+                                      self.dt_bias[...], valid, recurrent, slots, start,
+                                      num_k_heads=self.hk, **self._gate_cols())
         return self._output(o, z), GDNConvRows(conv=conv, a=a, b=b, valid=valid, qkv=qkv,
                                                start=start)
 
@@ -336,12 +343,13 @@ class GatedDeltaNet(nnx.Module):
     def _commit_fused(self, state, rows: GDNConvRows, length, slots):
         recurrent, window = state
         keep = rows.valid & (jnp.arange(rows.valid.shape[1])[None, :] < length[:, None])
-        recurrent = gdn_step(rows.conv, rows.a, rows.b, self.A_log[...], self.dt_bias[...],
-                             keep, recurrent, slots, num_k_heads=self.hk, mode="commit",
-                             **self._gate_cols())
-        _, window = gdn_conv_rows(rows.qkv, self._conv_weight(), window, slots, length,
-                                  start=rows.start)
-        return recurrent, window
+        step = functools.partial(gdn_step, rows.conv, rows.a, rows.b, self.A_log[...],
+                                 self.dt_bias[...], keep, recurrent, slots,
+                                 num_k_heads=self.hk, mode="commit", **self._gate_cols())
+        if rows.start is not None:  # a ring: the window's new columns in the same kernel
+            return step(ring=(rows.qkv, window, rows.start))
+        _, window = gdn_conv_rows(rows.qkv, self._conv_weight(), window, slots, length)
+        return step(), window
 
 
 def _slots_of(slots, x):

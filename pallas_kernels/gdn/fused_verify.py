@@ -1,0 +1,185 @@
+"""A GDN layer's verify window (``T`` rows per request) on a ring conv window, from the
+in-projection on, as one Pallas (Triton lowering) kernel: causal conv + SiLU, the q/k L2
+norms, the gates and the step-form recurrence, the pools only read.
+
+It does what :func:`pallas_kernels.gdn.fused.gdn_conv_rows` (no ``length``) followed by
+:func:`~pallas_kernels.gdn.fused.gdn_step` (``mode="verify"``) do, with the same formulas in
+the same order (the conv summed tap by tap in float32 and rounded to the model dtype, then
+:func:`~pallas_kernels.gdn.fused.l2` and :func:`pallas_kernels.gdn.pallas.step`), minus one
+kernel launch per layer. It also returns the conv rows, which the commit
+(:func:`~pallas_kernels.gdn.fused.gdn_step` with ``mode="commit"`` and ``ring``) applies
+without reading the window again, so that kernel can write the window's new columns while
+no program reads it.
+
+One program per (request, value head, value block), as in
+:mod:`pallas_kernels.gdn.fused_decode`: it computes the conv of the channels it reads (its key
+head's q and k, its value block) from the ring's ``K-1`` columns before ``start`` and the
+window's earlier rows. Each program writes the conv rows of its value block; one program per
+key head (value block 0 of the key head's first value head) writes the q/k rows.
+
+Source of the formulas: HF transformers ``qwen3_5`` (``Qwen3_5GatedDeltaNet``), as in
+:mod:`mtp_jax.models.layers.gdn`.
+"""
+
+from __future__ import annotations
+
+import functools
+
+import jax
+import jax.numpy as jnp
+from jax.experimental import pallas as pl
+from jax.experimental.pallas import triton as plgpu
+
+from pallas_kernels.common import interpret_mode, next_pow2, whole
+from pallas_kernels.gdn.fused import l2, ring_ext
+from pallas_kernels.gdn.pallas import pad_rows, resolve_tiling, step
+
+F32 = jnp.float32
+
+
+def _conv_rows(qkv_ref, w_ref, win_ref, bi, slot, start, off, n: int, n_rows: int,
+               kernel: int, dtype) -> list:
+    """Conv + SiLU of channels ``off .. off+n`` for rows ``0 .. n_rows-1`` of request ``bi``
+    (row 0 at position ``start``), each rounded to ``dtype``: a list of ``[n]`` arrays."""
+    cs = pl.ds(off, n)
+    cols = [win_ref[slot, cs, c].astype(F32) for c in range(kernel)]
+    ext = ring_ext(cols, start) + [qkv_ref[bi, t, cs].astype(F32) for t in range(n_rows)]
+    w = [w_ref[cs, i].astype(F32) for i in range(kernel)]
+    out = []
+    for t in range(n_rows):
+        acc = ext[t] * w[0]
+        for i in range(1, kernel):
+            acc = acc + ext[t + i] * w[i]
+        out.append(jax.nn.silu(acc).astype(dtype))
+    return out
+
+
+def _verify_kernel(slot_ref, keep_ref, start_ref, qkv_ref, w_ref, a_ref, b_ref, alog_ref,
+                   dtb_ref, win_ref, s_ref, o_ref, conv_ref, *, n_rows: int, hk: int,
+                   rep: int, dv: int, kernel: int, a_col: int, b_col: int):
+    """One (request, value head ``h``, value block ``j``); ``s_ref``: ``[S, Dk, bv]`` (this
+    head's and block's column of the recurrent pool), ``o_ref``: ``[T, bv]``; ``conv_ref``:
+    the whole ``[B, T, C]`` conv output."""
+    bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
+    _, dk, bv = s_ref.shape
+    slot, start = slot_ref[bi], start_ref[bi]
+    kh = h // rep
+    conv = functools.partial(_conv_rows, qkv_ref, w_ref, win_ref, bi, slot, start,
+                             n_rows=n_rows, kernel=kernel, dtype=conv_ref.dtype)
+    q_off, k_off = kh * dk, hk * dk + kh * dk
+    v_off = pl.multiple_of(2 * hk * dk + h * dv + j * bv, bv)
+    qs, ks, vs = conv(q_off, dk), conv(k_off, dk), conv(v_off, bv)
+    for t in range(n_rows):
+        conv_ref[bi, t, pl.ds(v_off, bv)] = vs[t]
+
+    @pl.when((j == 0) & (h % rep == 0))  # one writer per key head's q/k channels
+    def _():
+        for t in range(n_rows):
+            conv_ref[bi, t, pl.ds(q_off, dk)] = qs[t]
+            conv_ref[bi, t, pl.ds(k_off, dk)] = ks[t]
+
+    s = s_ref[slot]
+    alog, dtb = alog_ref[h], dtb_ref[h]
+    for t in range(n_rows):
+        q = l2(qs[t].astype(F32)) * (dk ** -0.5)
+        k = l2(ks[t].astype(F32))
+        keep = keep_ref[bi, t] != 0
+        beta = jax.nn.sigmoid(b_ref[bi, t, b_col + h].astype(F32))
+        g = -jnp.exp(alog) * jax.nn.softplus(a_ref[bi, t, a_col + h].astype(F32) + dtb)
+        s = step(s, k, vs[t].astype(F32), jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0))
+        o_ref[t, :] = jnp.sum(s * q[:, None], axis=0)
+
+
+def _check(qkv, weight, window, a, b, a_log, dt_bias, valid, state, slot, start, hk, a_col,
+           b_col):
+    bsz, t, n = qkv.shape
+    s, c, cols = window.shape
+    kernel = weight.shape[-1]
+    _, hv, dk, dv = state.shape
+    if cols != kernel:
+        raise ValueError(f"gdn_verify_ring: window {window.shape} has {cols} columns; this "
+                         f"kernel needs a ring [S, C, K={kernel}] (a shift register of K-1 "
+                         "columns takes gdn_conv_rows + gdn_step).")
+    want = {"qkv columns": (n >= c, True), "weight": (weight.shape, (c, kernel)),
+            "A_log": (a_log.shape, (hv,)), "dt_bias": (dt_bias.shape, (hv,)),
+            "valid": (valid.shape, (bsz, t)), "slot": (slot.shape, (bsz,)),
+            "start": (start.shape, (bsz,)), "state slots": (state.shape[0], s),
+            "conv width": (c, 2 * hk * dk + hv * dv)}
+    for name, (got, expected) in want.items():
+        if got != expected:
+            raise ValueError(f"gdn_verify_ring: {name} is {got}, expected {expected} (qkv "
+                             "[B,T,N>=C], weight [C,K], window [S,C,K] (a ring), a/b [B,T,N], "
+                             "A_log/dt_bias [Hv], valid [B,T], state [S,Hv,Dk,Dv], slot and "
+                             "start [B], C = 2*Hk*Dk + Hv*Dv).")
+    for name, x, col in (("a", a, a_col), ("b", b, b_col)):
+        if x.ndim != 3 or x.shape[:2] != (bsz, t) or col < 0 or x.shape[2] < col + hv:
+            raise ValueError(f"gdn_verify_ring: {name} has shape {x.shape} with {name}_col="
+                             f"{col}; it must be [B={bsz}, T={t}, N] holding Hv={hv} columns "
+                             f"from {name}_col.")
+    if hv % hk or dk & (dk - 1) or state.dtype != F32:
+        raise ValueError(f"gdn_verify_ring: Hv={hv} must be a multiple of Hk={hk}, Dk={dk} a "
+                         f"power of two and the state float32 (got {state.dtype}); use the "
+                         "XLA backend.")
+
+
+def gdn_verify_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax.Array,
+                    b: jax.Array, a_log: jax.Array, dt_bias: jax.Array, valid: jax.Array,
+                    state: jax.Array, slot: jax.Array, start: jax.Array, *, num_k_heads: int,
+                    a_col: int = 0, b_col: int = 0, block_v: int | None = None,
+                    num_warps: int | None = None, interpret: bool | None = None):
+    """A verify window of ``T`` rows per request: conv, norms, gates and recurrence from the
+    slots' states, which it does not change.
+
+    Args:
+      qkv: ``[B, T, N]``, the raw conv inputs in its first ``C = 2 Hk Dk + Hv Dv`` columns
+        (``[q heads | k heads | v heads]``, model dtype); e.g. the merged in-projection's whole
+        output, read in place.
+      weight: ``[C, K]`` conv taps (``conv1d.weight[:, 0, :]``).
+      window: ``[S, C, K]`` ring of raw inputs (position p in column p mod K).
+      a, b: ``[B, T, N]`` holding the raw ``in_proj_a`` / ``in_proj_b`` outputs in the ``Hv``
+        columns from ``a_col`` / ``b_col``.
+      a_log, dt_bias: ``[Hv]``.
+      valid: ``[B, T]`` bool; rows that are not valid get ``g = beta = 0`` (they leave the
+        state as it is for the rows after them).
+      state: ``[S, Hv, Dk, Dv]`` float32 recurrent pool.
+      slot: ``[B]`` int32 rows of the pools.
+      start: ``[B]`` int32 position of row 0 (tokens the slot's state has consumed).
+      num_k_heads: ``Hk``; value head ``h`` reads key head ``h // (Hv / Hk)``.
+      a_col, b_col: static column offsets of ``a`` and ``b``.
+      block_v, num_warps: tiling (default :func:`pallas_kernels.gdn.pallas.default_tiling`).
+      interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
+    Returns:
+      ``(o [B, T, Hv, Dv] float32, conv [B, T, C] in qkv.dtype)``: the rows' outputs, and
+      their conv + SiLU (what :func:`~pallas_kernels.gdn.fused.gdn_conv_rows` returns).
+    Raises:
+      ValueError: shapes that do not fit, or sizes Triton cannot take.
+    """
+    _check(qkv, weight, window, a, b, a_log, dt_bias, valid, state, slot, start, num_k_heads,
+           a_col, b_col)
+    bsz, t, _ = qkv.shape
+    c = window.shape[1]
+    _, hv, dk, dv = state.shape
+    block_v, num_warps = resolve_tiling("gdn_verify_ring", bsz, hv, dv, block_v, num_warps)
+    tp = next_pow2(t)
+    qkv, a, b = (pad_rows(x, tp) for x in (qkv, a, b))
+    keep = pad_rows(valid.astype(jnp.int32), tp)
+    state_spec = pl.BlockSpec((state.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
+    args = [slot.astype(jnp.int32), keep, start.astype(jnp.int32), qkv, weight, a, b,
+            a_log.astype(F32), dt_bias.astype(F32), window, state]
+    in_specs = [whole((bsz,)), whole((bsz, tp)), whole((bsz,))]
+    in_specs += [whole(x.shape) for x in (qkv, weight, a, b)]
+    in_specs += [whole((hv,))] * 2 + [whole(window.shape), state_spec]
+    o, conv = pl.pallas_call(
+        functools.partial(_verify_kernel, n_rows=tp, hk=num_k_heads, rep=hv // num_k_heads,
+                          dv=dv, kernel=window.shape[-1], a_col=a_col, b_col=b_col),
+        grid=(bsz, hv, dv // block_v),
+        in_specs=in_specs,
+        out_specs=[pl.BlockSpec((None, tp, None, block_v), lambda i, h, j: (i, 0, h, j)),
+                   whole((bsz, tp, c))],
+        out_shape=[jax.ShapeDtypeStruct((bsz, tp, hv, dv), F32),
+                   jax.ShapeDtypeStruct((bsz, tp, c), qkv.dtype)],
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret_mode(interpret),
+        name="gdn_fused_verify_ring",
+    )(*args)
+    return o[:, :t], conv[:, :t]

@@ -1,0 +1,200 @@
+"""The one-kernel verify on a ring conv window (``pallas_kernels.gdn.fused_verify``) and the
+commit that writes the ring in the same kernel (``gdn_step(mode="commit", ring=...)``),
+against a float64 numpy re-derivation of the layer's step form (HF ``Qwen3_5GatedDeltaNet``),
+against the two-kernel path they replace (``gdn_conv_rows`` + ``gdn_step``), and the
+exactness rule: a verify window's commit of n rows gives the state of n decode steps.
+
+CPU: interpret-mode numerics and the Triton lowering; GPU (``-m gpu``): compiled at real shapes.
+Inputs are fresh random values (never zeros); slots are in random order with untouched slots
+between them; starts put row 0 at every column of the ring.
+"""
+
+from __future__ import annotations
+
+import jax.numpy as jnp
+import ml_dtypes
+import numpy as np
+import pytest
+
+from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step
+from pallas_kernels.gdn.fused_decode import gdn_decode_ring
+from pallas_kernels.gdn.fused_verify import gdn_verify_ring
+from tests.test_pallas_gdn_fused import _case, _close, _np_conv, _np_ordered, _np_step
+from tests.triton_lowering import lower_for_cuda
+
+BF16 = ml_dtypes.bfloat16
+
+
+def _window_case(seed, b, t, hk, hv, dk, dv, dtype, slots=None, kernel=4):
+    """``t`` rows per request on a ring ``[S, C, K]``; request 1 has no valid row, the others
+    all rows valid; starts cover every column of the ring."""
+    slots = slots or b + 3
+    c = _case(seed, b, t, hk, hv, dk, dv, kernel=kernel, slots=slots, dtype=dtype)
+    rng = np.random.default_rng(seed + 100)
+    c["window"] = rng.standard_normal((slots, c["qkv"].shape[-1], kernel)).astype(dtype)
+    c["start"] = (np.arange(b) * 5 + rng.integers(0, 3000)).astype(np.int32)
+    c["valid"] = np.repeat((np.arange(b) != 1)[:, None], t, axis=1)
+    return c
+
+
+def _args(c, *names):
+    return [jnp.asarray(c[k]) for k in names]
+
+
+def _verify(c, hk, interpret, **kw):
+    return gdn_verify_ring(*_args(c, "qkv", "weight", "window", "a", "b", "a_log", "dt_bias",
+                                  "valid", "state", "slot", "start"),
+                           num_k_heads=hk, interpret=interpret, **kw)
+
+
+def _two_kernel_verify(c, hk, interpret):
+    slot, start = _args(c, "slot", "start")
+    conv = gdn_conv_rows(*_args(c, "qkv", "weight", "window"), slot, start=start,
+                         interpret=interpret)
+    o = gdn_step(conv, *_args(c, "a", "b", "a_log", "dt_bias", "valid", "state"), slot,
+                 num_k_heads=hk, mode="verify", interpret=interpret)
+    return o, conv
+
+
+def _commit(c, conv, length, hk, interpret):
+    keep = c["valid"] & (np.arange(c["valid"].shape[1])[None, :] < length[:, None])
+    return gdn_step(conv, *_args(c, "a", "b", "a_log", "dt_bias"), jnp.asarray(keep),
+                    *_args(c, "state", "slot"), num_k_heads=hk, mode="commit",
+                    ring=tuple(_args(c, "qkv", "window", "start")), interpret=interpret)
+
+
+def _np_ring_commit(c, length):
+    """The ring after writing each request's first ``length`` rows (column p mod K holds
+    position p; rows of a request with no valid row are not written)."""
+    out = c["window"].copy()
+    kernel = out.shape[-1]
+    for i, s in enumerate(c["slot"]):
+        for r in range(length[i] if c["valid"][i, 0] else 0):
+            out[s][:, (c["start"][i] + r) % kernel] = c["qkv"][i, r, :out.shape[1]]
+    return out
+
+
+def _check_verify(c, hk, interpret, dtype):
+    """The verify's outputs and conv rows against numpy and the two-kernel path."""
+    b = c["qkv"].shape[0]
+    o, conv = _verify(c, hk, interpret)
+    conv_want = _np_conv(c["qkv"], c["weight"], _np_ordered(c["window"], c["slot"], c["start"]),
+                         np.arange(b), dtype)
+    o_want, _ = _np_step(conv_want, c["a"], c["b"], c["a_log"], c["dt_bias"], c["valid"],
+                         c["state"], c["slot"], hk)
+    tol = 1e-4 if dtype == np.float32 else 2e-2
+    _close(conv, conv_want, rtol=tol, atol=tol / 10)
+    _close(o, o_want, rtol=tol, atol=tol / 10)
+    o2, conv2 = _two_kernel_verify(c, hk, interpret)
+    np.testing.assert_allclose(np.asarray(conv, np.float32), np.asarray(conv2, np.float32),
+                               rtol=1e-5, atol=1e-6)
+    np.testing.assert_allclose(np.asarray(o), np.asarray(o2), rtol=1e-5, atol=1e-6)
+    return conv
+
+
+def _check_commit(c, conv, length, hk, interpret, dtype):
+    """The commit's pools against numpy and the two-kernel path (state bit for bit: the same
+    kernel code)."""
+    b = c["qkv"].shape[0]
+    state, window = _commit(c, conv, length, hk, interpret)
+    keep = c["valid"] & (np.arange(c["valid"].shape[1])[None, :] < length[:, None])
+    conv64 = np.asarray(conv, np.float64)
+    _, pool_want = _np_step(conv64, c["a"], c["b"], c["a_log"], c["dt_bias"], keep,
+                            c["state"], c["slot"], hk)
+    tol = 1e-4 if dtype == np.float32 else 2e-2
+    _close(state, pool_want, rtol=tol, atol=tol / 10)
+    np.testing.assert_array_equal(np.asarray(window), _np_ring_commit(c, length))
+    untouched = np.setdiff1d(np.arange(c["state"].shape[0]), c["slot"][c["valid"][:, 0]])
+    np.testing.assert_array_equal(np.asarray(state)[untouched], c["state"][untouched])
+    slot = jnp.asarray(c["slot"])
+    old_state = gdn_step(conv, *_args(c, "a", "b", "a_log", "dt_bias"), jnp.asarray(keep),
+                         *_args(c, "state"), slot, num_k_heads=hk, mode="commit",
+                         interpret=interpret)
+    _, old_window = gdn_conv_rows(*_args(c, "qkv", "weight", "window"), slot,
+                                  jnp.asarray(keep.sum(1).astype(np.int32)),
+                                  start=jnp.asarray(c["start"]), interpret=interpret)
+    np.testing.assert_array_equal(np.asarray(state), np.asarray(old_state))
+    np.testing.assert_array_equal(np.asarray(window), np.asarray(old_window))
+    assert b == len(length)
+    return state, window
+
+
+@pytest.mark.parametrize("t,hk,hv,dk,dv,block_v,dtype", [
+    (4, 2, 4, 16, 32, 16, np.float32),
+    (4, 1, 3, 32, 16, 16, BF16),
+    (6, 2, 2, 16, 32, 32, BF16),  # more rows than the ring's K = 4 columns
+])
+def test_ring_verify_and_commit_match_numpy_and_the_two_kernel_path(t, hk, hv, dk, dv,
+                                                                     block_v, dtype):
+    b = 5
+    c = _window_case(21, b, t, hk, hv, dk, dv, dtype)
+    conv = _check_verify(c, hk, True, dtype)
+    length = np.array([t, t, 0, 1, t - 1], np.int32)
+    _check_commit(c, conv, length, hk, True, dtype)
+
+
+def test_ring_commit_equals_decode_steps():
+    """Verify + commit of n rows gives the pools of n one-kernel decode steps."""
+    hk, t = 2, 4
+    c = _window_case(22, 3, t, hk, 4, 16, 32, BF16)
+    c["valid"][:] = True
+    conv = gdn_verify_ring(*_args(c, "qkv", "weight", "window", "a", "b", "a_log", "dt_bias",
+                                  "valid", "state", "slot", "start"),
+                           num_k_heads=hk, interpret=True)[1]
+    length = np.array([3, 4, 2], np.int32)
+    state, window = _commit(c, conv, length, hk, True)
+    d = dict(c)
+    for r in range(t):
+        row = lambda x: x[:, r:r + 1]
+        valid = (r < length)[:, None]
+        _, d["state"], d["window"] = gdn_decode_ring(
+            jnp.asarray(row(c["qkv"])), *_args(d, "weight", "window"), jnp.asarray(row(c["a"])),
+            jnp.asarray(row(c["b"])), *_args(d, "a_log", "dt_bias"), jnp.asarray(valid),
+            *_args(d, "state", "slot"), jnp.asarray(c["start"] + r), num_k_heads=hk,
+            interpret=True)
+    np.testing.assert_array_equal(np.asarray(window), np.asarray(d["window"]))
+    np.testing.assert_allclose(np.asarray(state), np.asarray(d["state"]), rtol=1e-5, atol=1e-6)
+
+
+def test_ring_verify_and_commit_refusals():
+    c = _window_case(23, 2, 4, 2, 2, 16, 16, np.float32)
+    with pytest.raises(ValueError, match="has 3 columns; this kernel needs a ring"):
+        _verify(dict(c, window=c["window"][..., :3]), 2, True)
+    with pytest.raises(ValueError, match="valid is"):
+        _verify(dict(c, valid=c["valid"][:, :2]), 2, True)
+    slot = jnp.asarray(c["slot"])
+    conv = gdn_conv_rows(*_args(c, "qkv", "weight", "window"), slot,
+                         start=jnp.asarray(c["start"]), interpret=True)
+    step_args = (conv, *_args(c, "a", "b", "a_log", "dt_bias", "valid", "state"), slot)
+    ring = tuple(_args(c, "qkv", "window", "start"))
+    with pytest.raises(ValueError, match="ring is for mode='commit' only"):
+        gdn_step(*step_args, num_k_heads=2, mode="verify", ring=ring, interpret=True)
+    with pytest.raises(ValueError, match="do not fit conv"):
+        gdn_step(*step_args, num_k_heads=2, mode="commit", ring=(ring[0][:, :2], *ring[1:]),
+                 interpret=True)
+
+
+@pytest.mark.parametrize("hk,hv", [(16, 48)])  # 27B (2B and 35B-A3B: the GPU test)
+def test_ring_verify_and_commit_lower_to_triton(hk, hv):
+    c = _window_case(24, 1, 4, hk, hv, 128, 128, BF16)
+    text = lower_for_cuda(
+        lambda qkv, weight, window, a, b, a_log, dt_bias, valid, state, slot, start: (
+            gdn_step(gdn_verify_ring(qkv, weight, window, a, b, a_log, dt_bias, valid, state,
+                                     slot, start, num_k_heads=hk, interpret=False)[1],
+                     a, b, a_log, dt_bias, valid, state, slot, num_k_heads=hk, mode="commit",
+                     ring=(qkv, window, start), interpret=False)),
+        *_args(c, "qkv", "weight", "window", "a", "b", "a_log", "dt_bias", "valid", "state",
+               "slot", "start"))
+    assert "gdn_fused_verify_ring" in text and "gdn_fused_commit_ring" in text
+    assert "output_operand_aliases" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,hv", [(1, 16), (1, 48), (8, 32), (32, 16)])
+def test_gpu_ring_verify_and_commit(b, hv):
+    """Compiled at real head sizes: against numpy and the two-kernel path."""
+    t = 4
+    c = _window_case(25, b, t, 16, hv, 128, 128, BF16)
+    conv = _check_verify(c, 16, False, BF16)
+    length = np.random.default_rng(b).integers(0, t + 1, b).astype(np.int32)
+    _check_commit(c, conv, length, 16, False, BF16)
