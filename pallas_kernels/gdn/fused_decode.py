@@ -144,36 +144,41 @@ def _decode_kernel(slot_ref, valid_ref, start_ref, qkv_ref, w_ref, a_ref, b_ref,
         sync_ref[bi, h] = 0
 
 
-def _check(qkv, weight, window, a, b, a_log, dt_bias, valid, state, slot, start, hk, a_col,
-           b_col):
+def check_ring_inputs(caller: str, qkv, weight, window, a, b, a_log, dt_bias, valid, state,
+                      slot, start, hk: int, a_col: int, b_col: int, one_row: bool) -> None:
+    """The shape checks of the ring kernels (``gdn_decode_ring``, one row per request, and
+    :func:`pallas_kernels.gdn.fused_verify.gdn_verify_ring`, ``T`` rows). Raises ValueError
+    naming ``caller``, the argument and the shapes expected."""
     bsz, t, n = qkv.shape
     s, c, cols = window.shape
     kernel = weight.shape[-1]
     _, hv, dk, dv = state.shape
+    rows = 1 if one_row else t
+    r = "1" if one_row else "T"
     if cols != kernel:
-        raise ValueError(f"gdn_decode_ring: window {window.shape} has {cols} columns; this "
-                         f"kernel needs a ring [S, C, K={kernel}] (a shift register of K-1 "
-                         "columns takes gdn_conv_rows + gdn_step).")
-    want = {"qkv": ((t, n >= c), (1, True)), "weight": (weight.shape, (c, kernel)),
-            "A_log": (a_log.shape, (hv,)), "dt_bias": (dt_bias.shape, (hv,)),
-            "valid": (valid.shape, (bsz, 1)), "slot": (slot.shape, (bsz,)),
-            "start": (start.shape, (bsz,)), "state": (state.shape[0], s),
-            "conv width": (c, 2 * hk * dk + hv * dv)}
+        raise ValueError(f"{caller}: window {window.shape} has {cols} columns; this kernel "
+                         f"needs a ring [S, C, K={kernel}] (a shift register of K-1 columns "
+                         "takes gdn_conv_rows + gdn_step).")
+    want = {"qkv rows": (t, rows), "qkv columns": (n >= c, True),
+            "weight": (weight.shape, (c, kernel)), "A_log": (a_log.shape, (hv,)),
+            "dt_bias": (dt_bias.shape, (hv,)), "valid": (valid.shape, (bsz, rows)),
+            "slot": (slot.shape, (bsz,)), "start": (start.shape, (bsz,)),
+            "state slots": (state.shape[0], s), "conv width": (c, 2 * hk * dk + hv * dv)}
     for name, (got, expected) in want.items():
         if got != expected:
-            raise ValueError(f"gdn_decode_ring: {name} is {got}, expected {expected} (qkv "
-                             "[B,1,N>=C], weight [C,K], window [S,C,K] (a ring), a/b [B,1,N], "
-                             "A_log/dt_bias [Hv], valid [B,1], state [S,Hv,Dk,Dv], slot and "
-                             "start [B], C = 2*Hk*Dk + Hv*Dv).")
+            raise ValueError(f"{caller}: {name} is {got}, expected {expected} (qkv "
+                             f"[B,{r},N>=C], weight [C,K], window [S,C,K] (a ring), a/b "
+                             f"[B,{r},N], A_log/dt_bias [Hv], valid [B,{r}], state "
+                             "[S,Hv,Dk,Dv], slot and start [B], C = 2*Hk*Dk + Hv*Dv).")
     for name, x, col in (("a", a, a_col), ("b", b, b_col)):
-        if x.ndim != 3 or x.shape[:2] != (bsz, 1) or col < 0 or x.shape[2] < col + hv:
-            raise ValueError(f"gdn_decode_ring: {name} has shape {x.shape} with {name}_col="
-                             f"{col}; it must be [B={bsz}, 1, N] holding Hv={hv} columns from "
+        if x.ndim != 3 or x.shape[:2] != (bsz, rows) or col < 0 or x.shape[2] < col + hv:
+            raise ValueError(f"{caller}: {name} has shape {x.shape} with {name}_col={col}; it "
+                             f"must be [B={bsz}, {rows}, N] holding Hv={hv} columns from "
                              f"{name}_col.")
     if hv % hk or dk & (dk - 1) or state.dtype != F32:
-        raise ValueError(f"gdn_decode_ring: Hv={hv} must be a multiple of Hk={hk}, Dk={dk} a "
-                         f"power of two and the state float32 (got {state.dtype}); use the "
-                         "XLA backend.")
+        raise ValueError(f"{caller}: Hv={hv} must be a multiple of Hk={hk}, Dk={dk} a power of "
+                         f"two and the state float32 (got {state.dtype}); use the XLA "
+                         "backend.")
 
 
 def gdn_decode_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax.Array,
@@ -214,8 +219,8 @@ def gdn_decode_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax
     Raises:
       ValueError: shapes that do not fit, or sizes Triton cannot take.
     """
-    _check(qkv, weight, window, a, b, a_log, dt_bias, valid, state, slot, start, num_k_heads,
-           a_col, b_col)
+    check_ring_inputs("gdn_decode_ring", qkv, weight, window, a, b, a_log, dt_bias, valid,
+                      state, slot, start, num_k_heads, a_col, b_col, one_row=True)
     bsz = qkv.shape[0]
     _, hv, dk, dv = state.shape
     block_v, num_warps = resolve_tiling("gdn_decode_ring", bsz, hv, dv, block_v, num_warps)

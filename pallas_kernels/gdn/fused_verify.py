@@ -32,6 +32,7 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import interpret_mode, next_pow2, whole
 from pallas_kernels.gdn.fused import l2, ring_ext
+from pallas_kernels.gdn.fused_decode import check_ring_inputs
 from pallas_kernels.gdn.pallas import pad_rows, resolve_tiling, step
 
 F32 = jnp.float32
@@ -90,38 +91,6 @@ def _verify_kernel(slot_ref, keep_ref, start_ref, qkv_ref, w_ref, a_ref, b_ref, 
         o_ref[t, :] = jnp.sum(s * q[:, None], axis=0)
 
 
-def _check(qkv, weight, window, a, b, a_log, dt_bias, valid, state, slot, start, hk, a_col,
-           b_col):
-    bsz, t, n = qkv.shape
-    s, c, cols = window.shape
-    kernel = weight.shape[-1]
-    _, hv, dk, dv = state.shape
-    if cols != kernel:
-        raise ValueError(f"gdn_verify_ring: window {window.shape} has {cols} columns; this "
-                         f"kernel needs a ring [S, C, K={kernel}] (a shift register of K-1 "
-                         "columns takes gdn_conv_rows + gdn_step).")
-    want = {"qkv columns": (n >= c, True), "weight": (weight.shape, (c, kernel)),
-            "A_log": (a_log.shape, (hv,)), "dt_bias": (dt_bias.shape, (hv,)),
-            "valid": (valid.shape, (bsz, t)), "slot": (slot.shape, (bsz,)),
-            "start": (start.shape, (bsz,)), "state slots": (state.shape[0], s),
-            "conv width": (c, 2 * hk * dk + hv * dv)}
-    for name, (got, expected) in want.items():
-        if got != expected:
-            raise ValueError(f"gdn_verify_ring: {name} is {got}, expected {expected} (qkv "
-                             "[B,T,N>=C], weight [C,K], window [S,C,K] (a ring), a/b [B,T,N], "
-                             "A_log/dt_bias [Hv], valid [B,T], state [S,Hv,Dk,Dv], slot and "
-                             "start [B], C = 2*Hk*Dk + Hv*Dv).")
-    for name, x, col in (("a", a, a_col), ("b", b, b_col)):
-        if x.ndim != 3 or x.shape[:2] != (bsz, t) or col < 0 or x.shape[2] < col + hv:
-            raise ValueError(f"gdn_verify_ring: {name} has shape {x.shape} with {name}_col="
-                             f"{col}; it must be [B={bsz}, T={t}, N] holding Hv={hv} columns "
-                             f"from {name}_col.")
-    if hv % hk or dk & (dk - 1) or state.dtype != F32:
-        raise ValueError(f"gdn_verify_ring: Hv={hv} must be a multiple of Hk={hk}, Dk={dk} a "
-                         f"power of two and the state float32 (got {state.dtype}); use the "
-                         "XLA backend.")
-
-
 def gdn_verify_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax.Array,
                     b: jax.Array, a_log: jax.Array, dt_bias: jax.Array, valid: jax.Array,
                     state: jax.Array, slot: jax.Array, start: jax.Array, *, num_k_heads: int,
@@ -154,8 +123,8 @@ def gdn_verify_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax
     Raises:
       ValueError: shapes that do not fit, or sizes Triton cannot take.
     """
-    _check(qkv, weight, window, a, b, a_log, dt_bias, valid, state, slot, start, num_k_heads,
-           a_col, b_col)
+    check_ring_inputs("gdn_verify_ring", qkv, weight, window, a, b, a_log, dt_bias, valid,
+                      state, slot, start, num_k_heads, a_col, b_col, one_row=False)
     bsz, t, _ = qkv.shape
     c = window.shape[1]
     _, hv, dk, dv = state.shape
