@@ -19,7 +19,7 @@ import pytest
 from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step
 from pallas_kernels.gdn.fused_decode import gdn_decode_ring
 from pallas_kernels.gdn.fused_verify import gdn_verify_ring
-from tests.test_pallas_gdn_fused import _case, _close, _np_conv, _np_ordered, _np_step
+from tests.test_pallas_gdn_fused import _case, _close, _merged, _np_conv, _np_ordered, _np_step
 from tests.triton_lowering import lower_for_cuda
 
 BF16 = ml_dtypes.bfloat16
@@ -47,37 +47,41 @@ def _verify(c, hk, interpret, **kw):
                            num_k_heads=hk, interpret=interpret, **kw)
 
 
-def _two_kernel_verify(c, hk, interpret):
+def _two_kernel_verify(c, hk, interpret, **kw):
     slot, start = _args(c, "slot", "start")
     conv = gdn_conv_rows(*_args(c, "qkv", "weight", "window"), slot, start=start,
                          interpret=interpret)
     o = gdn_step(conv, *_args(c, "a", "b", "a_log", "dt_bias", "valid", "state"), slot,
-                 num_k_heads=hk, mode="verify", interpret=interpret)
+                 num_k_heads=hk, mode="verify", interpret=interpret, **kw)
     return o, conv
 
 
-def _commit(c, conv, length, hk, interpret):
-    keep = c["valid"] & (np.arange(c["valid"].shape[1])[None, :] < length[:, None])
-    return gdn_step(conv, *_args(c, "a", "b", "a_log", "dt_bias"), jnp.asarray(keep),
-                    *_args(c, "state", "slot"), num_k_heads=hk, mode="commit",
-                    ring=tuple(_args(c, "qkv", "window", "start")), interpret=interpret)
+def _keep(c, length):
+    return c["valid"] & (np.arange(c["valid"].shape[1])[None, :] < length[:, None])
+
+
+def _commit(c, conv, length, hk, interpret, **kw):
+    ring = (*_args(c, "qkv", "window", "start"), jnp.asarray(length))
+    return gdn_step(conv, *_args(c, "a", "b", "a_log", "dt_bias"), jnp.asarray(_keep(c, length)),
+                    *_args(c, "state", "slot"), num_k_heads=hk, mode="commit", ring=ring,
+                    interpret=interpret, **kw)
 
 
 def _np_ring_commit(c, length):
     """The ring after writing each request's first ``length`` rows (column p mod K holds
-    position p; rows of a request with no valid row are not written)."""
+    position p), valid or not, as the XLA path's window does."""
     out = c["window"].copy()
     kernel = out.shape[-1]
     for i, s in enumerate(c["slot"]):
-        for r in range(length[i] if c["valid"][i, 0] else 0):
+        for r in range(length[i]):
             out[s][:, (c["start"][i] + r) % kernel] = c["qkv"][i, r, :out.shape[1]]
     return out
 
 
-def _check_verify(c, hk, interpret, dtype):
+def _check_verify(c, hk, interpret, dtype, **kw):
     """The verify's outputs and conv rows against numpy and the two-kernel path."""
     b = c["qkv"].shape[0]
-    o, conv = _verify(c, hk, interpret)
+    o, conv = _verify(c, hk, interpret, **kw)
     conv_want = _np_conv(c["qkv"], c["weight"], _np_ordered(c["window"], c["slot"], c["start"]),
                          np.arange(b), dtype)
     o_want, _ = _np_step(conv_want, c["a"], c["b"], c["a_log"], c["dt_bias"], c["valid"],
@@ -85,19 +89,19 @@ def _check_verify(c, hk, interpret, dtype):
     tol = 1e-4 if dtype == np.float32 else 2e-2
     _close(conv, conv_want, rtol=tol, atol=tol / 10)
     _close(o, o_want, rtol=tol, atol=tol / 10)
-    o2, conv2 = _two_kernel_verify(c, hk, interpret)
+    o2, conv2 = _two_kernel_verify(c, hk, interpret, **kw)
     np.testing.assert_allclose(np.asarray(conv, np.float32), np.asarray(conv2, np.float32),
                                rtol=1e-5, atol=1e-6)
     np.testing.assert_allclose(np.asarray(o), np.asarray(o2), rtol=1e-5, atol=1e-6)
     return conv
 
 
-def _check_commit(c, conv, length, hk, interpret, dtype):
+def _check_commit(c, conv, length, hk, interpret, dtype, **kw):
     """The commit's pools against numpy and the two-kernel path (state bit for bit: the same
     kernel code)."""
     b = c["qkv"].shape[0]
-    state, window = _commit(c, conv, length, hk, interpret)
-    keep = c["valid"] & (np.arange(c["valid"].shape[1])[None, :] < length[:, None])
+    state, window = _commit(c, conv, length, hk, interpret, **kw)
+    keep = _keep(c, length)
     conv64 = np.asarray(conv, np.float64)
     _, pool_want = _np_step(conv64, c["a"], c["b"], c["a_log"], c["dt_bias"], keep,
                             c["state"], c["slot"], hk)
@@ -109,10 +113,10 @@ def _check_commit(c, conv, length, hk, interpret, dtype):
     slot = jnp.asarray(c["slot"])
     old_state = gdn_step(conv, *_args(c, "a", "b", "a_log", "dt_bias"), jnp.asarray(keep),
                          *_args(c, "state"), slot, num_k_heads=hk, mode="commit",
-                         interpret=interpret)
+                         interpret=interpret, **kw)
     _, old_window = gdn_conv_rows(*_args(c, "qkv", "weight", "window"), slot,
-                                  jnp.asarray(keep.sum(1).astype(np.int32)),
-                                  start=jnp.asarray(c["start"]), interpret=interpret)
+                                  jnp.asarray(length), start=jnp.asarray(c["start"]),
+                                  interpret=interpret)
     np.testing.assert_array_equal(np.asarray(state), np.asarray(old_state))
     np.testing.assert_array_equal(np.asarray(window), np.asarray(old_window))
     assert b == len(length)
@@ -128,9 +132,32 @@ def test_ring_verify_and_commit_match_numpy_and_the_two_kernel_path(t, hk, hv, d
                                                                      block_v, dtype):
     b = 5
     c = _window_case(21, b, t, hk, hv, dk, dv, dtype)
-    conv = _check_verify(c, hk, True, dtype)
+    c["valid"][4, 1:] = False  # valid rows inside length: the state takes row 0, the ring all
+    conv = _check_verify(c, hk, True, dtype, block_v=block_v)
     length = np.array([t, t, 0, 1, t - 1], np.int32)
-    _check_commit(c, conv, length, hk, True, dtype)
+    _check_commit(c, conv, length, hk, True, dtype, block_v=block_v)
+
+
+def test_merged_layout_and_a_shared_trash_slot():
+    """The merged in-projection's output ``[qkv | z | b | a]`` read in place at column
+    offsets (N > C), and two padding requests on the trash slot 0: the same results as the
+    separate arrays, slot 0 unchanged in both pools."""
+    hk, t = 2, 4
+    c = _window_case(26, 4, t, hk, 4, 16, 32, BF16)
+    c["slot"][[1, 3]] = 0
+    c["valid"][[1, 3]] = False
+    length = np.array([3, 0, 4, 0], np.int32)
+    o, conv = _verify(c, hk, True)
+    state, window = _commit(c, conv, length, hk, True)
+    wide, cols, _ = _merged(c, 3)
+    w = dict(c, qkv=wide, a=wide, b=wide)
+    o2, conv2 = _verify(w, hk, True, **cols)
+    state2, window2 = _commit(w, conv2, length, hk, True, **cols)
+    for got, want in ((o2, o), (conv2, conv), (state2, state), (window2, window)):
+        np.testing.assert_array_equal(np.asarray(got), np.asarray(want))
+    np.testing.assert_array_equal(np.asarray(state2)[0], c["state"][0])
+    np.testing.assert_array_equal(np.asarray(window2)[0], c["window"][0])
+    np.testing.assert_array_equal(np.asarray(window2), _np_ring_commit(w, length))
 
 
 def test_ring_commit_equals_decode_steps():
@@ -169,9 +196,17 @@ def test_ring_verify_and_commit_refusals():
     ring = tuple(_args(c, "qkv", "window", "start"))
     with pytest.raises(ValueError, match="ring is for mode='commit' only"):
         gdn_step(*step_args, num_k_heads=2, mode="verify", ring=ring, interpret=True)
+    with pytest.raises(ValueError, match="pass \\(qkv, window, start, length\\)"):
+        gdn_step(*step_args, num_k_heads=2, mode="commit", ring=ring, interpret=True)
+    length = jnp.asarray([4, 4], jnp.int32)
     with pytest.raises(ValueError, match="do not fit conv"):
-        gdn_step(*step_args, num_k_heads=2, mode="commit", ring=(ring[0][:, :2], *ring[1:]),
-                 interpret=True)
+        gdn_step(*step_args, num_k_heads=2, mode="commit", ring=(ring[0][:, :2], *ring[1:],
+                                                                 length), interpret=True)
+    with pytest.raises(ValueError, match="do not fit conv"):  # a window pool of other slots
+        gdn_step(*step_args, num_k_heads=2, mode="commit",
+                 ring=(ring[0], ring[1][:3], ring[2], length), interpret=True)
+    with pytest.raises(ValueError, match="qkv has 8 columns; the conv inputs need"):
+        _verify(dict(c, qkv=c["qkv"][..., :8]), 2, True)
 
 
 @pytest.mark.parametrize("hk,hv", [(16, 48)])  # 27B (2B and 35B-A3B: the GPU test)
@@ -182,7 +217,8 @@ def test_ring_verify_and_commit_lower_to_triton(hk, hv):
             gdn_step(gdn_verify_ring(qkv, weight, window, a, b, a_log, dt_bias, valid, state,
                                      slot, start, num_k_heads=hk, interpret=False)[1],
                      a, b, a_log, dt_bias, valid, state, slot, num_k_heads=hk, mode="commit",
-                     ring=(qkv, window, start), interpret=False)),
+                     ring=(qkv, window, start, jnp.sum(valid, axis=1, dtype=jnp.int32)),
+                     interpret=False)),
         *_args(c, "qkv", "weight", "window", "a", "b", "a_log", "dt_bias", "valid", "state",
                "slot", "start"))
     assert "gdn_fused_verify_ring" in text and "gdn_fused_commit_ring" in text

@@ -1,8 +1,8 @@
 """Fused Pallas (Triton lowering) kernels of a GDN layer's step form, addressing the state pools
 by slot.
 
-A verify window (or, on a shift-register window, a decode step) of a ``linear_attention``
-layer, from the in-projections on, is two kernels:
+On a shift-register conv window (qwen4_exp) a verify window or a decode step of a
+``linear_attention`` layer, from the in-projections on, is two kernels:
 
 * :func:`gdn_conv_rows`: the causal depthwise conv and SiLU of ``T`` raw rows ``qkv`` against
   the slot's conv window (pool ``[S, C, K-1]``, or a ring ``[S, C, K]``), rounded to the model
@@ -25,9 +25,9 @@ with these.
 Neither gathers the states into a batch view nor scatters them back, and no XLA kernel runs
 between the in-projections and the recurrence: both read their inputs at column offsets of a
 wider array, so a merged in-projection's output ``[qkv | z | b | a]`` is passed whole instead
-of as sliced copies. ``verify``, ``commit`` and ``decode`` run the
-same per-row code (:func:`_prep`, :func:`pallas_kernels.gdn.pallas.step`), so a commit of ``n``
-rows gives the state that ``n`` decode steps give. Formulas: HF transformers ``qwen3_5``
+of as sliced copies. ``verify``, ``commit`` and ``decode``, here and in the ring kernels, run
+the same per-row code (:func:`l2`, :func:`gates`, :func:`pallas_kernels.gdn.pallas.step`), so
+a commit of ``n`` rows gives the state that ``n`` decode steps give. Formulas: HF transformers ``qwen3_5``
 (``Qwen3_5GatedDeltaNet``), as in :mod:`mtp_jax.models.layers.gdn`.
 
 Two rows of a batch may share a slot only if neither changes it (padding rows on the trash
@@ -191,6 +191,16 @@ def l2(a: jax.Array) -> jax.Array:
     return a * jax.lax.rsqrt(jnp.sum(a * a) + 1e-6)
 
 
+def gates(a, b, alog, dtb, keep):
+    """``(g, beta)`` float32 of one row and value head: ``g = -exp(A_log) softplus(a +
+    dt_bias)``, ``beta = sigmoid(b)`` (HF ``Qwen3_5GatedDeltaNet``), both 0 where not ``keep``
+    (the row then leaves the state exactly as it is). ``a``, ``b``: the raw in-projection
+    outputs; ``alog``, ``dtb``: the head's ``A_log`` and ``dt_bias`` in float32."""
+    beta = jax.nn.sigmoid(b.astype(F32))
+    g = -jnp.exp(alog) * jax.nn.softplus(a.astype(F32) + dtb)
+    return jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
+
+
 def _prep(conv_ref, a_ref, b_ref, keep_ref, bi, t, h, kh, j, alog, dtb, *, hk, dk, bv, dv,
           a_col: int, b_col: int, need_q: bool):
     """Row ``t`` of request ``bi`` for value head ``h`` (key head ``kh``), value block ``j``:
@@ -199,22 +209,21 @@ def _prep(conv_ref, a_ref, b_ref, keep_ref, bi, t, h, kh, j, alog, dtb, *, hk, d
     q = l2(row(kh * dk, dk)) * (dk ** -0.5) if need_q else None
     k = l2(row(hk * dk + kh * dk, dk))
     v = row(2 * hk * dk + h * dv + j * bv, bv)
-    keep = keep_ref[bi, t] != 0
-    beta = jax.nn.sigmoid(b_ref[bi, t, b_col + h].astype(F32))
-    g = -jnp.exp(alog) * jax.nn.softplus(a_ref[bi, t, a_col + h].astype(F32) + dtb)
-    return q, k, v, jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0)
+    g, beta = gates(a_ref[bi, t, a_col + h], b_ref[bi, t, b_col + h], alog, dtb,
+                    keep_ref[bi, t] != 0)
+    return q, k, v, g, beta
 
 
 def _step_kernel(slot_ref, keep_ref, conv_ref, a_ref, b_ref, alog_ref, dtb_ref, *refs,
                  n_rows: int, hk: int, rep: int, dv: int, a_col: int, b_col: int, mode: str,
                  kernel: int):
     """One (request, value head, value block). ``refs``: with ``kernel`` (a commit that also
-    writes a ring window) ``start_ref, qkv_ref, win_ref`` first; then ``s_ref``: ``[S, Dk,
+    writes a ring window) ``start_ref, length_ref, qkv_ref, win_ref`` first; then ``s_ref``: ``[S, Dk,
     bv]`` (this head's and block's column of the pool); then the outputs: ``o [T, bv]``
     (verify, decode), the state (commit, decode), which aliases the pool: the tile is read
     whole before it is written, and the ring window (aliased)."""
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
-    ring, refs = (refs[:3], refs[3:]) if kernel else (None, refs)
+    ring, refs = (refs[:4], refs[4:]) if kernel else (None, refs)
     s_ref, outs = refs[0], refs[1:]
     _, dk, bv = s_ref.shape
     slot = slot_ref[bi]
@@ -230,26 +239,26 @@ def _step_kernel(slot_ref, keep_ref, conv_ref, a_ref, b_ref, alog_ref, dtb_ref, 
     if mode != "verify":
         outs[1 if mode == "decode" else 0][slot] = s
     if ring:
-        _ring_write(*ring, outs[-1], keep_ref, bi, slot, h, j, hk=hk, rep=rep, dk=dk, bv=bv,
-                    dv=dv, n_rows=n_rows, kernel=kernel)
+        _ring_write(*ring, outs[-1], bi, slot, h, j, hk=hk, rep=rep, dk=dk, bv=bv, dv=dv,
+                    n_rows=n_rows, kernel=kernel)
 
 
-def _ring_write(start_ref, qkv_ref, win_ref, win_out, keep_ref, bi, slot, h, j, *, hk, rep,
+def _ring_write(start_ref, length_ref, qkv_ref, win_ref, win_out, bi, slot, h, j, *, hk, rep,
                 dk, bv, dv, n_rows, kernel):
-    """The kept rows' raw inputs into the ring (position p in column p mod K; the kept rows
-    are a prefix, and of rows sharing a column only the last is written). Each program
-    writes its value block's channels, value block 0 of a key head's first value head the
-    key head's q/k channels; the window is never read here, so no write races a read."""
+    """The first ``length`` rows' raw inputs into the ring (position p in column p mod K; of
+    rows sharing a column only the last is written), as :func:`gdn_conv_rows` with
+    ``length``. Each program writes its value block's channels, value block 0 of a key
+    head's first value head the key head's q/k channels; the window is never read here, so
+    no write races a read."""
     del win_ref  # aliased to win_out: passed only to keep the columns not written
-    start = start_ref[bi]
-    kept = sum(keep_ref[bi, t] for t in range(n_rows))
+    start, n = start_ref[bi], length_ref[bi]
     kh = h // rep
     q_off, k_off = kh * dk, hk * dk + kh * dk
     v_off = pl.multiple_of(2 * hk * dk + h * dv + j * bv, bv)
     writer = (j == 0) & (h % rep == 0)
     for t in range(n_rows):
         col = jax.lax.rem(start + t, kernel)
-        last = (keep_ref[bi, t] != 0) & (t + kernel >= kept)
+        last = (t < n) & (t + kernel >= n)
 
         @pl.when(last)
         def _():
@@ -288,17 +297,22 @@ def _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, hk, mode, a_col, 
                          f"(got {state.dtype}); use the XLA backend.")
 
 
-def _check_ring(ring, conv, mode):
+def _check_ring(ring, conv, state, mode):
     if mode != "commit":
         raise ValueError(f"gdn_step: ring is for mode='commit' only (got {mode!r}); a verify "
                          "on a ring takes gdn_verify_ring.")
-    qkv, window, start = ring
+    if len(ring) != 4:
+        raise ValueError(f"gdn_step: ring has {len(ring)} arrays; pass (qkv, window, start, "
+                         "length).")
+    qkv, window, start, length = ring
     bsz, t, c = conv.shape
     if (qkv.ndim != 3 or qkv.shape[:2] != (bsz, t) or qkv.shape[2] < c or window.ndim != 3
-            or window.shape[1] != c or start.shape != (bsz,)):
+            or window.shape[:2] != (state.shape[0], c) or start.shape != (bsz,)
+            or length.shape != (bsz,)):
         raise ValueError(f"gdn_step: ring qkv {qkv.shape}, window {window.shape}, start "
-                         f"{start.shape} do not fit conv {conv.shape} (qkv [B,T,N>=C], window "
-                         "[S,C,K], start [B]).")
+                         f"{start.shape}, length {length.shape} do not fit conv {conv.shape} "
+                         f"and state {state.shape} (qkv [B,T,N>=C], window [S,C,K], start and "
+                         "length [B]).")
 
 
 def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
@@ -321,12 +335,12 @@ def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
       num_k_heads: ``Hk``.
       mode: ``"verify"`` -> ``o``; ``"commit"`` -> new pool; ``"decode"`` -> ``(o, new pool)``.
       a_col, b_col: static column offsets of ``a`` and ``b``.
-      ring: ``mode="commit"`` only: ``(qkv [B, T, N], window [S, C, K], start [B])``, the
-        rows' raw conv inputs (first ``C`` columns), the ring of the slots' conv windows and
-        each row 0's position; the kept rows (a prefix of each request's rows) are also
-        written into the ring, as :func:`gdn_conv_rows` with ``length`` = kept rows does,
-        in the same kernel. ``conv`` must then be those rows' conv (e.g. from
-        :func:`pallas_kernels.gdn.fused_verify.gdn_verify_ring`): the window is not read.
+      ring: ``mode="commit"`` only: ``(qkv [B, T, N], window [S, C, K], start [B], length
+        [B])``: the rows' raw conv inputs (first ``C`` columns), the ring of the slots' conv
+        windows (``K`` the conv's kernel size), each row 0's position and the rows to write;
+        the first ``length`` rows are also written into the ring, as :func:`gdn_conv_rows`
+        with ``length`` does, in the same kernel. ``conv`` must then be those rows' conv (e.g.
+        from :func:`pallas_kernels.gdn.fused_verify.gdn_verify_ring`): the window is not read.
       block_v, num_warps: tiling (default :func:`pallas_kernels.gdn.pallas.default_tiling`).
       interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
     Returns:
@@ -338,7 +352,7 @@ def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
     """
     _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, num_k_heads, mode, a_col, b_col)
     if ring is not None:
-        _check_ring(ring, conv, mode)
+        _check_ring(ring, conv, state, mode)
     bsz, t, _ = conv.shape
     _, hv, dk, dv = state.shape
     block_v, num_warps = resolve_tiling("gdn_step", bsz, hv, dv, block_v, num_warps)
@@ -359,13 +373,14 @@ def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
                 whole(b.shape), whole((hv,)), whole((hv,))]
     kernel = 0
     if ring is not None:
-        qkv, window, start = ring
+        qkv, window, start, length = ring
         kernel = window.shape[-1]
-        args += [start.astype(jnp.int32), pad_rows(qkv, tp), window]
-        in_specs += [whole((bsz,)), whole((bsz, tp, qkv.shape[2])), whole(window.shape)]
+        args += [start.astype(jnp.int32), length.astype(jnp.int32), pad_rows(qkv, tp), window]
+        in_specs += [whole((bsz,)), whole((bsz,)), whole((bsz, tp, qkv.shape[2])),
+                     whole(window.shape)]
         out_specs = out_specs + [whole(window.shape)]
         out_shape = out_shape + [jax.ShapeDtypeStruct(window.shape, window.dtype)]
-        aliases = {10: 0, 9: 1}
+        aliases = {11: 0, 10: 1}
     outs = pl.pallas_call(
         functools.partial(_step_kernel, n_rows=tp, hk=num_k_heads, rep=hv // num_k_heads,
                           dv=dv, a_col=a_col, b_col=b_col, mode=mode, kernel=kernel),

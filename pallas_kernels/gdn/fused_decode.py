@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import interpret_mode, whole
-from pallas_kernels.gdn.fused import l2, ring_ext
+from pallas_kernels.gdn.fused import gates, l2, ring_ext
 from pallas_kernels.gdn.pallas import resolve_tiling, step
 
 F32 = jnp.float32
@@ -106,9 +106,9 @@ def _decode_kernel(slot_ref, valid_ref, start_ref, qkv_ref, w_ref, a_ref, b_ref,
     k, k_raw = conv(k_off, dk)
     v, v_raw = conv(v_off, bv)
     q, k = l2(q) * (dk ** -0.5), l2(k)
-    beta = jax.nn.sigmoid(b_ref[bi, 0, b_col + h].astype(F32))
-    g = -jnp.exp(alog_ref[h]) * jax.nn.softplus(a_ref[bi, 0, a_col + h].astype(F32) + dtb_ref[h])
-    s = step(s_ref[slot], k, v, jnp.where(valid, g, 0.0), jnp.where(valid, beta, 0.0))
+    g, beta = gates(a_ref[bi, 0, a_col + h], b_ref[bi, 0, b_col + h], alog_ref[h], dtb_ref[h],
+                    valid)
+    s = step(s_ref[slot], k, v, g, beta)
     o = jnp.sum(s * q[:, None], axis=0)
     s_out[slot] = s
     column = jax.lax.rem(start, kernel)  # the column this step's input goes to
@@ -159,7 +159,10 @@ def check_ring_inputs(caller: str, qkv, weight, window, a, b, a_log, dt_bias, va
         raise ValueError(f"{caller}: window {window.shape} has {cols} columns; this kernel "
                          f"needs a ring [S, C, K={kernel}] (a shift register of K-1 columns "
                          "takes gdn_conv_rows + gdn_step).")
-    want = {"qkv rows": (t, rows), "qkv columns": (n >= c, True),
+    if n < c:
+        raise ValueError(f"{caller}: qkv has {n} columns; the conv inputs need the first C = "
+                         f"2*Hk*Dk + Hv*Dv = {c} (the window's channels).")
+    want = {"qkv rows": (t, rows),
             "weight": (weight.shape, (c, kernel)), "A_log": (a_log.shape, (hv,)),
             "dt_bias": (dt_bias.shape, (hv,)), "valid": (valid.shape, (bsz, rows)),
             "slot": (slot.shape, (bsz,)), "start": (start.shape, (bsz,)),

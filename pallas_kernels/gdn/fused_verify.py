@@ -5,7 +5,8 @@ norms, the gates and the step-form recurrence, the pools only read.
 It does what :func:`pallas_kernels.gdn.fused.gdn_conv_rows` (no ``length``) followed by
 :func:`~pallas_kernels.gdn.fused.gdn_step` (``mode="verify"``) do, with the same formulas in
 the same order (the conv summed tap by tap in float32 and rounded to the model dtype, then
-:func:`~pallas_kernels.gdn.fused.l2` and :func:`pallas_kernels.gdn.pallas.step`), minus one
+:func:`~pallas_kernels.gdn.fused.l2`, :func:`~pallas_kernels.gdn.fused.gates` and
+:func:`pallas_kernels.gdn.pallas.step`), minus one
 kernel launch per layer. It also returns the conv rows, which the commit
 (:func:`~pallas_kernels.gdn.fused.gdn_step` with ``mode="commit"`` and ``ring``) applies
 without reading the window again, so that kernel can write the window's new columns while
@@ -31,7 +32,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import interpret_mode, next_pow2, whole
-from pallas_kernels.gdn.fused import l2, ring_ext
+from pallas_kernels.gdn.fused import gates, l2, ring_ext
 from pallas_kernels.gdn.fused_decode import check_ring_inputs
 from pallas_kernels.gdn.pallas import pad_rows, resolve_tiling, step
 
@@ -84,10 +85,9 @@ def _verify_kernel(slot_ref, keep_ref, start_ref, qkv_ref, w_ref, a_ref, b_ref, 
     for t in range(n_rows):
         q = l2(qs[t].astype(F32)) * (dk ** -0.5)
         k = l2(ks[t].astype(F32))
-        keep = keep_ref[bi, t] != 0
-        beta = jax.nn.sigmoid(b_ref[bi, t, b_col + h].astype(F32))
-        g = -jnp.exp(alog) * jax.nn.softplus(a_ref[bi, t, a_col + h].astype(F32) + dtb)
-        s = step(s, k, vs[t].astype(F32), jnp.where(keep, g, 0.0), jnp.where(keep, beta, 0.0))
+        g, beta = gates(a_ref[bi, t, a_col + h], b_ref[bi, t, b_col + h], alog, dtb,
+                        keep_ref[bi, t] != 0)
+        s = step(s, k, vs[t].astype(F32), g, beta)
         o_ref[t, :] = jnp.sum(s * q[:, None], axis=0)
 
 

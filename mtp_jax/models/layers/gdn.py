@@ -16,7 +16,8 @@ state from one read of the state, equal to a one-row verify plus commit).
 with ``slots [B]``, the whole pool (``[S, ...]``), which they read and write at those slots.
 With the ``pallas`` GDN backend the step form runs as the fused slot-addressed kernels of
 :mod:`pallas_kernels.gdn.fused` (conv, norms, gates and recurrence; no gather or scatter of the
-states; a decode on a ring conv state is one kernel, :mod:`pallas_kernels.gdn.fused_decode`)
+states; on a ring conv state a decode is one kernel, :mod:`pallas_kernels.gdn.fused_decode`,
+a verify one, :mod:`pallas_kernels.gdn.fused_verify`, and its commit one)
 and a verify returns :class:`GDNConvRows`; the ``xla`` backend gathers the slots' states, runs
 the XLA code below and scatters them back.
 
@@ -347,7 +348,7 @@ class GatedDeltaNet(nnx.Module):
                                  self.dt_bias[...], keep, recurrent, slots,
                                  num_k_heads=self.hk, mode="commit", **self._gate_cols())
         if rows.start is not None:  # a ring: the window's new columns in the same kernel
-            return step(ring=(rows.qkv, window, rows.start))
+            return step(ring=(rows.qkv, window, rows.start, length))
         _, window = gdn_conv_rows(rows.qkv, self._conv_weight(), window, slots, length)
         return step(), window
 
