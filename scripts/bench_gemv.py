@@ -224,7 +224,8 @@ def main():
                             jax.block_until_ready(f(x, ws))
                     for nm, (us, c) in kernel_us(tmp).items():
                         if c >= REPS * RUNS:
-                            err = errs.get({"reduce": "gemv_reduce", "sibling": "gemv_sibling"}.get(label))
+                            err = errs.get({"reduce": "gemv_reduce",
+                                            "sibling": "gemv_sibling"}.get(label))
                             extra = f" err {err:.1e}" if err is not None else ""
                             rows_out.append((us, f"{label} {nm[:40]}", extra))
             with tempfile.TemporaryDirectory() as tmp:

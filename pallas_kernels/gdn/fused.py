@@ -27,8 +27,8 @@ between the in-projections and the recurrence: both read their inputs at column 
 wider array, so a merged in-projection's output ``[qkv | z | b | a]`` is passed whole instead
 of as sliced copies. ``verify``, ``commit`` and ``decode``, here and in the ring kernels, run
 the same per-row code (:func:`l2`, :func:`gates`, :func:`pallas_kernels.gdn.pallas.step`), so
-a commit of ``n`` rows gives the state that ``n`` decode steps give. Formulas: HF transformers ``qwen3_5``
-(``Qwen3_5GatedDeltaNet``), as in :mod:`mtp_jax.models.layers.gdn`.
+a commit of ``n`` rows gives the state that ``n`` decode steps give. Formulas: HF
+transformers ``qwen3_5`` (``Qwen3_5GatedDeltaNet``), as in :mod:`mtp_jax.models.layers.gdn`.
 
 Two rows of a batch may share a slot only if neither changes it (padding rows on the trash
 slot, kept nowhere); a live slot appears once. Triton needs power-of-two arrays inside a
@@ -218,10 +218,10 @@ def _step_kernel(slot_ref, keep_ref, conv_ref, a_ref, b_ref, alog_ref, dtb_ref, 
                  n_rows: int, hk: int, rep: int, dv: int, a_col: int, b_col: int, mode: str,
                  kernel: int):
     """One (request, value head, value block). ``refs``: with ``kernel`` (a commit that also
-    writes a ring window) ``start_ref, length_ref, qkv_ref, win_ref`` first; then ``s_ref``: ``[S, Dk,
-    bv]`` (this head's and block's column of the pool); then the outputs: ``o [T, bv]``
-    (verify, decode), the state (commit, decode), which aliases the pool: the tile is read
-    whole before it is written, and the ring window (aliased)."""
+    writes a ring window) ``start_ref, length_ref, qkv_ref, win_ref`` first; then ``s_ref``:
+    ``[S, Dk, bv]`` (this head's and block's column of the pool); then the outputs: ``o [T,
+    bv]`` (verify, decode), the state (commit, decode), which aliases the pool: the tile is
+    read whole before it is written, and the ring window (aliased)."""
     bi, h, j = pl.program_id(0), pl.program_id(1), pl.program_id(2)
     ring, refs = (refs[:4], refs[4:]) if kernel else (None, refs)
     s_ref, outs = refs[0], refs[1:]
@@ -318,7 +318,7 @@ def _check_ring(ring, conv, state, mode):
 def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
              dt_bias: jax.Array, keep: jax.Array, state: jax.Array, slot: jax.Array, *,
              num_k_heads: int, mode: str, a_col: int = 0, b_col: int = 0,
-             ring: tuple[jax.Array, jax.Array, jax.Array] | None = None,
+             ring: tuple[jax.Array, jax.Array, jax.Array, jax.Array] | None = None,
              block_v: int | None = None,
              num_warps: int | None = None, interpret: bool | None = None):
     """Gates, q/k norms and the step-form recurrence of ``T`` rows on the slots' states.

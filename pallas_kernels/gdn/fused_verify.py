@@ -6,11 +6,10 @@ It does what :func:`pallas_kernels.gdn.fused.gdn_conv_rows` (no ``length``) foll
 :func:`~pallas_kernels.gdn.fused.gdn_step` (``mode="verify"``) do, with the same formulas in
 the same order (the conv summed tap by tap in float32 and rounded to the model dtype, then
 :func:`~pallas_kernels.gdn.fused.l2`, :func:`~pallas_kernels.gdn.fused.gates` and
-:func:`pallas_kernels.gdn.pallas.step`), minus one
-kernel launch per layer. It also returns the conv rows, which the commit
-(:func:`~pallas_kernels.gdn.fused.gdn_step` with ``mode="commit"`` and ``ring``) applies
-without reading the window again, so that kernel can write the window's new columns while
-no program reads it.
+:func:`pallas_kernels.gdn.pallas.step`), minus one kernel launch per layer. It also returns
+the conv rows, which the commit (:func:`~pallas_kernels.gdn.fused.gdn_step` with
+``mode="commit"`` and ``ring``) applies without reading the window again, so that kernel can
+write the window's new columns while no program reads it.
 
 One program per (request, value head, value block), as in
 :mod:`pallas_kernels.gdn.fused_decode`: it computes the conv of the channels it reads (its key
