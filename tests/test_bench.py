@@ -132,6 +132,12 @@ def test_bench_runs_exact_and_reports(cold):
     assert set(lines[1]) <= set("|-")
     assert lines[2].startswith("| tiny | 2 | 0 |") and lines[4].startswith("| tiny | 2 | 2 |")
     assert os.listdir(meta["compilation_cache_dir"])  # programs were written to the cache
+    # each k > 0 row's round over the k = 0 step at the same rounds per call
+    by = {(r["k"], r["steps_per_call"]): r["round_ms"] for r in data["results"]}
+    got = [(x["k"], x["steps_per_call"], x["step_ms"], x["ratio"]) for x in data["round_to_step"]]
+    assert got == [(2, n, by[0, n], pytest.approx(by[2, n] / by[0, n])) for n in (1, 3)]
+    assert f"| tiny | 2 | 2 | {by[2, 1]:.2f} | {by[0, 1]:.2f} | {by[2, 1] / by[0, 1]:.2f}x |" \
+        in stdout
 
 
 def test_multistep_decode_row(cold):
@@ -172,8 +178,8 @@ def test_multiround_spec_row_with_own_drafts(cold):
     assert {p["program"] for p in r["programs"]} == {"prefill[T=16,k=2]",
                                                     "round[B=2,k=2,steps=3]"}
     assert "k=2 steps/call=3" in stderr
-    # the main and the bytes tables, and the programs table (prefill and round)
-    assert stdout.count("| tiny | 2 | 2 (3/call) |") == 4
+    # the main, bytes, programs (prefill and round) and round / step tables
+    assert stdout.count("| tiny | 2 | 2 (3/call) |") == 5
     assert forced_row["steps_per_call"] == 1 and forced_row["forced"]
 
 

@@ -201,11 +201,18 @@ def main(argv=None, description: str | None = None) -> int:
                 with open(args.out, "w") as f:
                     json.dump({"meta": meta, "results": results}, f, indent=1)
         del model
+    with open(args.out, "w") as f:
+        json.dump({"meta": meta, "results": results,
+                   "round_to_step": report.step_ratios(results)}, f, indent=1)
     print(report.main_table(results))
     print()
     print(report.bytes_table(results))
     print()
     print(report.programs_table(results))
+    ratios = report.ratio_table(results)
+    if ratios:
+        print()
+        print(ratios)
     commit = meta["git_commit"] or "unknown (the sources are not the top of a git checkout)"
     print(f"\n{meta['date_utc']}, commit {commit}"
           f"{' (dirty)' if meta['git_dirty'] else ''}, jax {meta['jax_version']}, "

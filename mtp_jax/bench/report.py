@@ -154,6 +154,36 @@ def bytes_table(results: list[dict]) -> str:
     return "\n".join(lines)
 
 
+def step_ratios(results: list[dict]) -> list[dict]:
+    """Each k > 0 row's round time over the decode step (the k = 0 row) of the same shape,
+    batch and rounds per call: issue 5's "k = 3 round at most 1.25x the decode step". Rows
+    without such a k = 0 row are left out. Returns ``[{config, batch, k, steps_per_call,
+    round_ms, step_ms, ratio}]``."""
+    steps = {(r["config"], r["batch"], r.get("steps_per_call", 1)): r["round_ms"]
+             for r in results if not r["k"]}
+    out = []
+    for r in results:
+        key = (r["config"], r["batch"], r.get("steps_per_call", 1))
+        if r["k"] and key in steps:
+            out.append({"config": r["config"], "batch": r["batch"], "k": r["k"],
+                        "steps_per_call": key[2], "round_ms": r["round_ms"],
+                        "step_ms": steps[key], "ratio": r["round_ms"] / steps[key]})
+    return out
+
+
+def ratio_table(results: list[dict]) -> str:
+    """:func:`step_ratios` as a markdown table (empty when there are none)."""
+    rows = step_ratios(results)
+    if not rows:
+        return ""
+    lines = ["| shape | batch | k | round ms | decode step ms (k = 0, same rounds per call) | "
+             "round / step |", "|---|---|---|---|---|---|"]
+    for x in rows:
+        lines.append(f"| {_shape(x['config'])} | {x['batch']} | {_k_cell(x)} | "
+                     f"{x['round_ms']:.2f} | {x['step_ms']:.2f} | {x['ratio']:.2f}x |")
+    return "\n".join(lines)
+
+
 def failures(results: list[dict]) -> list[str]:
     """One line per row whose forced rounds (or drafted rounds) did not reproduce the round
     program's own greedy continuation (``MISMATCH``), whose continuation parts from plain
