@@ -272,6 +272,20 @@ def _ring_write(start_ref, length_ref, qkv_ref, win_ref, win_out, bi, slot, h, j
                     win_out.dtype)
 
 
+def state_tile_spec(state: jax.Array, block_v: int) -> pl.BlockSpec:
+    """Program ``(request, value head h, value block j)``'s view of the recurrent pool ``[S,
+    Hv, Dk, Dv]``: every slot's ``[Dk, block_v]`` tile of head ``h``, block ``j`` (the kernel
+    picks the slot)."""
+    return pl.BlockSpec((state.shape[0], None, state.shape[2], block_v),
+                        lambda i, h, j: (0, h, 0, j))
+
+
+def rows_out_spec(n_rows: int, block_v: int) -> pl.BlockSpec:
+    """Program ``(request i, value head h, value block j)``'s ``[n_rows, block_v]`` of an
+    output ``[B, n_rows, Hv, Dv]``."""
+    return pl.BlockSpec((None, n_rows, None, block_v), lambda i, h, j: (i, 0, h, j))
+
+
 def _check_step(conv, a, b, a_log, dt_bias, keep, state, slot, hk, mode, a_col, b_col):
     if mode not in MODES:
         raise ValueError(f"gdn_step: mode {mode!r} is unknown; use one of {MODES}.")
@@ -354,13 +368,13 @@ def gdn_step(conv: jax.Array, a: jax.Array, b: jax.Array, a_log: jax.Array,
     if ring is not None:
         _check_ring(ring, conv, state, mode)
     bsz, t, _ = conv.shape
-    _, hv, dk, dv = state.shape
+    _, hv, _, dv = state.shape
     block_v, num_warps = resolve_tiling("gdn_step", bsz, hv, dv, block_v, num_warps)
     tp = next_pow2(t)
     conv, a, b = (pad_rows(x, tp) for x in (conv, a, b))
     keep = pad_rows(keep.astype(jnp.int32), tp)
-    state_spec = pl.BlockSpec((state.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
-    o_spec = pl.BlockSpec((None, tp, None, block_v), lambda i, h, j: (i, 0, h, j))
+    state_spec = state_tile_spec(state, block_v)
+    o_spec = rows_out_spec(tp, block_v)
     o_shape = jax.ShapeDtypeStruct((bsz, tp, hv, dv), F32)
     s_shape = jax.ShapeDtypeStruct(state.shape, F32)
     out_specs, out_shape, aliases = {

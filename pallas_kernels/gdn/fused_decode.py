@@ -36,7 +36,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import interpret_mode, whole
-from pallas_kernels.gdn.fused import gates, l2, ring_ext
+from pallas_kernels.gdn.fused import gates, l2, ring_ext, state_tile_spec
 from pallas_kernels.gdn.pallas import resolve_tiling, step
 
 F32 = jnp.float32
@@ -225,9 +225,9 @@ def gdn_decode_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax
     check_ring_inputs("gdn_decode_ring", qkv, weight, window, a, b, a_log, dt_bias, valid,
                       state, slot, start, num_k_heads, a_col, b_col, one_row=True)
     bsz = qkv.shape[0]
-    _, hv, dk, dv = state.shape
+    _, hv, _, dv = state.shape
     block_v, num_warps = resolve_tiling("gdn_decode_ring", bsz, hv, dv, block_v, num_warps)
-    state_spec = pl.BlockSpec((state.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
+    state_spec = state_tile_spec(state, block_v)
     o_shape = jax.ShapeDtypeStruct((bsz, 1, hv, dv), F32)
     args = [slot.astype(jnp.int32), valid.reshape(bsz).astype(jnp.int32),
             start.astype(jnp.int32), qkv, weight, a, b, a_log.astype(F32), dt_bias.astype(F32)]

@@ -31,7 +31,7 @@ from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import interpret_mode, next_pow2, whole
-from pallas_kernels.gdn.fused import gates, l2, ring_ext
+from pallas_kernels.gdn.fused import gates, l2, ring_ext, rows_out_spec, state_tile_spec
 from pallas_kernels.gdn.fused_decode import check_ring_inputs
 from pallas_kernels.gdn.pallas import pad_rows, resolve_tiling, step
 
@@ -126,12 +126,12 @@ def gdn_verify_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax
                       state, slot, start, num_k_heads, a_col, b_col, one_row=False)
     bsz, t, _ = qkv.shape
     c = window.shape[1]
-    _, hv, dk, dv = state.shape
+    _, hv, _, dv = state.shape
     block_v, num_warps = resolve_tiling("gdn_verify_ring", bsz, hv, dv, block_v, num_warps)
     tp = next_pow2(t)
     qkv, a, b = (pad_rows(x, tp) for x in (qkv, a, b))
     keep = pad_rows(valid.astype(jnp.int32), tp)
-    state_spec = pl.BlockSpec((state.shape[0], None, dk, block_v), lambda i, h, j: (0, h, 0, j))
+    state_spec = state_tile_spec(state, block_v)
     args = [slot.astype(jnp.int32), keep, start.astype(jnp.int32), qkv, weight, a, b,
             a_log.astype(F32), dt_bias.astype(F32), window, state]
     in_specs = [whole((bsz,)), whole((bsz, tp)), whole((bsz,))]
@@ -142,7 +142,7 @@ def gdn_verify_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax
                           dv=dv, kernel=window.shape[-1], a_col=a_col, b_col=b_col),
         grid=(bsz, hv, dv // block_v),
         in_specs=in_specs,
-        out_specs=[pl.BlockSpec((None, tp, None, block_v), lambda i, h, j: (i, 0, h, j)),
+        out_specs=[rows_out_spec(tp, block_v),
                    whole((bsz, tp, c))],
         out_shape=[jax.ShapeDtypeStruct((bsz, tp, hv, dv), F32),
                    jax.ShapeDtypeStruct((bsz, tp, c), qkv.dtype)],
