@@ -4,12 +4,19 @@ against a float64 numpy re-derivation of the layer's step form (HF ``Qwen3_5Gate
 against the two-kernel path they replace (``gdn_conv_rows`` + ``gdn_step``), and the
 exactness rule: a verify window's commit of n rows gives the state of n decode steps.
 
+Also the verify with the layer's gated output norm folded in (``output_norm``) against a float64
+gated norm of the unfolded kernel's output, and ``GatedDeltaNet.verify`` on it against the XLA
+backend's verify.
+
 CPU: interpret-mode numerics and the Triton lowering; GPU (``-m gpu``): compiled at real shapes.
 Inputs are fresh random values (never zeros); slots are in random order with untouched slots
 between them; starts put row 0 at every column of the ring.
 """
 
 from __future__ import annotations
+
+import dataclasses
+import functools
 
 import jax.numpy as jnp
 import ml_dtypes
@@ -19,6 +26,7 @@ import pytest
 from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step
 from pallas_kernels.gdn.fused_decode import gdn_decode_ring
 from pallas_kernels.gdn.fused_verify import gdn_verify_ring
+from tests.test_gdn_decode import tiny  # noqa: F401 (fixture)
 from tests.test_pallas_gdn_fused import _case, _close, _merged, _np_conv, _np_ordered, _np_step
 from tests.triton_lowering import lower_for_cuda
 
@@ -234,3 +242,153 @@ def test_gpu_ring_verify_and_commit(b, hv):
     conv = _check_verify(c, 16, False, BF16)
     length = np.random.default_rng(b).integers(0, t + 1, b).astype(np.int32)
     _check_commit(c, conv, length, 16, False, BF16)
+
+
+# ---- the folded output norm (gdn_verify_ring with output_norm) ---------------------------------
+
+
+def _np_gated_norm_rows(o, z, weight, eps, act, dtype):
+    """float64 ``norm(o) * w * act(z)`` per head and row, rounded to ``dtype`` where the layer
+    rounds (``GatedDeltaNet._output``): ``o [B, T, Hv, Dv]``, ``z [B, T, Hv * Dv]`` -> ``[B, T,
+    Hv * Dv]``."""
+    o = np.asarray(o, np.float64)
+    y = o / np.sqrt(np.mean(o * o, -1, keepdims=True) + eps)
+    y = (y.astype(dtype).astype(np.float64) * weight.astype(np.float64)).astype(dtype)
+    z = np.asarray(z, np.float64).reshape(o.shape)
+    gate = 1 / (1 + np.exp(-z))
+    y = (y.astype(np.float64) * (gate if act == "sigmoid" else z * gate)).astype(dtype)
+    return y.reshape(o.shape[:2] + (-1,)).astype(np.float64)
+
+
+def _norm_case(seed, b, t, hk, hv, dk, dv, dtype, act, slots=None):
+    """A window case in the merged layout ``[qkv | z | b | a]``: ``(case, column kwargs, norm,
+    norm weight)``."""
+    c = _window_case(seed, b, t, hk, hv, dk, dv, dtype, slots=slots)
+    wide, cols, norm = _merged(c, seed + 1)
+    weight = (1 + 0.2 * np.random.default_rng(seed + 2).standard_normal(dv)).astype(dtype)
+    return dict(c, qkv=wide, a=wide, b=wide), cols, dataclasses.replace(norm, act=act), weight
+
+
+def _verify_norm_check(c, cols, norm, weight, hk, interpret, repeats=1):
+    """The folded verify against the unfolded one plus a float64 gated norm of its output
+    (the conv rows bit for bit, ``sync`` back to zero), for the case's state and a second one.
+    Then ``repeats`` calls alternating the two states each give their state's first result
+    bit for bit: a program that read another's output before it was written would see the
+    other state's (the previous call's buffer) or garbage."""
+    bsz, t, _ = c["qkv"].shape
+    hv, dv = c["state"].shape[1], c["state"].shape[-1]
+    sync = jnp.zeros((bsz, hv), jnp.int32)
+    ulp = 2.0 ** -7 if c["qkv"].dtype == BF16 else 1e-5
+    folded, first = dict(output_norm=norm, norm_weight=jnp.asarray(weight), sync=sync), []
+    for state in (c["state"], 0.5 - c["state"]):
+        run = functools.partial(_verify, dict(c, state=state), hk, interpret, **cols)
+        o, conv = run()
+        y, conv_n, sync_out = run(**folded)
+        assert y.shape == (bsz, t, hv * dv) and y.dtype == c["qkv"].dtype
+        np.testing.assert_array_equal(np.asarray(sync_out), 0)
+        np.testing.assert_array_equal(np.asarray(conv_n), np.asarray(conv))
+        z = c["qkv"][..., norm.z_col:norm.z_col + hv * dv]
+        want = _np_gated_norm_rows(o, z, weight, norm.eps, norm.act, c["qkv"].dtype)
+        _close(y, want, rtol=2 * ulp, atol=ulp / 8)
+        first.append((functools.partial(run, **folded), np.asarray(y)))
+    assert not np.array_equal(first[0][1], first[1][1])
+    for i in range(repeats):
+        call, y = first[i % 2]
+        np.testing.assert_array_equal(np.asarray(call()[0]), y)
+
+
+@pytest.mark.parametrize("act,dtype", [("silu", BF16), ("sigmoid", np.float32)])
+def test_ring_verify_folds_the_output_norm(act, dtype):
+    """T = 3 rows (padded to 4 inside), request 1 without valid rows and request 3 padding on
+    the trash slot 0 as well."""
+    c, cols, norm, weight = _norm_case(31, 4, 3, 2, 4, 16, 32, dtype, act)
+    c["slot"][[1, 3]] = 0
+    c["valid"][[1, 3]] = False
+    c["valid"][2, 1] = False  # a hole inside a window
+    _verify_norm_check(c, cols, norm, weight, 2, True)
+
+
+def test_ring_verify_norm_refusals():
+    c, cols, norm, weight = _norm_case(32, 2, 3, 2, 2, 16, 16, np.float32, "silu")
+    run = functools.partial(_verify, c, 2, True, **cols)
+    nw, sync = jnp.asarray(weight), jnp.zeros((2, 2), jnp.int32)
+    with pytest.raises(ValueError, match="gdn_verify_ring: output_norm needs norm_weight"):
+        run(output_norm=norm, norm_weight=nw[:8], sync=sync)
+    with pytest.raises(ValueError, match="gdn_verify_ring: output_norm needs sync, int32"):
+        run(output_norm=norm, norm_weight=nw, sync=sync[:1])
+    with pytest.raises(ValueError, match="needs sync, int32"):
+        run(output_norm=norm, norm_weight=nw, sync=sync.astype(jnp.float32))
+    with pytest.raises(ValueError, match="needs sync, int32"):
+        run(output_norm=norm, norm_weight=nw)
+    n = c["qkv"].shape[-1]
+    with pytest.raises(ValueError, match=f"output_norm.z_col={n - 8} .* outside the {n} col"):
+        run(output_norm=dataclasses.replace(norm, z_col=n - 8), norm_weight=nw, sync=sync)
+    with pytest.raises(ValueError, match="output_norm.z_col=-1"):
+        run(output_norm=dataclasses.replace(norm, z_col=-1), norm_weight=nw, sync=sync)
+    with pytest.raises(ValueError, match="output_norm.act 'relu' must be"):
+        run(output_norm=dataclasses.replace(norm, act="relu"), norm_weight=nw, sync=sync)
+
+
+@pytest.mark.parametrize("act", ["silu", "sigmoid"])
+def test_layer_verify_folds_the_norm_and_matches_xla(tiny, act):  # noqa: F811
+    """``GatedDeltaNet.verify`` on pools with a ring conv state and the merged in-projection:
+    the pallas backend (one kernel, norm folded in) against the XLA backend, with and without
+    a ``sync`` in the state (given back zero); a padding request on the trash slot 0."""
+    from tests.model_backends import with_backend
+
+    layers = {k: with_backend(tiny, "gdn", k).layers[0].linear_attn for k in ("pallas", "xla")}
+    for layer in layers.values():
+        layer.output_gate = act
+    gdn = layers["pallas"]
+    assert gdn.in_proj is not None
+    rng = np.random.default_rng(33)
+    b, t, slots = 3, 3, 6
+    conv_dim = gdn.conv1d.weight.shape[0]
+    pools = (jnp.asarray(0.3 * rng.standard_normal((slots, gdn.hv, gdn.dk, gdn.dv)), jnp.float32),
+             jnp.asarray(rng.standard_normal((slots, conv_dim, gdn.kernel)), jnp.float32))
+    x = jnp.asarray(rng.standard_normal((b, t, tiny.cfg.hidden_size)), jnp.float32)
+    valid = jnp.asarray([[True] * t, [False] * t, [True, True, False]])
+    slot = jnp.asarray([4, 0, 2], jnp.int32)
+    start = jnp.asarray([7, 0, 2], jnp.int32)
+    sync = jnp.zeros((b, gdn.hv), jnp.int32)
+    out, (rows, sync_out) = gdn.verify(x, (*pools, sync), valid, slot, start)
+    out2, rows2 = gdn.verify(x, pools, valid, slot, start)
+    want, (_, sync_x) = layers["xla"].verify(x, (*pools, sync), valid, slot, start)
+    np.testing.assert_array_equal(np.asarray(sync_out), 0)
+    assert sync_x is sync
+    np.testing.assert_array_equal(np.asarray(out2), np.asarray(out))
+    np.testing.assert_array_equal(np.asarray(rows2.conv), np.asarray(rows.conv))
+    np.testing.assert_allclose(np.asarray(out), np.asarray(want), rtol=1e-4, atol=1e-5)
+    # The same as the unfolded kernel followed by the XLA norm (GatedDeltaNet._output).
+    o, _ = gdn_verify_ring(rows.qkv, gdn._conv_weight(), pools[1], rows.a, rows.b,
+                           gdn.A_log[...], gdn.dt_bias[...], valid, pools[0], slot, start,
+                           num_k_heads=gdn.hk, interpret=True, **gdn._gate_cols())
+    np.testing.assert_allclose(np.asarray(gdn._output(o, rows.qkv[..., gdn.in_proj.offsets[1]:
+                                                                   gdn.in_proj.offsets[2]])),
+                               np.asarray(out), rtol=1e-5, atol=1e-6)
+
+
+@pytest.mark.parametrize("hk,hv", [(16, 48)])  # 27B
+def test_ring_verify_with_the_norm_lowers_to_triton(hk, hv):
+    c, cols, norm, _ = _norm_case(34, 2, 4, hk, hv, 128, 128, BF16, "silu")
+    text = lower_for_cuda(
+        lambda w, weight, window, a_log, dt_bias, valid, state, slot, start, nw, sync: (
+            gdn_verify_ring(w, weight, window, w, w, a_log, dt_bias, valid, state, slot, start,
+                            num_k_heads=hk, interpret=False, output_norm=norm, norm_weight=nw,
+                            sync=sync, **cols)),
+        *_args(c, "qkv", "weight", "window", "a_log", "dt_bias", "valid", "state", "slot",
+               "start"), jnp.ones((128,), jnp.bfloat16), jnp.zeros((2, hv), jnp.int32))
+    assert "gdn_fused_verify_ring_norm" in text and "output_operand_aliases" in text
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("b,act", [(1, "silu"), (8, "silu"), (8, "sigmoid")])
+def test_gpu_ring_verify_folds_the_output_norm(b, act):
+    """Compiled at the 27B shape (Hk=16, Hv=48, Dk=Dv=128, T=4), where the last program of a
+    head to finish (an atomic counter) reads the other programs' output rows: against the
+    unfolded kernel plus a float64 gated norm, and 20 calls alternating two states give their
+    own results bit for bit."""
+    c, cols, norm, weight = _norm_case(35, b, 4, 16, 48, 128, 128, BF16, act, slots=b + 3)
+    c["start"] = np.random.default_rng(b).integers(0, 3000, b).astype(np.int32)
+    c["slot"] = np.random.default_rng(b + 1).permutation(np.arange(1, b + 3))[:b].astype(np.int32)
+    _verify_norm_check(c, cols, norm, weight, 16, False, repeats=20)

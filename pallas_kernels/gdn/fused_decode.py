@@ -8,10 +8,10 @@ the same order (the conv summed tap by tap in float32 and rounded to the model d
 :func:`~pallas_kernels.gdn.fused.l2` and :func:`pallas_kernels.gdn.pallas.step`), minus one
 kernel launch and the conv output's round trip through memory. Being another kernel, it is
 not promised bit for bit equal to them (the compiler may contract or order float32 operations
-differently; the tests check a relative 1e-5), and the folded output norm (:class:`OutputNorm`)
-takes its mean in another order than XLA's fusion on the verify path. So a plain decode step
-and a verify of the same row can differ in the last bits, as the one-row and multi-row
-projections already do.
+differently; the tests check a relative 1e-5), and the folded output norm (:class:`OutputNorm`,
+also folded into the verify kernel) may take its mean in another order than XLA's fusion of
+the unfolded norm. So a plain decode step and a verify of the same row can differ in the last
+bits, as the one-row and multi-row projections already do.
 
 One program per (request, value head, value block) computes the conv of the channels it reads:
 its key head's q and k (shared with every other value block of the head and, with GQA, the
@@ -60,7 +60,8 @@ def _conv(qkv_ref, w_ref, win_ref, bi, slot, start, off: int | jax.Array, n: int
 class OutputNorm:
     """The layer's gated output norm, ``norm(o) * weight * act(z)`` (HF ``Qwen3_5RMSNormGated``:
     RMSNorm without zero-centring, rounded to the model dtype, times the weight, times the
-    gate's activation in float32, rounded again), folded into :func:`gdn_decode_ring`.
+    gate's activation in float32, rounded again), folded into :func:`gdn_decode_ring` and
+    :func:`pallas_kernels.gdn.fused_verify.gdn_verify_ring` (:func:`fold_output_norm`).
 
     z_col: static column of ``z`` (the ``in_proj_z`` output, ``Hv * Dv`` columns) in the array
     passed as ``qkv``; eps: the norm's epsilon; act: ``"silu"`` (Qwen3.5) or ``"sigmoid"``.
@@ -126,21 +127,34 @@ def _decode_kernel(slot_ref, valid_ref, start_ref, qkv_ref, w_ref, a_ref, b_ref,
         o_ref[...] = o
         return
     o_ref[bi, 0, h, pl.ds(pl.multiple_of(j * bv, bv), bv)] = o
-    # The last block of the head to finish reads the others' outputs and writes the gated
-    # norm. The barrier puts every thread's store before the counter's (acquire-release,
-    # GPU-scope) increment, which one thread does; the winner's loads come after its acquire
-    # and are volatile (not served from L1). The winner resets the counter to zero for the
-    # next call.
-    if barrier:  # not in interpret mode, which runs the programs one after another
+    fold_output_norm(o_ref, qkv_ref, nw_ref, y_ref, sync_ref, bi, h, n_rows=1,
+                     n_blocks=dv // bv, norm=norm, barrier=barrier)
+
+
+def fold_output_norm(o_ref, qkv_ref, nw_ref, y_ref, sync_ref, bi, h, *, n_rows: int,
+                     n_blocks: int, norm: OutputNorm, barrier: bool) -> None:
+    """The tail of a ring kernel's program ``(bi, h, j)`` that folds the output norm in, after
+    it stored its value block of rows ``0 .. n_rows-1`` in ``o_ref [B, T, Hv, Dv]`` (float32,
+    the whole output): the last of the head's ``n_blocks`` programs to arrive (counted in
+    ``sync_ref [B, Hv]`` int32) writes the head's gated norm of those rows to ``y_ref [B, T,
+    Hv * Dv]``, with ``z`` from ``qkv_ref [B, T, N]`` at ``norm.z_col + h * Dv`` and the
+    weight ``nw_ref [Dv]``, and resets the counter to zero for the next call. ``barrier``:
+    False in interpret mode, which runs the programs one after another."""
+    # The barrier puts every thread's store before the counter's (acquire-release, GPU-scope)
+    # increment, which one thread does; the winner's loads come after its acquire and are
+    # volatile (not served from L1).
+    if barrier:
         plgpu.debug_barrier()
     arrived = plgpu.atomic_add(sync_ref, (bi, h), jnp.ones((), jnp.int32))
 
-    @pl.when(arrived == dv // bv - 1)
+    @pl.when(arrived == n_blocks - 1)
     def _():
-        o_head = plgpu.load(o_ref.at[bi, pl.ds(0, 1), h, :], volatile=True)[0]
-        z = qkv_ref[bi, 0, pl.ds(norm.z_col + h * dv, dv)]
-        y_ref[bi, 0, pl.ds(h * dv, dv)] = _gated_norm(o_head, z, nw_ref[...], norm,
-                                                      y_ref.dtype)
+        dv = o_ref.shape[-1]
+        weight = nw_ref[...]
+        for t in range(n_rows):
+            o_head = plgpu.load(o_ref.at[bi, pl.ds(t, 1), h, :], volatile=True)[0]
+            z = qkv_ref[bi, t, pl.ds(norm.z_col + h * dv, dv)]
+            y_ref[bi, t, pl.ds(h * dv, dv)] = _gated_norm(o_head, z, weight, norm, y_ref.dtype)
         sync_ref[bi, h] = 0
 
 
@@ -238,7 +252,7 @@ def gdn_decode_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax
     if output_norm is None:
         out_specs = [pl.BlockSpec((None, None, None, block_v), lambda i, h, j: (i, 0, h, j))]
     else:
-        _check_norm(qkv, norm_weight, sync, output_norm, hv, dv)
+        check_output_norm("gdn_decode_ring", qkv, norm_weight, sync, output_norm, hv, dv)
         args.append(norm_weight)
         in_specs.append(whole((dv,)))
         out_specs = [whole(o_shape.shape)]
@@ -273,17 +287,22 @@ def gdn_decode_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax
     return y, state, window, sync
 
 
-def _check_norm(qkv, norm_weight, sync, norm: OutputNorm, hv: int, dv: int):
+def check_output_norm(caller: str, qkv, norm_weight, sync, norm: OutputNorm, hv: int,
+                      dv: int) -> None:
+    """The checks of a ring kernel's folded output norm (``qkv [B, T, N]``, ``T`` rows per
+    request): ``norm.act``, ``norm_weight [Dv]``, ``sync [B, Hv]`` int32 and ``z``'s ``Hv *
+    Dv`` columns from ``norm.z_col`` inside ``qkv``. Raises ValueError naming ``caller`` and
+    the argument."""
     bsz, _, n = qkv.shape
     if norm.act not in ("silu", "sigmoid"):
-        raise ValueError(f"gdn_decode_ring: output_norm.act {norm.act!r} must be 'silu' or "
+        raise ValueError(f"{caller}: output_norm.act {norm.act!r} must be 'silu' or "
                          "'sigmoid'.")
     if norm_weight is None or norm_weight.shape != (dv,):
-        raise ValueError(f"gdn_decode_ring: output_norm needs norm_weight [Dv={dv}]; got "
+        raise ValueError(f"{caller}: output_norm needs norm_weight [Dv={dv}]; got "
                          f"{None if norm_weight is None else norm_weight.shape}.")
     if sync is None or sync.shape != (bsz, hv) or sync.dtype != jnp.int32:
-        raise ValueError(f"gdn_decode_ring: output_norm needs sync, int32 zeros [B={bsz}, "
-                         f"Hv={hv}]; got {None if sync is None else (sync.shape, sync.dtype)}.")
+        raise ValueError(f"{caller}: output_norm needs sync, int32 zeros [B={bsz}, Hv={hv}]; "
+                         f"got {None if sync is None else (sync.shape, sync.dtype)}.")
     if norm.z_col < 0 or norm.z_col + hv * dv > n:
-        raise ValueError(f"gdn_decode_ring: z_col={norm.z_col} + Hv*Dv={hv * dv} exceeds the "
-                         f"{n} columns of qkv.")
+        raise ValueError(f"{caller}: output_norm.z_col={norm.z_col} + Hv*Dv={hv * dv} is "
+                         f"outside the {n} columns of qkv.")

@@ -17,9 +17,10 @@ with ``slots [B]``, the whole pool (``[S, ...]``), which they read and write at 
 With the ``pallas`` GDN backend the step form runs as the fused slot-addressed kernels of
 :mod:`pallas_kernels.gdn.fused` (conv, norms, gates and recurrence; no gather or scatter of the
 states; on a ring conv state a decode is one kernel, :mod:`pallas_kernels.gdn.fused_decode`,
-a verify one, :mod:`pallas_kernels.gdn.fused_verify`, and its commit one)
-and a verify returns :class:`GDNConvRows`; the ``xla`` backend gathers the slots' states, runs
-the XLA code below and scatters them back.
+a verify one, :mod:`pallas_kernels.gdn.fused_verify`, and its commit one; with the merged
+in-projection the decode and verify kernels also do the gated output norm) and a verify
+returns :class:`GDNConvRows`; the ``xla`` backend gathers the slots' states, runs the XLA code
+below and scatters them back.
 
 The conv state is a ring of K raw inputs keyed by position (the Qwen3.5 family's pools; every
 call then takes ``start [B]``, the position of each request's row 0) or a shift register of the
@@ -217,12 +218,23 @@ class GatedDeltaNet(nnx.Module):
 
     def verify(self, x, state, valid, slots=None, start=None):
         """Step form over the rows of a verify window from the live state, which it does not
-        change. ``state``: the batch view, or the pools when ``slots [B]`` is given; ``start
-        [B]``: as :meth:`prefill`. Returns ``(out [B, T, H], GDNRows | GDNConvRows)`` for
-        :meth:`commit`."""
+        change. ``state``: the batch view, or the pools when ``slots [B]`` is given, optionally
+        with a third element ``sync [B, Hv]`` int32 zeros, as :meth:`decode` (the scratch of
+        the one-kernel verify's folded output norm, left zero); ``start [B]``: as
+        :meth:`prefill`. Returns ``(out [B, T, H], rows)``, ``rows`` the ``GDNRows |
+        GDNConvRows`` for :meth:`commit`, or ``(out, (rows, sync))`` when ``state`` carried
+        ``sync``."""
+        sync = state[2] if len(state) == 3 else None
+        state = tuple(state[:2])
         start = self._start(state[1], start, x.shape[0])
         if self.backend == "pallas":
-            return self._verify_fused(x, state, valid, _slots_of(slots, x), start)
+            out, rows, sync = self._verify_fused(x, state, valid, _slots_of(slots, x), start,
+                                                 sync)
+        else:
+            out, rows = self._verify_xla(x, state, valid, slots, start)
+        return out, rows if sync is None else (rows, sync)
+
+    def _verify_xla(self, x, state, valid, slots, start):
         recurrent, conv = state if slots is None else gather_states(state, slots)
         proj = self._project(x)
         rows = self._rows(proj, window_before(conv, self.kernel, start), valid)
@@ -300,19 +312,26 @@ class GatedDeltaNet(nnx.Module):
         off = self.in_proj.offsets
         return {"b_col": off[2], "a_col": off[3]}
 
-    def _verify_fused(self, x, state, valid, slots, start):
+    def _verify_fused(self, x, state, valid, slots, start, sync):
+        """Returns ``(out, GDNConvRows, sync)``; ``sync`` passes through unless the one-kernel
+        verify folds the output norm in (a ring and merged in-projections)."""
         recurrent, window = state
         qkv, z, b, a = self._fused_inputs(x)
+        rows = functools.partial(GDNConvRows, a=a, b=b, valid=valid, qkv=qkv, start=start)
         if start is None:  # a shift register: conv, then gates and recurrence
             conv = gdn_conv_rows(qkv, self._conv_weight(), window, slots)
             o = gdn_step(conv, a, b, self.A_log[...], self.dt_bias[...], valid, recurrent,
                          slots, num_k_heads=self.hk, mode="verify", **self._gate_cols())
-        else:  # a ring: one kernel
-            o, conv = gdn_verify_ring(qkv, self._conv_weight(), window, a, b, self.A_log[...],
-                                      self.dt_bias[...], valid, recurrent, slots, start,
-                                      num_k_heads=self.hk, **self._gate_cols())
-        return self._output(o, z), GDNConvRows(conv=conv, a=a, b=b, valid=valid, qkv=qkv,
-                                               start=start)
+            return self._output(o, z), rows(conv=conv), sync
+        args = (qkv, self._conv_weight(), window, a, b, self.A_log[...], self.dt_bias[...],
+                valid, recurrent, slots, start)
+        if self.in_proj is None:  # z is its own array: the norm stays outside
+            o, conv = gdn_verify_ring(*args, num_k_heads=self.hk, **self._gate_cols())
+            return self._output(o, z), rows(conv=conv), sync
+        y, conv, new_sync = gdn_verify_ring(*args, num_k_heads=self.hk,
+                                            **self._folded_norm(x.shape[0], sync),
+                                            **self._gate_cols())
+        return self.out_proj(y), rows(conv=conv), None if sync is None else new_sync
 
     def _decode_fused(self, x, state, valid, slots, start, sync):
         """Returns ``(out, (recurrent, conv), sync)``; ``sync`` passes through unless the
@@ -332,14 +351,20 @@ class GatedDeltaNet(nnx.Module):
             o, recurrent, window = gdn_decode_ring(*args, num_k_heads=self.hk,
                                                    **self._gate_cols())
             return self._output(o, z), (recurrent, window), sync
-        own = sync is None
-        if own:
-            sync = jnp.zeros((x.shape[0], self.hv), jnp.int32)
-        norm = OutputNorm(z_col=self.in_proj.offsets[1], eps=self.eps, act=self.output_gate)
-        y, recurrent, window, sync = gdn_decode_ring(
-            *args, num_k_heads=self.hk, output_norm=norm, norm_weight=self.norm.weight[...],
-            sync=sync, **self._gate_cols())
-        return self.out_proj(y), (recurrent, window), None if own else sync
+        y, recurrent, window, new_sync = gdn_decode_ring(
+            *args, num_k_heads=self.hk, **self._folded_norm(x.shape[0], sync),
+            **self._gate_cols())
+        return self.out_proj(y), (recurrent, window), None if sync is None else new_sync
+
+    def _folded_norm(self, batch: int, sync) -> dict:
+        """The ring kernels' arguments that fold the output norm in (merged in-projections:
+        ``z`` read in place at its column): ``sync``, or zeros ``[B, Hv]`` int32 of its own
+        when the caller passed none."""
+        if sync is None:
+            sync = jnp.zeros((batch, self.hv), jnp.int32)
+        return {"output_norm": OutputNorm(z_col=self.in_proj.offsets[1], eps=self.eps,
+                                          act=self.output_gate),
+                "norm_weight": self.norm.weight[...], "sync": sync}
 
     def _commit_fused(self, state, rows: GDNConvRows, length, slots):
         recurrent, window = state

@@ -188,9 +188,10 @@ class Qwen35Model(nnx.Module):
         ks, vs = list(kv.k), list(kv.v)
         rec, conv = list(gdn.recurrent), list(gdn.conv)
         rows: list = [None] * len(rec)  # GDNRows, or GDNConvRows (fused Pallas path)
-        # One zeroed scratch for every GDN layer's one-kernel decode (GatedDeltaNet.decode).
+        # One zeroed scratch for every GDN layer's one-kernel decode or verify with the output
+        # norm folded in (GatedDeltaNet.decode / verify), which leave it zero.
         sync = (jnp.zeros((input_ids.shape[0], self.cfg.linear_num_value_heads), jnp.int32)
-                if gdn_mode == "decode" and kernels_of(self.cfg).gdn == "pallas" else None)
+                if gdn_mode != "prefill" and kernels_of(self.cfg).gdn == "pallas" else None)
         for layer in self.layers:
             i = layer.cache_index
             if layer.layer_type == "full_attention":
@@ -200,7 +201,7 @@ class Qwen35Model(nnx.Module):
             x, delta, _, out = layer.forward(x, delta, batch, gdn=state, gdn_mode=gdn_mode,
                                              slots=slots)
             if not writes_state:
-                rows[i] = out
+                rows[i], sync = (out, None) if sync is None else out
             elif sync is None:
                 rec[i], conv[i] = out
             else:
