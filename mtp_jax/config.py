@@ -17,6 +17,7 @@ SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 _TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 SPECULATIVE_ALGORITHMS = ("none", "mtp", "external")
 MAX_SPECULATIVE_NUM_STEPS = 8
+DRAFT_HEAD_DTYPES = ("int8",)  # speculative_draft_head_dtype besides None (the model dtype)
 
 
 class ConfigError(ValueError):
@@ -254,6 +255,10 @@ class SpecConfig:
     ``speculative_token_map``, MTP only): the draft scores only a hot subset of N token ids
     (FR-Spec; the N lowest ids, the map's ids, or the map's first N; see
     :mod:`mtp_jax.spec.draft_vocab`). ``None``/``None`` is the full vocabulary.
+    ``draft_head_dtype`` (``speculative_draft_head_dtype``, MTP only): ``None`` scores drafts
+    with the LM head in the model dtype; ``"int8"`` with an int8 copy of its rows (half the
+    bytes per draft step) whose best few logits are re-scored in the model dtype
+    (:mod:`mtp_jax.models.draft_head`).
     """
 
     algorithm: str = "mtp"
@@ -261,6 +266,7 @@ class SpecConfig:
     draft_model_path: str | None = None
     draft_vocab_size: int | None = None
     token_map_path: str | None = None
+    draft_head_dtype: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -299,6 +305,17 @@ class SpecConfig:
 
             hot_token_ids(self.algorithm, self.draft_vocab_size, self.token_map_path,
                           None if model is None else model.vocab_size)
+        if self.draft_head_dtype is not None:
+            if self.draft_head_dtype not in DRAFT_HEAD_DTYPES:
+                raise ConfigError(f"speculative_draft_head_dtype (--speculative-draft-head-dtype)"
+                                  f" {self.draft_head_dtype!r} is unknown; use "
+                                  f"{' or '.join(map(repr, DRAFT_HEAD_DTYPES))}, or leave it "
+                                  "unset for the model dtype.")
+            if self.algorithm != "mtp":
+                raise ConfigError(f"speculative_draft_head_dtype (--speculative-draft-head-dtype)"
+                                  f" {self.draft_head_dtype!r} was given but "
+                                  f"speculative_algorithm is {self.algorithm!r}; it sets the MTP "
+                                  "draft's LM head. Drop it or use --speculative-algorithm mtp.")
         if model is not None and self.algorithm == "mtp":
             if not model.has_mtp and not self.draft_model_path:
                 raise ConfigError("speculative_algorithm='mtp' but the checkpoint's config declares "

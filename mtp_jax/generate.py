@@ -51,6 +51,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file of hot token ids for the MTP draft (.npy int array, .json list, "
                         "or text with one id per line), in order (SGLang's "
                         "speculative_token_map)")
+    p.add_argument("--speculative-draft-head-dtype", default=None, choices=["int8"],
+                   help="int8: the MTP draft scores with an int8 copy of the LM head (a scale "
+                        "per row, the rows around the best 8 logits re-scored in the model dtype): half the "
+                        "head's bytes per draft step, V x H bytes more memory; output stays "
+                        "exact (default: the model dtype)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto = bfloat16 on GPU, float32 on CPU")
     p.add_argument("--max-running-requests", type=int, default=8,
@@ -170,6 +175,7 @@ def main(argv=None) -> int:
                   speculative_draft_model_path=args.speculative_draft_model_path,
                   speculative_draft_vocab_size=args.speculative_draft_vocab_size,
                   speculative_token_map=args.speculative_token_map,
+                  speculative_draft_head_dtype=args.speculative_draft_head_dtype,
                   seed=args.seed, max_model_len=args.max_model_len, page_size=args.page_size,
                   dummy_weight=args.dummy_weight, chunked_prefill_size=args.chunked_prefill_size,
                   enable_prefix_cache=not args.disable_prefix_cache,
@@ -214,6 +220,8 @@ def main(argv=None) -> int:
           + (f" (k={llm.spec.num_steps})" if llm.spec.enabled else "")
           + (f"; draft vocabulary {llm.engine.draft_vocab_size} hot ids"
              if getattr(llm.engine, "draft_vocab_size", None) else "")
+          + (f"; draft LM head {llm.spec.draft_head_dtype}" if llm.spec.draft_head_dtype
+             else "")
           + (f"; {args.num_scheduler_steps} rounds per call" if args.num_scheduler_steps > 1
              else "")
           + ("" if args.prompt or args.prompts_file else f"; prompt {DEFAULT_PROMPT!r}"),

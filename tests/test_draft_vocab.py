@@ -120,6 +120,20 @@ def test_lowest_ids_reject_drafts_of_cold_tokens_and_equal_plain(chain, plain):
         assert 0 < r.num_accepted_tokens < r.num_draft_tokens, r.request_id
 
 
+def test_int8_head_drafts_like_the_full_head(chain, plain):
+    """``draft_head_dtype="int8"`` (all V rows, re-scored): the chain model's full-head drafts
+    are all right, and so are the int8 head's (its re-scored argmax is the full head's); output
+    equals plain decoding token for token."""
+    prompts, want = plain
+    reqs, eng = _run(chain, prompts, [_greedy()] * 3, algorithm="mtp", num_steps=3,
+                     draft_head_dtype="int8")
+    assert eng.draft_head_dtype == "int8" and eng.draft_vocab_size is None
+    assert eng.model.module().draft_head.weight[...].dtype == jnp.int8
+    for r, out in zip(reqs, want):
+        assert r.output_ids == out
+        assert r.num_draft_tokens > 0 and r.num_accepted_tokens == r.num_draft_tokens
+
+
 @pytest.mark.gpu  # the sampled round variant takes about a minute to compile on a 2-core CPU
 def test_near_greedy_sampled_rows_with_lowest_ids_equal_plain(chain, plain):
     """Sampled rows at temperature 1e-3 (one-hot filtered distributions, so the exact

@@ -45,6 +45,8 @@ request, it reports:
 (``speculative_draft_vocab_size``), and the floor counts N rows of the draft's LM head instead of
 V; recorded as ``draft_vocab_size`` in each row (``None`` for k = 0). The forced drafts overwrite
 the draft's tokens, so the timing shows the cheaper draft at the forced accept lengths.
+``--draft-head-dtype int8``: the same for the int8 draft head (``speculative_draft_head_dtype``;
+the floor counts V x (H + 4) head bytes per draft step); recorded as ``draft_head_dtype``.
 
 Output: markdown tables on stdout (pasteable into docs/benchmarks.md), progress on stderr,
 and a JSON file (``--out``: ``{"meta": {date, commit, jax version, device kind, XLA_FLAGS,

@@ -59,6 +59,10 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="k > 0 rows: the MTP draft scores only the N lowest token ids "
                         "(speculative_draft_vocab_size); the floor counts N draft LM-head rows "
                         "(default: the full vocabulary)")
+    p.add_argument("--draft-head-dtype", default=None, choices=["int8"],
+                   help="k > 0 rows: the MTP draft's LM head in int8 "
+                        "(speculative_draft_head_dtype); the floor counts its int8 bytes "
+                        "(default: the model dtype)")
     p.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1],
                    help="rounds per program call (multi-step scheduling, "
                         "EngineConfig.num_scheduler_steps; times are reported per round), one "
@@ -128,6 +132,7 @@ def _progress(r: dict) -> str:
     tps = (f"{r['tokens_per_s']:.1f}" if not r["k"] else " / ".join(
         f"{v:.1f}" for v in r["tokens_per_s_at_accept_length"].values()))
     n = f" N={r['draft_vocab_size']}" if r.get("draft_vocab_size") else ""
+    n += f" head={r['draft_head_dtype']}" if r.get("draft_head_dtype") else ""
     n += f" steps/call={r['steps_per_call']}" if r.get("steps_per_call", 1) > 1 else ""
     return (f"{r['config']} B={r['batch']} k={r['k']}{n} round={r['round_ms']:.2f}ms "
             f"host={r['host_ms']:.2f}ms floor={r['floor_ms']:.2f}ms "
@@ -159,6 +164,7 @@ def main(argv=None, description: str | None = None) -> int:
                      hbm_tbps=args.hbm_tbps, accept_lengths=tuple(args.accept_lengths),
                      prefill_reps=args.prefill_reps, max_k=max(ks),
                      engine_warmup=args.engine_warmup, draft_vocab_size=args.draft_vocab_size,
+                     draft_head_dtype=args.draft_head_dtype,
                      num_scheduler_steps=tuple(args.num_scheduler_steps))
         s.validate()
         for k in ks:

@@ -51,9 +51,11 @@ def forward_weight_bytes(cfg: ModelConfig, tensors: dict, tokens: int, itemsize:
 
 
 def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: int,
-                draft_vocab_size: int | None = None) -> dict:
+                draft_vocab_size: int | None = None, draft_head_dtype: str | None = None) -> dict:
     """Bytes a round (k > 0) or decode step (k = 0) moves, by kind. ``draft_vocab_size``: the
-    draft's LM head has that many rows (hot token ids) instead of ``vocab_size``."""
+    draft's LM head has that many rows (hot token ids) instead of ``vocab_size``;
+    ``draft_head_dtype="int8"``: those rows are int8 with a float32 scale each (the few rows
+    the int8 head re-scores per request are not counted)."""
     target = names.target_tensors(cfg)
     lm_head = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
     if cfg.tie_word_embeddings:
@@ -68,9 +70,13 @@ def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: in
     out["gdn_state"] = batch * state * 3
     if k:
         draft_rows = cfg.vocab_size if draft_vocab_size is None else draft_vocab_size
-        draft = {**names.mtp_tensors(cfg), "lm_head.weight": (draft_rows, cfg.hidden_size)}
+        head = draft_rows * cfg.hidden_size * itemsize
+        if draft_head_dtype == "int8":
+            head = draft_rows * (cfg.hidden_size + 4)
+        draft = names.mtp_tensors(cfg)
         out["draft_weights"] = (forward_weight_bytes(cfg, draft, batch * (k + 1), itemsize)
-                                + (k - 1) * forward_weight_bytes(cfg, draft, batch, itemsize))
+                                + (k - 1) * forward_weight_bytes(cfg, draft, batch, itemsize)
+                                + k * head)
         out["draft_kv_read"] = k * batch * context * kv_per_token * cfg.mtp_num_hidden_layers
     out["total"] = sum(out.values())
     return out

@@ -131,12 +131,14 @@ class Engine(WarmupMixin):
         check_scheduler_steps(spec, engine_cfg)
         hot = hot_token_ids(spec.algorithm, spec.draft_vocab_size, spec.token_map_path,
                             model.cfg.vocab_size)
-        model = with_draft_head(model, hot)  # the draft's hot-id LM head, gathered once
+        # The draft's own LM head (hot ids and/or int8 rows), made once.
+        model = with_draft_head(model, hot, spec.draft_head_dtype)
         self.model, self.cfg, self.spec = model, engine_cfg, spec
         self.proposer, self.tokenizer = proposer, tokenizer
         self.k = spec.k
         self.rounds_per_call = engine_cfg.num_scheduler_steps
         self.draft_vocab_size = None if hot is None else int(hot.size)  # None: all V ids
+        self.draft_head_dtype = spec.draft_head_dtype  # None: the model dtype
         self.proposer_kind = spec.algorithm
         mc = model.cfg
         self.max_model_len = min(engine_cfg.max_model_len, mc.max_position_embeddings)
@@ -156,8 +158,8 @@ class Engine(WarmupMixin):
                                 max_running_requests=engine_cfg.max_running_requests,
                                 max_model_len=self.max_model_len, k=self.k, mtp=mtp,
                                 weights_bytes=weights_bytes(mc, model.dtype, model.has_mtp)
-                                + (0 if hot is None else draft_head_bytes(mc, hot.size,
-                                                                          model.dtype)),
+                                + draft_head_bytes(mc, None if hot is None else hot.size,
+                                                   model.dtype, spec.draft_head_dtype),
                                 device_bytes=stats.get("bytes_limit"),
                                 mem_fraction=engine_cfg.mem_fraction,
                                 max_total_tokens=engine_cfg.max_total_tokens,

@@ -53,6 +53,13 @@ class LLM:
         better); both: the map's first N. Output stays exact (greedy: plain decoding; sampled:
         the target's distribution); the accept length may drop a little. Default: the full
         vocabulary. See :mod:`mtp_jax.spec.draft_vocab`.
+      speculative_draft_head_dtype: MTP only; ``"int8"`` scores drafts with an int8 copy of
+        the LM head (a float32 scale per row; the 8 blocks of 32 rows holding the best logits
+        re-scored in the model dtype), half the head's bytes per draft step, for the memory of
+        that copy (V x H bytes).
+        Output stays exact; greedy drafts are the model-dtype head's but for a quantization
+        error as large as the gap between the best and the 8th logit. Default ``None``: the
+        model dtype. See :mod:`mtp_jax.models.draft_head`.
       proposer: for ``"external"``: ``(request_id, token_ids_so_far, k) -> k token ids``.
       seed: base seed of sampled requests without their own seed.
       max_model_len, page_size: KV sizing (tokens).
@@ -95,6 +102,7 @@ class LLM:
                  speculative_num_steps: int = 3, speculative_draft_model_path: str | None = None,
                  speculative_draft_vocab_size: int | None = None,
                  speculative_token_map: str | None = None,
+                 speculative_draft_head_dtype: str | None = None,
                  proposer: Proposer | None = None, seed: int = 0, max_model_len: int = 4096,
                  page_size: int = 16, dummy_weight: bool = False,
                  chunked_prefill_size: int = 2048, enable_prefix_cache: bool = True,
@@ -123,7 +131,8 @@ class LLM:
         spec = SpecConfig(algorithm=algorithm, num_steps=speculative_num_steps,
                           draft_model_path=speculative_draft_model_path,
                           draft_vocab_size=speculative_draft_vocab_size,
-                          token_map_path=speculative_token_map)
+                          token_map_path=speculative_token_map,
+                          draft_head_dtype=speculative_draft_head_dtype)
         engine_cfg = EngineConfig(max_running_requests=max_running_requests, page_size=page_size,
                                   max_model_len=max_model_len, dtype=resolve_dtype(dtype),
                                   chunked_prefill_size=chunked_prefill_size,
@@ -163,11 +172,13 @@ class LLM:
         from mtp_jax.models.qwen4_exp.loader import load_qwen4_exp
         from mtp_jax.tokenizer import Tokenizer
 
-        if spec.draft_vocab_size is not None or spec.token_map_path is not None:
+        if (spec.draft_vocab_size is not None or spec.token_map_path is not None
+                or spec.draft_head_dtype is not None):
             raise ConfigError("speculative_draft_vocab_size (--speculative-draft-vocab-size) / "
-                              "speculative_token_map (--speculative-token-map) restrict the MTP "
-                              "draft's vocabulary, but qwen4_exp runs without speculation for "
-                              "now; drop them.")
+                              "speculative_token_map (--speculative-token-map) / "
+                              "speculative_draft_head_dtype (--speculative-draft-head-dtype) set "
+                              "the MTP draft's LM head, but qwen4_exp runs without speculation "
+                              "for now; drop them.")
         if spec.enabled:
             raise ConfigError(f"speculative_algorithm {spec.algorithm!r} is not supported for "
                               "qwen4_exp yet (its verify/commit programs are not built); use "
@@ -195,17 +206,21 @@ class LLM:
         import jax
 
         from mtp_jax.engine.memory import plan_memory, weights_bytes
+        from mtp_jax.models.draft_head import draft_head_bytes
 
         if engine_cfg.num_pages is not None:
             return
         mtp = algorithm == "mtp"
+        head = draft_head_bytes(model_cfg, spec.draft_vocab_size, engine_cfg.dtype,
+                                spec.draft_head_dtype) if mtp else 0
         stats = jax.devices()[0].memory_stats() or {}
         plan_memory(model_cfg, dtype=engine_cfg.dtype, page_size=engine_cfg.page_size,
                     max_running_requests=engine_cfg.max_running_requests,
                     max_model_len=min(engine_cfg.max_model_len,
                                       model_cfg.max_position_embeddings),
                     k=spec.k, mtp=mtp, weights_bytes=weights_bytes(model_cfg, engine_cfg.dtype,
-                                                                   mtp and model_cfg.has_mtp),
+                                                                   mtp and model_cfg.has_mtp)
+                    + head,
                     device_bytes=stats.get("bytes_limit"), mem_fraction=engine_cfg.mem_fraction,
                     max_total_tokens=engine_cfg.max_total_tokens)
 

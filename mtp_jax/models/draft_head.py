@@ -1,10 +1,23 @@
-"""The MTP draft's reduced LM head: the rows of the LM head for the hot token ids.
+"""The MTP draft's own LM head: the rows of the LM head for the hot token ids (a reduced
+draft vocabulary), in the model dtype or as int8 rows, or all rows as int8.
 
-Gathered once after load (:func:`with_draft_head`) from ``lm_head.weight`` (or the embedding
-when the head is tied) into ``weight [N, H]`` with ``ids [N] int32``, and stored on the model as
-``draft_head``; ``model.draft_logits(z)`` then computes ``z @ weight.T -> [..., N]`` instead of
-the full ``[..., V]`` (:mod:`mtp_jax.spec.draft_vocab` defines the hot set). The target's logits
-are untouched.
+Made once after load (:func:`with_draft_head`) from ``lm_head.weight`` (or the embedding when
+the head is tied) and stored on the model as ``draft_head``; ``model.draft_logits(z)`` then
+calls it instead of the target's full head. The target's logits are untouched, so the output
+stays exact whatever the draft head scores: only the drafts, hence the accept length, can
+change (:mod:`mtp_jax.spec.draft_vocab` defines the hot set).
+
+**int8** (``head_dtype="int8"``, ``speculative_draft_head_dtype``): the rows are stored as
+weight-only int8 with a float32 scale per row (:mod:`mtp_jax.models.layers.int8_rows`), so a
+draft step reads half the head's bytes (on the 27B shape the head is 2.5 GB of bf16, read by
+each of the k draft steps). The int8 logits pick the :data:`RESCORE` blocks of :data:`BLOCK`
+rows holding the best logits (:func:`candidates`), whose logits are then computed again from
+the model-dtype rows of the LM head (``z @ W[c].T``: 256 rows, 2.6 MB per request on the 27B
+shape) and written over the int8 ones. A greedy draft is therefore the full head's argmax
+unless that token falls outside the int8 head's top RESCORE, which takes a quantization error
+of the order of the gap between the best and the RESCORE-th logit (each int8 logit is off by
+about 1% of the logits' spread, the gap is tens of percent on any real or random head). A sampled draft is drawn from the softmax of those mixed logits, the ``q`` the accept
+step is given, so the rejection sampling stays exact for it as for any draft distribution.
 """
 
 from __future__ import annotations
@@ -16,60 +29,124 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp_jax.config import DRAFT_HEAD_DTYPES as HEAD_DTYPES
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import as_data
+from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows
 from pallas_kernels.gemv import gemv
 
-__all__ = ["DraftHead", "with_draft_head", "draft_head_bytes"]
+__all__ = ["DraftHead", "HEAD_DTYPES", "RESCORE", "BLOCK", "candidates", "rescore",
+           "with_draft_head", "draft_head_bytes"]
+
+RESCORE = 8  # int8 head: blocks of BLOCK rows, those with the best logits, re-scored
+BLOCK = 32
 
 
 class DraftHead(nnx.Module):
-    """``weight [N, H]`` (model dtype): LM-head rows of the hot ids ``ids [N] int32``;
-    ``backend``: how a call runs (:func:`pallas_kernels.gemv.gemv`, as the LM head's)."""
+    """The draft's LM head over ``N`` rows.
 
-    def __init__(self, weight: jax.Array, ids: jax.Array, backend: str = "xla"):
+    ``weight [N, H]``: the model dtype, or int8 with ``scale [N]`` float32 (``None`` for the
+    model dtype); ``ids [N] int32``: the token id of each row, or ``None`` when row i is token
+    i of the whole vocabulary (an int8 head of all V rows); ``backend``: how a model-dtype call
+    runs (:func:`pallas_kernels.gemv.gemv`, as the LM head's)."""
+
+    def __init__(self, weight: jax.Array, ids: jax.Array | None = None,
+                 scale: jax.Array | None = None, backend: str = "xla"):
         self.weight = nnx.Param(weight)
-        self.ids = nnx.Variable(ids)
+        self.scale = None if scale is None else nnx.Param(scale)
+        self.ids = None if ids is None else nnx.Variable(ids)
         self.backend = backend
 
-    def __call__(self, z: jax.Array) -> jax.Array:
-        """``z [..., H]`` -> logits ``[..., N]`` float32 (the same product as the full head,
-        restricted to the hot rows)."""
-        return gemv(z, self.weight[...], backend=self.backend).astype(jnp.float32)
+    def __call__(self, z: jax.Array, table: jax.Array | None = None) -> jax.Array:
+        """``z [..., H]`` -> logits ``[..., N]`` float32. Model dtype: the full head's product
+        restricted to the rows. int8: the int8 product, with the columns of the best
+        :data:`RESCORE` blocks recomputed from ``table [V, H]`` (the model-dtype LM head,
+        indexed by token id) when it is given (:func:`rescore`)."""
+        if self.scale is None:
+            return gemv(z, self.weight[...], backend=self.backend).astype(jnp.float32)
+        logits = int8_matmul(z, self.weight[...], self.scale[...])
+        if table is None:
+            return logits
+        return rescore(logits, z, table, None if self.ids is None else self.ids[...])
 
 
-def with_draft_head(model, hot_ids: np.ndarray | None):
-    """A :class:`~mtp_jax.models.loader.LoadedModel` whose draft scores only ``hot_ids``
-    (``[N]`` ints in ``[0, V)``, unique; from :func:`mtp_jax.spec.draft_vocab.hot_token_ids`).
+def candidates(logits: jax.Array, r: int = RESCORE, size: int = BLOCK) -> jax.Array:
+    """The columns of the ``r`` blocks of ``size`` consecutive columns of ``logits [..., N]``
+    with the largest maxima: ``[..., r * size]`` int32 (a last partial block's missing columns
+    repeat column N-1). They hold the ``r`` largest logits: each block holding one of those
+    has a maximum at least the r-th largest, and at most ``r`` blocks do. (A block maximum
+    and a top-k over N / size blocks: ``lax.top_k`` over all 248,320 columns took about 230 us
+    on the H200, this about 15.)"""
+    *lead, n = logits.shape
+    nb = -(-n // size)
+    padded = jnp.pad(logits, [(0, 0)] * len(lead) + [(0, nb * size - n)],
+                     constant_values=-jnp.inf)
+    top = jax.lax.top_k(jnp.max(padded.reshape(*lead, nb, size), -1), min(r, nb))[1]
+    cols = top[..., None] * size + jnp.arange(size, dtype=top.dtype)
+    return jnp.minimum(cols.reshape(*lead, -1), n - 1).astype(jnp.int32)
 
-    ``None`` returns ``model`` itself. Otherwise the new model shares every parameter array
-    with ``model`` and adds the gathered ``draft_head`` (``N * H`` elements), so it has its own
-    compiled programs; it is made once per (model, hot ids) and reused.
-    Raises ``ValueError`` when the model has no MTP draft, or ids are out of range.
-    """
-    if hot_ids is None:
-        return model
-    ids = np.asarray(hot_ids, np.int32)
+
+def rescore(logits: jax.Array, z: jax.Array, table: jax.Array, ids: jax.Array | None,
+            r: int = RESCORE) -> jax.Array:
+    """``logits [..., N]`` float32 with the columns of :func:`candidates` replaced by ``z
+    [..., H] @ table[id].T`` (``id = ids[column]``, or the column itself when ``ids`` is
+    None), rounded to ``table``'s dtype as the model-dtype head rounds its logits."""
+    cand = candidates(logits, r)  # [..., r * BLOCK]
+    rows = jnp.take(table, cand if ids is None else jnp.take(ids, cand), axis=0)  # [..., R, H]
+    exact = jnp.einsum("...h,...rh->...r", z.astype(table.dtype), rows,
+                       preferred_element_type=jnp.float32)
+    exact = exact.astype(table.dtype).astype(jnp.float32)
+    return jnp.put_along_axis(logits, cand, exact, axis=-1, inplace=False)
+
+
+def _check(model, ids, head_dtype) -> None:
+    if head_dtype is not None and head_dtype not in HEAD_DTYPES:
+        raise ValueError(f"draft head dtype {head_dtype!r} is unknown; use None (the model "
+                         f"dtype) or one of {HEAD_DTYPES}.")
     if not model.has_mtp:
-        raise ValueError("a reduced draft vocabulary needs the mtp.* draft, which this model "
-                         "was loaded without; load it with with_mtp=True.")
-    if ids.ndim != 1 or ids.size == 0 or ids.min() < 0 or ids.max() >= model.cfg.vocab_size:
+        raise ValueError("a draft head of its own (reduced vocabulary or int8) needs the mtp.* "
+                         "draft, which this model was loaded without; load it with "
+                         "with_mtp=True.")
+    if ids is not None and (ids.ndim != 1 or ids.size == 0 or ids.min() < 0
+                            or ids.max() >= model.cfg.vocab_size):
         raise ValueError(f"hot ids must be a non-empty 1-D array in [0, {model.cfg.vocab_size});"
                          f" got shape {ids.shape}.")
+
+
+def with_draft_head(model, hot_ids: np.ndarray | None, head_dtype: str | None = None):
+    """A :class:`~mtp_jax.models.loader.LoadedModel` whose MTP draft scores its own head: the
+    rows of ``hot_ids`` (``[N]`` ints in ``[0, V)``, unique; from
+    :func:`mtp_jax.spec.draft_vocab.hot_token_ids`; ``None``: all V), in the model dtype or,
+    with ``head_dtype="int8"``, as int8 rows (see the module docstring).
+
+    ``hot_ids`` and ``head_dtype`` both ``None`` return ``model`` itself. Otherwise the new
+    model shares every parameter array with ``model`` and adds the ``draft_head``, so it has
+    its own compiled programs; it is made once per (model, hot ids, dtype) and reused.
+    Raises ``ValueError`` when the model has no MTP draft, ids are out of range or the dtype
+    is unknown.
+    """
+    if hot_ids is None and head_dtype is None:
+        return model
+    ids = None if hot_ids is None else np.asarray(hot_ids, np.int32)
+    _check(model, ids, head_dtype)
     cache = model.__dict__.setdefault("_draft_head_models", {})
-    key = ids.tobytes()
+    key = (b"all" if ids is None else ids.tobytes(), head_dtype)
     if key not in cache:
         module = model.module()
         table = (module.lm_head if module.lm_head is not None else module.embed_tokens).weight
-        dev_ids = jax.device_put(ids, next(iter(table[...].devices())))
-        head = DraftHead(jnp.take(table[...], dev_ids, axis=0), dev_ids,
-                         backend=kernels_of(model.cfg).gemv)
+        device = next(iter(table[...].devices()))
+        dev_ids = None if ids is None else jax.device_put(ids, device)
+        rows = table[...] if ids is None else jnp.take(table[...], dev_ids, axis=0)
+        scale = None
+        if head_dtype == "int8":
+            rows, scale = jax.jit(quantize_rows)(rows)
+        head = DraftHead(rows, dev_ids, scale, backend=kernels_of(model.cfg).gemv)
         # as_data: the attribute was static (None) when the model was built.
         module.draft_head = as_data(head)
         graphdef, params = nnx.split(module)
         derived = dataclasses.replace(model, graphdef=graphdef, params=params)
-        # Hot sets of the same size give the same program structure (the ids are a parameter):
-        # share the compiled programs instead of compiling them again.
+        # Heads of the same size and dtype give the same program structure (the ids are a
+        # parameter): share the compiled programs instead of compiling them again.
         for other in cache.values():
             if other.graphdef == graphdef and jax.tree_util.tree_structure(
                     other.params) == jax.tree_util.tree_structure(params):
@@ -79,6 +156,13 @@ def with_draft_head(model, hot_ids: np.ndarray | None):
     return cache[key]
 
 
-def draft_head_bytes(cfg, n: int, dtype: str) -> int:
-    """Bytes the draft head adds: ``n`` rows of ``hidden_size`` in ``dtype`` plus the ids."""
-    return n * cfg.hidden_size * np.dtype(jnp.dtype(dtype)).itemsize + 4 * n
+def draft_head_bytes(cfg, n: int | None, dtype: str, head_dtype: str | None = None) -> int:
+    """Bytes the draft head adds: ``n`` rows (``None``: all ``vocab_size``) of ``hidden_size``
+    in ``dtype`` (or int8 plus a float32 scale per row), plus the ids of a reduced head; 0
+    when there is no head of its own (``n`` and ``head_dtype`` both None)."""
+    if n is None and head_dtype is None:
+        return 0
+    rows = cfg.vocab_size if n is None else n
+    item = 1 if head_dtype == "int8" else np.dtype(jnp.dtype(dtype)).itemsize
+    return rows * cfg.hidden_size * item + (4 * rows if head_dtype == "int8" else 0) + (
+        0 if n is None else 4 * n)

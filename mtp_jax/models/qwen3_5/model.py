@@ -126,8 +126,8 @@ class Qwen35Model(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size,
                                                                     cfg.vocab_size, dtype)
         self.mtp = MTPDraft(cfg, dtype) if with_mtp else None
-        # The draft's reduced LM head (hot token ids), set after load by
-        # mtp_jax.models.draft_head.with_draft_head; None: the draft scores the full vocabulary.
+        # The draft's own LM head (hot token ids and/or int8 rows), set after load by
+        # mtp_jax.models.draft_head.with_draft_head; None: the draft uses the target's head.
         self.draft_head = None
 
     def merge_projections(self) -> None:
@@ -149,10 +149,14 @@ class Qwen35Model(nnx.Module):
     def draft_logits(self, z: jax.Array):
         """The MTP draft's logits: ``z [..., H]`` (after ``mtp.norm``) -> ``(logits [..., N]
         float32, ids [N] int32)`` over the hot token ids of :attr:`draft_head`, or
-        ``(logits(z) [..., V], None)`` without one (column i is token id i)."""
-        if self.draft_head is None:
+        ``(logits [..., V], None)`` over the whole vocabulary (column i is token id i): the
+        target's head without a draft head, else the draft head's (int8 rows,
+        :mod:`mtp_jax.models.draft_head`)."""
+        head = self.draft_head
+        if head is None:
             return self.logits(z), None
-        return self.draft_head(z), self.draft_head.ids[...]
+        table = (self.lm_head if self.lm_head is not None else self.embed_tokens).weight[...]
+        return head(z, table), None if head.ids is None else head.ids[...]
 
     def __call__(self, input_ids: jax.Array, batch: AttentionBatch, kv: PagedKV,
                  gdn: LinearState, gdn_mode: str = "prefill", slots: jax.Array | None = None):
