@@ -19,6 +19,7 @@ from mtp_jax.models.draft_head import (BLOCK, RESCORE, DraftHead, candidates, dr
 from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows
 from mtp_jax.models.loader import load_model
 from mtp_jax.sampling import SamplingTensors
+from pallas_kernels.gemv import gemv
 
 FLAG = "speculative_draft_head_dtype (--speculative-draft-head-dtype)"
 
@@ -108,17 +109,39 @@ def test_rescored_argmax_is_the_float64_argmax(reduced):
     np.testing.assert_array_equal(mixed[rest], approx[rest])
 
 
-def test_draft_token_with_int8_head():
+def test_rescore_rounds_to_the_table_dtype():
+    """bf16: the re-scored columns hold bf16 values (as the bf16 head's logits are), within
+    one bf16 step of the bf16 head's own logits (``gemv``); the others stay float32."""
+    w = jnp.asarray(_table(1000, 64), jnp.bfloat16)
+    q, s = quantize_rows(w)
+    z = jnp.asarray(np.random.default_rng(5).standard_normal((50, 64)), jnp.bfloat16)
+    mixed = np.asarray(DraftHead(q, None, s)(z, w))
+    cand = np.asarray(candidates(jnp.asarray(np.asarray(int8_matmul(z, q, s)))))
+    got = np.take_along_axis(mixed, cand, 1)
+    np.testing.assert_array_equal(got, got.astype(jnp.bfloat16).astype(np.float32))
+    want = np.take_along_axis(np.asarray(gemv(z, w).astype(jnp.float32)), cand, 1)
+    np.testing.assert_allclose(got, want, rtol=2 ** -7, atol=0)
+    rest = np.ones(mixed.shape, bool)
+    np.put_along_axis(rest, cand, False, 1)
+    assert np.any(mixed[rest] != mixed[rest].astype(jnp.bfloat16).astype(np.float32))
+
+
+@pytest.mark.parametrize("tied", [False, True])
+def test_draft_token_with_int8_head(tied):
     """``_draft_token`` on a model with an int8 head of all V rows: greedy tokens are the
     float64 argmax of the full head; a sampled row's q is the float64 filtered softmax of the
-    mixed logits (the distribution it was drawn from)."""
+    mixed logits (the distribution it was drawn from). Tied: the rows and the re-scoring
+    come from the embedding."""
     from test_draft_vocab import _np_filtered
 
-    model = load_model(fixture_path("tiny_dense"), "float32", with_mtp=True)
+    name = "tiny_moe_mtp_per_expert" if tied else "tiny_dense"
+    model = load_model(fixture_path(name), "float32", with_mtp=True)
     module = with_draft_head(model, None, "int8").module()
     head = module.draft_head
     assert head.weight[...].dtype == jnp.int8 and head.ids is None
-    w = np.asarray(module.lm_head.weight[...], np.float64)
+    assert (module.lm_head is None) == tied
+    table = (module.embed_tokens if tied else module.lm_head).weight[...]
+    w = np.asarray(table, np.float64)
     v, h = w.shape
     z = np.random.default_rng(4).normal(0, 1, (4, h)).astype(np.float32)
     rows = [(0.0, -1, 1.0), (0.8, -1, 1.0), (1.0, 5, 1.0), (0.7, -1, 0.6)]
@@ -127,7 +150,7 @@ def test_draft_token_with_int8_head():
     tok, q = _draft_token(module, jnp.asarray(z), sampling, step, 1, False)
     tok, q = np.asarray(tok), np.asarray(q)
     assert tok[0] == np.argmax(z[0].astype(np.float64) @ w.T)
-    mixed = np.asarray(head(jnp.asarray(z), module.lm_head.weight[...]), np.float64)
+    mixed = np.asarray(head(jnp.asarray(z), table), np.float64)
     for b, (t, k, p) in enumerate(rows[1:], 1):
         np.testing.assert_allclose(q[b], _np_filtered(mixed[b], t, k, p), atol=2e-6)
         assert q[b, tok[b]] > 0

@@ -29,6 +29,31 @@ def test_planned_bytes_equal_allocated(model, k):
                                          for a in jax.tree_util.tree_leaves(model.params))
 
 
+@pytest.mark.parametrize("head", [dict(draft_head_dtype="int8"), dict(token_map=40),
+                                  dict(token_map=40, draft_head_dtype="int8"),
+                                  dict(draft_vocab_size=50, draft_head_dtype="int8")])
+def test_planned_bytes_count_the_draft_head(model, head, tmp_path):
+    """With a draft head of its own (int8 rows, a token map's hot ids, both; N = 40 leaves a
+    partial block of 32) the engine plans the bytes its parameters really take, and LLM's
+    check before load (``planned_weights_bytes``) counts the same."""
+    import jax
+    import numpy as np
+
+    from mtp_jax.engine.memory import planned_weights_bytes
+
+    head = dict(head)
+    if "token_map" in head:
+        np.save(tmp_path / "map.npy", np.arange(7, 7 + head.pop("token_map")))
+        head["token_map_path"] = str(tmp_path / "map.npy")
+    spec = SpecConfig(algorithm="mtp", num_steps=2, **head)
+    eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", max_model_len=64,
+                                     max_total_tokens=200), spec)
+    held = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(eng.model.params))
+    assert eng.plan.weights_bytes == held
+    assert planned_weights_bytes(model.cfg, "float32", True, spec) == held
+    assert held > planned_weights_bytes(model.cfg, "float32", True, None)
+
+
 def test_budget_from_device_memory_and_refusal():
     cfg = ModelConfig.from_folder(fixture_path("tiny_moe_fused"))
     w = weights_bytes(cfg, "bfloat16", True)

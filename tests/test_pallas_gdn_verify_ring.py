@@ -387,7 +387,9 @@ def test_gpu_ring_verify_folds_the_output_norm(b, act):
     """Compiled at the 27B shape (Hk=16, Hv=48, Dk=Dv=128, T=4), where the last program of a
     head to finish (an atomic counter) reads the other programs' output rows: against the
     unfolded kernel plus a float64 gated norm, and 20 calls alternating two states give their
-    own results bit for bit."""
+    own results bit for bit. Only this test can catch a broken counter protocol (e.g. the
+    first program to arrive taking the norm): interpret mode runs the programs one after
+    another, so there the last one to run always sees every block written."""
     c, cols, norm, weight = _norm_case(35, b, 4, 16, 48, 128, 128, BF16, act, slots=b + 3)
     c["start"] = np.random.default_rng(b).integers(0, 3000, b).astype(np.int32)
     c["slot"] = np.random.default_rng(b + 1).permutation(np.arange(1, b + 3))[:b].astype(np.int32)

@@ -38,7 +38,7 @@ from mtp_jax.cache.allocator import FreeList, pages_needed
 from mtp_jax.checks import check_scheduler_steps
 from mtp_jax.config import ConfigError, EngineConfig, SpecConfig
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
-from mtp_jax.engine.memory import plan_memory, weights_bytes
+from mtp_jax.engine.memory import plan_memory, planned_weights_bytes
 from mtp_jax.engine.pools import Pools, make_pools
 from mtp_jax.cache.radix import RadixCache
 from mtp_jax.engine.programs import LOAD_SNAPSHOT, SAVE_SNAPSHOT, RoundOutput
@@ -46,7 +46,7 @@ from mtp_jax.engine.requests import Request
 from mtp_jax.engine.stops import append_tokens
 from mtp_jax.engine.warmup import (MIN_PREFILL_BUCKET, PREFILL_GREEDY_ONLY, WarmupMixin,
                                    next_pow2)
-from mtp_jax.models.draft_head import draft_head_bytes, with_draft_head
+from mtp_jax.models.draft_head import with_draft_head
 from mtp_jax.models.loader import DTYPES, LoadedModel
 from mtp_jax.sampling import SamplingTensors
 from mtp_jax.spec.draft_vocab import hot_token_ids
@@ -157,9 +157,8 @@ class Engine(WarmupMixin):
         self.plan = plan_memory(mc, dtype=model.dtype, page_size=self.page_size,
                                 max_running_requests=engine_cfg.max_running_requests,
                                 max_model_len=self.max_model_len, k=self.k, mtp=mtp,
-                                weights_bytes=weights_bytes(mc, model.dtype, model.has_mtp)
-                                + draft_head_bytes(mc, None if hot is None else hot.size,
-                                                   model.dtype, spec.draft_head_dtype),
+                                weights_bytes=planned_weights_bytes(
+                                    mc, model.dtype, model.has_mtp, spec if mtp else None),
                                 device_bytes=stats.get("bytes_limit"),
                                 mem_fraction=engine_cfg.mem_fraction,
                                 max_total_tokens=engine_cfg.max_total_tokens,

@@ -55,8 +55,8 @@ class LLM:
         vocabulary. See :mod:`mtp_jax.spec.draft_vocab`.
       speculative_draft_head_dtype: MTP only; ``"int8"`` scores drafts with an int8 copy of
         the LM head (a float32 scale per row; the 8 blocks of 32 rows holding the best logits
-        re-scored in the model dtype), half the head's bytes per draft step, for the memory of
-        that copy (V x H bytes).
+        re-scored in the model dtype): 1 byte per weight read per draft step instead of 2
+        (bf16), for the memory of that copy (N x (H + 4) bytes, N = V or the hot ids).
         Output stays exact; greedy drafts are the model-dtype head's but for a quantization
         error as large as the gap between the best and the 8th logit. Default ``None``: the
         model dtype. See :mod:`mtp_jax.models.draft_head`.
@@ -205,22 +205,19 @@ class LLM:
         is read (the engine plans again, with the same numbers, after loading)."""
         import jax
 
-        from mtp_jax.engine.memory import plan_memory, weights_bytes
-        from mtp_jax.models.draft_head import draft_head_bytes
+        from mtp_jax.engine.memory import plan_memory, planned_weights_bytes
 
         if engine_cfg.num_pages is not None:
             return
         mtp = algorithm == "mtp"
-        head = draft_head_bytes(model_cfg, spec.draft_vocab_size, engine_cfg.dtype,
-                                spec.draft_head_dtype) if mtp else 0
         stats = jax.devices()[0].memory_stats() or {}
         plan_memory(model_cfg, dtype=engine_cfg.dtype, page_size=engine_cfg.page_size,
                     max_running_requests=engine_cfg.max_running_requests,
                     max_model_len=min(engine_cfg.max_model_len,
                                       model_cfg.max_position_embeddings),
-                    k=spec.k, mtp=mtp, weights_bytes=weights_bytes(model_cfg, engine_cfg.dtype,
-                                                                   mtp and model_cfg.has_mtp)
-                    + head,
+                    k=spec.k, mtp=mtp,
+                    weights_bytes=planned_weights_bytes(model_cfg, engine_cfg.dtype,
+                                                        mtp and model_cfg.has_mtp, spec),
                     device_bytes=stats.get("bytes_limit"), mem_fraction=engine_cfg.mem_fraction,
                     max_total_tokens=engine_cfg.max_total_tokens)
 

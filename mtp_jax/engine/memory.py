@@ -120,6 +120,24 @@ def plan_memory(cfg: ModelConfig, *, dtype: str, page_size: int, max_running_req
                       snapshots=snapshots, snapshot_bytes=snap_b)
 
 
+def planned_weights_bytes(cfg: ModelConfig, dtype: str, mtp: bool, spec) -> int:
+    """:func:`weights_bytes` plus the MTP draft's own LM head when ``spec``
+    (:class:`~mtp_jax.config.SpecConfig`) gives it one (a reduced vocabulary, read from the
+    token map if there is one, and/or int8 rows; :func:`mtp_jax.models.draft_head.
+    draft_head_bytes`). The engine's plan and ``LLM``'s check before load both count this.
+    Raises ConfigError for an unreadable token map."""
+    from mtp_jax.models.draft_head import draft_head_bytes
+    from mtp_jax.spec.draft_vocab import hot_token_ids
+
+    total = weights_bytes(cfg, dtype, mtp)
+    if not mtp or spec is None:
+        return total
+    hot = hot_token_ids(spec.algorithm, spec.draft_vocab_size, spec.token_map_path,
+                        cfg.vocab_size)
+    return total + draft_head_bytes(cfg, None if hot is None else hot.size, dtype,
+                                    spec.draft_head_dtype)
+
+
 def weights_bytes(cfg: ModelConfig, dtype: str, mtp: bool) -> int:
     """Parameter bytes from the canonical tensor list (GDN A_log/dt_bias are float32)."""
     from mtp_jax.weights import names

@@ -77,8 +77,10 @@ def _draft_token(model, z, sampling, step, j, greedy_only):
     With a reduced draft vocabulary (``model.draft_head``: N hot ids) the draft scores only the
     hot ids: the argmax / draw over the N logits is mapped to its full id, and q (filtered over
     the N logits) is scattered into ``[B, V]``, zero outside the hot set, so the accept step
-    sees the distribution the draft really sampled from. Returns ``(tokens [B] int32,
-    q [B, V] float32)``."""
+    sees the distribution the draft really sampled from. With an int8 draft head the logits
+    are its mixed ones (int8 products, the best blocks re-scored in the model dtype;
+    :mod:`mtp_jax.models.draft_head`), and q is filtered over them. Returns ``(tokens [B]
+    int32, q [B, V] float32)``."""
     logits, hot = model.draft_logits(z)  # [B, N]; hot [N] int32, None: N = V, column = id
     to_id = (lambda i: i) if hot is None else (lambda i: jnp.take(hot, i))
     greedy_tok = jnp.argmax(logits, -1).astype(jnp.int32)
