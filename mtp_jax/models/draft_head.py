@@ -75,8 +75,8 @@ def candidates(logits: jax.Array, r: int = RESCORE, size: int = BLOCK) -> jax.Ar
     with the largest maxima: ``[..., r * size]`` int32 (a last partial block's missing columns
     repeat column N-1). They hold the ``r`` largest logits: each block holding one of those
     has a maximum at least the r-th largest, and at most ``r`` blocks do. (A block maximum
-    and a top-k over N / size blocks: ``lax.top_k`` over all 248,320 columns took about 230 us
-    on the H200, this about 15.)"""
+    and a top-k over N / size blocks: ``lax.top_k`` over all 248,320 columns took about 220 us
+    on the H200, this about 15-20: ``scripts/bench_draft_head.py --parts``.)"""
     *lead, n = logits.shape
     nb = -(-n // size)
     padded = jnp.pad(logits, [(0, 0)] * len(lead) + [(0, nb * size - n)],

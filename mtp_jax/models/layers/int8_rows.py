@@ -11,8 +11,8 @@ bf16 head for the same rows. It is a ``dot`` of ``x`` and ``q`` converted to ``x
 at least :data:`MIN_ROWS` rows. Measured on the H200 (the 27B head, 248,320 x 5,120, session
 17, wall time per call in a loop less the loop's own ~25 us): about 320 us with 8 rows (4.0
 TB/s of int8), 420 us for the same ``dot`` at one row and for the one-row multiply-reduce form
-(the int8-to-float conversions bound that form), against about 530 us for the bf16 head's
-one-row reduce form.
+(the int8-to-float conversions bound that form), against about 565 us for the bf16 head's
+one-row reduce form (``scripts/bench_draft_head.py --parts``).
 """
 
 from __future__ import annotations
