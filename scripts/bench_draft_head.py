@@ -29,6 +29,7 @@ from mtp_jax.bench.floor import load_config
 from mtp_jax.engine.programs import _draft_token
 from mtp_jax.models.draft_head import DraftHead, candidates, rescore
 from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows
+from mtp_jax.models.qwen3_5.model import Qwen35Model
 from mtp_jax.sampling import SamplingTensors
 from pallas_kernels.gemv import gemv
 
@@ -37,17 +38,23 @@ CONFIGS = ("Qwen3.5-2B", "Qwen3.6-35B-A3B", "Qwen3.6-27B")
 
 
 class _Head:
-    """The part of the model ``_draft_token`` reads: ``cfg.vocab_size`` and ``draft_logits``."""
+    """The part of the model ``_draft_token`` reads: ``cfg.vocab_size``, ``draft_logits`` and
+    ``draft_greedy`` (the model's own)."""
+
+    draft_greedy = Qwen35Model.draft_greedy
 
     def __init__(self, w, head, vocab):
         self.cfg = SimpleNamespace(vocab_size=vocab)
-        self._w, self._head = w, head
+        self._w, self.draft_head = w, head
+
+    def _head_table(self):
+        return self._w
 
     def draft_logits(self, z):
-        if self._head is None:
+        if self.draft_head is None:
             return gemv(z, self._w, backend="reduce").astype(jnp.float32), None
-        ids = None if self._head.ids is None else self._head.ids[...]
-        return self._head(z, self._w), ids
+        ids = None if self.draft_head.ids is None else self.draft_head.ids[...]
+        return self.draft_head(z, self._w), ids
 
 
 def _fn(vocab, greedy_only):

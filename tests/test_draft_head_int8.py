@@ -101,12 +101,28 @@ def test_rescored_argmax_is_the_float64_argmax(reduced):
     mixed = np.asarray(head(jnp.asarray(z), jnp.asarray(w)))
     assert np.sum(approx.argmax(1) != exact.argmax(1)) > 0
     np.testing.assert_array_equal(mixed.argmax(1), exact.argmax(1))
+    tok = np.asarray(head.greedy(jnp.asarray(z), jnp.asarray(w)))  # token ids
+    np.testing.assert_array_equal(tok, exact.argmax(1) if ids is None else ids[exact.argmax(1)])
     cand = _np_candidates(approx.astype(np.float64))
     np.testing.assert_allclose(np.take_along_axis(mixed, cand, 1),
                                np.take_along_axis(exact, cand, 1), rtol=1e-5, atol=1e-6)
     rest = np.ones(mixed.shape, bool)
     np.put_along_axis(rest, cand, False, 1)
     np.testing.assert_array_equal(mixed[rest], approx[rest])
+
+
+def test_greedy_ties_go_to_the_lower_column():
+    """Two equal rows (70 and 700, in different blocks) that hold the best logit for every z:
+    ``greedy`` returns the lower one, as the argmax over the mixed logits does."""
+    w = _table(1000, 64)
+    z = np.random.default_rng(6).standard_normal((20, 64)).astype(np.float32)
+    w[70] = w[700] = 3.0 * z.mean(0) / np.linalg.norm(z.mean(0))
+    z = z + 4.0 * z.mean(0)  # every row of z leans towards the two rows
+    q, s = quantize_rows(jnp.asarray(w))
+    head = DraftHead(q, None, s)
+    mixed = np.asarray(head(jnp.asarray(z), jnp.asarray(w)))
+    assert np.all(mixed[:, 70] == mixed[:, 700]) and np.all(mixed.argmax(1) == 70)
+    np.testing.assert_array_equal(np.asarray(head.greedy(jnp.asarray(z), jnp.asarray(w))), 70)
 
 
 def test_rescore_rounds_to_the_table_dtype():

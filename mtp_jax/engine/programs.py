@@ -79,13 +79,15 @@ def _draft_token(model, z, sampling, step, j, greedy_only):
     the N logits) is scattered into ``[B, V]``, zero outside the hot set, so the accept step
     sees the distribution the draft really sampled from. With an int8 draft head the logits
     are its mixed ones (int8 products, the best blocks re-scored in the model dtype;
-    :mod:`mtp_jax.models.draft_head`), and q is filtered over them. Returns ``(tokens [B]
+    :mod:`mtp_jax.models.draft_head`), and q is filtered over them; greedy-only programs
+    take ``model.draft_greedy`` (the best re-scored candidate, no pass over all V). Returns ``(tokens [B]
     int32, q [B, V] float32)``."""
+    if greedy_only:
+        return (model.draft_greedy(z),
+                jnp.zeros((z.shape[0], model.cfg.vocab_size), jnp.float32))
     logits, hot = model.draft_logits(z)  # [B, N]; hot [N] int32, None: N = V, column = id
     to_id = (lambda i: i) if hot is None else (lambda i: jnp.take(hot, i))
     greedy_tok = jnp.argmax(logits, -1).astype(jnp.int32)
-    if greedy_only:
-        return to_id(greedy_tok), jnp.zeros((z.shape[0], model.cfg.vocab_size), jnp.float32)
     q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
     drawn = categorical(row_keys(sampling.seed, step, SALT_DRAFT + j), q)
     if hot is not None:

@@ -69,6 +69,20 @@ class DraftHead(nnx.Module):
             return logits
         return rescore(logits, z, table, None if self.ids is None else self.ids[...])
 
+    def greedy(self, z: jax.Array, table: jax.Array) -> jax.Array:
+        """int8 head: the greedy draft tokens, ``z [..., H]`` -> ``[...]`` int32 token ids: the
+        best of the :func:`candidates` by their re-scored logits (ties to the lower column),
+        without writing them into the ``[..., N]`` logits and taking an argmax over N (two
+        passes over N floats per draft step fewer than ``argmax(self(z, table))``, which it
+        equals unless an int8 logit outside the candidates exceeds every re-scored one)."""
+        ids = None if self.ids is None else self.ids[...]
+        logits = int8_matmul(z, self.weight[...], self.scale[...])
+        cand = candidates(logits)
+        exact = _exact(z, table, ids, cand)
+        best = exact == jnp.max(exact, axis=-1, keepdims=True)
+        col = jnp.min(jnp.where(best, cand, logits.shape[-1]), axis=-1)
+        return (col if ids is None else jnp.take(ids, col)).astype(jnp.int32)
+
 
 def candidates(logits: jax.Array, r: int = RESCORE, size: int = BLOCK) -> jax.Array:
     """The columns of the ``r`` blocks of ``size`` consecutive columns of ``logits [..., N]``
@@ -92,11 +106,17 @@ def rescore(logits: jax.Array, z: jax.Array, table: jax.Array, ids: jax.Array | 
     [..., H] @ table[id].T`` (``id = ids[column]``, or the column itself when ``ids`` is
     None), rounded to ``table``'s dtype as the model-dtype head rounds its logits."""
     cand = candidates(logits, r)  # [..., r * BLOCK]
+    return jnp.put_along_axis(logits, cand, _exact(z, table, ids, cand), axis=-1,
+                              inplace=False)
+
+
+def _exact(z, table, ids, cand):
+    """``z [..., H] @ table[id].T`` for the columns ``cand [..., R]`` (``id = ids[column]`` or
+    the column), float32 rounded to ``table``'s dtype: ``[..., R]``."""
     rows = jnp.take(table, cand if ids is None else jnp.take(ids, cand), axis=0)  # [..., R, H]
     exact = jnp.einsum("...h,...rh->...r", z.astype(table.dtype), rows,
                        preferred_element_type=jnp.float32)
-    exact = exact.astype(table.dtype).astype(jnp.float32)
-    return jnp.put_along_axis(logits, cand, exact, axis=-1, inplace=False)
+    return exact.astype(table.dtype).astype(jnp.float32)
 
 
 def _check(model, ids, head_dtype) -> None:

@@ -155,8 +155,22 @@ class Qwen35Model(nnx.Module):
         head = self.draft_head
         if head is None:
             return self.logits(z), None
-        table = (self.lm_head if self.lm_head is not None else self.embed_tokens).weight[...]
-        return head(z, table), None if head.ids is None else head.ids[...]
+        return head(z, self._head_table()), None if head.ids is None else head.ids[...]
+
+    def draft_greedy(self, z: jax.Array) -> jax.Array:
+        """The MTP draft's greedy tokens: ``z [..., H]`` -> ``[...]`` int32 token ids, the
+        argmax of :meth:`draft_logits` mapped to token ids (an int8 draft head takes it over
+        its re-scored candidates only: :meth:`~mtp_jax.models.draft_head.DraftHead.greedy`)."""
+        head = self.draft_head
+        if head is not None and head.scale is not None:
+            return head.greedy(z, self._head_table())
+        logits, hot = self.draft_logits(z)
+        tok = jnp.argmax(logits, -1).astype(jnp.int32)
+        return tok if hot is None else jnp.take(hot, tok)
+
+    def _head_table(self) -> jax.Array:
+        """The LM head's ``[V, H]`` rows (the embedding when tied)."""
+        return (self.lm_head if self.lm_head is not None else self.embed_tokens).weight[...]
 
     def __call__(self, input_ids: jax.Array, batch: AttentionBatch, kv: PagedKV,
                  gdn: LinearState, gdn_mode: str = "prefill", slots: jax.Array | None = None):
