@@ -441,9 +441,13 @@ def test_row_plan_orders_forced_before_drafted_rows():
     so the forced row (one round per call) runs first, whatever order the steps came in."""
     from mtp_jax.bench.cli import row_plan
 
-    assert row_plan([0, 3], (4, 1)) == [(0, 4), (0, 1), (3, 1), (3, 4)]
-    assert row_plan([3], (4,)) == [(3, 1), (3, 4)]
-    assert row_plan([2], (1,)) == [(2, 1)]
+    assert row_plan([0, 3], (4, 1)) == [(0, 4, None), (0, 1, None), (3, 1, None), (3, 4, None)]
+    assert row_plan([3], (4,)) == [(3, 1, None), (3, 4, None)]
+    assert row_plan([2], (1,)) == [(2, 1, None)]
+    # --draft-head-dtype model int8: one k = 0 row, a set of k > 0 rows per head
+    assert row_plan([0, 3], (4,), ["model", "int8"]) == [
+        (0, 4, None), (3, 1, None), (3, 4, None), (3, 1, "int8"), (3, 4, "int8")]
+    assert row_plan([3], (1,), ["int8", "int8"]) == [(3, 1, "int8")]
 
 
 def test_commit_is_read_only_at_the_top_of_a_checkout(tmp_path):

@@ -46,7 +46,9 @@ request, it reports:
 V; recorded as ``draft_vocab_size`` in each row (``None`` for k = 0). The forced drafts overwrite
 the draft's tokens, so the timing shows the cheaper draft at the forced accept lengths.
 ``--draft-head-dtype int8``: the same for the int8 draft head (``speculative_draft_head_dtype``;
-the floor counts V x (H + 4) head bytes per draft step); recorded as ``draft_head_dtype``.
+the floor counts V x (H + 4) head bytes per draft step); recorded as ``draft_head_dtype``
+(``None``: the model dtype). ``--draft-head-dtype model int8`` runs the k > 0 rows once per
+value on one model and machine (the k = 0 rows once): a same-machine A/B.
 
 Output: markdown tables on stdout (pasteable into docs/benchmarks.md), progress on stderr,
 and a JSON file (``--out``: ``{"meta": {date, commit, jax version, device kind, XLA_FLAGS,

@@ -59,10 +59,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="k > 0 rows: the MTP draft scores only the N lowest token ids "
                         "(speculative_draft_vocab_size); the floor counts N draft LM-head rows "
                         "(default: the full vocabulary)")
-    p.add_argument("--draft-head-dtype", default=None, choices=["int8"],
-                   help="k > 0 rows: the MTP draft's LM head in int8 "
-                        "(speculative_draft_head_dtype); the floor counts its int8 bytes "
-                        "(default: the model dtype)")
+    p.add_argument("--draft-head-dtype", nargs="+", default=["model"],
+                   choices=["model", "int8"],
+                   help="k > 0 rows: the MTP draft's LM head in the model dtype and/or int8 "
+                        "(speculative_draft_head_dtype), a set of k > 0 rows per value, one "
+                        "model and one k = 0 row for all (a same-machine A/B); the floor "
+                        "counts the head's bytes (default: model)")
     p.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1],
                    help="rounds per program call (multi-step scheduling, "
                         "EngineConfig.num_scheduler_steps; times are reported per round), one "
@@ -120,12 +122,23 @@ def _kernels(model) -> dict | None:
     return dataclasses.asdict(k) if dataclasses.is_dataclass(k) else None
 
 
-def row_plan(ks: list[int], steps: tuple[int, ...]) -> list[tuple[int, int]]:
-    """The ``(k, rounds per call)`` rows of one batch, in order: k = 0 once per ``steps``
-    value; each k > 0 first with one round per call (the forced-draft row), then once per
-    value above 1 (drafts as drafted)."""
-    return [(k, n) for k in ks
-            for n in (steps if k == 0 else (1, *sorted({n for n in steps if n > 1})))]
+def row_plan(ks: list[int], steps: tuple[int, ...],
+             heads: list[str] = ("model",)) -> list[tuple[int, int, str | None]]:
+    """The ``(k, rounds per call, draft head dtype)`` rows of one batch, in order: k = 0 once
+    per ``steps`` value; each k > 0, for each of ``heads`` (``"model"`` or ``"int8"``), first
+    with one round per call (the forced-draft row), then once per value above 1 (drafts as
+    drafted). The head dtype is ``None`` for the model dtype and for k = 0 rows."""
+    rows = []
+    for k in ks:
+        for head in (heads[:1] if k == 0 else dict.fromkeys(heads)):
+            rows += [(k, n, None if k == 0 else _head_dtype(head)) for n in
+                     (steps if k == 0 else (1, *sorted({n for n in steps if n > 1})))]
+    return rows
+
+
+def _head_dtype(name: str) -> str | None:
+    """``--draft-head-dtype`` value -> ``speculative_draft_head_dtype`` (``model``: None)."""
+    return None if name == "model" else name
 
 
 def _progress(r: dict) -> str:
@@ -164,7 +177,7 @@ def main(argv=None, description: str | None = None) -> int:
                      hbm_tbps=args.hbm_tbps, accept_lengths=tuple(args.accept_lengths),
                      prefill_reps=args.prefill_reps, max_k=max(ks),
                      engine_warmup=args.engine_warmup, draft_vocab_size=args.draft_vocab_size,
-                     draft_head_dtype=args.draft_head_dtype,
+                     draft_head_dtype=_head_dtype(args.draft_head_dtype[0]),
                      num_scheduler_steps=tuple(args.num_scheduler_steps))
         s.validate()
         for k in ks:
@@ -197,8 +210,10 @@ def main(argv=None, description: str | None = None) -> int:
               flush=True)
         for b in args.batch:
             refs: dict = {}  # this batch's continuations, shared by its rows (bench_one)
-            for k, steps in row_plan(ks, s.num_scheduler_steps):
-                r = bench_one(model, b, k, s, refs, steps)
+            for k, steps, head in row_plan(ks, s.num_scheduler_steps,
+                                           args.draft_head_dtype):
+                r = bench_one(model, b, k, dataclasses.replace(s, draft_head_dtype=head), refs,
+                              steps)
                 r = {"config": path, **r, "kernel_backends": _kernels(model)}
                 results.append(r)
                 print(_progress(r), file=sys.stderr, flush=True)
