@@ -80,8 +80,8 @@ def _draft_token(model, z, sampling, step, j, greedy_only):
     sees the distribution the draft really sampled from. With an int8 draft head the logits
     are its mixed ones (int8 products, the best blocks re-scored in the model dtype;
     :mod:`mtp_jax.models.draft_head`), and q is filtered over them; greedy-only programs
-    take ``model.draft_greedy`` (the best re-scored candidate, no pass over all V). Returns ``(tokens [B]
-    int32, q [B, V] float32)``."""
+    take ``model.draft_greedy`` (the best re-scored candidate, no pass over all V).
+    Returns ``(tokens [B] int32, q [B, V] float32)``."""
     if greedy_only:
         return (model.draft_greedy(z),
                 jnp.zeros((z.shape[0], model.cfg.vocab_size), jnp.float32))

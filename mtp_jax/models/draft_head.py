@@ -16,8 +16,9 @@ the model-dtype rows of the LM head (``z @ W[c].T``: 256 rows, 2.6 MB per reques
 shape) and written over the int8 ones. A greedy draft is therefore the full head's argmax
 unless that token falls outside the int8 head's top RESCORE, which takes a quantization error
 of the order of the gap between the best and the RESCORE-th logit (each int8 logit is off by
-about 1% of the logits' spread, the gap is tens of percent on any real or random head). A sampled draft is drawn from the softmax of those mixed logits, the ``q`` the accept
-step is given, so the rejection sampling stays exact for it as for any draft distribution.
+about 1% of the logits' spread, the gap is tens of percent on any real or random head). A
+sampled draft is drawn from the softmax of those mixed logits, the ``q`` the accept step is
+given, so the rejection sampling stays exact for it as for any draft distribution.
 """
 
 from __future__ import annotations
