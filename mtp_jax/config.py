@@ -325,6 +325,17 @@ class SpecConfig:
                                   "speculative_algorithm='none' (--speculative-algorithm none).")
 
 
+def normalize_draft_head_dtype(name):
+    """Map user spellings of ``speculative_draft_head_dtype`` to :class:`SpecConfig`'s: None,
+    ``"model"``, ``"auto"`` and ``""`` (any case) -> None (the model dtype); other strings
+    lower-cased (``"INT8"`` -> ``"int8"``); anything else unchanged, for
+    :meth:`SpecConfig.validate` to refuse."""
+    if not isinstance(name, str):
+        return name
+    n = name.strip().lower()
+    return None if n in ("", "model", "auto") else n
+
+
 def normalize_algorithm(name: str | None) -> str:
     """Map user spellings (None, 'NONE', 'MTP', and SGLang's 'NEXTN' and 'EAGLE', which there
     name drafting with the checkpoint's own MTP layer) to a canonical algorithm name."""

@@ -51,12 +51,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="file of hot token ids for the MTP draft (.npy int array, .json list, "
                         "or text with one id per line), in order (SGLang's "
                         "speculative_token_map)")
-    p.add_argument("--speculative-draft-head-dtype", default=None, choices=["int8"],
+    p.add_argument("--speculative-draft-head-dtype", default="model", choices=["model", "int8"],
+                   type=str.lower,
                    help="int8: the MTP draft scores with an int8 copy of the LM head (a scale "
                         "per row; the rows around the best 8 logits re-scored in the model "
                         "dtype): 1 byte per weight read per draft step instead of 2 (bf16), "
-                        "V x (H + 4) bytes more memory; output stays exact (default: the "
-                        "model dtype)")
+                        "V x (H + 4) bytes more memory; output stays exact (default: model, "
+                        "the model dtype)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto = bfloat16 on GPU, float32 on CPU")
     p.add_argument("--max-running-requests", type=int, default=8,

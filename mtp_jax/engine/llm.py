@@ -9,7 +9,8 @@ from typing import Iterator, Sequence
 from tqdm.auto import tqdm
 
 from mtp_jax.checks import check_before_load
-from mtp_jax.config import EngineConfig, SpecConfig, normalize_algorithm
+from mtp_jax.config import (EngineConfig, SpecConfig, normalize_algorithm,
+                            normalize_draft_head_dtype)
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, RequestOutput, SamplingParams, StreamOutput
 from mtp_jax.models.loader import load_model, resolve_dtype
@@ -58,8 +59,8 @@ class LLM:
         re-scored in the model dtype): 1 byte per weight read per draft step instead of 2
         (bf16), for the memory of that copy (N x (H + 4) bytes, N = V or the hot ids).
         Output stays exact; greedy drafts are the model-dtype head's but for a quantization
-        error as large as the gap between the best and the 8th logit. Default ``None``: the
-        model dtype. See :mod:`mtp_jax.models.draft_head`.
+        error as large as the gap between the best and the 8th logit. Default ``None`` (or
+        ``"model"``): the model dtype. See :mod:`mtp_jax.models.draft_head`.
       proposer: for ``"external"``: ``(request_id, token_ids_so_far, k) -> k token ids``.
       seed: base seed of sampled requests without their own seed.
       max_model_len, page_size: KV sizing (tokens).
@@ -132,7 +133,8 @@ class LLM:
                           draft_model_path=speculative_draft_model_path,
                           draft_vocab_size=speculative_draft_vocab_size,
                           token_map_path=speculative_token_map,
-                          draft_head_dtype=speculative_draft_head_dtype)
+                          draft_head_dtype=normalize_draft_head_dtype(
+                              speculative_draft_head_dtype))
         engine_cfg = EngineConfig(max_running_requests=max_running_requests, page_size=page_size,
                                   max_model_len=max_model_len, dtype=resolve_dtype(dtype),
                                   chunked_prefill_size=chunked_prefill_size,
