@@ -299,6 +299,16 @@ def _ring_case(seed, b, hk, hv, dk, dv, dtype, kernel=4, slots=7):
     return c
 
 
+def _np_ring_rows(c, hk, dtype):
+    """float64 numpy of a ring case ``c`` (from the ring window's K-1 inputs before
+    ``start``): ``(conv rows, outputs, new state pool)``."""
+    conv = _np_conv(c["qkv"], c["weight"], _np_ordered(c["window"], c["slot"], c["start"]),
+                    np.arange(c["qkv"].shape[0]), dtype)
+    o, pool = _np_step(conv, c["a"], c["b"], c["a_log"], c["dt_bias"], c["valid"], c["state"],
+                       c["slot"], hk)
+    return conv, o, pool
+
+
 def _np_ordered(ring, slot, start):
     """The K-1 inputs before ``start`` per request, oldest first (column p mod K holds p)."""
     kernel = ring.shape[-1]
@@ -398,10 +408,7 @@ def test_ring_decode_matches_numpy(hk, hv, dk, dv, block_v, dtype):
     b = 5
     c = _ring_case(11, b, hk, hv, dk, dv, dtype)
     o, pool, window = _ring_decode(c, hk, True, block_v=block_v)
-    conv = _np_conv(c["qkv"], c["weight"], _np_ordered(c["window"], c["slot"], c["start"]),
-                    np.arange(b), dtype)
-    o_want, pool_want = _np_step(conv, c["a"], c["b"], c["a_log"], c["dt_bias"], c["valid"],
-                                 c["state"], c["slot"], hk)
+    _, o_want, pool_want = _np_ring_rows(c, hk, dtype)
     tol = 1e-4 if dtype == np.float32 else 2e-2
     _close(o, o_want, rtol=tol, atol=tol / 10)
     _close(pool, pool_want, rtol=tol, atol=tol / 10)
@@ -495,10 +502,7 @@ def test_gpu_ring_decode(b, hv):
     c["start"] = np.random.default_rng(b).integers(0, 3000, b).astype(np.int32)
     c["slot"] = np.random.default_rng(b + 1).permutation(np.arange(1, b + 3))[:b].astype(np.int32)
     o, pool, window = _ring_decode(c, 16, False)
-    conv = _np_conv(c["qkv"], c["weight"], _np_ordered(c["window"], c["slot"], c["start"]),
-                    np.arange(b), ml_dtypes.bfloat16)
-    o_want, pool_want = _np_step(conv, c["a"], c["b"], c["a_log"], c["dt_bias"], c["valid"],
-                                 c["state"], c["slot"], 16)
+    _, o_want, pool_want = _np_ring_rows(c, 16, ml_dtypes.bfloat16)
     _close(o, o_want, rtol=2e-2, atol=2e-3)
     _close(pool, pool_want, rtol=2e-2, atol=2e-3)
     np.testing.assert_array_equal(

@@ -27,7 +27,7 @@ from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step
 from pallas_kernels.gdn.fused_decode import gdn_decode_ring
 from pallas_kernels.gdn.fused_verify import gdn_verify_ring
 from tests.test_gdn_decode import tiny  # noqa: F401 (fixture)
-from tests.test_pallas_gdn_fused import _case, _close, _merged, _np_conv, _np_ordered, _np_step
+from tests.test_pallas_gdn_fused import _case, _close, _merged, _np_ring_rows, _np_step
 from tests.triton_lowering import lower_for_cuda
 
 BF16 = ml_dtypes.bfloat16
@@ -88,12 +88,8 @@ def _np_ring_commit(c, length):
 
 def _check_verify(c, hk, interpret, dtype, **kw):
     """The verify's outputs and conv rows against numpy and the two-kernel path."""
-    b = c["qkv"].shape[0]
     o, conv = _verify(c, hk, interpret, **kw)
-    conv_want = _np_conv(c["qkv"], c["weight"], _np_ordered(c["window"], c["slot"], c["start"]),
-                         np.arange(b), dtype)
-    o_want, _ = _np_step(conv_want, c["a"], c["b"], c["a_log"], c["dt_bias"], c["valid"],
-                         c["state"], c["slot"], hk)
+    conv_want, o_want, _ = _np_ring_rows(c, hk, dtype)
     tol = 1e-4 if dtype == np.float32 else 2e-2
     _close(conv, conv_want, rtol=tol, atol=tol / 10)
     _close(o, o_want, rtol=tol, atol=tol / 10)

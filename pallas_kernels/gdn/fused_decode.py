@@ -268,23 +268,27 @@ def gdn_decode_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax
         in_specs.append(whole(sync.shape))
         out_specs += [whole(out_shape[3].shape), whole(sync.shape)]
         aliases[n + 2] = 4
-    outs = pl.pallas_call(
+    outs = ring_call(
         functools.partial(_decode_kernel, hk=num_k_heads, rep=hv // num_k_heads, dv=dv,
                           kernel=window.shape[-1], a_col=a_col, b_col=b_col, norm=output_norm,
                           barrier=not interpret_mode(interpret)),
-        grid=(bsz, hv, dv // block_v),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret_mode(interpret),
-        name="gdn_fused_decode_ring" + ("_norm" if output_norm is not None else ""),
-    )(*args)
+        "gdn_fused_decode_ring", output_norm, (bsz, hv, dv // block_v), in_specs, out_specs,
+        out_shape, aliases, num_warps, interpret)(*args)
     if output_norm is None:
         return tuple(outs)
     _, state, window, y, sync = outs
     return y, state, window, sync
+
+
+def ring_call(kernel, name: str, norm: OutputNorm | None, grid: tuple, in_specs, out_specs,
+              out_shape, aliases: dict, num_warps: int, interpret: bool | None):
+    """The ``pl.pallas_call`` of a ring kernel (one program per request, value head and value
+    block; Triton, one stage), named ``name`` plus ``_norm`` with a folded output norm."""
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=in_specs, out_specs=out_specs, out_shape=out_shape,
+        input_output_aliases=aliases,
+        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
+        interpret=interpret_mode(interpret), name=name + ("_norm" if norm is not None else ""))
 
 
 def check_output_norm(caller: str, qkv, norm_weight, sync, norm: OutputNorm, hv: int,

@@ -34,12 +34,11 @@ import functools
 import jax
 import jax.numpy as jnp
 from jax.experimental import pallas as pl
-from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import interpret_mode, next_pow2, whole
 from pallas_kernels.gdn.fused import gates, l2, ring_ext, rows_out_spec, state_tile_spec
 from pallas_kernels.gdn.fused_decode import (OutputNorm, check_output_norm, check_ring_inputs,
-                                             fold_output_norm)
+                                             fold_output_norm, ring_call)
 from pallas_kernels.gdn.pallas import pad_rows, resolve_tiling, step
 
 F32 = jnp.float32
@@ -190,20 +189,13 @@ def gdn_verify_ring(qkv: jax.Array, weight: jax.Array, window: jax.Array, a: jax
         aliases[len(args)] = 3
         args.append(sync)
         in_specs.append(whole(sync.shape))
-    outs = pl.pallas_call(
+    outs = ring_call(
         functools.partial(_verify_kernel, n_rows=tp, n_out=n_out, hk=num_k_heads,
                           rep=hv // num_k_heads, dv=dv, kernel=window.shape[-1], a_col=a_col,
                           b_col=b_col, norm=output_norm,
                           barrier=not interpret_mode(interpret)),
-        grid=(bsz, hv, dv // block_v),
-        in_specs=in_specs,
-        out_specs=out_specs,
-        out_shape=out_shape,
-        input_output_aliases=aliases,
-        compiler_params=plgpu.CompilerParams(num_warps=num_warps, num_stages=1),
-        interpret=interpret_mode(interpret),
-        name="gdn_fused_verify_ring" + ("_norm" if output_norm is not None else ""),
-    )(*args)
+        "gdn_fused_verify_ring", output_norm, (bsz, hv, dv // block_v), in_specs, out_specs,
+        out_shape, aliases, num_warps, interpret)(*args)
     if output_norm is None:
         o, conv = outs
         return o[:, :t], conv[:, :t]
