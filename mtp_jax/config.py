@@ -18,6 +18,7 @@ _TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe
 SPECULATIVE_ALGORITHMS = ("none", "mtp", "external")
 MAX_SPECULATIVE_NUM_STEPS = 8
 DRAFT_HEAD_DTYPES = ("int8",)  # speculative_draft_head_dtype besides None (the model dtype)
+DRAFT_LAYER_DTYPES = ("int8",)  # speculative_draft_layer_dtype besides None (the model dtype)
 
 
 class ConfigError(ValueError):
@@ -259,6 +260,12 @@ class SpecConfig:
     with the LM head in the model dtype; ``"int8"`` with an int8 copy of its rows (half the
     bytes per draft step) whose best few logits are re-scored in the model dtype
     (:mod:`mtp_jax.models.draft_head`).
+    ``draft_layer_dtype`` (``speculative_draft_layer_dtype``, MTP only): ``None`` runs the
+    draft's projections (its ``fc`` and the MTP decoder layers' attention and MLP projections;
+    a MoE layer's routed experts always stay in the model dtype) in the model dtype;
+    ``"int8"`` runs an int8 copy of them (one float32 scale per row,
+    :func:`mtp_jax.models.layers.basic.quantize_projections`): about half the draft layer's
+    bytes per draft step, and drafts that may differ a little from the model dtype's.
     """
 
     algorithm: str = "mtp"
@@ -267,6 +274,7 @@ class SpecConfig:
     draft_vocab_size: int | None = None
     token_map_path: str | None = None
     draft_head_dtype: str | None = None
+    draft_layer_dtype: str | None = None
 
     @property
     def enabled(self) -> bool:
@@ -305,17 +313,20 @@ class SpecConfig:
 
             hot_token_ids(self.algorithm, self.draft_vocab_size, self.token_map_path,
                           None if model is None else model.vocab_size)
-        if self.draft_head_dtype is not None:
-            if self.draft_head_dtype not in DRAFT_HEAD_DTYPES:
-                raise ConfigError(f"speculative_draft_head_dtype (--speculative-draft-head-dtype)"
-                                  f" {self.draft_head_dtype!r} is unknown; use "
-                                  f"{' or '.join(map(repr, DRAFT_HEAD_DTYPES))}, or leave it "
-                                  "unset for the model dtype.")
+        for part, value, known in (("head", self.draft_head_dtype, DRAFT_HEAD_DTYPES),
+                                   ("layer", self.draft_layer_dtype, DRAFT_LAYER_DTYPES)):
+            if value is None:
+                continue
+            flag = f"speculative_draft_{part}_dtype (--speculative-draft-{part}-dtype)"
+            if value not in known:
+                raise ConfigError(f"{flag} {value!r} is unknown; use "
+                                  f"{' or '.join(map(repr, known))}, or leave it unset for the "
+                                  "model dtype.")
             if self.algorithm != "mtp":
-                raise ConfigError(f"speculative_draft_head_dtype (--speculative-draft-head-dtype)"
-                                  f" {self.draft_head_dtype!r} was given but "
-                                  f"speculative_algorithm is {self.algorithm!r}; it sets the MTP "
-                                  "draft's LM head. Drop it or use --speculative-algorithm mtp.")
+                what = "LM head" if part == "head" else "layer's projections"
+                raise ConfigError(f"{flag} {value!r} was given but speculative_algorithm is "
+                                  f"{self.algorithm!r}; it sets the MTP draft's {what}. Drop it "
+                                  "or use --speculative-algorithm mtp.")
         if model is not None and self.algorithm == "mtp":
             if not model.has_mtp and not self.draft_model_path:
                 raise ConfigError("speculative_algorithm='mtp' but the checkpoint's config declares "
@@ -325,8 +336,9 @@ class SpecConfig:
                                   "speculative_algorithm='none' (--speculative-algorithm none).")
 
 
-def normalize_draft_head_dtype(name):
-    """Map user spellings of ``speculative_draft_head_dtype`` to :class:`SpecConfig`'s: None,
+def normalize_draft_dtype(name):
+    """Map user spellings of ``speculative_draft_head_dtype`` and
+    ``speculative_draft_layer_dtype`` to :class:`SpecConfig`'s: None,
     ``"model"``, ``"auto"`` and ``""`` (any case) -> None (the model dtype); other strings
     lower-cased (``"INT8"`` -> ``"int8"``); anything else unchanged, for
     :meth:`SpecConfig.validate` to refuse."""

@@ -58,6 +58,12 @@ def build_parser() -> argparse.ArgumentParser:
                         "dtype): 1 byte per weight read per draft step instead of 2 (bf16), "
                         "V x (H + 4) bytes more memory; output stays exact (default: model, "
                         "the model dtype)")
+    p.add_argument("--speculative-draft-layer-dtype", default="model", choices=["model", "int8"],
+                   type=str.lower,
+                   help="int8: the MTP draft's projections (fc, attention, dense MLP; not a MoE "
+                        "layer's routed experts) run from an int8 copy with a scale per row: "
+                        "about half the draft layer's bytes per draft step; output stays exact, "
+                        "the drafts may change a little (default: model, the model dtype)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto = bfloat16 on GPU, float32 on CPU")
     p.add_argument("--max-running-requests", type=int, default=8,
@@ -178,6 +184,7 @@ def main(argv=None) -> int:
                   speculative_draft_vocab_size=args.speculative_draft_vocab_size,
                   speculative_token_map=args.speculative_token_map,
                   speculative_draft_head_dtype=args.speculative_draft_head_dtype,
+                  speculative_draft_layer_dtype=args.speculative_draft_layer_dtype,
                   seed=args.seed, max_model_len=args.max_model_len, page_size=args.page_size,
                   dummy_weight=args.dummy_weight, chunked_prefill_size=args.chunked_prefill_size,
                   enable_prefix_cache=not args.disable_prefix_cache,
@@ -223,6 +230,8 @@ def main(argv=None) -> int:
           + (f"; draft vocabulary {llm.engine.draft_vocab_size} hot ids"
              if getattr(llm.engine, "draft_vocab_size", None) else "")
           + (f"; draft LM head {llm.spec.draft_head_dtype}" if llm.spec.draft_head_dtype
+             else "")
+          + (f"; draft layer {llm.spec.draft_layer_dtype}" if llm.spec.draft_layer_dtype
              else "")
           + (f"; {args.num_scheduler_steps} rounds per call" if args.num_scheduler_steps > 1
              else "")

@@ -136,7 +136,7 @@ def test_bench_runs_exact_and_reports(cold):
     by = {(r["k"], r["steps_per_call"]): r["round_ms"] for r in data["results"]}
     got = [(x["k"], x["steps_per_call"], x["step_ms"], x["ratio"]) for x in data["round_to_step"]]
     assert got == [(2, n, by[0, n], pytest.approx(by[2, n] / by[0, n])) for n in (1, 3)]
-    assert f"| tiny | 2 | 2 | {by[2, 1]:.2f} | {by[0, 1]:.2f} | {by[2, 1] / by[0, 1]:.2f}x |" \
+    assert f"| tiny | 2 | 2 | {by[2, 1]:.2f} | {by[0, 1]:.2f} | {by[2, 1] / by[0, 1]:.3f}x |" \
         in stdout
 
 
@@ -441,13 +441,18 @@ def test_row_plan_orders_forced_before_drafted_rows():
     so the forced row (one round per call) runs first, whatever order the steps came in."""
     from mtp_jax.bench.cli import row_plan
 
-    assert row_plan([0, 3], (4, 1)) == [(0, 4, None), (0, 1, None), (3, 1, None), (3, 4, None)]
-    assert row_plan([3], (4,)) == [(3, 1, None), (3, 4, None)]
-    assert row_plan([2], (1,)) == [(2, 1, None)]
+    m = (None, None)  # model-dtype head and layer
+    assert row_plan([0, 3], (4, 1)) == [(0, 4, *m), (0, 1, *m), (3, 1, *m), (3, 4, *m)]
+    assert row_plan([3], (4,)) == [(3, 1, *m), (3, 4, *m)]
+    assert row_plan([2], (1,)) == [(2, 1, *m)]
     # --draft-head-dtype model int8: one k = 0 row, a set of k > 0 rows per head
     assert row_plan([0, 3], (4,), ["model", "int8"]) == [
-        (0, 4, None), (3, 1, None), (3, 4, None), (3, 1, "int8"), (3, 4, "int8")]
-    assert row_plan([3], (1,), ["int8", "int8"]) == [(3, 1, "int8")]
+        (0, 4, *m), (3, 1, *m), (3, 4, *m), (3, 1, "int8", None), (3, 4, "int8", None)]
+    assert row_plan([3], (1,), ["int8", "int8"]) == [(3, 1, "int8", None)]
+    # with --draft-layer-dtype model int8: a set per (head, layer) pair, heads outermost
+    assert row_plan([0, 3], (1,), ["model", "int8"], ["model", "int8"]) == [
+        (0, 1, *m), (3, 1, *m), (3, 1, None, "int8"), (3, 1, "int8", None),
+        (3, 1, "int8", "int8")]
 
 
 def test_commit_is_read_only_at_the_top_of_a_checkout(tmp_path):

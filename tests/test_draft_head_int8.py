@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 
 from conftest import fixture_path
-from mtp_jax.config import ConfigError, ModelConfig, SpecConfig, normalize_draft_head_dtype
+from mtp_jax.config import ConfigError, ModelConfig, SpecConfig, normalize_draft_dtype
 from mtp_jax.engine.programs import _draft_token
 from mtp_jax.models.draft_head import (BLOCK, RESCORE, DraftHead, candidates, draft_head_bytes,
                                       with_draft_head)
@@ -216,7 +216,7 @@ def test_cli_llm_and_bench_refuse_before_load(capsys, tmp_path):
     assert parse([]).speculative_draft_head_dtype == "model"
     for given, want in ((None, None), ("model", None), (" Auto", None), ("INT8", "int8"),
                         ("fp8", "fp8"), (8, 8)):
-        assert normalize_draft_head_dtype(given) == want
+        assert normalize_draft_dtype(given) == want
     with pytest.raises(ConfigError, match="speculative_draft_head_dtype"):  # no draft there
         LLM(fixture_path("tiny_qwen4_exp"), speculative_algorithm="none",
             speculative_draft_head_dtype="int8")

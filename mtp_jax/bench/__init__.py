@@ -49,6 +49,10 @@ the draft's tokens, so the timing shows the cheaper draft at the forced accept l
 the floor counts V x (H + 4) head bytes per draft step); recorded as ``draft_head_dtype``
 (``None``: the model dtype). ``--draft-head-dtype model int8`` runs the k > 0 rows once per
 value on one model and machine (the k = 0 rows once): a same-machine A/B.
+``--draft-layer-dtype int8``: the draft's projections in int8 (``speculative_draft_layer_dtype``;
+the floor counts out x (in + 4) bytes per projection and draft step); recorded as
+``draft_layer_dtype``; with several values of both options, k > 0 rows for every (head, layer)
+pair.
 
 Output: markdown tables on stdout (pasteable into docs/benchmarks.md), progress on stderr,
 and a JSON file (``--out``: ``{"meta": {date, commit, jax version, device kind, XLA_FLAGS,

@@ -65,6 +65,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "(speculative_draft_head_dtype), a set of k > 0 rows per value, one "
                         "model and one k = 0 row for all (a same-machine A/B); the floor "
                         "counts the head's bytes (default: model)")
+    p.add_argument("--draft-layer-dtype", nargs="+", default=["model"],
+                   choices=["model", "int8"],
+                   help="k > 0 rows: the MTP draft's projections in the model dtype and/or "
+                        "int8 (speculative_draft_layer_dtype); with --draft-head-dtype, a set "
+                        "of k > 0 rows per (head, layer) pair; the floor counts their bytes "
+                        "(default: model)")
     p.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1],
                    help="rounds per program call (multi-step scheduling, "
                         "EngineConfig.num_scheduler_steps; times are reported per round), one "
@@ -122,22 +128,28 @@ def _kernels(model) -> dict | None:
     return dataclasses.asdict(k) if dataclasses.is_dataclass(k) else None
 
 
-def row_plan(ks: list[int], steps: tuple[int, ...],
-             heads: list[str] = ("model",)) -> list[tuple[int, int, str | None]]:
-    """The ``(k, rounds per call, draft head dtype)`` rows of one batch, in order: k = 0 once
-    per ``steps`` value; each k > 0, for each of ``heads`` (``"model"`` or ``"int8"``), first
-    with one round per call (the forced-draft row), then once per value above 1 (drafts as
-    drafted). The head dtype is ``None`` for the model dtype and for k = 0 rows."""
+def row_plan(ks: list[int], steps: tuple[int, ...], heads: list[str] = ("model",),
+             layers: list[str] = ("model",)) -> list[tuple[int, int, str | None, str | None]]:
+    """The ``(k, rounds per call, draft head dtype, draft layer dtype)`` rows of one batch, in
+    order: k = 0 once per ``steps`` value; each k > 0, for each of ``heads`` and then each of
+    ``layers`` (``"model"`` or ``"int8"``), first with one round per call (the forced-draft
+    row), then once per value above 1 (drafts as drafted). The dtypes are ``None`` for the
+    model dtype and in k = 0 rows."""
     rows = []
     for k in ks:
-        for head in (heads[:1] if k == 0 else dict.fromkeys(heads)):
-            rows += [(k, n, None if k == 0 else _head_dtype(head)) for n in
-                     (steps if k == 0 else (1, *sorted({n for n in steps if n > 1})))]
+        if k == 0:
+            rows += [(0, n, None, None) for n in steps]
+            continue
+        for head in dict.fromkeys(heads):
+            for layer in dict.fromkeys(layers):
+                rows += [(k, n, _dtype(head), _dtype(layer))
+                         for n in (1, *sorted({n for n in steps if n > 1}))]
     return rows
 
 
-def _head_dtype(name: str) -> str | None:
-    """``--draft-head-dtype`` value -> ``speculative_draft_head_dtype`` (``model``: None)."""
+def _dtype(name: str) -> str | None:
+    """``--draft-head-dtype`` / ``--draft-layer-dtype`` value -> the SpecConfig field's
+    (``model``: None)."""
     return None if name == "model" else name
 
 
@@ -146,6 +158,7 @@ def _progress(r: dict) -> str:
         f"{v:.1f}" for v in r["tokens_per_s_at_accept_length"].values()))
     n = f" N={r['draft_vocab_size']}" if r.get("draft_vocab_size") else ""
     n += f" head={r['draft_head_dtype']}" if r.get("draft_head_dtype") else ""
+    n += f" layer={r['draft_layer_dtype']}" if r.get("draft_layer_dtype") else ""
     n += f" steps/call={r['steps_per_call']}" if r.get("steps_per_call", 1) > 1 else ""
     return (f"{r['config']} B={r['batch']} k={r['k']}{n} round={r['round_ms']:.2f}ms "
             f"host={r['host_ms']:.2f}ms floor={r['floor_ms']:.2f}ms "
@@ -177,7 +190,8 @@ def main(argv=None, description: str | None = None) -> int:
                      hbm_tbps=args.hbm_tbps, accept_lengths=tuple(args.accept_lengths),
                      prefill_reps=args.prefill_reps, max_k=max(ks),
                      engine_warmup=args.engine_warmup, draft_vocab_size=args.draft_vocab_size,
-                     draft_head_dtype=_head_dtype(args.draft_head_dtype[0]),
+                     draft_head_dtype=_dtype(args.draft_head_dtype[0]),
+                     draft_layer_dtype=_dtype(args.draft_layer_dtype[0]),
                      num_scheduler_steps=tuple(args.num_scheduler_steps))
         s.validate()
         for k in ks:
@@ -210,10 +224,10 @@ def main(argv=None, description: str | None = None) -> int:
               flush=True)
         for b in args.batch:
             refs: dict = {}  # this batch's continuations, shared by its rows (bench_one)
-            for k, steps, head in row_plan(ks, s.num_scheduler_steps,
-                                           args.draft_head_dtype):
-                r = bench_one(model, b, k, dataclasses.replace(s, draft_head_dtype=head), refs,
-                              steps)
+            for k, steps, head, layer in row_plan(ks, s.num_scheduler_steps,
+                                                  args.draft_head_dtype, args.draft_layer_dtype):
+                r = bench_one(model, b, k, dataclasses.replace(
+                    s, draft_head_dtype=head, draft_layer_dtype=layer), refs, steps)
                 r = {"config": path, **r, "kernel_backends": _kernels(model)}
                 results.append(r)
                 print(_progress(r), file=sys.stderr, flush=True)

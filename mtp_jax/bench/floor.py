@@ -51,11 +51,13 @@ def forward_weight_bytes(cfg: ModelConfig, tensors: dict, tokens: int, itemsize:
 
 
 def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: int,
-                draft_vocab_size: int | None = None, draft_head_dtype: str | None = None) -> dict:
+                draft_vocab_size: int | None = None, draft_head_dtype: str | None = None,
+                draft_layer_dtype: str | None = None) -> dict:
     """Bytes a round (k > 0) or decode step (k = 0) moves, by kind. ``draft_vocab_size``: the
     draft's LM head has that many rows (hot token ids) instead of ``vocab_size``;
     ``draft_head_dtype="int8"``: those rows are int8 with a float32 scale each (the few rows
-    the int8 head re-scores per request are not counted)."""
+    the int8 head re-scores per request are not counted); ``draft_layer_dtype="int8"``: the
+    draft's projections (:func:`mtp_jax.weights.names.mtp_projections`) likewise."""
     target = names.target_tensors(cfg)
     lm_head = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
     if cfg.tie_word_embeddings:
@@ -74,9 +76,12 @@ def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: in
         if draft_head_dtype == "int8":
             head = draft_rows * (cfg.hidden_size + 4)
         draft = names.mtp_tensors(cfg)
-        out["draft_weights"] = (forward_weight_bytes(cfg, draft, batch * (k + 1), itemsize)
-                                + (k - 1) * forward_weight_bytes(cfg, draft, batch, itemsize)
-                                + k * head)
+        int8 = names.mtp_projections(cfg) if draft_layer_dtype == "int8" else {}
+        rest = {n: shape for n, shape in draft.items() if n not in int8}
+        int8_bytes = sum(o * (i + 4) for o, i in int8.values())
+        out["draft_weights"] = (forward_weight_bytes(cfg, rest, batch * (k + 1), itemsize)
+                                + (k - 1) * forward_weight_bytes(cfg, rest, batch, itemsize)
+                                + k * (head + int8_bytes))
         out["draft_kv_read"] = k * batch * context * kv_per_token * cfg.mtp_num_hidden_layers
     out["total"] = sum(out.values())
     return out

@@ -67,10 +67,12 @@ def _n(x: float) -> str:
 
 def _k_cell(r: dict) -> str:
     """k, with the rounds (decode steps, or speculative rounds) per program call when above 1
-    and the draft head's dtype when set (``0 (4/call)``, ``3 (4/call, int8 head)``)."""
+    and the draft head's and layer's dtypes when set (``0 (4/call)``, ``3 (4/call, int8
+    head, int8 layer)``)."""
     steps = r.get("steps_per_call", 1)
     notes = [f"{steps}/call"] if steps > 1 else []
     notes += [f"{r['draft_head_dtype']} head"] if r.get("draft_head_dtype") else []
+    notes += [f"{r['draft_layer_dtype']} layer"] if r.get("draft_layer_dtype") else []
     return f"{r['k']} ({', '.join(notes)})" if notes else str(r["k"])
 
 
@@ -160,7 +162,7 @@ def step_ratios(results: list[dict]) -> list[dict]:
     """Each k > 0 row's round time over the decode step (the k = 0 row) of the same shape,
     batch and rounds per call: issue 5's "k = 3 round at most 1.25x the decode step". Rows
     without such a k = 0 row are left out. Returns ``[{config, batch, k, steps_per_call,
-    round_ms, step_ms, ratio, draft_head_dtype}]``."""
+    round_ms, step_ms, ratio, draft_head_dtype, draft_layer_dtype}]``."""
     steps = {(r["config"], r["batch"], r.get("steps_per_call", 1)): r["round_ms"]
              for r in results if not r["k"]}
     out = []
@@ -170,7 +172,8 @@ def step_ratios(results: list[dict]) -> list[dict]:
             out.append({"config": r["config"], "batch": r["batch"], "k": r["k"],
                         "steps_per_call": key[2], "round_ms": r["round_ms"],
                         "step_ms": steps[key], "ratio": r["round_ms"] / steps[key],
-                        "draft_head_dtype": r.get("draft_head_dtype")})
+                        "draft_head_dtype": r.get("draft_head_dtype"),
+                        "draft_layer_dtype": r.get("draft_layer_dtype")})
     return out
 
 
@@ -183,7 +186,7 @@ def ratio_table(results: list[dict]) -> str:
              "round / step |", "|---|---|---|---|---|---|"]
     for x in rows:
         lines.append(f"| {_shape(x['config'])} | {x['batch']} | {_k_cell(x)} | "
-                     f"{x['round_ms']:.2f} | {x['step_ms']:.2f} | {x['ratio']:.2f}x |")
+                     f"{x['round_ms']:.2f} | {x['step_ms']:.2f} | {x['ratio']:.3f}x |")
     return "\n".join(lines)
 
 

@@ -66,6 +66,7 @@ class Settings:
     engine_warmup: bool = False
     draft_vocab_size: int | None = None  # k > 0 rows: the MTP draft scores the N lowest ids
     draft_head_dtype: str | None = None  # k > 0 rows: "int8": the draft's LM head in int8
+    draft_layer_dtype: str | None = None  # k > 0 rows: "int8": the draft's projections in int8
     # Rounds per program call (EngineConfig.num_scheduler_steps), one row per value. k > 0:
     # the forced-draft row always runs one round per call (its drafts are written on the
     # device between rounds); each value above 1 adds a row with the drafts as drafted.
@@ -86,7 +87,8 @@ class Settings:
             raise ValueError(f"--draft-vocab-size {self.draft_vocab_size} must be >= 1 (hot "
                              "token ids of the draft's LM head), or omitted for the full "
                              "vocabulary.")
-        SpecConfig(draft_head_dtype=self.draft_head_dtype).validate()
+        SpecConfig(draft_head_dtype=self.draft_head_dtype,
+                   draft_layer_dtype=self.draft_layer_dtype).validate()
 
     @property
     def reference_len(self) -> int:
@@ -141,10 +143,12 @@ class Ledger:
 def make_engine(model, batch: int, k: int, s: Settings, steps: int = 1) -> Engine:
     """An engine for ``batch`` requests plus one slot for the prefill-throughput prompt, with
     ``steps`` rounds per call (k > 0: with the reduced draft vocabulary of
-    ``s.draft_vocab_size`` and the draft head dtype ``s.draft_head_dtype``, if set)."""
+    ``s.draft_vocab_size`` and the draft head and layer dtypes ``s.draft_head_dtype``,
+    ``s.draft_layer_dtype``, if set)."""
     spec = SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3,
                       draft_vocab_size=s.draft_vocab_size if k else None,
-                      draft_head_dtype=s.draft_head_dtype if k else None)
+                      draft_head_dtype=s.draft_head_dtype if k else None,
+                      draft_layer_dtype=s.draft_layer_dtype if k else None)
     return Engine(model, EngineConfig(max_running_requests=batch + 1, page_size=s.page_size,
                                       max_model_len=s.max_model_len,
                                       chunked_prefill_size=s.prompt_len,
@@ -451,7 +455,8 @@ def bench_one(model, batch: int, k: int, s: Settings, refs: dict,
     res: dict = {"batch": batch, "k": k, "prompt_len": s.prompt_len,
                  "decode_tokens": s.decode_tokens, "steps_per_call": steps,
                  "draft_vocab_size": s.draft_vocab_size if k else None,
-                 "draft_head_dtype": s.draft_head_dtype if k else None}
+                 "draft_head_dtype": s.draft_head_dtype if k else None,
+                 "draft_layer_dtype": s.draft_layer_dtype if k else None}
     if s.engine_warmup:
         with ledger.phase("engine_warmup") as w:
             eng.warmup()
@@ -472,7 +477,8 @@ def bench_one(model, batch: int, k: int, s: Settings, refs: dict,
     itemsize = 2 if model.dtype != "float32" else 4
     by = round_bytes(cfg, batch, k, round(res["context"]["mean"]), itemsize,
                      draft_vocab_size=res["draft_vocab_size"],
-                     draft_head_dtype=res["draft_head_dtype"])
+                     draft_head_dtype=res["draft_head_dtype"],
+                     draft_layer_dtype=res["draft_layer_dtype"])
     floor = by["total"] / (s.hbm_tbps * 1e12)
     res["bytes"] = {name: float(v) for name, v in by.items()}
     res["floor_ms"] = floor * 1e3

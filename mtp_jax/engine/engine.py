@@ -131,14 +131,15 @@ class Engine(WarmupMixin):
         check_scheduler_steps(spec, engine_cfg)
         hot = hot_token_ids(spec.algorithm, spec.draft_vocab_size, spec.token_map_path,
                             model.cfg.vocab_size)
-        # The draft's own LM head (hot ids and/or int8 rows), made once.
-        model = with_draft_head(model, hot, spec.draft_head_dtype)
+        # The draft's own LM head (hot ids and/or int8 rows) and int8 layer, made once.
+        model = with_draft_head(model, hot, spec.draft_head_dtype, spec.draft_layer_dtype)
         self.model, self.cfg, self.spec = model, engine_cfg, spec
         self.proposer, self.tokenizer = proposer, tokenizer
         self.k = spec.k
         self.rounds_per_call = engine_cfg.num_scheduler_steps
         self.draft_vocab_size = None if hot is None else int(hot.size)  # None: all V ids
         self.draft_head_dtype = spec.draft_head_dtype  # None: the model dtype
+        self.draft_layer_dtype = spec.draft_layer_dtype  # None: the model dtype
         self.proposer_kind = spec.algorithm
         mc = model.cfg
         self.max_model_len = min(engine_cfg.max_model_len, mc.max_position_embeddings)

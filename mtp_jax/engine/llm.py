@@ -10,7 +10,7 @@ from tqdm.auto import tqdm
 
 from mtp_jax.checks import check_before_load
 from mtp_jax.config import (EngineConfig, SpecConfig, normalize_algorithm,
-                            normalize_draft_head_dtype)
+                            normalize_draft_dtype)
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, RequestOutput, SamplingParams, StreamOutput
 from mtp_jax.models.loader import load_model, resolve_dtype
@@ -61,6 +61,13 @@ class LLM:
         Output stays exact; greedy drafts are the model-dtype head's but for a quantization
         error as large as the gap between the best and the 8th logit. Default ``None`` (or
         ``"model"``): the model dtype. See :mod:`mtp_jax.models.draft_head`.
+      speculative_draft_layer_dtype: MTP only; ``"int8"`` runs the draft's projections (its
+        ``fc`` and its decoder layer's attention and dense MLP projections; a MoE layer's
+        router and shared expert, not its routed experts) from an int8 copy with a float32
+        scale per row: about half the draft layer's bytes per draft step, for the memory of
+        that copy (out x (in + 4) bytes per projection). Output stays exact; the drafts, hence
+        the accept length, may change a little. Default ``None`` (or ``"model"``): the model
+        dtype.
       proposer: for ``"external"``: ``(request_id, token_ids_so_far, k) -> k token ids``.
       seed: base seed of sampled requests without their own seed.
       max_model_len, page_size: KV sizing (tokens).
@@ -104,6 +111,7 @@ class LLM:
                  speculative_draft_vocab_size: int | None = None,
                  speculative_token_map: str | None = None,
                  speculative_draft_head_dtype: str | None = None,
+                 speculative_draft_layer_dtype: str | None = None,
                  proposer: Proposer | None = None, seed: int = 0, max_model_len: int = 4096,
                  page_size: int = 16, dummy_weight: bool = False,
                  chunked_prefill_size: int = 2048, enable_prefix_cache: bool = True,
@@ -133,8 +141,10 @@ class LLM:
                           draft_model_path=speculative_draft_model_path,
                           draft_vocab_size=speculative_draft_vocab_size,
                           token_map_path=speculative_token_map,
-                          draft_head_dtype=normalize_draft_head_dtype(
-                              speculative_draft_head_dtype))
+                          draft_head_dtype=normalize_draft_dtype(
+                              speculative_draft_head_dtype),
+                          draft_layer_dtype=normalize_draft_dtype(
+                              speculative_draft_layer_dtype))
         engine_cfg = EngineConfig(max_running_requests=max_running_requests, page_size=page_size,
                                   max_model_len=max_model_len, dtype=resolve_dtype(dtype),
                                   chunked_prefill_size=chunked_prefill_size,
@@ -175,12 +185,13 @@ class LLM:
         from mtp_jax.tokenizer import Tokenizer
 
         if (spec.draft_vocab_size is not None or spec.token_map_path is not None
-                or spec.draft_head_dtype is not None):
+                or spec.draft_head_dtype is not None or spec.draft_layer_dtype is not None):
             raise ConfigError("speculative_draft_vocab_size (--speculative-draft-vocab-size) / "
                               "speculative_token_map (--speculative-token-map) / "
-                              "speculative_draft_head_dtype (--speculative-draft-head-dtype) set "
-                              "the MTP draft's LM head, but qwen4_exp runs without speculation "
-                              "for now; drop them.")
+                              "speculative_draft_head_dtype (--speculative-draft-head-dtype) / "
+                              "speculative_draft_layer_dtype (--speculative-draft-layer-dtype) "
+                              "set the MTP draft's weights, but qwen4_exp runs without "
+                              "speculation for now; drop them.")
         if spec.enabled:
             raise ConfigError(f"speculative_algorithm {spec.algorithm!r} is not supported for "
                               "qwen4_exp yet (its verify/commit programs are not built); use "

@@ -124,9 +124,10 @@ def planned_weights_bytes(cfg: ModelConfig, dtype: str, mtp: bool, spec) -> int:
     """:func:`weights_bytes` plus the MTP draft's own LM head when ``spec``
     (:class:`~mtp_jax.config.SpecConfig`) gives it one (a reduced vocabulary, read from the
     token map if there is one, and/or int8 rows; :func:`mtp_jax.models.draft_head.
-    draft_head_bytes`). The engine's plan and ``LLM``'s check before load both count this.
-    Raises ConfigError for an unreadable token map."""
-    from mtp_jax.models.draft_head import draft_head_bytes
+    draft_head_bytes`) and the int8 copy of the draft's projections when it asks for one
+    (:func:`~mtp_jax.models.draft_head.draft_layer_bytes`). The engine's plan and ``LLM``'s
+    check before load both count this. Raises ConfigError for an unreadable token map."""
+    from mtp_jax.models.draft_head import draft_head_bytes, draft_layer_bytes
     from mtp_jax.spec.draft_vocab import hot_token_ids
 
     total = weights_bytes(cfg, dtype, mtp)
@@ -134,8 +135,9 @@ def planned_weights_bytes(cfg: ModelConfig, dtype: str, mtp: bool, spec) -> int:
         return total
     hot = hot_token_ids(spec.algorithm, spec.draft_vocab_size, spec.token_map_path,
                         cfg.vocab_size)
-    return total + draft_head_bytes(cfg, None if hot is None else hot.size, dtype,
-                                    spec.draft_head_dtype)
+    return (total + draft_head_bytes(cfg, None if hot is None else hot.size, dtype,
+                                     spec.draft_head_dtype)
+            + draft_layer_bytes(cfg, spec.draft_layer_dtype))
 
 
 def weights_bytes(cfg: ModelConfig, dtype: str, mtp: bool) -> int:

@@ -19,6 +19,11 @@ of the order of the gap between the best and the RESCORE-th logit (each int8 log
 about 1% of the logits' spread, the gap is tens of percent on any real or random head). A
 sampled draft is drawn from the softmax of those mixed logits, the ``q`` the accept step is
 given, so the rejection sampling stays exact for it as for any draft distribution.
+
+**int8 layer** (``layer_dtype="int8"``, ``speculative_draft_layer_dtype``):
+:func:`with_draft_head` also stores the draft's projections as int8 rows
+(:func:`mtp_jax.models.layers.basic.quantize_projections`; no re-scoring), and
+:func:`draft_layer_bytes` counts them.
 """
 
 from __future__ import annotations
@@ -31,13 +36,14 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax.config import DRAFT_HEAD_DTYPES as HEAD_DTYPES
+from mtp_jax.config import DRAFT_LAYER_DTYPES as LAYER_DTYPES
 from mtp_jax.kernels import kernels_of
-from mtp_jax.models.layers.basic import as_data
+from mtp_jax.models.layers.basic import as_data, quantize_projections
 from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows
 from pallas_kernels.gemv import gemv
 
-__all__ = ["DraftHead", "HEAD_DTYPES", "RESCORE", "BLOCK", "candidates", "rescore",
-           "with_draft_head", "draft_head_bytes"]
+__all__ = ["DraftHead", "HEAD_DTYPES", "LAYER_DTYPES", "RESCORE", "BLOCK", "candidates",
+           "rescore", "with_draft_head", "draft_head_bytes", "draft_layer_bytes"]
 
 RESCORE = 8  # int8 head: blocks of BLOCK rows, those with the best logits, re-scored
 BLOCK = 32
@@ -120,50 +126,52 @@ def _exact(z, table, ids, cand):
     return exact.astype(table.dtype).astype(jnp.float32)
 
 
-def _check(model, ids, head_dtype) -> None:
+def _check(model, ids, head_dtype, layer_dtype) -> None:
     if head_dtype is not None and head_dtype not in HEAD_DTYPES:
         raise ValueError(f"draft head dtype {head_dtype!r} is unknown; use None (the model "
                          f"dtype) or one of {HEAD_DTYPES}.")
+    if layer_dtype is not None and layer_dtype not in LAYER_DTYPES:
+        raise ValueError(f"draft layer dtype {layer_dtype!r} is unknown; use None (the model "
+                         f"dtype) or one of {LAYER_DTYPES}.")
     if not model.has_mtp:
-        raise ValueError("a draft head of its own (reduced vocabulary or int8) needs the mtp.* "
-                         "draft, which this model was loaded without; load it with "
-                         "with_mtp=True.")
+        raise ValueError("a draft head of its own (reduced vocabulary or int8) or an int8 draft "
+                         "layer needs the mtp.* draft, which this model was loaded without; "
+                         "load it with with_mtp=True.")
     if ids is not None and (ids.ndim != 1 or ids.size == 0 or ids.min() < 0
                             or ids.max() >= model.cfg.vocab_size):
         raise ValueError(f"hot ids must be a non-empty 1-D array in [0, {model.cfg.vocab_size});"
                          f" got shape {ids.shape}.")
 
 
-def with_draft_head(model, hot_ids: np.ndarray | None, head_dtype: str | None = None):
+def with_draft_head(model, hot_ids: np.ndarray | None, head_dtype: str | None = None,
+                    layer_dtype: str | None = None):
     """A :class:`~mtp_jax.models.loader.LoadedModel` whose MTP draft scores its own head: the
     rows of ``hot_ids`` (``[N]`` ints in ``[0, V)``, unique; from
     :func:`mtp_jax.spec.draft_vocab.hot_token_ids`; ``None``: all V), in the model dtype or,
-    with ``head_dtype="int8"``, as int8 rows (see the module docstring).
+    with ``head_dtype="int8"``, as int8 rows (see the module docstring); and, with
+    ``layer_dtype="int8"``, whose draft projections (``mtp.fc`` and the MTP decoder layers'
+    :class:`~mtp_jax.models.layers.basic.Linear` / ``MergedLinear`` modules) run from int8
+    rows (:func:`~mtp_jax.models.layers.basic.quantize_projections`).
 
-    ``hot_ids`` and ``head_dtype`` both ``None`` return ``model`` itself. Otherwise the new
-    model shares every parameter array with ``model`` and adds the ``draft_head``, so it has
-    its own compiled programs; it is made once per (model, hot ids, dtype) and reused.
-    Raises ``ValueError`` when the model has no MTP draft, ids are out of range or the dtype
+    ``hot_ids``, ``head_dtype`` and ``layer_dtype`` all ``None`` return ``model`` itself.
+    Otherwise the new model shares every other parameter array with ``model`` and holds the
+    ``draft_head`` and/or the int8 projections as well (``model`` keeps its own), so it has
+    its own compiled programs; it is made once per (model, hot ids, dtypes) and reused.
+    Raises ``ValueError`` when the model has no MTP draft, ids are out of range or a dtype
     is unknown.
     """
-    if hot_ids is None and head_dtype is None:
+    if hot_ids is None and head_dtype is None and layer_dtype is None:
         return model
     ids = None if hot_ids is None else np.asarray(hot_ids, np.int32)
-    _check(model, ids, head_dtype)
+    _check(model, ids, head_dtype, layer_dtype)
     cache = model.__dict__.setdefault("_draft_head_models", {})
-    key = (b"all" if ids is None else ids.tobytes(), head_dtype)
+    key = (b"all" if ids is None else ids.tobytes(), head_dtype, layer_dtype)
     if key not in cache:
         module = model.module()
-        table = (module.lm_head if module.lm_head is not None else module.embed_tokens).weight
-        device = next(iter(table[...].devices()))
-        dev_ids = None if ids is None else jax.device_put(ids, device)
-        rows = table[...] if ids is None else jnp.take(table[...], dev_ids, axis=0)
-        scale = None
-        if head_dtype == "int8":
-            rows, scale = jax.jit(quantize_rows)(rows)
-        head = DraftHead(rows, dev_ids, scale, backend=kernels_of(model.cfg).gemv)
-        # as_data: the attribute was static (None) when the model was built.
-        module.draft_head = as_data(head)
+        if hot_ids is not None or head_dtype is not None:
+            module.draft_head = as_data(_head(model, module, ids, head_dtype))
+        if layer_dtype == "int8":
+            quantize_projections(module.mtp)
         graphdef, params = nnx.split(module)
         derived = dataclasses.replace(model, graphdef=graphdef, params=params)
         # Heads of the same size and dtype give the same program structure (the ids are a
@@ -177,6 +185,18 @@ def with_draft_head(model, hot_ids: np.ndarray | None, head_dtype: str | None = 
     return cache[key]
 
 
+def _head(model, module, ids, head_dtype) -> DraftHead:
+    """The :class:`DraftHead` of ``ids`` (None: all V rows) in ``head_dtype``."""
+    table = (module.lm_head if module.lm_head is not None else module.embed_tokens).weight
+    device = next(iter(table[...].devices()))
+    dev_ids = None if ids is None else jax.device_put(ids, device)
+    rows = table[...] if ids is None else jnp.take(table[...], dev_ids, axis=0)
+    scale = None
+    if head_dtype == "int8":
+        rows, scale = jax.jit(quantize_rows)(rows)
+    return DraftHead(rows, dev_ids, scale, backend=kernels_of(model.cfg).gemv)
+
+
 def draft_head_bytes(cfg, n: int | None, dtype: str, head_dtype: str | None = None) -> int:
     """Bytes the draft head adds: ``n`` rows (``None``: all ``vocab_size``) of ``hidden_size``
     in ``dtype`` (or int8 plus a float32 scale per row), plus the ids of a reduced head; 0
@@ -187,3 +207,14 @@ def draft_head_bytes(cfg, n: int | None, dtype: str, head_dtype: str | None = No
     item = 1 if head_dtype == "int8" else np.dtype(jnp.dtype(dtype)).itemsize
     return rows * cfg.hidden_size * item + (4 * rows if head_dtype == "int8" else 0) + (
         0 if n is None else 4 * n)
+
+
+def draft_layer_bytes(cfg, layer_dtype: str | None = None) -> int:
+    """Bytes an int8 draft layer adds (``layer_dtype="int8"``): out x (in + 4) per projection
+    of the ``mtp.*`` draft (:func:`mtp_jax.weights.names.mtp_projections`; the model-dtype
+    copies stay loaded); 0 for ``None``."""
+    if layer_dtype is None:
+        return 0
+    from mtp_jax.weights import names
+
+    return sum(out * (inp + 4) for out, inp in names.mtp_projections(cfg).values())

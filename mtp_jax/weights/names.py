@@ -101,6 +101,15 @@ def mtp_tensors(cfg: ModelConfig) -> dict[str, Shape]:
     return out
 
 
+def mtp_projections(cfg: ModelConfig) -> dict[str, Shape]:
+    """The ``mtp.*`` tensors that are projection weights ``[out, in]`` (the 2-D ``.weight``
+    tensors: ``fc``, attention, dense MLP or the MoE router, shared gate and shared expert;
+    not norms or routed experts): those an int8 draft layer stores as int8 rows
+    (``speculative_draft_layer_dtype``)."""
+    return {name: shape for name, shape in mtp_tensors(cfg).items()
+            if name.endswith(".weight") and len(shape) == 2}
+
+
 def disk_name(cfg: ModelConfig, canonical: str) -> str:
     """The on-disk name of a canonical tensor in the layout ``cfg.composite`` says."""
     if canonical.startswith(("mtp.", "lm_head.")):

@@ -15,8 +15,18 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows
 from pallas_kernels.gemv import gemv
 from pallas_kernels.norm import add_rms_norm, rms_norm_reference
+
+
+def _project(x: jax.Array, weight: jax.Array, scale, backend: str) -> jax.Array:
+    """``x [..., in] @ weight.T`` in ``x``'s dtype: :func:`gemv` with ``backend``, or, when
+    ``scale`` (an ``nnx.Param`` of ``[out]`` float32) is set, the int8 rows' product
+    (:func:`~mtp_jax.models.layers.int8_rows.int8_matmul`, which ignores ``backend``)."""
+    if scale is None:
+        return gemv(x, weight, backend=backend)
+    return int8_matmul(x, weight, scale[...]).astype(x.dtype)
 
 
 class Linear(nnx.Module):
@@ -24,14 +34,16 @@ class Linear(nnx.Module):
 
     ``backend`` (static): how a call runs (:func:`pallas_kernels.gemv.gemv`: ``"xla"``,
     ``"reduce"``, ``"pallas"`` or ``"fused"``; the loader sets it from
-    ``KernelBackends.gemv``)."""
+    ``KernelBackends.gemv``). ``scale``: ``None``, or after :func:`quantize_projections` the
+    ``[out_features]`` float32 scales of ``weight``'s int8 rows."""
 
     def __init__(self, in_features: int, out_features: int, dtype, backend: str = "xla"):
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))
+        self.scale = None
         self.backend = backend
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return gemv(x, self.weight[...], backend=self.backend)
+        return _project(x, self.weight[...], self.scale, self.backend)
 
 
 class MergedLinear(nnx.Module):
@@ -48,12 +60,14 @@ class MergedLinear(nnx.Module):
     ``backend`` (static): what a call runs (:func:`pallas_kernels.gemv.gemv`: ``"xla"``,
     ``"reduce"``, ``"pallas"`` or ``"fused"``; the loader sets it from ``KernelBackends.gemv``;
     a decoder layer reads ``"fused"`` on its MLP's merged gate/up to run the fused kernel).
+    ``scale``: as :class:`Linear`'s.
     """
 
     def __init__(self, weights: Sequence[jax.Array], backend: str = "xla"):
         """``weights``: ``[N_j, in]`` arrays of one dtype (e.g. the ``Linear.weight`` values)."""
         self.sizes = tuple(int(w.shape[0]) for w in weights)
         self.weight = nnx.Param(jnp.concatenate(list(weights), axis=0))
+        self.scale = None
         self.backend = backend
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
@@ -64,7 +78,7 @@ class MergedLinear(nnx.Module):
         """``x [..., in]`` -> ``[..., sum(sizes)]``, the outputs side by side (projection ``j``
         in the columns from ``offsets[j]``). A kernel that reads its columns of this array in
         place saves the copy XLA makes of a slice passed to a custom call."""
-        return gemv(x, self.weight[...], backend=self.backend)
+        return _project(x, self.weight[...], self.scale, self.backend)
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -86,6 +100,24 @@ def set_gemv_backend(module, backend: str) -> int:
     for _, node in nnx.iter_graph(module):
         if isinstance(node, (Linear, MergedLinear, Embed)):
             node.backend = backend
+            count += 1
+    return count
+
+
+def quantize_projections(module) -> int:
+    """Store every :class:`Linear` and :class:`MergedLinear` under ``module`` (in place) as
+    int8 rows with a float32 scale per row
+    (:func:`~mtp_jax.models.layers.int8_rows.quantize_rows`): ``weight`` becomes ``[out, in]``
+    int8 and ``scale`` ``[out]`` float32, and calls take the int8 product. Other parameters
+    (norms, embeddings, the routed experts' 3-D tensors) are left alone. Returns how many
+    projections were quantized (already quantized ones are skipped)."""
+    count = 0
+    quantize = jax.jit(quantize_rows)
+    for _, node in nnx.iter_graph(module):
+        if isinstance(node, (Linear, MergedLinear)) and node.scale is None:
+            q, scale = quantize(node.weight[...])
+            node.weight = nnx.Param(q)
+            node.scale = as_data(nnx.Param(scale))
             count += 1
     return count
 

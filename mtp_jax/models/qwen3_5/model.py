@@ -94,10 +94,10 @@ class DecoderLayer(nnx.Module):
     def _fuses_mlp(self, x: jax.Array) -> bool:
         """Whether the residual add, ``post_attention_layernorm``, the gate/up projection and
         SwiGLU run as one kernel (:func:`pallas_kernels.gemv.norm_gemv.norm_gemv`): one row,
-        a dense MLP with merged gate/up whose backend is ``"fused"``, of a shape the kernel
-        takes (:func:`pallas_kernels.gemv.norm_gemv.supports`)."""
+        a dense MLP with merged gate/up in the model dtype whose backend is ``"fused"``, of a
+        shape the kernel takes (:func:`pallas_kernels.gemv.norm_gemv.supports`)."""
         gate_up = getattr(self.mlp, "gate_up_proj", None)
-        return (gate_up is not None and gate_up.backend == "fused"
+        return (gate_up is not None and gate_up.backend == "fused" and gate_up.scale is None
                 and math.prod(x.shape[:-1]) == 1
                 and supports(gate_up.weight.shape, "silu_mul"))
 
