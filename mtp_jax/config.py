@@ -323,9 +323,9 @@ class SpecConfig:
                                   f"{' or '.join(map(repr, known))}, or leave it unset for the "
                                   "model dtype.")
             if self.algorithm != "mtp":
-                what = "LM head" if part == "head" else "layer's projections"
+                what = "draft's LM head" if part == "head" else "draft layer's projections"
                 raise ConfigError(f"{flag} {value!r} was given but speculative_algorithm is "
-                                  f"{self.algorithm!r}; it sets the MTP draft's {what}. Drop it "
+                                  f"{self.algorithm!r}; it sets the MTP {what}. Drop it "
                                   "or use --speculative-algorithm mtp.")
         if model is not None and self.algorithm == "mtp":
             if not model.has_mtp and not self.draft_model_path:

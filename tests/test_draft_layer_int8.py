@@ -17,7 +17,8 @@ from mtp_jax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.memory import planned_weights_bytes
 from mtp_jax.models.draft_head import draft_layer_bytes, with_draft_head
-from mtp_jax.models.layers.basic import Linear, MergedLinear, quantize_projections
+from mtp_jax.models.layers.basic import (Linear, MergedLinear, merge_linears,
+                                          quantize_projections)
 from mtp_jax.models.loader import load_model, param_name
 from mtp_jax.weights import names
 
@@ -64,6 +65,8 @@ def test_quantized_projections_match_float64(rows):
     assert not np.asarray(a)[..., 3].any()
     bf = lin(jnp.asarray(x, jnp.bfloat16))
     assert bf.dtype == jnp.bfloat16
+    with pytest.raises(ValueError, match="merge them before quantize_projections"):
+        merge_linears([lin, lin])  # the scales would be dropped
 
 
 def _by_name(model) -> dict:
@@ -79,6 +82,11 @@ def test_only_the_draft_projections_are_quantized(ckpt):
     model = load_model(fixture_path(ckpt), "float32", with_mtp=True)
     derived = with_draft_head(model, None, None, "int8")
     assert with_draft_head(model, None, None, "int8") is derived  # made once
+    head_only = with_draft_head(model, None, "int8")  # the layer dtype is part of the key
+    both = with_draft_head(model, None, "int8", "int8")
+    assert len({id(derived), id(head_only), id(both)}) == 3
+    assert head_only.module().mtp.fc.weight[...].dtype == jnp.float32
+    assert both.module().mtp.fc.weight[...].dtype == jnp.int8
     old, new = _by_name(model), _by_name(derived)
     int8 = {n for n, a in new.items() if a.dtype == jnp.int8}
     assert int8 and all(n.startswith("mtp.") and n.endswith(".weight") for n in int8)
@@ -156,6 +164,34 @@ def test_planned_bytes_count_the_int8_layer(moe, head):
     no_layer = dataclasses.replace(spec, draft_layer_dtype=None)
     assert held - planned_weights_bytes(moe.cfg, "float32", True, no_layer) == \
         draft_layer_bytes(moe.cfg, "int8") > 0
+
+
+def test_bench_runs_int8_layer_rows(tmp_path, capsys):
+    """``--draft-layer-dtype model int8``: a k = 3 row per layer dtype, labelled, recorded in
+    the JSON, exact, the int8 row's floor counting the int8 bytes; the bench's engine holds
+    the int8 draft."""
+    import json
+
+    from mtp_jax.bench import main
+    from mtp_jax.bench.run import Settings, make_engine
+
+    ckpt = fixture_path("tiny_dense")
+    out = tmp_path / "o.json"
+    assert main(["--config", f"{ckpt}/config.json", "--k", "3", "--draft-layer-dtype", "model",
+                 "int8", "--prompt-len", "16", "--decode-tokens", "4", "--accept-lengths",
+                 "2.0", "--prefill-reps", "1", "--warmup-rounds", "1", "--dtype", "float32",
+                 "--out", str(out)]) == 0
+    assert "| 3 (int8 layer) |" in capsys.readouterr().out
+    rows = json.loads(out.read_text())["results"]
+    assert [r["draft_layer_dtype"] for r in rows] == [None, "int8"]
+    assert all(r["exact"] for r in rows)
+    cfg = ModelConfig.from_folder(ckpt)
+    saved = sum(o * i * 4 - o * (i + 4) for o, i in names.mtp_projections(cfg).values())
+    assert rows[0]["bytes"]["draft_weights"] - rows[1]["bytes"]["draft_weights"] == 3 * saved
+    model = load_model(ckpt, "float32", with_mtp=True)
+    eng = make_engine(model, 1, 3, Settings(prompt_len=16, decode_tokens=4,
+                                            draft_layer_dtype="int8"))
+    assert eng.model.module().mtp.fc.weight[...].dtype == jnp.int8
 
 
 def test_floor_counts_int8_draft_projections():

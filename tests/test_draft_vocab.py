@@ -136,6 +136,20 @@ def test_int8_head_drafts_like_the_full_head(chain, plain):
         assert r.num_draft_tokens > 0 and r.num_accepted_tokens == r.num_draft_tokens
 
 
+def test_int8_layer_drafts_like_the_model_dtype(chain, plain):
+    """``draft_layer_dtype="int8"`` with the int8 head: the chain model's draft projections
+    (``fc`` = [I, 0], the zeroed output projections) are exact in int8, so every draft is
+    still right and accepted; output equals plain decoding token for token."""
+    prompts, want = plain
+    reqs, eng = _run(chain, prompts, [_greedy()] * 3, algorithm="mtp", num_steps=3,
+                     draft_head_dtype="int8", draft_layer_dtype="int8")
+    assert eng.draft_layer_dtype == "int8"
+    assert eng.model.module().mtp.fc.weight[...].dtype == jnp.int8
+    for r, out in zip(reqs, want):
+        assert r.output_ids == out
+        assert r.num_draft_tokens > 0 and r.num_accepted_tokens == r.num_draft_tokens
+
+
 @pytest.mark.gpu  # the sampled round variant takes about a minute to compile on a 2-core CPU
 def test_near_greedy_sampled_rows_with_lowest_ids_equal_plain(chain, plain):
     """Sampled rows at temperature 1e-3 (one-hot filtered distributions, so the exact

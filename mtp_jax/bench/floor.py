@@ -3,7 +3,8 @@
 Weights read (the embedding only for the rows used; routed experts only for the experts hit
 under uniform routing), KV read over the context, GDN state read by the verify and read +
 written by the commit, and for k > 0 the MTP draft's weights and KV over its k calls (with a
-reduced draft vocabulary of N hot ids, the draft's LM head reads N rows instead of V).
+reduced draft vocabulary of N hot ids, the draft's LM head reads N rows instead of V; with
+an int8 draft head or layer, 1 byte per weight and 4 per row's scale).
 """
 
 from __future__ import annotations

@@ -145,13 +145,14 @@ def _check(model, ids, head_dtype, layer_dtype) -> None:
 
 def with_draft_head(model, hot_ids: np.ndarray | None, head_dtype: str | None = None,
                     layer_dtype: str | None = None):
-    """A :class:`~mtp_jax.models.loader.LoadedModel` whose MTP draft scores its own head: the
-    rows of ``hot_ids`` (``[N]`` ints in ``[0, V)``, unique; from
-    :func:`mtp_jax.spec.draft_vocab.hot_token_ids`; ``None``: all V), in the model dtype or,
-    with ``head_dtype="int8"``, as int8 rows (see the module docstring); and, with
-    ``layer_dtype="int8"``, whose draft projections (``mtp.fc`` and the MTP decoder layers'
-    :class:`~mtp_jax.models.layers.basic.Linear` / ``MergedLinear`` modules) run from int8
-    rows (:func:`~mtp_jax.models.layers.basic.quantize_projections`).
+    """A :class:`~mtp_jax.models.loader.LoadedModel` whose MTP draft has weights of its own.
+    With ``hot_ids`` or ``head_dtype``: its own head, the rows of ``hot_ids`` (``[N]`` ints in
+    ``[0, V)``, unique; from :func:`mtp_jax.spec.draft_vocab.hot_token_ids`; ``None``: all V),
+    in the model dtype or, with ``head_dtype="int8"``, as int8 rows (see the module
+    docstring). With ``layer_dtype="int8"``: draft projections (``mtp.fc`` and the MTP
+    decoder layers' :class:`~mtp_jax.models.layers.basic.Linear` / ``MergedLinear``
+    modules) that run from int8 rows
+    (:func:`~mtp_jax.models.layers.basic.quantize_projections`).
 
     ``hot_ids``, ``head_dtype`` and ``layer_dtype`` all ``None`` return ``model`` itself.
     Otherwise the new model shares every other parameter array with ``model`` and holds the

@@ -35,7 +35,8 @@ class Linear(nnx.Module):
     ``backend`` (static): how a call runs (:func:`pallas_kernels.gemv.gemv`: ``"xla"``,
     ``"reduce"``, ``"pallas"`` or ``"fused"``; the loader sets it from
     ``KernelBackends.gemv``). ``scale``: ``None``, or after :func:`quantize_projections` the
-    ``[out_features]`` float32 scales of ``weight``'s int8 rows."""
+    ``[out_features]`` float32 scales of ``weight``'s int8 rows (calls then take the int8
+    product and ignore ``backend``)."""
 
     def __init__(self, in_features: int, out_features: int, dtype, backend: str = "xla"):
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))
@@ -60,7 +61,7 @@ class MergedLinear(nnx.Module):
     ``backend`` (static): what a call runs (:func:`pallas_kernels.gemv.gemv`: ``"xla"``,
     ``"reduce"``, ``"pallas"`` or ``"fused"``; the loader sets it from ``KernelBackends.gemv``;
     a decoder layer reads ``"fused"`` on its MLP's merged gate/up to run the fused kernel).
-    ``scale``: as :class:`Linear`'s.
+    ``scale``: as :class:`Linear`'s (set: ``backend`` is ignored).
     """
 
     def __init__(self, weights: Sequence[jax.Array], backend: str = "xla"):
@@ -88,7 +89,11 @@ class MergedLinear(nnx.Module):
 
 def merge_linears(linears: Sequence[Linear]) -> MergedLinear:
     """A :class:`MergedLinear` of ``linears`` (their weights copied, in order; the first one's
-    ``backend``)."""
+    ``backend``). Raises ValueError for a quantized one (merge before
+    :func:`quantize_projections`)."""
+    if any(m.scale is not None for m in linears):
+        raise ValueError("merge_linears: the projections are int8 rows already; merge them "
+                         "before quantize_projections.")
     return MergedLinear([m.weight[...] for m in linears], backend=linears[0].backend)
 
 
@@ -110,7 +115,12 @@ def quantize_projections(module) -> int:
     (:func:`~mtp_jax.models.layers.int8_rows.quantize_rows`): ``weight`` becomes ``[out, in]``
     int8 and ``scale`` ``[out]`` float32, and calls take the int8 product. Other parameters
     (norms, embeddings, the routed experts' 3-D tensors) are left alone. Returns how many
-    projections were quantized (already quantized ones are skipped)."""
+    projections were quantized (already quantized ones are skipped).
+
+    For the MTP draft's subtree only (``model.mtp``, ``speculative_draft_layer_dtype``): code
+    that reads a projection's ``weight`` as floats (the LM head's rows for the draft head's
+    re-scoring, the fused norm + gate/up kernel of the target) must not meet int8 rows, and
+    :func:`merge_linears` refuses quantized ones."""
     count = 0
     quantize = jax.jit(quantize_rows)
     for _, node in nnx.iter_graph(module):

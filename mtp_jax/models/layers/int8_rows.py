@@ -1,4 +1,5 @@
-"""Weight-only int8 rows with one float32 scale per row, for the MTP draft's LM head.
+"""Weight-only int8 rows with one float32 scale per row, for the MTP draft's LM head and
+projections (``speculative_draft_head_dtype`` / ``speculative_draft_layer_dtype``).
 
 ``quantize_rows(w)`` stores ``w [N, K]`` as ``q [N, K] int8`` and ``scale [N] float32`` with
 ``w[n] ~= q[n] * scale[n]``: symmetric round-to-nearest, ``scale[n] = max_k |w[n, k]| / 127``
