@@ -436,6 +436,26 @@ def test_kernel_choices_are_refused_before_weights(monkeypatch, capsys):
     assert "invalid choice: 'reduce'" in capsys.readouterr().err
 
 
+def test_int8_draft_layer_rows(workdir, capsys):
+    """``--draft-layer-dtype model int8``: a k = 3 row per layer dtype, labelled, recorded in
+    the JSON, exact, and the int8 row's floor counting 1 byte per weight and 4 per row of
+    the draft's projections, k times per round."""
+    from mtp_jax.bench.floor import load_config
+    from mtp_jax.weights import names
+
+    rc, data, stdout, stderr = _bench(workdir, capsys, "int8layer", "--k", "3", "--batch", "1",
+                                      "--accept-lengths", "2.0", "--draft-layer-dtype",
+                                      "model", "int8")
+    assert rc == 0, stderr
+    assert "| 3 (int8 layer) |" in stdout
+    rows = data["results"]
+    assert [r["draft_layer_dtype"] for r in rows] == [None, "int8"]
+    assert all(r["exact"] for r in rows)
+    proj = names.mtp_projections(load_config(str(workdir / "tiny.json")))
+    saved = sum(o * i * 4 - o * (i + 4) for o, i in proj.values())
+    assert rows[0]["bytes"]["draft_weights"] - rows[1]["bytes"]["draft_weights"] == 3 * saved
+
+
 def test_row_plan_orders_forced_before_drafted_rows():
     """A k > 0 row with several rounds per call compares with its forced row's continuation,
     so the forced row (one round per call) runs first, whatever order the steps came in."""

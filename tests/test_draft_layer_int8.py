@@ -166,29 +166,12 @@ def test_planned_bytes_count_the_int8_layer(moe, head):
         draft_layer_bytes(moe.cfg, "int8") > 0
 
 
-def test_bench_runs_int8_layer_rows(tmp_path, capsys):
-    """``--draft-layer-dtype model int8``: a k = 3 row per layer dtype, labelled, recorded in
-    the JSON, exact, the int8 row's floor counting the int8 bytes; the bench's engine holds
-    the int8 draft."""
-    import json
-
-    from mtp_jax.bench import main
+def test_bench_engine_holds_the_int8_draft():
+    """The bench's engine for a k > 0 row with ``draft_layer_dtype="int8"`` runs the int8
+    draft (the bench's rows: ``test_bench.py``)."""
     from mtp_jax.bench.run import Settings, make_engine
 
-    ckpt = fixture_path("tiny_dense")
-    out = tmp_path / "o.json"
-    assert main(["--config", f"{ckpt}/config.json", "--k", "3", "--draft-layer-dtype", "model",
-                 "int8", "--prompt-len", "16", "--decode-tokens", "4", "--accept-lengths",
-                 "2.0", "--prefill-reps", "1", "--warmup-rounds", "1", "--dtype", "float32",
-                 "--out", str(out)]) == 0
-    assert "| 3 (int8 layer) |" in capsys.readouterr().out
-    rows = json.loads(out.read_text())["results"]
-    assert [r["draft_layer_dtype"] for r in rows] == [None, "int8"]
-    assert all(r["exact"] for r in rows)
-    cfg = ModelConfig.from_folder(ckpt)
-    saved = sum(o * i * 4 - o * (i + 4) for o, i in names.mtp_projections(cfg).values())
-    assert rows[0]["bytes"]["draft_weights"] - rows[1]["bytes"]["draft_weights"] == 3 * saved
-    model = load_model(ckpt, "float32", with_mtp=True)
+    model = load_model(fixture_path("tiny_dense"), "float32", with_mtp=True)
     eng = make_engine(model, 1, 3, Settings(prompt_len=16, decode_tokens=4,
                                             draft_layer_dtype="int8"))
     assert eng.model.module().mtp.fc.weight[...].dtype == jnp.int8
