@@ -4,6 +4,7 @@ check, and the persistent compilation cache (``mtp_jax.compile_cache``).
 Every cache folder here is under pytest's tmp_path; the jax cache settings are restored after
 the module, so nothing is written to the user's home."""
 
+import contextlib
 import json
 import os
 import warnings
@@ -55,12 +56,22 @@ def workdir(tmp_path_factory):
     return d
 
 
+@contextlib.contextmanager
+def _own_cache_folder():
+    """Ignore the warning that the compilation cache moves to this module's folder: another
+    test in the same process may have opened the suite's shared folder first."""
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", compile_cache.CompilationCacheWarning)
+        yield
+
+
 def _bench(workdir, capsys, name, *extra):
     from mtp_jax.bench import main
 
     out = workdir / f"{name}.json"
-    rc = main(["--config", str(workdir / "tiny.json"), *ARGS, "--out", str(out),
-               "--compilation-cache-dir", str(workdir / "xla"), *extra])
+    with _own_cache_folder():
+        rc = main(["--config", str(workdir / "tiny.json"), *ARGS, "--out", str(out),
+                   "--compilation-cache-dir", str(workdir / "xla"), *extra])
     cap = capsys.readouterr()
     return rc, json.loads(out.read_text()), cap.out, cap.err
 
@@ -70,13 +81,12 @@ def cold(workdir):
     """The first run: k 0 and 2, one and three rounds per call, cold compilation cache (rows:
     k = 0 at 1 and 3 steps per call, k = 2 forced, k = 2 at 3 rounds per call with its own
     drafts). Returns (rc, JSON, stdout, stderr)."""
-    import contextlib
     import io
 
     from mtp_jax.bench import main
 
     out, err = io.StringIO(), io.StringIO()
-    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+    with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err), _own_cache_folder():
         rc = main(["--config", str(workdir / "tiny.json"), *ARGS, "--k", "0", "2",
                    "--num-scheduler-steps", "1", "3", "--out", str(workdir / "cold.json"),
                    "--compilation-cache-dir", str(workdir / "xla")])

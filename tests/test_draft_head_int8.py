@@ -189,16 +189,19 @@ def test_bytes_for_memory_and_floor():
     assert full["draft_weights"] - int8["draft_weights"] == k * v * (2 * h - (h + 4))
 
 
-@pytest.mark.parametrize("kw, words", [
-    (dict(draft_head_dtype="fp8"), "unknown"),
-    (dict(draft_head_dtype="int8", algorithm="none"), "--speculative-algorithm mtp"),
-    (dict(draft_head_dtype="int8", algorithm="external"), "--speculative-algorithm mtp"),
+@pytest.mark.parametrize("part", ["head", "layer"])
+@pytest.mark.parametrize("algorithm, value, words", [
+    ("mtp", "fp8", "unknown"),
+    ("none", "int8", "--speculative-algorithm mtp"),
+    ("external", "int8", "--speculative-algorithm mtp"),
 ])
-def test_bad_settings_name_the_flag(kw, words):
-    spec = SpecConfig(**{"algorithm": "mtp", **kw})
+def test_bad_settings_name_the_flag(part, algorithm, value, words):
+    """Both draft dtypes (``speculative_draft_head_dtype``, ``..._layer_dtype``)."""
+    spec = SpecConfig(algorithm=algorithm, **{f"draft_{part}_dtype": value})
     with pytest.raises(ConfigError) as e:
         spec.validate()
-    assert FLAG in str(e.value) and words in str(e.value), str(e.value)
+    flag = f"speculative_draft_{part}_dtype (--speculative-draft-{part}-dtype)"
+    assert flag in str(e.value) and words in str(e.value), str(e.value)
 
 
 def test_cli_llm_and_bench_refuse_before_load(capsys, tmp_path):

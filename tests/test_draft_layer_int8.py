@@ -1,7 +1,8 @@
 """The int8 draft layer (``speculative_draft_layer_dtype="int8"``): the quantized projections
 against float64 numpy, which parameters are quantized (the draft's projections only, never
 the target's or a MoE layer's routed experts), the engine's output against plain decoding,
-the bytes counted for memory and the benchmark's floor, and the refusals.
+the bytes counted for memory and the benchmark's floor, and the refusals (the settings'
+own: ``test_draft_head_int8.py``, for both draft dtypes).
 """
 
 import dataclasses
@@ -189,18 +190,6 @@ def test_floor_counts_int8_draft_projections():
     assert int8["weights"] == full["weights"]  # the target stays in the model dtype
     saved = sum(o * i * 2 - o * (i + 4) for o, i in proj.values())
     assert full["draft_weights"] - int8["draft_weights"] == k * saved
-
-
-@pytest.mark.parametrize("kw, words", [
-    (dict(draft_layer_dtype="fp8"), "unknown"),
-    (dict(draft_layer_dtype="int8", algorithm="none"), "--speculative-algorithm mtp"),
-    (dict(draft_layer_dtype="int8", algorithm="external"), "--speculative-algorithm mtp"),
-])
-def test_bad_settings_name_the_flag(kw, words):
-    spec = SpecConfig(**{"algorithm": "mtp", **kw})
-    with pytest.raises(ConfigError) as e:
-        spec.validate()
-    assert FLAG in str(e.value) and words in str(e.value), str(e.value)
 
 
 def test_cli_llm_and_bench_take_the_option_and_refuse_before_load(capsys, tmp_path):
