@@ -10,7 +10,9 @@ fraction of 4.2 TB/s. ``err`` = max |y - ref| / max |ref| (ref: XLA with float32
 once). ``(default)`` marks the tiles ``gemv`` picks (``default_tiles``). ``reduce`` rows are
 XLA's multiply-reduce form (``pallas_kernels.gemv.reduce_form``; for several rows the same
 form reduced in ``[N, M, K]`` order; ``reduce_chunked``, for K > 8192, the form reduced over
-chunks of K first). About 4 minutes for all shapes on an H200 (mostly
+chunks of K first; ``reduce_split2`` / ``reduce_split4``, for one row and K <= 8192, the same
+over 2 or 4 chunks, for small projections such as the 2B shape's 2048 x 2048, which XLA's one
+row reduction reads at 1.95 TB/s). About 4 minutes for all shapes on an H200 (mostly
 compiles); ``--quick`` times only XLA's dot, the reduce form and the default tiles;
 ``--budget-s`` stops the sweep early.
 
@@ -199,6 +201,10 @@ def main():
                 progs.append(("sibling", chained(reduce_sibling_form)))
             if m == 1 and k > 8192:
                 progs.append(("reduce_chunked", chained(reduce_chunked_form)))
+            elif m == 1:  # shorter rows, more of them: more loads in flight on small N
+                for parts in (2, 4):
+                    progs.append((f"reduce_split{parts}", chained(
+                        functools.partial(reduce_chunked_form, chunk=k // parts))))
             tiles = candidates(n, k, m)
             if args.quick:
                 tiles = [t for t in tiles if t == default_tiles(n, k)]
