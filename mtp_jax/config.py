@@ -296,13 +296,14 @@ class SpecConfig:
                               f"is unknown; use one of {', '.join(SPECULATIVE_ALGORITHMS)} "
                               "(mtp also accepts nextn and eagle; external, a host callable "
                               "that drafts, is for the Python API: mtp_jax.spec.external).")
+        low = 0 if self.algorithm == "none" else 1  # 0 with speculation off, as SGLang's
         if (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
-                or not 1 <= self.num_steps <= MAX_SPECULATIVE_NUM_STEPS):
-            fix = ("leave it at the default 3 (it is unused with speculation off)"
+                or not low <= self.num_steps <= MAX_SPECULATIVE_NUM_STEPS):
+            fix = ("leave it at the default 3 or 0 (it is unused with speculation off)"
                    if self.algorithm == "none" else "pick k in that range (3 is a good default), "
                    "or turn speculation off with --speculative-algorithm none")
             raise ConfigError(f"speculative_num_steps (--speculative-num-steps) {self.num_steps!r} "
-                              f"is outside 1..{MAX_SPECULATIVE_NUM_STEPS}; {fix}.")
+                              f"is outside {low}..{MAX_SPECULATIVE_NUM_STEPS}; {fix}.")
         if self.draft_model_path and self.algorithm != "mtp":
             raise ConfigError(f"speculative_draft_model_path (--speculative-draft-model-path) "
                               f"{self.draft_model_path!r} was given but speculative_algorithm is "
@@ -396,8 +397,8 @@ class EngineConfig:
             raise ConfigError(f"num_pages {self.num_pages!r} must be an int >= 2 (or None to "
                               "size it from max_running_requests * max_model_len).")
         if self.dtype not in ("bfloat16", "float32", "float16"):
-            raise ConfigError(f"dtype {self.dtype!r} is not supported; use bfloat16, float16 "
-                              "or float32.")
+            raise ConfigError(f"dtype (--dtype) {self.dtype!r} is not supported; use auto, "
+                              "bfloat16, float16 or float32.")
         if self.page_size < 1 or self.page_size & (self.page_size - 1):
             raise ConfigError(f"page_size (--page-size) {self.page_size} must be a power of two; "
                               "use 16 (the default) or another power of two.")
@@ -414,9 +415,15 @@ class EngineConfig:
                               f"int in 1..{MAX_SCHEDULER_STEPS}; use 1 (the default: one round "
                               "per program call) or e.g. 4 for small models whose rounds are "
                               "shorter than the host's per-call work.")
+        t = self.max_total_tokens
+        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+            raise ConfigError(f"max_total_tokens (--max-total-tokens) {t!r} must be an int >= 1 "
+                              "(KV positions for all requests together); leave it unset to "
+                              "size the pools from --mem-fraction.")
         if self.chunked_prefill_size < 1:
-            raise ConfigError(f"chunked_prefill_size {self.chunked_prefill_size} must be >= 1 "
-                              "(prompt tokens per prefill chunk; default 2048).")
+            raise ConfigError(f"chunked_prefill_size (--chunked-prefill-size) "
+                              f"{self.chunked_prefill_size} must be >= 1 (prompt tokens per "
+                              "prefill chunk); use 2048 (the default).")
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len (--max-model-len) {self.max_model_len} must be "
                               ">= 2 (prompt plus output tokens); use 4096 (the default) or the "

@@ -8,6 +8,7 @@ import dataclasses
 import json
 import sys
 import time
+import warnings
 
 DEFAULT_PROMPT = "Explain speculative decoding in one paragraph."
 
@@ -19,8 +20,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None,
                    help="checkpoint folder (HF layout); default: a small built-in random-weight "
                         "qwen3_5_moe with the real Qwen3.5 tokenizer, made once in a cache folder")
-    p.add_argument("--prompt", action="append", default=None,
-                   help="prompt text; repeat for several prompts (default: a demo prompt)")
+    prompts = p.add_mutually_exclusive_group()  # one source of prompts, never one ignored
+    prompts.add_argument("--prompt", action="append", default=None,
+                         help="prompt text; repeat for several prompts (default: a demo "
+                              "prompt; not with --prompts-file)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
     p.add_argument("--max-tokens", type=int, default=64,
                    help="output tokens per prompt (default %(default)s)")
@@ -37,7 +40,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "drafting with the checkpoint's own MTP layer, are synonyms) or none "
                    "(external drafters are Python API only)")
     p.add_argument("--speculative-num-steps", type=int, default=3,
-                   help="k drafted tokens per round, 1..8 (default 3)")
+                   help="k drafted tokens per round, 1..8 (default 3; unused, and 0 taken, with "
+                        "speculation off)")
     p.add_argument("--speculative-draft-model-path", "--spec-draft-model",
                    dest="speculative_draft_model_path", default=None,
                    help="folder holding the mtp.* draft, or a Hugging Face repo id (name or "
@@ -76,10 +80,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dummy-weight", action="store_true",
                    help="random weights of the checkpoint's shapes instead of its weights "
                         "(benchmarks; needs --speculative-algorithm none)")
-    p.add_argument("--prompts-file", default=None,
-                   help="JSONL file, one request per line: {\"prompt\": text or token ids, and "
-                        "optional temperature, top_p, top_k, max_tokens, seed, stop, "
-                        "stop_token_ids, ignore_eos (default: the flags)}; results in order")
+    prompts.add_argument("--prompts-file", default=None,
+                         help="JSONL file, one request per line: {\"prompt\": text or token "
+                              "ids, and optional temperature, top_p, top_k, max_tokens, seed, "
+                              "stop, stop_token_ids, ignore_eos (default: the flags)}; results "
+                              "in order; not with --prompt")
     p.add_argument("--chunked-prefill-size", type=int, default=2048,
                    help="prompt tokens prefilled per scheduler step (default %(default)s)")
     p.add_argument("--disable-prefix-cache", action="store_true",
@@ -151,9 +156,22 @@ def _stats_line(out, seconds: float) -> str:
             f"accept_length={al} acceptance_rate={ar} finish_reason={out.finish_reason}")
 
 
+def _show_warning(message, category, filename, lineno, file=None, line=None) -> None:
+    """A warning as one ``warning: ...`` line on stderr (the CLI's users need the message,
+    not the source line that raised it)."""
+    print(f"warning: {message}", file=sys.stderr if file is None else file)
+
+
 def main(argv=None) -> int:
     """Run the CLI; returns the exit status: 0 all prompts done, 1 some prompt refused (its
-    ``error`` printed), 2 bad settings, files or a lone bad prompt (message on stderr)."""
+    ``error`` printed), 2 bad settings, files or a lone bad prompt (message on stderr).
+    Warnings print as ``warning: ...`` lines on stderr."""
+    with warnings.catch_warnings():  # restores the process's warning display afterwards
+        warnings.showwarning = _show_warning
+        return _main(argv)
+
+
+def _main(argv) -> int:
     args = build_parser().parse_args(argv)
     from mtp_jax import LLM, RequestOutput, SamplingParams
     from mtp_jax.config import ConfigError
@@ -254,10 +272,12 @@ def main(argv=None) -> int:
         if args.json:
             print(json.dumps({
                 "prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
-                "prompt_tokens": len(out.prompt_token_ids), "output_tokens": len(out.token_ids),
+                "prompt_tokens": (None if out.finish_reason == "error"  # never tokenized
+                                  and not out.prompt_token_ids else len(out.prompt_token_ids)),
+                "output_tokens": len(out.token_ids),
                 "finish_reason": out.finish_reason, "error": out.error,
                 "seconds": round(seconds, 4),
-                "tokens_per_second": len(out.token_ids) / max(seconds, 1e-9),
+                "tokens_per_second": round(len(out.token_ids) / max(seconds, 1e-9), 2),
                 "accept_length": out.accept_length, "acceptance_rate": out.acceptance_rate,
                 "num_rounds": out.num_rounds, "cached_tokens": out.cached_tokens}))
         elif out.finish_reason == "error":

@@ -145,7 +145,27 @@ def test_sampling_params_count_and_type(llm, run_spy):
         llm.generate(_good(3), [SamplingParams()] * 2)
     with pytest.raises(ValueError, match=r"sampling_params\[0\] is dict, not SamplingParams"):
         llm.generate(_good(1), [{"temperature": 0}])
+    with pytest.raises(ValueError, match=r"sampling_params is a dict; pass a SamplingParams"):
+        llm.generate(_good(1), {"temperature": 0})
+    for bad in (5, None):
+        with pytest.raises(ValueError, match=rf"prompts {bad} \(\w+\) must be a string, a list "
+                                             "of token ids, or a list of either"):
+            llm.generate(bad, SamplingParams())
     assert run_spy == []
+
+
+def test_stop_token_ids_outside_the_vocabulary(llm, run_spy):
+    """A stop id the model can never emit is refused like a prompt id outside the vocabulary:
+    alone it raises before any work; among several, that request fails alone."""
+    bad = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[3, VOCAB])
+    with pytest.raises(ValueError, match=rf"stop_token_ids \[{VOCAB}\] are outside the "
+                                         rf"vocabulary \[0, {VOCAB}\)"):
+        llm.generate(_good(1), bad)
+    assert run_spy == []
+    ok = SamplingParams(temperature=0, max_tokens=4, stop_token_ids=[VOCAB - 1])
+    outs = llm.generate(_good(2), [bad, ok])
+    assert outs[0].finish_reason == "error" and "stop_token_ids" in outs[0].error
+    assert outs[1].error is None and len(outs[1].token_ids) >= 1
 
 
 @pytest.mark.parametrize("args,message", [
@@ -163,6 +183,40 @@ def test_cli_bad_requests(args, message, capsys):
     assert generate.main(["--model", CKPT, "--spec-algo", "none"] + args) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and message in err and "Traceback" not in err
+
+
+def test_cli_prompt_and_prompts_file_refused_together(tmp_path, capsys):
+    """Two sources of prompts: argparse refuses the pair rather than ignore one."""
+    from mtp_jax import generate
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": [5, 6]}\n')
+    with pytest.raises(SystemExit) as e:
+        generate.main(["--model", CKPT, "--prompt", "hi", "--prompts-file", str(f)])
+    assert e.value.code == 2
+    assert "not allowed with argument" in capsys.readouterr().err
+
+
+def test_cli_warnings_print_as_one_line(monkeypatch, capsys):
+    """A warning raised while the CLI runs prints as ``warning: <message>``, without the
+    Python source line that raised it."""
+    import warnings
+
+    import mtp_jax
+    from mtp_jax import generate
+    from mtp_jax.config import ConfigError
+    from mtp_jax.engine.engine import MultiStepWarning
+
+    def fake_llm(*args, **kwargs):
+        warnings.warn("calls near snapshot boundaries run one round", MultiStepWarning)
+        raise ConfigError("stop here")
+
+    monkeypatch.setattr(mtp_jax, "LLM", fake_llm)
+    assert generate.main(["--model", CKPT]) == 2
+    err = capsys.readouterr().err
+    assert "warning: calls near snapshot boundaries run one round\n" in err
+    assert "MultiStepWarning" not in err and "fake_llm" not in err and "warnings.warn" not in err
+    assert "error: stop here" in err
 
 
 def test_cli_several_prompts_report_each_error(capsys):

@@ -54,10 +54,10 @@ CASES = [
      r"9 is outside 1\.\.8; pick k in that range .*--speculative-algorithm none", "none"),
     ("num_steps_bool", lambda t, s: dict(speculative_num_steps=True), (),
      r"True is outside 1\.\.8", "none"),
-    ("num_steps_0_spec_off", lambda t, s: dict(speculative_algorithm="none",
-                                               speculative_num_steps=0), (),
-     r"0 is outside 1\.\.8; leave it at the default 3 \(it is unused with speculation off\)",
-     "none"),
+    ("num_steps_negative_spec_off", lambda t, s: dict(speculative_algorithm="none",
+                                                      speculative_num_steps=-1), (),
+     r"-1 is outside 0\.\.8; leave it at the default 3 or 0 \(it is unused with speculation "
+     r"off\)", "none"),
     ("unknown_algorithm", lambda t, s: dict(speculative_algorithm="medusa"), (),
      r"'medusa' is unknown; use one of none, mtp, external", "none"),
     ("draft_with_spec_off", lambda t, s: dict(speculative_algorithm="none",
@@ -234,7 +234,22 @@ CLI_CASES = [
     (["--spec-draft-model", "./missing"], "'./missing' is not a folder on this machine"),
     (["--spec-algo", "external"], "'external' needs a proposer callable"),
     (["--max-running-requests", "0"], "max_running_requests (--max-running-requests) 0"),
+    (["--max-total-tokens", "-3"], "max_total_tokens (--max-total-tokens) -3 must be an int >= 1"),
+    (["--mem-fraction", "2"], "mem_fraction (--mem-fraction) 2.0 must be in (0, 1]"),
+    (["--chunked-prefill-size", "0"], "chunked_prefill_size (--chunked-prefill-size) 0 must be"),
 ]
+
+
+def test_num_steps_zero_taken_with_speculation_off_only():
+    """SGLang users pass --speculative-num-steps 0 with speculation off: taken there (k = 0),
+    refused with MTP, which needs a draft."""
+    from mtp_jax.config import ConfigError, SpecConfig
+
+    off = SpecConfig(algorithm="none", num_steps=0)
+    off.validate()
+    assert off.k == 0
+    with pytest.raises(ConfigError, match=r"0 is outside 1\.\.8"):
+        SpecConfig(algorithm="mtp", num_steps=0).validate()
 
 
 @pytest.mark.parametrize("args,message", CLI_CASES, ids=[" ".join(c[0]) for c in CLI_CASES])

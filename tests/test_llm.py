@@ -186,6 +186,7 @@ def test_cli_prompts_file_bad_sampling_line_fails_alone(tmp_path, capsys):
     recs = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
     assert recs[0]["output_tokens"] == 2 and recs[0]["finish_reason"] in ("length", "stop")
     assert recs[1]["finish_reason"] == "error" and "request 2" in recs[1]["error"]
+    assert recs[0]["prompt_tokens"] == len(p[0]) and recs[1]["prompt_tokens"] is None
 
 
 def test_warmup_compiles_everything_the_run_calls(llm_mtp):

@@ -66,9 +66,14 @@ def test_budget_from_device_memory_and_refusal():
         plan_memory(cfg, dtype="bfloat16", page_size=16, max_running_requests=4,
                     max_model_len=100000, k=3, mtp=True, weights_bytes=w,
                     device_bytes=10 * 2**20, mem_fraction=0.9)
-    with pytest.raises(ConfigError, match="needs 4 KV pages"):
+    with pytest.raises(ConfigError, match=r"max_model_len=50 tokens \(\+3 for the verify window "
+                       r"and draft chain\) needs 4 KV pages.*max_total_tokens=40\. Raise "
+                       r"--max-total-tokens to at least 64 or lower --max-model-len\.$"):
         plan_memory(cfg, dtype="float32", page_size=16, max_running_requests=1,
                     max_model_len=50, k=1, mtp=False, weights_bytes=w, max_total_tokens=40)
+    with pytest.raises(ConfigError, match=r"max_model_len=60 tokens \(\+1\) needs 4 KV pages"):
+        plan_memory(cfg, dtype="float32", page_size=16, max_running_requests=1,
+                    max_model_len=60, k=0, mtp=False, weights_bytes=w, max_total_tokens=40)
 
 
 def test_resize_cache_keeps_generation_working(model):

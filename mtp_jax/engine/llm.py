@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import numbers
+from collections.abc import Iterable
 from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
@@ -41,9 +42,11 @@ class LLM:
         random-weight qwen3_5_moe with the real Qwen3.5 tokenizer, made once in a cache folder).
       dtype: ``"auto"`` (bf16 on GPU, f32 on CPU), ``"bfloat16"``, ``"float16"``, ``"float32"``.
       max_running_requests: requests in flight at once (batch bucket limit).
-      speculative_algorithm: ``"mtp"`` (default when the checkpoint has an MTP layer),
+      speculative_algorithm: ``"mtp"`` (the default: the checkpoint's MTP layer drafts; a
+        checkpoint without one is refused unless ``speculative_draft_model_path`` gives one),
         ``"external"`` (drafts from ``proposer``) or ``"none"``/``None``.
-      speculative_num_steps: k drafted tokens per round, 1..8 (default 3).
+      speculative_num_steps: k drafted tokens per round, 1..8 (default 3); 0 is also taken
+        with speculation off, where it is unused.
       speculative_draft_model_path: a folder holding the ``mtp.*`` draft tensors (default: the
         target checkpoint itself).
       speculative_draft_vocab_size, speculative_token_map: MTP only; the draft scores only a
@@ -273,11 +276,16 @@ class LLM:
         if len(ids) >= self.engine.max_model_len:
             raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len "
                              f"{self.engine.max_model_len} (it needs room for one output token); "
-                             "raise max_model_len or shorten the prompt.")
+                             "raise max_model_len (--max-model-len) or shorten the prompt.")
         return text, ids
 
     def _request(self, prompt, params: SamplingParams) -> Request:
         text, ids = self._prompt_ids(prompt)
+        vocab = self.model.cfg.vocab_size
+        bad = [t for t in params.stop_token_ids if t >= vocab]
+        if bad:  # such an id could never be generated: the stop would never fire
+            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab}); "
+                             "use ids from this checkpoint's tokenizer.")
         index = self._next_id
         self._next_id += 1
         seed = params.seed if params.seed is not None else (self.seed * 1000003 + index) % 2**32
@@ -305,11 +313,18 @@ class LLM:
             and isinstance(prompts[0], numbers.Integral))
         if single or (hasattr(prompts, "ndim") and prompts.ndim == 1):
             prompts = [prompts]
+        if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, dict)):
+            raise ValueError(f"prompts {prompts!r} ({type(prompts).__name__}) must be a string, "
+                             "a list of token ids, or a list of either.")
         prompts = list(prompts)
         if sampling_params is None:
             sampling_params = SamplingParams()
         if isinstance(sampling_params, SamplingParams):
             sampling_params = [sampling_params] * len(prompts)
+        if not isinstance(sampling_params, (list, tuple)):
+            raise ValueError(f"sampling_params is a {type(sampling_params).__name__}; pass a "
+                             "SamplingParams (e.g. SamplingParams(**d) for a dict d) or a list "
+                             "of one per prompt.")
         sampling_params = list(sampling_params)
         if len(sampling_params) != len(prompts):
             raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts; "

@@ -88,7 +88,8 @@ def plan_memory(cfg: ModelConfig, *, dtype: str, page_size: int, max_running_req
     ``max_model_len`` tokens plus its verify window and draft chain does not fit.
     """
     if not 0 < mem_fraction <= 1:
-        raise ConfigError(f"mem_fraction {mem_fraction} must be in (0, 1].")
+        raise ConfigError(f"mem_fraction (--mem-fraction) {mem_fraction} must be in (0, 1]; use "
+                          "0.9 (the default) or the share of device memory to use.")
     slots = max_running_requests + 1
     pb = page_bytes(cfg, page_size, dtype, mtp)
     sb = slot_bytes(cfg, k, dtype, mtp)
@@ -107,14 +108,21 @@ def plan_memory(cfg: ModelConfig, *, dtype: str, page_size: int, max_running_req
         num_pages = 1 + max_running_requests * per_request
     if num_pages - 1 < per_request:
         have = (num_pages - 1) * page_size
+        extra = f" (+{2 * k + 1} for the verify window and draft chain)" if k else " (+1)"
+        if max_total_tokens is not None:
+            fix = (f"max_total_tokens={max_total_tokens}. Raise --max-total-tokens to at least "
+                   f"{per_request * page_size} or lower --max-model-len.")
+        else:
+            fix = (f"weights {weights_bytes / 2**30:.2f} GiB, {slots} slots x "
+                   f"{sb / 2**20:.1f} MiB of state"
+                   + (f", budget {budget / 2**30:.2f} GiB (mem_fraction={mem_fraction})"
+                      if budget else "")
+                   + ". Lower --max-model-len or --max-running-requests, or raise "
+                     "--mem-fraction or --max-total-tokens.")
         raise ConfigError(
-            f"one request of max_model_len={max_model_len} tokens (+{2 * k + 1} for the verify "
-            f"window and draft chain) needs {per_request} KV pages of {page_size} tokens, but "
-            f"the budget leaves {max(0, num_pages - 1)} pages ({have} tokens): weights "
-            f"{weights_bytes / 2**30:.2f} GiB, {slots} slots x {sb / 2**20:.1f} MiB of state"
-            + (f", budget {budget / 2**30:.2f} GiB (mem_fraction={mem_fraction})" if budget else "")
-            + ". Lower --max-model-len or --max-running-requests, or raise --mem-fraction / "
-              "--max-total-tokens.")
+            f"one request of max_model_len={max_model_len} tokens{extra} needs {per_request} KV "
+            f"pages of {page_size} tokens, but the budget leaves {max(0, num_pages - 1)} pages "
+            f"({have} tokens): {fix}")
     return MemoryPlan(num_pages=int(num_pages), slots=slots, page_bytes=pb, slot_bytes=sb,
                       weights_bytes=int(weights_bytes), budget_bytes=budget,
                       snapshots=snapshots, snapshot_bytes=snap_b)

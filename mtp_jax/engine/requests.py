@@ -11,12 +11,15 @@ from typing import Sequence
 
 @dataclasses.dataclass
 class SamplingParams:
-    """Sampling and stopping settings of one request (vLLM-compatible names).
+    """Sampling and stopping settings of one request (vLLM's names for the fields it has; one
+    sample per request: vLLM's ``n``, ``best_of`` and penalties are not supported, so repeat a
+    prompt for several samples).
 
     temperature: >= 0, 0 = greedy. top_k: -1 (or 0) = off, else >= 1. top_p: in (0, 1].
     max_tokens: >= 1 output tokens. seed: int or None (then the engine's seed and the request's
     index). stop: strings that end the output (excluded from the text); stop_token_ids: extra
-    ids that end it (included); ignore_eos: do not stop at the checkpoint's EOS ids.
+    ids that end it (included; ids outside the checkpoint's vocabulary are refused by
+    ``LLM.generate``); ignore_eos: do not stop at the checkpoint's EOS ids.
     Raises ``ValueError`` at construction for out-of-range values.
     """
 

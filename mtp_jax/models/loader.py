@@ -35,7 +35,8 @@ def resolve_dtype(dtype: str | None) -> str:
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
     name = getattr(jnp.dtype(dtype), "name", str(dtype)) if not isinstance(dtype, str) else dtype
     if name not in DTYPES:
-        raise ConfigError(f"dtype {dtype!r} is not supported; use bfloat16, float16 or float32.")
+        raise ConfigError(f"dtype (--dtype) {dtype!r} is not supported; use auto (bfloat16 on a "
+                          "GPU, float32 on CPU), bfloat16, float16 or float32.")
     return name
 
 

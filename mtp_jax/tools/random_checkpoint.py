@@ -366,14 +366,18 @@ def write_random_checkpoint(config: dict | str, out_dir: str, dtype: str = "bflo
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description="Write a random-weight Qwen3.5-family checkpoint.")
+    ap = argparse.ArgumentParser(prog="python -m mtp_jax.tools.random_checkpoint",
+                                 description="Write a random-weight Qwen3.5-family checkpoint.")
     ap.add_argument("--config", required=True, help="config.json (or a folder holding one)")
     ap.add_argument("--out", required=True, help="output folder")
     ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
     ap.add_argument("--experts", default="fused", choices=EXPERT_LAYOUTS)
     ap.add_argument("--mtp-experts", default=None, choices=EXPERT_LAYOUTS,
                     help="layout of the mtp.* experts (default: --experts)")
-    ap.add_argument("--no-mtp", action="store_true", help="leave out the mtp.* tensors")
+    ap.add_argument("--no-mtp", action="store_true",
+                    help="leave out the mtp.* tensors (config.json still declares the MTP "
+                         "layer, as some re-exports do: run the checkpoint with "
+                         "--speculative-algorithm none)")
     ap.add_argument("--shard-size-gb", type=float, default=2.0, help="GiB per shard")
     ap.add_argument("--seed", type=int, default=0)
     ap.add_argument("--tokenizer", action="store_true",

@@ -427,7 +427,8 @@ def resolve_dtype(dtype):
     if dtype in (None, "auto"):
         return "float32" if jax.default_backend() == "cpu" else "bfloat16"
     if dtype not in DTYPES:
-        raise ConfigError(f"dtype {dtype!r} is not supported; use bfloat16, float16 or float32.")
+        raise ConfigError(f"dtype (--dtype) {dtype!r} is not supported; use auto (bfloat16 on a "
+                          "GPU, float32 on CPU), bfloat16, float16 or float32.")
     return dtype
 
 
