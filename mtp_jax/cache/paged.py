@@ -63,11 +63,13 @@ def write_kv(pages: jax.Array, new: jax.Array, batch: AttentionBatch) -> jax.Arr
     Invalid rows go to the trash page. Returns the updated pages (donate the input to update in
     place).
     """
-    num_pages, page_size = pages.shape[:2]
+    page_size = pages.shape[1]
     page_idx = jnp.clip(batch.positions // page_size, 0, batch.page_table.shape[1] - 1)
     page = jnp.take_along_axis(batch.page_table, page_idx, axis=1)
-    slot = page * page_size + batch.positions % page_size
-    slot = jnp.where(batch.valid, slot, TRASH_PAGE * page_size)
-    flat = pages.reshape(num_pages * page_size, *pages.shape[2:])
-    flat = flat.at[slot.reshape(-1)].set(new.reshape(-1, *new.shape[2:]).astype(pages.dtype))
-    return flat.reshape(pages.shape)
+    page = jnp.where(batch.valid, page, TRASH_PAGE)
+    offset = jnp.where(batch.valid, batch.positions % page_size, 0)
+    # Scatter on the 4-D pool (no reshape to [P * page_size, ...]): with one row (B * T = 1)
+    # XLA turns the scatter into a dynamic-update-slice, and through the reshape the CPU
+    # fusion pass duplicated it into the attention gather, copying the whole pool 4x per call.
+    return pages.at[page.reshape(-1), offset.reshape(-1)].set(
+        new.reshape(-1, *new.shape[2:]).astype(pages.dtype))
