@@ -1,11 +1,13 @@
 """Paged attention entry point; ``backend`` picks the implementation.
 
 * ``"xla"``: :func:`~pallas_kernels.paged_attention.reference.paged_attention_reference` (gathers
-  the whole page table each call);
+  the whole page table each call), or, for a table of more than ``MAX_GATHER_KEYS`` keys,
+  :func:`~pallas_kernels.paged_attention.blocked.paged_attention_blocked` (key blocks up to the
+  largest query position, online softmax);
 * ``"pallas"``: the flash-decoding Triton kernel of :mod:`pallas_kernels.paged_attention.pallas`
   for decode and verify calls (``T <= MAX_KERNEL_T`` rows per request and at most
   ``MAX_QUERY_ROWS`` padded query rows per kv head), which reads each request's pages only up
-  to its largest query position. Longer calls (prefill chunks) use the reference.
+  to its largest query position. Longer calls (prefill chunks) take the ``"xla"`` path.
 
 A gated-attention layer on the ``pallas`` backend calls the kernel through
 :func:`~pallas_kernels.paged_attention.pallas.paged_attention_rows` on the query rows that
@@ -18,6 +20,7 @@ Both backends agree up to float rounding.
 from __future__ import annotations
 
 from pallas_kernels.common import interpret_mode
+from pallas_kernels.paged_attention.blocked import paged_attention_blocked, uses_blocks
 from pallas_kernels.paged_attention.pallas import (MAX_QUERY_ROWS, paged_attention_pallas,
                                                    padded_query_rows)
 from pallas_kernels.paged_attention.reference import paged_attention_reference
@@ -54,4 +57,6 @@ def paged_attention(q, k_pages, v_pages, page_table, q_positions, *, scale: floa
     if backend == "pallas" and uses_kernel(q.shape[1], q.shape[2], k_pages.shape[2]):
         return paged_attention_pallas(q, k_pages, v_pages, page_table, q_positions, scale=scale,
                                       interpret=interpret_mode(interpret))
+    if uses_blocks(k_pages.shape[1], page_table.shape[1]):
+        return paged_attention_blocked(q, k_pages, v_pages, page_table, q_positions, scale=scale)
     return paged_attention_reference(q, k_pages, v_pages, page_table, q_positions, scale=scale)
