@@ -6,8 +6,9 @@
 or its safetensors headers), never tensor data, and raises :class:`ConfigError` with a message
 that names the bad value, what is supported and the fix. In order:
 
-1. the settings alone: algorithm, ``speculative_num_steps`` 1..8 (0 too with speculation off), a draft path with speculation
-   off, engine sizing, MTP with dummy (random) weights, a proposer with the wrong algorithm;
+1. the settings alone: algorithm, ``speculative_num_steps`` 1..8 (0 too with speculation
+   off), a draft path with speculation off, engine sizing, MTP with dummy (random) weights, a
+   proposer with the wrong algorithm;
 2. the target: a GGUF file (refused; for a Qwen3.5-family GGUF with MTP: "MTP is not supported
    for <architecture> yet"), ``config.json`` (missing, unreadable, unknown ``model_type``);
 3. the family: a speculative algorithm with no draft registered for it

@@ -272,7 +272,7 @@ def _main(argv) -> int:
         if args.json:
             print(json.dumps({
                 "prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
-                "prompt_tokens": (None if out.finish_reason == "error"  # never tokenized
+                "prompt_tokens": (None if out.finish_reason == "error"  # ids not known
                                   and not out.prompt_token_ids else len(out.prompt_token_ids)),
                 "output_tokens": len(out.token_ids),
                 "finish_reason": out.finish_reason, "error": out.error,
