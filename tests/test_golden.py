@@ -123,3 +123,21 @@ def test_mtp_chained_step_matches_numpy(name):
     assert mtp_logits.shape == (B, T + 1, V)
     _close(mtp_logits[:, :T], g["mtp_logits"], f"{name} mtp logits (chained call, rows < T)")
     _close(mtp_logits[:, T], g["mtp_chain_logits"], f"{name} mtp chained-step logits")
+
+
+def test_forward_takes_params_as_an_argument():
+    """``forward(ids, params=p)`` inside the caller's own ``jax.jit`` (parameters as program
+    arguments, not constants) matches HF; all-zero parameters give all-zero logits, so the
+    passed pytree, not the loaded one, is what runs (``mtp_forward`` alike)."""
+    import jax
+
+    name = "tiny_dense"
+    g, m = _golden(name), _model(name)
+    forward = jax.jit(lambda p, ids: m.forward(ids, params=p)[0])
+    _close(forward(m.params, g["input_ids"]), g["logits"], f"{name} logits (params argument)")
+    zero = jax.tree_util.tree_map(np.zeros_like, m.params)
+    assert not np.any(np.asarray(forward(zero, g["input_ids"])))
+    mtp_logits, _ = m.mtp_forward(g["hidden"], g["mtp_next_ids"], params=zero)
+    assert not np.any(np.asarray(mtp_logits))
+    _close(m.mtp_forward(g["hidden"], g["mtp_next_ids"], params=m.params)[0], g["mtp_logits"],
+           f"{name} mtp logits (params argument)")

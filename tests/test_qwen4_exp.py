@@ -85,6 +85,18 @@ def test_prompt_logits(golden):
     _close(streams, golden["streams"], "pre-mixer streams")
 
 
+def test_forward_takes_params_as_an_argument(golden):
+    """``forward(ids, params=p)``: the passed pytree runs (all zeros: all-zero logits; the
+    loaded one, passed back in: the golden logits)."""
+    import jax
+
+    m = _model()
+    logits, _ = m.forward(golden["input_ids"], params=m.params)
+    _close(logits, golden["logits"], "prompt logits (params argument)")
+    zero = jax.tree_util.tree_map(np.zeros_like, m.params)
+    assert not np.any(np.asarray(m.forward(golden["input_ids"], params=zero)[0]))
+
+
 def test_cached_decode_and_greedy(golden):
     m = _model()
     ids, greedy = golden["input_ids"], golden["greedy_tokens"]

@@ -137,10 +137,13 @@ class LoadedModel:
     def _mtp_forward(self):
         return jax.jit(_mtp_forward_fn, static_argnums=(0,))
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, params=None):
         """Full forward without a cache.
 
-        Args: ``input_ids [B, T]`` int.
+        Args: ``input_ids [B, T]`` int; ``params``: a pytree shaped like :attr:`params` to run
+        with instead (e.g. the argument of your own ``jax.jit`` or ``jax.grad`` function:
+        ``jax.jit(lambda p, ids: m.forward(ids, params=p))``; a function that closes over
+        ``m.params`` instead bakes them into its program as constants).
         Returns: ``(logits [B, T, V] float32, hidden_states [B, T, H])``, hidden after the final
         norm (what the LM head reads), in the model dtype.
         """
@@ -148,13 +151,14 @@ class LoadedModel:
         if ids.ndim != 2:
             raise ValueError(f"forward takes input_ids [B, T]; got shape {ids.shape}. Add a batch "
                              "axis (e.g. ids[None]).")
-        return self._forward(self.graphdef, self.params, ids)
+        return self._forward(self.graphdef, self.params if params is None else params, ids)
 
-    def mtp_forward(self, hidden_states, next_token_ids):
+    def mtp_forward(self, hidden_states, next_token_ids, params=None):
         """Teacher-forced MTP draft rows at positions ``0..T-1``.
 
         Args: ``hidden_states [B, T, H]`` (target hidden after the final norm, or a previous
-        ``mtp_hidden`` row for a chained step), ``next_token_ids [B, T]`` (token t+1 per row).
+        ``mtp_hidden`` row for a chained step), ``next_token_ids [B, T]`` (token t+1 per row),
+        ``params`` as for :meth:`forward`.
         Returns: ``(logits [B, T, V] float32, mtp_hidden [B, T, H])`` (``mtp_hidden`` after
         ``mtp.norm``). Raises ``ValueError`` when the model was loaded without its draft.
         """
@@ -166,7 +170,8 @@ class LoadedModel:
         if hidden.ndim != 3 or nxt.shape != hidden.shape[:2]:
             raise ValueError(f"mtp_forward takes hidden_states [B, T, H] and next_token_ids "
                              f"[B, T]; got {hidden.shape} and {nxt.shape}.")
-        return self._mtp_forward(self.graphdef, self.params, hidden, nxt)
+        return self._mtp_forward(self.graphdef, self.params if params is None else params,
+                                 hidden, nxt)
 
 
 def _merge_projections(module) -> None:

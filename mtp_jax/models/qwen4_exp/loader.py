@@ -240,23 +240,26 @@ class LoadedQwen4Exp:
     def _mtp_forward(self):
         return _JIT_MTP
 
-    def forward(self, input_ids):
+    def forward(self, input_ids, params=None):
         """``input_ids [B, T]`` -> ``(logits [B, T, V] f32, streams [B, T, hc*H])`` where
-        ``streams`` are the pre-mixer residual streams (what the MTP head reads)."""
+        ``streams`` are the pre-mixer residual streams (what the MTP head reads). ``params``: a
+        pytree shaped like :attr:`params` to run with instead (may be traced); the ids must be
+        concrete (the PLE rows are looked up on the host)."""
         ids = np.asarray(input_ids)
         rows, _ = self.ple_rows(self.ngram_context(ids.shape[0]), ids)
-        return self._forward(self.graphdef, self.params, jnp.asarray(ids, jnp.int32),
-                             tuple(jnp.asarray(r) for r in rows))
+        return self._forward(self.graphdef, self.params if params is None else params,
+                             jnp.asarray(ids, jnp.int32), tuple(jnp.asarray(r) for r in rows))
 
-    def mtp_forward(self, hidden_states, next_token_ids):
+    def mtp_forward(self, hidden_states, next_token_ids, params=None):
         """Teacher-forced MTP rows at positions ``0..T-1``: ``hidden_states [B, T, hc*H]``
         (target streams, or a previous ``mtp_streams`` for a chained step), ``next_token_ids
-        [B, T]``. Returns ``(logits [B, T, V] f32, mtp_streams [B, T, hc*H])``."""
+        [B, T]``, ``params`` as for :meth:`forward`. Returns ``(logits [B, T, V] f32,
+        mtp_streams [B, T, hc*H])``."""
         if not self.has_mtp:
             raise ValueError("this model was loaded without its mtp.* draft; use "
                              "load_model(path, with_mtp=True).")
-        return self._mtp_forward(self.graphdef, self.params, jnp.asarray(hidden_states),
-                                 jnp.asarray(next_token_ids, jnp.int32))
+        return self._mtp_forward(self.graphdef, self.params if params is None else params,
+                                 jnp.asarray(hidden_states), jnp.asarray(next_token_ids, jnp.int32))
 
     # ---- cached decoding --------------------------------------------------------------------
     @functools.cached_property
