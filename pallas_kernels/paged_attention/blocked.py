@@ -17,7 +17,7 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-from pallas_kernels.paged_attention.reference import _MASKED
+from pallas_kernels.paged_attention.reference import MASKED_SCORE
 
 BLOCK_KEYS = 4096  # keys scored per loop step (rounded up to whole pages)
 MAX_GATHER_KEYS = 16384  # widest page table (in keys) that the one-shot reference takes
@@ -62,7 +62,7 @@ def paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
         s = jnp.einsum("btkgd,bskd->btkgs", qg, k, preferred_element_type=jnp.float32) * scale
         key_pos = j * keys + jnp.arange(keys, dtype=jnp.int32)
         visible = key_pos[None, None, :] <= q_positions[:, :, None]  # [B, T, keys]
-        s = jnp.where(visible[:, :, None, None, :], s, _MASKED)
+        s = jnp.where(visible[:, :, None, None, :], s, MASKED_SCORE)
         m_new = jnp.maximum(m, jnp.max(s, axis=-1))
         p = jnp.exp(s - m_new[..., None])
         corr = jnp.exp(m - m_new)
@@ -70,7 +70,7 @@ def paged_attention_blocked(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array
                         preferred_element_type=jnp.float32)
         return m_new, l * corr + jnp.sum(p, axis=-1), acc * corr[..., None] + pv
 
-    init = (jnp.full((b, t, hkv, group), _MASKED, jnp.float32),
+    init = (jnp.full((b, t, hkv, group), MASKED_SCORE, jnp.float32),
             jnp.zeros((b, t, hkv, group), jnp.float32),
             jnp.zeros((b, t, hkv, group, d), jnp.float32))
     _, l, acc = jax.lax.fori_loop(0, used, step, init)

@@ -9,7 +9,8 @@ from __future__ import annotations
 import jax
 import jax.numpy as jnp
 
-_MASKED = -1e30  # finite, so a row with no visible key gives zeros-weighted output, not NaN
+# Finite, so a row with no visible key gives a zeros-weighted output, not NaN.
+MASKED_SCORE = -1e30
 
 
 def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
@@ -40,7 +41,7 @@ def paged_attention_reference(q: jax.Array, k_pages: jax.Array, v_pages: jax.Arr
     # Slots a row cannot see may hold stale or never-written values (even NaN or inf); a zero
     # weight times NaN is NaN, so such values are zeroed rather than trusted to the weight.
     v = jnp.where(jnp.isfinite(v), v, 0)
-    scores = jnp.where(visible[:, :, None, None, :], scores, _MASKED)
+    scores = jnp.where(visible[:, :, None, None, :], scores, MASKED_SCORE)
     probs = jax.nn.softmax(scores, axis=-1)
     out = jnp.einsum("btkgs,bskd->btkgd", probs.astype(v.dtype), v,
                      preferred_element_type=jnp.float32)
