@@ -35,6 +35,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.keep_set import keep_mask
+
 __all__ = [
     "SALT_SAMPLE",
     "SALT_ACCEPT",
@@ -232,30 +234,7 @@ def filtered_probs(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
     e = jnp.exp((x - m) / t[..., None])
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
 
-    def keep_filtered(_):
-        # Rank tokens by logit descending, then index ascending (two sort keys => deterministic).
-        neg_sorted, idx_sorted = jax.lax.sort((-x, iota), dimension=x.ndim - 1, num_keys=2)
-        x_sorted = -neg_sorted
-        e_sorted = jnp.exp((x_sorted - m) / t[..., None])
-        in_k = iota < k_eff[..., None]
-        e_k = jnp.where(in_k, e_sorted, 0.0)
-        mass_k = jnp.sum(e_k, axis=-1, keepdims=True)
-        cum = jnp.cumsum(e_k, axis=-1)
-        # cumulative mass strictly before each rank
-        excl = jnp.concatenate([jnp.zeros_like(cum[..., :1]), cum[..., :-1]], axis=-1)
-        in_p = p_off[..., None] | (excl < top_p[..., None] * mass_k) | (iota == 0)
-        keep_sorted = in_k & in_p  # a prefix of the ranking
-        n_keep = jnp.sum(keep_sorted.astype(jnp.int32), axis=-1, keepdims=True)
-        last = n_keep - 1
-        v_last = jnp.take_along_axis(x_sorted, last, axis=-1)
-        i_last = jnp.take_along_axis(idx_sorted, last, axis=-1)
-        # Token i has rank <= last  <=>  x_i > v_last, or x_i == v_last and i <= i_last.
-        return (x > v_last) | ((x == v_last) & (iota <= i_last))
-
-    def keep_all(_):
-        return jnp.ones(x.shape, dtype=bool)
-
-    keep = jax.lax.cond(jnp.any(row_filters), keep_filtered, keep_all, None)
+    keep = keep_mask(x, m, t, k_eff, top_p, p_off, row_filters)
     w = jnp.where(keep, e, 0.0)
     probs = w / jnp.sum(w, axis=-1, keepdims=True)
     onehot = (iota == jnp.argmax(x, axis=-1)[..., None]).astype(jnp.float32)
