@@ -32,7 +32,9 @@ def build_parser() -> argparse.ArgumentParser:
                    help="nucleus sampling mass, in (0, 1]; 1 = off")
     p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 or 0 = off")
     p.add_argument("--seed", type=int, default=0,
-                   help="sampling seed, in [0, 2**32) (default %(default)s)")
+                   help="base sampling seed, in [0, 2**32) (default %(default)s): the i-th "
+                        "prompt samples with a seed made from it and i, so a repeated prompt "
+                        "gives another sample; a prompts-file line's own seed is used as it is")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the checkpoint's EOS tokens")
     p.add_argument("--speculative-algorithm", "--spec-algo", dest="speculative_algorithm",
@@ -177,8 +179,12 @@ def _main(argv) -> int:
     from mtp_jax.config import ConfigError
 
     try:
+        if not 0 <= args.seed < 2**32:
+            raise ValueError(f"seed (--seed) {args.seed} must be an int in [0, 2**32), e.g. "
+                             f"{args.seed % 2**32}.")
+        # Requests without their own seed take one from LLM(seed=--seed) and their index.
         defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        max_tokens=args.max_tokens, seed=args.seed, ignore_eos=args.ignore_eos)
+                        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
         try:
             params = SamplingParams(**defaults)
         except ValueError as e:  # name the flag that set the bad field

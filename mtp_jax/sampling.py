@@ -28,7 +28,6 @@ batch composition.
 from __future__ import annotations
 
 import dataclasses
-import math
 from typing import Iterable, Sequence
 
 import jax
@@ -48,6 +47,8 @@ __all__ = [
     "categorical",
     "sample",
 ]
+
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)  # larger temperatures overflow float32
 
 # Salts that separate the random streams of one row at one step. Keep them distinct.
 SALT_SAMPLE = 0  # plain (non-speculative) sampling of the next token
@@ -97,7 +98,8 @@ class SamplingTensors:
 
         Args:
           params: one ``(temperature, top_k, top_p, seed)`` tuple per row. ``temperature`` is a
-            finite float ``>= 0`` (0 = greedy); ``top_k`` an int (``<= 0`` or -1 = off);
+            float in ``[0, MAX_TEMPERATURE]`` (0 = greedy); ``top_k`` an int (``<= 0`` or -1 =
+            off; values from 2**31 up, beyond int32 and any vocabulary, are off too);
             ``top_p`` a float in (0, 1] (1.0 = off); ``seed`` an int in ``[0, 2**32)``.
           host: keep the fields as numpy arrays (a jitted program takes them as inputs without
             a separate transfer per field).
@@ -121,15 +123,15 @@ class SamplingTensors:
                     f"sampling params row {i} is {row!r}; expected a 4-tuple "
                     "(temperature, top_k, top_p, seed)") from None
             if isinstance(t, bool) or not isinstance(t, (int, float, np.integer, np.floating)) \
-                    or not math.isfinite(float(t)) or float(t) < 0:
+                    or not 0 <= float(t) <= MAX_TEMPERATURE:
                 raise ValueError(
-                    f"row {i}: temperature={t!r} is not supported; use a finite number >= 0 "
-                    "(0 means greedy)")
+                    f"row {i}: temperature={t!r} is not supported; use a number in [0, "
+                    f"{MAX_TEMPERATURE:.3g}] (0 means greedy; the bound is float32's largest)")
             if isinstance(k, bool) or not isinstance(k, (int, np.integer)):
                 raise ValueError(
                     f"row {i}: top_k={k!r} must be an int; use -1 (or 0) to disable top-k")
-            if not -(2**31) <= int(k) < 2**31:
-                raise ValueError(f"row {i}: top_k={k!r} does not fit int32; use -1 to disable")
+            if not 0 < int(k) < 2**31:  # off (<= 0), or at least any vocabulary: off too
+                k = -1
             if isinstance(p, bool) or not isinstance(p, (int, float, np.integer, np.floating)) \
                     or not (0.0 < float(p) <= 1.0):
                 raise ValueError(

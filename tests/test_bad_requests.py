@@ -99,9 +99,11 @@ def test_all_prompts_bad_in_a_batch(llm, run_spy):
 
 
 BAD_PARAMS = [
-    (dict(temperature=-0.1), r"temperature -0\.1 must be a finite number >= 0"),
-    (dict(temperature=math.nan), r"temperature nan must be a finite number"),
-    (dict(temperature="0.5"), r"temperature '0\.5' must be a finite number"),
+    (dict(temperature=-0.1), r"temperature -0\.1 must be a number in \[0, 3\.4e\+38\]"),
+    (dict(temperature=math.nan), r"temperature nan must be a number in \[0, "),
+    (dict(temperature=math.inf), r"temperature inf must be a number in \[0, "),
+    (dict(temperature=1e39), r"temperature 1e\+39 must be a number in \[0, .*float32"),
+    (dict(temperature="0.5"), r"temperature '0\.5' must be a number in \[0, "),
     (dict(top_p=0), r"top_p 0 must be in \(0, 1\]"),
     (dict(top_p=1.5), r"top_p 1\.5 must be in \(0, 1\]"),
     (dict(top_p=-0.2), r"top_p -0\.2 must be in \(0, 1\]"),
@@ -170,7 +172,8 @@ def test_stop_token_ids_outside_the_vocabulary(llm, run_spy):
 
 @pytest.mark.parametrize("args,message", [
     (["--max-tokens", "0"], "max_tokens (--max-tokens) 0 must be an int >= 1"),
-    (["--temperature", "-1"], "temperature (--temperature) -1.0 must be a finite number >= 0"),
+    (["--temperature", "-1"], "temperature (--temperature) -1.0 must be a number in [0, 3.4e+38]"),
+    (["--seed", "-1"], "seed (--seed) -1 must be an int in [0, 2**32), e.g. 4294967295."),
     (["--top-p", "1.5"], "top_p (--top-p) 1.5 must be in (0, 1]"),
     (["--top-k", "-3"], "top_k (--top-k) -3 must be an int"),
     (["--prompts-file", "/nonexistent/p.jsonl"],
@@ -229,3 +232,35 @@ def test_cli_several_prompts_report_each_error(capsys):
     recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
     assert [r["finish_reason"] for r in recs] == ["error", "error"]
     assert all("no tokenizer files" in r["error"] for r in recs)
+
+
+def test_top_k_beyond_int32_is_off_not_an_error(llm):
+    """top_k at or above the vocabulary is off, also from 2**31 up (beyond int32): the request
+    runs and samples as with top_k off, and the LLM keeps working."""
+    prompt = _good(1)[0]
+    sampled = dict(temperature=1.0, max_tokens=6, seed=9)
+    off = llm.generate(prompt, SamplingParams(top_k=-1, **sampled))[0]
+    huge = llm.generate(prompt, SamplingParams(top_k=2**31, **sampled))[0]
+    assert huge.error is None and huge.token_ids == off.token_ids
+
+
+def test_cli_seed_is_a_base_seed_per_prompt(tmp_path, capsys):
+    """--seed S gives prompt i a seed made from S and i: a repeated prompt gets another sample,
+    the same flags give the same texts, and a line's own seed is used as it is."""
+    from mtp_jax import generate
+
+    f = tmp_path / "p.jsonl"
+    f.write_text('{"prompt": [5, 6, 7]}\n{"prompt": [5, 6, 7]}\n'
+                 '{"prompt": [5, 6, 7], "seed": 123}\n')
+    flags = ["--model", CKPT, "--spec-algo", "none", "--prompts-file", str(f), "--json",
+             "--temperature", "2.0", "--max-tokens", "12", "--seed", "5"]
+
+    def run(extra=()):
+        assert generate.main(flags + list(extra)) == 0
+        return [json.loads(line)["token_ids"] for line in capsys.readouterr().out.splitlines()]
+
+    first, again = run(), run()
+    assert first == again
+    assert first[0] != first[1]
+    other_base = run(["--seed", "6"])
+    assert other_base[0] != first[0] and other_base[2] == first[2]

@@ -332,6 +332,14 @@ def test_sampling_tensors_validation(row, match):
         SamplingTensors.from_params([row])
 
 
+def test_sampling_tensors_top_k_beyond_int32_is_off_and_huge_temperature_refused():
+    st = SamplingTensors.from_params([(1.0, 2**31, 1.0, 0), (1.0, 10**12, 1.0, 0),
+                                      (1.0, 2**31 - 1, 1.0, 0), (1.0, 5, 1.0, 0)])
+    np.testing.assert_array_equal(np.asarray(st.top_k), [-1, -1, 2**31 - 1, 5])
+    with pytest.raises(ValueError, match="temperature"):
+        SamplingTensors.from_params([(1e39, -1, 1.0, 0)])
+
+
 def test_sampling_tensors_pad_too_small():
     with pytest.raises(ValueError, match="pad_to"):
         SamplingTensors.from_params([(0, -1, 1.0, 0)] * 3, pad_to=2)

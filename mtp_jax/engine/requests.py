@@ -4,9 +4,10 @@ per-request state of the scheduler."""
 from __future__ import annotations
 
 import dataclasses
-import math
 import numbers
 from typing import Sequence
+
+from mtp_jax.sampling import MAX_TEMPERATURE
 
 
 @dataclasses.dataclass
@@ -15,7 +16,8 @@ class SamplingParams:
     sample per request: vLLM's ``n``, ``best_of`` and penalties are not supported, so repeat a
     prompt for several samples).
 
-    temperature: >= 0, 0 = greedy. top_k: -1 (or 0) = off, else >= 1. top_p: in (0, 1].
+    temperature: in [0, 3.4e38] (float32's range), 0 = greedy. top_k: -1 (or 0) = off, else
+    >= 1 (a top_k at or above the vocabulary size keeps every id). top_p: in (0, 1].
     max_tokens: >= 1 output tokens. seed: int or None (then the engine's seed and the request's
     index). stop: strings that end the output (excluded from the text); stop_token_ids: extra
     ids that end it (included; ids outside the checkpoint's vocabulary are refused by
@@ -44,10 +46,10 @@ class SamplingParams:
         def is_num(v) -> bool:
             return isinstance(v, numbers.Real) and not isinstance(v, bool)
 
-        if not is_num(self.temperature) or not math.isfinite(self.temperature) \
-                or self.temperature < 0:
-            raise ValueError(f"temperature {self.temperature!r} must be a finite number >= 0 "
-                             "(0 means greedy).")
+        if not is_num(self.temperature) or not 0 <= self.temperature <= MAX_TEMPERATURE:
+            raise ValueError(f"temperature {self.temperature!r} must be a number in [0, "
+                             f"{MAX_TEMPERATURE:.3g}] (0 means greedy; float32's largest "
+                             "value bounds it).")
         if not is_num(self.top_p) or not 0 < self.top_p <= 1:
             raise ValueError(f"top_p {self.top_p!r} must be in (0, 1]; 1 turns it off.")
         if not is_int(self.top_k) or self.top_k < -1:
