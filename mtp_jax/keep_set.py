@@ -20,10 +20,10 @@ Two ways to find ``(v_last, i_last)``:
   ``T`` (the row may hold more ``T``-valued ids, in another id order). The answer is therefore
   the row's when ``v_last > T`` and, with top-k on, ``top_k`` ranks of correct values exist among
   the candidates (the top-k mass needs them); the function reports that per row as ``valid``.
-  :func:`keep_mask` takes the sorted answer for the rows where it is not (for typical sampling
-  settings on a real model the kept set is a few hundred ids or fewer, far inside the
-  candidates), so the result is the sorted one for every row, up to float32 summation order
-  in the masses.
+  :func:`keep_mask` takes the sorted answer for the rows where it is not (a flat row whose
+  top-p set spans much of the vocabulary; a peaked row, as a trained model mostly gives, keeps
+  far fewer ids than the 4,096 candidates), so the result is the sorted one for every row, up
+  to float32 summation order in the masses.
 """
 
 from __future__ import annotations
