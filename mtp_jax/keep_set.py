@@ -11,7 +11,8 @@ Two ways to find ``(v_last, i_last)``:
 * :func:`prefix_end_sorted`: sort the whole row (two keys). Exact for any row, but on an H200
   ``filtered_probs`` with top-p took 1.0 ms for 7 rows of 248,320 ids (the sampled rows of a
   batch-1 k = 3 round: 40% of the 2B round) and 20 ms for 224 rows (batch 32), against 0.09
-  and 0.36 ms with no filter (``docs/benchmarks.md``, session 20).
+  and 0.36 ms with no filter (``docs/benchmarks.md``, session 20). The candidates took
+  0.41 and 3.6 ms where the sort took 0.86 and 14.2 ms on another H200 (peaked rows).
 * :func:`prefix_end_candidates`: cut the row into ``num_chunks`` chunks and take each chunk's
   ``per_chunk`` largest logits (``lax.top_k``); sort only those candidates. With ``T`` the
   largest of the chunks' ``per_chunk``-th values, every logit ``> T`` is a candidate (its chunk
