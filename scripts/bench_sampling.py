@@ -17,9 +17,7 @@ from __future__ import annotations
 
 import argparse
 import os
-import statistics
 import sys
-import time
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -27,6 +25,7 @@ import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
 from mtp_jax import keep_set, sampling  # noqa: E402
+from bench_draft_head import _time  # noqa: E402  (scripts/, this script's folder)
 
 VOCAB = 248320
 SETTINGS = (("top_p 0.9", 0, 0.9), ("top_k 50", 50, 1.0), ("k 50, p 0.95", 50, 0.95),
@@ -34,13 +33,7 @@ SETTINGS = (("top_p 0.9", 0, 0.9), ("top_k 50", 50, 1.0), ("k 50, p 0.95", 50, 0
 
 
 def median_ms(fn, *args, reps: int) -> float:
-    jax.block_until_ready(fn(*args))
-    times = []
-    for _ in range(reps):
-        t0 = time.perf_counter()
-        jax.block_until_ready(fn(*args))
-        times.append(time.perf_counter() - t0)
-    return statistics.median(times) * 1e3
+    return _time(fn, args, reps) * 1e3
 
 
 def logits(kind: str, rows: int) -> jax.Array:
