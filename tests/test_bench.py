@@ -475,6 +475,9 @@ def test_row_plan_orders_forced_before_drafted_rows():
     assert row_plan([0, 3], (4, 1)) == [(0, 4, *m), (0, 1, *m), (3, 1, *m), (3, 4, *m)]
     assert row_plan([3], (4,)) == [(3, 1, *m), (3, 4, *m)]
     assert row_plan([2], (1,)) == [(2, 1, *m)]
+    # sampled rows: no forced row, the k > 0 rows follow the steps as given
+    assert row_plan([0, 3], (4, 1), forced=False) == [(0, 4, *m), (0, 1, *m), (3, 4, *m),
+                                                      (3, 1, *m)]
     # --draft-head-dtype model int8: one k = 0 row, a set of k > 0 rows per head
     assert row_plan([0, 3], (4,), ["model", "int8"]) == [
         (0, 4, *m), (3, 1, *m), (3, 4, *m), (3, 1, "int8", None), (3, 4, "int8", None)]
@@ -506,3 +509,51 @@ def test_commit_is_read_only_at_the_top_of_a_checkout(tmp_path):
     assert _git("rev-parse", "--short", "HEAD", root=str(repo)) == head
     assert _git("rev-parse", "--short", "HEAD", root=str(repo / "copy")) is None
     assert _git("rev-parse", "--short", "HEAD", root=str(tmp_path)) is None  # no checkout
+
+
+def test_sampled_rows(workdir, capsys, monkeypatch):
+    """``--temperature 0.7 --top-p 0.9 --top-k 20``: a sampled k = 0 row and a sampled k = 2 row
+    with the drafts as drafted. Every round runs the programs' sampling variant (the engine
+    never picks the greedy-only one), nothing compiles in the timed phase, no exactness is
+    claimed, and the round / step ratio pairs the sampled rows with each other."""
+    from mtp_jax.engine import engine as engine_mod
+
+    picked = []
+    real = engine_mod._all_greedy
+
+    def spy(reqs):
+        picked.append(real(reqs))
+        return picked[-1]
+
+    monkeypatch.setattr(engine_mod, "_all_greedy", spy)
+    rc, data, stdout, stderr = _bench(workdir, capsys, "sampled", "--k", "0", "2",
+                                      "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20")
+    assert rc == 0, stderr
+    assert picked and not any(picked)  # every round: the sampling variant
+    rows = data["results"]
+    assert [(r["k"], r["steps_per_call"]) for r in rows] == [(0, 1), (2, 1)]
+    for r in rows:
+        assert r["sampling"] == {"temperature": 0.7, "top_p": 0.9, "top_k": 20}
+        assert r["exact"] is None and r["compiles_timed"] == 0
+        assert "forced" not in r and "decode_match" not in r
+    plain, spec = rows
+    assert plain["rounds_timed"] == DECODE
+    assert 1 <= spec["accept_length_measured"] <= 3
+    assert spec["accept_length_measured"] * spec["rounds_timed"] >= DECODE
+    assert {p["program"] for p in spec["programs"]} == {"prefill[T=16,k=2]",
+                                                       "round[B=2,k=2,sampled]"}
+    assert [x["sampling"] for x in data["round_to_step"]] == [rows[1]["sampling"]]
+    assert data["round_to_step"][0]["step_ms"] == plain["round_ms"]
+    assert "| tiny | 2 | 2 (sampled T=0.7 top_p=0.9 top_k=20) |" in stdout
+    assert "sampled(T=0.7 top_p=0.9 top_k=20)" in stderr
+
+
+def test_sampling_flags_are_checked_before_weights(workdir, capsys):
+    from mtp_jax.bench import main
+
+    rc = main(["--config", str(workdir / "tiny.json"), "--temperature", "0.7", "--top-p", "0",
+               "--out", str(workdir / "bad.json")])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--temperature / --top-p / --top-k: top_p 0.0 must be in (0, 1]" in err
+    assert not (workdir / "bad.json").exists()

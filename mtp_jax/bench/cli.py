@@ -78,6 +78,15 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "call (its drafts are forced between rounds); each value above 1 adds "
                         "a row with the drafts as drafted (round time and exactness; the "
                         "accept length is the model's); default 1")
+    p.add_argument("--temperature", type=float, nargs="+", default=[0.0],
+                   help="0: greedy rows (forced drafts, exactness checked); above 0: sampled "
+                        "rows with that temperature and --top-p / --top-k (every request "
+                        "samples, seeded; k > 0 rows take the drafts as drafted with rejection "
+                        "sampling; no exactness check), a set of rows per value (default 0)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="sampled rows' top_p (default 1: off)")
+    p.add_argument("--top-k", type=int, default=-1,
+                   help="sampled rows' top_k (default -1: off)")
     p.add_argument("--page-size", type=int, default=16,
                    help="tokens per KV page (default %(default)s)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"],
@@ -129,12 +138,14 @@ def _kernels(model) -> dict | None:
 
 
 def row_plan(ks: list[int], steps: tuple[int, ...], heads: list[str] = ("model",),
-             layers: list[str] = ("model",)) -> list[tuple[int, int, str | None, str | None]]:
+             layers: list[str] = ("model",),
+             forced: bool = True) -> list[tuple[int, int, str | None, str | None]]:
     """The ``(k, rounds per call, draft head dtype, draft layer dtype)`` rows of one batch, in
     order: k = 0 once per ``steps`` value; each k > 0, for each of ``heads`` and then each of
     ``layers`` (``"model"`` or ``"int8"``), first with one round per call (the forced-draft
-    row), then once per value above 1 (drafts as drafted). The dtypes are ``None`` for the
-    model dtype and in k = 0 rows."""
+    row), then once per value above 1 (drafts as drafted). Without ``forced`` (sampled rows:
+    drafts always as drafted) the k > 0 rows follow ``steps`` as given. The dtypes are
+    ``None`` for the model dtype and in k = 0 rows."""
     rows = []
     for k in ks:
         if k == 0:
@@ -142,8 +153,8 @@ def row_plan(ks: list[int], steps: tuple[int, ...], heads: list[str] = ("model",
             continue
         for head in dict.fromkeys(heads):
             for layer in dict.fromkeys(layers):
-                rows += [(k, n, _dtype(head), _dtype(layer))
-                         for n in (1, *sorted({n for n in steps if n > 1}))]
+                plan = (1, *sorted({n for n in steps if n > 1})) if forced else steps
+                rows += [(k, n, _dtype(head), _dtype(layer)) for n in dict.fromkeys(plan)]
     return rows
 
 
@@ -160,6 +171,7 @@ def _progress(r: dict) -> str:
     n += f" head={r['draft_head_dtype']}" if r.get("draft_head_dtype") else ""
     n += f" layer={r['draft_layer_dtype']}" if r.get("draft_layer_dtype") else ""
     n += f" steps/call={r['steps_per_call']}" if r.get("steps_per_call", 1) > 1 else ""
+    n += f" sampled({report.sampling_text(r['sampling'])})" if r.get("sampling") else ""
     return (f"{r['config']} B={r['batch']} k={r['k']}{n} round={r['round_ms']:.2f}ms "
             f"host={r['host_ms']:.2f}ms floor={r['floor_ms']:.2f}ms "
             f"({r['fraction_of_floor']:.0%}) tok/s={tps} "
@@ -194,6 +206,8 @@ def main(argv=None, description: str | None = None) -> int:
                      draft_layer_dtype=_dtype(args.draft_layer_dtype[0]),
                      num_scheduler_steps=tuple(args.num_scheduler_steps))
         s.validate()
+        for t in args.temperature:
+            dataclasses.replace(s, temperature=t, top_p=args.top_p, top_k=args.top_k).validate()
         for k in ks:
             if k and not any(1 <= a <= k + 1 for a in s.accept_lengths):
                 raise ValueError(f"--accept-lengths {list(s.accept_lengths)}: none can be "
@@ -224,10 +238,13 @@ def main(argv=None, description: str | None = None) -> int:
               flush=True)
         for b in args.batch:
             refs: dict = {}  # this batch's continuations, shared by its rows (bench_one)
-            for k, steps, head, layer in row_plan(ks, s.num_scheduler_steps,
-                                                  args.draft_head_dtype, args.draft_layer_dtype):
+            plan = [(t, *row) for t in dict.fromkeys(args.temperature)
+                    for row in row_plan(ks, s.num_scheduler_steps, args.draft_head_dtype,
+                                        args.draft_layer_dtype, forced=t == 0)]
+            for t, k, steps, head, layer in plan:
                 r = bench_one(model, b, k, dataclasses.replace(
-                    s, draft_head_dtype=head, draft_layer_dtype=layer), refs, steps)
+                    s, draft_head_dtype=head, draft_layer_dtype=layer, temperature=t,
+                    top_p=args.top_p, top_k=args.top_k), refs, steps)
                 r = {"config": path, **r, "kernel_backends": _kernels(model)}
                 results.append(r)
                 print(_progress(r), file=sys.stderr, flush=True)

@@ -67,13 +67,22 @@ def _n(x: float) -> str:
 
 def _k_cell(r: dict) -> str:
     """k, with the rounds (decode steps, or speculative rounds) per program call when above 1
-    and the draft head's and layer's dtypes when set (``0 (4/call)``, ``3 (4/call, int8
-    head, int8 layer)``)."""
+    the draft head's and layer's dtypes when set, and the sampling of a sampled row
+    (``0 (4/call)``, ``3 (4/call, int8 head, int8 layer)``, ``3 (sampled T=0.6 top_k=20)``)."""
     steps = r.get("steps_per_call", 1)
     notes = [f"{steps}/call"] if steps > 1 else []
     notes += [f"{r['draft_head_dtype']} head"] if r.get("draft_head_dtype") else []
     notes += [f"{r['draft_layer_dtype']} layer"] if r.get("draft_layer_dtype") else []
+    notes += [f"sampled {sampling_text(r['sampling'])}"] if r.get("sampling") else []
     return f"{r['k']} ({', '.join(notes)})" if notes else str(r["k"])
+
+
+def sampling_text(sampling: dict) -> str:
+    """``T=0.6 top_p=0.95 top_k=20`` (top_p / top_k left out when off)."""
+    out = [f"T={sampling['temperature']:g}"]
+    out += [f"top_p={sampling['top_p']:g}"] if sampling["top_p"] < 1 else []
+    out += [f"top_k={sampling['top_k']}"] if sampling["top_k"] > 0 else []
+    return " ".join(out)
 
 
 def main_table(results: list[dict]) -> str:
@@ -160,20 +169,26 @@ def bytes_table(results: list[dict]) -> str:
 
 def step_ratios(results: list[dict]) -> list[dict]:
     """Each k > 0 row's round time over the decode step (the k = 0 row) of the same shape,
-    batch and rounds per call: issue 5's "k = 3 round at most 1.25x the decode step". Rows
-    without such a k = 0 row are left out. Returns ``[{config, batch, k, steps_per_call,
-    round_ms, step_ms, ratio, draft_head_dtype, draft_layer_dtype}]``."""
-    steps = {(r["config"], r["batch"], r.get("steps_per_call", 1)): r["round_ms"]
-             for r in results if not r["k"]}
+    batch, rounds per call and sampling: issue 5's "k = 3 round at most 1.25x the decode
+    step". Rows without such a k = 0 row are left out. Returns ``[{config, batch, k,
+    steps_per_call, round_ms, step_ms, ratio, draft_head_dtype, draft_layer_dtype,
+    sampling}]``."""
+    def key_of(r: dict) -> tuple:
+        sampling = r.get("sampling")
+        return (r["config"], r["batch"], r.get("steps_per_call", 1),
+                sampling_text(sampling) if sampling else None)
+
+    steps = {key_of(r): r["round_ms"] for r in results if not r["k"]}
     out = []
     for r in results:
-        key = (r["config"], r["batch"], r.get("steps_per_call", 1))
+        key = key_of(r)
         if r["k"] and key in steps:
             out.append({"config": r["config"], "batch": r["batch"], "k": r["k"],
                         "steps_per_call": key[2], "round_ms": r["round_ms"],
                         "step_ms": steps[key], "ratio": r["round_ms"] / steps[key],
                         "draft_head_dtype": r.get("draft_head_dtype"),
-                        "draft_layer_dtype": r.get("draft_layer_dtype")})
+                        "draft_layer_dtype": r.get("draft_layer_dtype"),
+                        "sampling": r.get("sampling")})
     return out
 
 

@@ -23,6 +23,13 @@ drafts of round i + 1 are written on the device between the two dispatches
 (:func:`~mtp_jax.bench.forced.force_on_device`); its device time is inside the round times
 (a few microseconds) and its host dispatch time is reported apart (``overwrite_ms``). A k > 0
 row with several rounds per call (:func:`drafted_rounds`) keeps the MTP drafts as drafted.
+
+Sampled rows (``Settings.temperature`` > 0, with ``top_p`` / ``top_k``): every request samples
+(seeded), so the programs' sampling variant runs (filtering, draws, and for k > 0 rejection
+sampling of the drafts). k = 0 times decode steps as above; k > 0 takes the drafts as drafted
+(:func:`drafted_rounds`, at any rounds per call: nothing can be forced into a sampled
+acceptance). No exactness is checked on them (a sample has no single right continuation; the
+sampling tests check the distributions); the round time does not depend on acceptance.
 """
 
 from __future__ import annotations
@@ -71,6 +78,20 @@ class Settings:
     # the forced-draft row always runs one round per call (its drafts are written on the
     # device between rounds); each value above 1 adds a row with the drafts as drafted.
     num_scheduler_steps: tuple[int, ...] = (1,)
+    # Sampled rows when temperature > 0 (every request samples with these, seeded); 0: greedy
+    temperature: float = 0.0
+    top_p: float = 1.0
+    top_k: int = -1
+
+    @property
+    def sampled(self) -> bool:
+        return self.temperature > 0
+
+    def sampling_params(self, max_tokens: int) -> SamplingParams:
+        """The requests' parameters: greedy, or sampled with this temperature, top_p, top_k
+        (``ignore_eos``: every request decodes ``max_tokens``)."""
+        return SamplingParams(temperature=self.temperature, top_p=self.top_p,
+                              top_k=self.top_k, max_tokens=max_tokens, ignore_eos=True)
 
     def validate(self) -> None:
         for name in ("prompt_len", "decode_tokens", "warmup_rounds", "prefill_reps"):
@@ -89,6 +110,10 @@ class Settings:
                              "vocabulary.")
         SpecConfig(draft_head_dtype=self.draft_head_dtype,
                    draft_layer_dtype=self.draft_layer_dtype).validate()
+        try:
+            self.sampling_params(1).validate()
+        except ValueError as e:
+            raise ValueError(f"--temperature / --top-p / --top-k: {e}") from None
 
     @property
     def reference_len(self) -> int:
@@ -109,14 +134,17 @@ class Settings:
         return pages * ps - (2 * k + 1)
 
 
-def requests(batch: int, prompt_len: int, max_tokens: int, vocab: int, start: int):
-    """``batch`` greedy requests (``ignore_eos``) with random prompts, deterministic in
-    ``start`` (the first request's index)."""
+def requests(batch: int, prompt_len: int, max_tokens: int, vocab: int, start: int,
+             params: SamplingParams | None = None):
+    """``batch`` requests with random prompts, deterministic in ``start`` (the first request's
+    index): greedy (``ignore_eos``) unless ``params`` is given; request i's seed is
+    ``start + i``."""
     rng = np.random.default_rng(start)
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    if params is None:
+        params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
     return [Request(request_id=str(start + i), index=start + i, prompt=None,
                     prompt_ids=rng.integers(10, vocab - 10, prompt_len).tolist(), params=params,
-                    seed=0) for i in range(batch)]
+                    seed=start + i) for i in range(batch)]
 
 
 class Ledger:
@@ -161,6 +189,7 @@ def _bucket_names(eng: Engine, batch: int, k: int, s: Settings) -> tuple[str, st
     t = max(16, next_pow2(s.prompt_len))
     b = min(next_pow2(batch), next_pow2(eng.cfg.max_running_requests))
     steps = f",steps={eng.rounds_per_call}" if eng.rounds_per_call > 1 else ""
+    steps += ",sampled" if s.sampled else ""
     return f"prefill[T={t},k={k}]", f"round[B={b},k={k}{steps}]"
 
 
@@ -226,10 +255,11 @@ def _context(positions: list[float]) -> dict:
 
 def plain_decode(eng: Engine, reqs: list[Request], s: Settings, ledger: Ledger,
                  round_program: str | None, warm: str = "warmup",
-                 timed: str | None = "timed") -> dict:
+                 timed: str | None = "timed", fill_reference: bool = True) -> dict:
     """Warm-up calls, calls for ``decode_tokens`` timed steps (``timed=None``: untimed,
-    counted under ``warm``), then untimed calls until each request holds ``reference_len``
-    tokens. A call runs the engine's ``rounds_per_call`` steps; times are per step."""
+    counted under ``warm``), then (``fill_reference``) untimed calls until each request holds
+    ``reference_len`` tokens. A call runs the engine's ``rounds_per_call`` steps; times are
+    per step."""
     steps = eng.rounds_per_call
     with ledger.phase(warm, round_program):
         eng._run_round(reqs)
@@ -239,7 +269,7 @@ def plain_decode(eng: Engine, reqs: list[Request], s: Settings, ledger: Ledger,
     with ledger.phase(timed or warm):
         run = pipelined_rounds(eng, reqs, lambda got: len(got) * steps >= s.decode_tokens)
     with ledger.phase(warm):
-        while min(len(r.output_ids) for r in reqs) < s.reference_len:
+        while fill_reference and min(len(r.output_ids) for r in reqs) < s.reference_len:
             eng._run_round(reqs)
     tokens = len(run["times"]) * steps
     return {**_timing(run["times"], run["host"], steps), "context": _context(run["positions"]),
@@ -249,9 +279,9 @@ def plain_decode(eng: Engine, reqs: list[Request], s: Settings, ledger: Ledger,
 
 def drafted_rounds(eng: Engine, reqs: list[Request], s: Settings, ledger: Ledger,
                    round_program: str) -> dict:
-    """k > 0 with the engine's ``rounds_per_call`` (> 1) rounds per call, the drafts as the MTP
-    head drafted them (a multi-round call runs its rounds without the host, so nothing can be
-    forced between them): warm-up calls (``warmup_rounds`` rounds, at least one call), then
+    """k > 0 with the engine's ``rounds_per_call`` rounds per call (above 1, or a sampled row),
+    the drafts as the MTP head drafted them (a multi-round call runs its rounds without the
+    host, so nothing can be forced between them; a sampled acceptance cannot be forced): warm-up calls (``warmup_rounds`` rounds, at least one call), then
     calls until each request committed ``decode_tokens`` tokens. Times are per round; the round
     time does not depend on acceptance (fixed shapes), the measured accept length does (low
     with random weights). Leaves the requests' outputs in place."""
@@ -447,7 +477,7 @@ def bench_one(model, batch: int, k: int, s: Settings, refs: dict,
     """
     cfg = model.cfg
     ledger = Ledger()
-    if k and "plain" not in refs:
+    if k and not s.sampled and "plain" not in refs:
         refs["plain"] = plain_reference(model, batch, s, ledger)
     with ledger.phase("engine_setup"):
         eng = make_engine(model, batch, k, s, steps)
@@ -456,14 +486,23 @@ def bench_one(model, batch: int, k: int, s: Settings, refs: dict,
                  "decode_tokens": s.decode_tokens, "steps_per_call": steps,
                  "draft_vocab_size": s.draft_vocab_size if k else None,
                  "draft_head_dtype": s.draft_head_dtype if k else None,
-                 "draft_layer_dtype": s.draft_layer_dtype if k else None}
+                 "draft_layer_dtype": s.draft_layer_dtype if k else None,
+                 "sampling": ({"temperature": s.temperature, "top_p": s.top_p, "top_k": s.top_k}
+                              if s.sampled else None)}
     if s.engine_warmup:
         with ledger.phase("engine_warmup") as w:
             eng.warmup()
         res["engine_warmup"] = {"buckets": {"prefill": eng.prefill_buckets(),
                                             "batch": eng.batch_buckets()}, **w.as_dict()}
-    reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0)
-    if k and steps == 1:
+    reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0,
+                    s.sampling_params(10**9) if s.sampled else None)
+    if s.sampled:
+        prefill_all(eng, reqs, ledger, "warmup", names[0])
+        with ledger.phase("warmup"):
+            prefill_s = measure_prefill(eng, s, cfg.vocab_size)
+        row = _sampled_row(eng, reqs, k, s, ledger, names)
+        release_all(eng, reqs)
+    elif k and steps == 1:
         row, prefill_s = _forced_row(eng, reqs, k, s, refs, ledger, names)
     else:
         prefill_all(eng, reqs, ledger, "warmup", names[0])
@@ -507,6 +546,19 @@ def _plain_row(eng, reqs, k, s, refs, ledger, names) -> dict:
     refs.setdefault("plain", [list(r.output_ids[:s.reference_len]) for r in reqs])
     # exact None: plain decoding is the reference itself
     return {**run, "tokens_per_s": len(reqs) / (run["round_ms"] / 1e3), "exact": None}
+
+
+def _sampled_row(eng, reqs, k, s, ledger, names) -> dict:
+    """A sampled row (``reqs`` prefilled): k = 0, :func:`plain_decode`; k > 0,
+    :func:`drafted_rounds` (the measured accept length is the random model's) and the derived
+    tokens/s at the accept lengths a round can commit. ``exact`` is None (not checked)."""
+    if not k:
+        run = plain_decode(eng, reqs, s, ledger, names[1], fill_reference=False)
+        return {**run, "tokens_per_s": len(reqs) / (run["round_ms"] / 1e3), "exact": None}
+    run = drafted_rounds(eng, reqs, s, ledger, names[1])
+    return {**run, "exact": None, "tokens_per_s_at_accept_length": {
+        str(al): al * len(reqs) / (run["round_ms"] / 1e3) for al in s.accept_lengths
+        if 1 <= al <= k + 1}}
 
 
 def _drafted_row(eng, reqs, k, s, refs, ledger, names) -> dict:
