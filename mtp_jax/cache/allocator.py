@@ -27,3 +27,9 @@ class FreeList:
 
     def give_back(self, ids) -> None:
         self._free.extend(sorted(ids, reverse=True))
+
+    def reset(self, used=()) -> None:
+        """Free every id but ``used``, in a fresh list's order (for an owner that knows every
+        id in use, e.g. an engine left without requests after an error)."""
+        used = set(used)
+        self._free = [i for i in range(self.size - 1, 0, -1) if i not in used]

@@ -176,6 +176,23 @@ class RadixCache:
         sid, best.snapshot = best.snapshot, None
         return sid
 
+    def owned(self) -> tuple[list[int], list[int]]:
+        """``(pages, snapshot ids)`` the tree holds."""
+        nodes = list(self._nodes())
+        return [n.page for n in nodes], [n.snapshot for n in nodes if n.snapshot is not None]
+
+    def drop_references(self) -> None:
+        """Zero every node's reference count (no request uses the tree any more)."""
+        for n in self._nodes():
+            n.ref = 0
+
+    def _nodes(self):
+        stack = list(self.root.children.values())
+        while stack:
+            n = stack.pop()
+            stack.extend(n.children.values())
+            yield n
+
     def flush(self) -> tuple[list[int], list[int]]:
         """Evict every unreferenced node."""
         return self.evict(10**12)

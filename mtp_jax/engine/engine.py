@@ -37,12 +37,13 @@ import numpy as np
 from mtp_jax.cache.allocator import FreeList, pages_needed
 from mtp_jax.checks import check_scheduler_steps
 from mtp_jax.config import ConfigError, EngineConfig, SpecConfig
+from mtp_jax.engine.abort import AbortMixin
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
 from mtp_jax.engine.memory import plan_memory, planned_weights_bytes
 from mtp_jax.engine.pools import Pools, make_pools
 from mtp_jax.cache.radix import RadixCache
 from mtp_jax.engine.programs import LOAD_SNAPSHOT, SAVE_SNAPSHOT, RoundOutput
-from mtp_jax.engine.requests import Request
+from mtp_jax.engine.requests import ABORT, Request
 from mtp_jax.engine.stops import append_tokens
 from mtp_jax.engine.warmup import (MIN_PREFILL_BUCKET, PREFILL_GREEDY_ONLY, WarmupMixin,
                                    next_pow2)
@@ -117,7 +118,7 @@ class InFlightRound:
     rounds: int = 1
 
 
-class Engine(WarmupMixin):
+class Engine(WarmupMixin, AbortMixin):
     def __init__(self, model: LoadedModel, engine_cfg: EngineConfig, spec: SpecConfig,
                  proposer: Proposer | None = None, tokenizer=None):
         engine_cfg.validate()
@@ -238,7 +239,14 @@ class Engine(WarmupMixin):
             del req.pages[keep:]
 
     def _release(self, req: Request) -> None:
-        if self.prefix is not None and req.prefilled == len(req.prompt_ids) and req.output_ids:
+        """Give back what ``req`` holds: its pages (but those the prefix cache owns), its slot,
+        its prefix-cache references and snapshot ids. A request that finished (not aborted)
+        first inserts its committed tokens into the prefix cache. A request without a slot
+        (queued, or released already) holds nothing: nothing changes."""
+        if not req.slot:
+            return
+        if (self.prefix is not None and req.finish_reason != ABORT
+                and req.prefilled == len(req.prompt_ids) and req.output_ids):
             self._insert_committed(req)
         self.pages.give_back([p for p in req.pages if p not in req.tree_pages])
         self.slots.give_back([req.slot])
@@ -455,7 +463,9 @@ class Engine(WarmupMixin):
         active = [r for r in f.rows if not r.finished]
         for j in range(f.rounds):
             for i, r in enumerate(f.rows):
-                if r.finished:  # stopped earlier; this row ran on, discarded
+                if r.finished:  # stopped or aborted earlier; this row ran on, discarded
+                    if f.snap_row[i] >= 0:  # aborted while its single round was in flight
+                        self.snapshot_ids.give_back([int(f.snap_id[i])])
                     continue
                 n = int(accepted[j, i])
                 if f.snap_row[i] >= 0:  # single rounds only: keep it if its row was committed
@@ -568,7 +578,22 @@ class Engine(WarmupMixin):
         round's result is read, so the host's work (reading, stop checks, the next batch)
         overlaps the device's; tokens then surface one step after the round that made them.
         Admission, prefill and rounds that may save a prefix-cache snapshot wait for the round
-        in flight first."""
+        in flight first.
+
+        On an exception (a program failing, a host-side error, ``KeyboardInterrupt``) every
+        request the engine held is aborted (``finish_reason`` ``"abort"``, everything it held
+        given back, the round in flight dropped unread; :meth:`_recover`) and the exception
+        is re-raised as it was: the engine is then empty and serves new requests as a fresh
+        one would."""
+        held = self._requests()
+        try:
+            return self._step()
+        except BaseException as err:
+            self._recover(held, err)
+            raise
+
+    def _step(self) -> dict[Request, list[int]]:
+        """:meth:`step` without the recovery from errors."""
         new: dict[Request, list[int]] = {}
         if self._inflight is not None and (self.prefilling or (
                 self.waiting and self._can_admit(self.waiting[0]))):
@@ -619,9 +644,15 @@ class Engine(WarmupMixin):
         return new
 
     def run(self, requests: list[Request], on_round: Callable[[list[Request]], None] | None = None):
-        """Serve ``requests`` to completion (each gets ``finish_reason`` set)."""
-        for r in requests:
-            self.add_request(r)
+        """Serve ``requests`` to completion (each gets ``finish_reason`` set). An error in a
+        step is raised after every request in the engine was aborted (:meth:`step`); one in
+        ``add_request`` after ``requests`` were aborted."""
+        try:
+            for r in requests:
+                self.add_request(r)
+        except BaseException:
+            self.abort(requests)
+            raise
         while self.has_work():
             self.step()
             if on_round is not None:

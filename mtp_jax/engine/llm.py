@@ -2,8 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import numbers
+import warnings
 from collections.abc import Iterable
 from typing import Iterator, Sequence
 
@@ -158,6 +160,7 @@ class LLM:
         self.seed = seed
         self.spec = spec  # the speculative settings in use (SpecConfig)
         self._next_id = 0
+        self._open_call = None  # the generate / generate_stream call being served, if any
         if _is_qwen4_exp_folder(model):
             if set(backends.values()) - {"auto", "xla"}:
                 from mtp_jax.config import ConfigError
@@ -357,10 +360,14 @@ class LLM:
         (empty, too long for ``max_model_len``, token ids outside the vocabulary, text without a
         tokenizer) raises when it is the only prompt; among several, it gets an output with
         ``finish_reason="error"`` and ``error`` set to the message, and the others run normally.
+        An exception while generating (a failed engine step, ``KeyboardInterrupt``) is raised
+        after this call's requests were aborted: the LLM serves the next call as a fresh one
+        would (:meth:`mtp_jax.engine.engine.Engine.step`).
         """
         outputs, requests = self._prepare(prompts, sampling_params)
-        for chunk in self._stream(outputs, requests, use_tqdm):
-            pass
+        with contextlib.closing(self._stream(outputs, requests, use_tqdm)) as stream:
+            for _ in stream:  # closed, its requests aborted, on an exception (Ctrl-C too)
+                pass
         for i, r in requests:
             outputs[i] = self._output(r)
         return outputs
@@ -368,27 +375,65 @@ class LLM:
     def generate_stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
         """Like :meth:`generate`, but yields a :class:`StreamOutput` each time a request gains
         tokens (after its prefill and after each round), the last one with ``finished`` set and
-        the complete ``output``. Error outputs of bad prompts are yielded first."""
+        the complete ``output``. Error outputs of bad prompts are yielded first. Closing the
+        stream before its end (``stream.close()``) aborts its unfinished requests; errors are
+        handled as in :meth:`generate`."""
         outputs, requests = self._prepare(prompts, sampling_params)
         yield from self._stream(outputs, requests, False)
 
     def _stream(self, outputs, requests, use_tqdm: bool) -> Iterator[StreamOutput]:
-        for i, out in enumerate(outputs):
-            if out is not None:
-                yield StreamOutput(index=i, request_id=out.request_id, new_token_ids=[],
-                                   finished=True, output=out)
-        index = {id(r): i for i, r in requests}
-        for _, r in requests:
-            self.engine.add_request(r)
+        """Yield the error outputs of bad prompts, then serve ``requests`` and yield each
+        step's new tokens. When anything raises in here (an engine step, ``add_request``) or
+        the stream is closed before its end, this call's requests still in the engine are
+        aborted and the exception goes on, so the next call starts on an empty engine. A call
+        that starts while an earlier stream is still open (neither exhausted nor closed, e.g.
+        kept alive by a traceback) aborts that stream's requests, with a warning; that stream
+        raises ``RuntimeError`` if resumed."""
+        self._close_open_call()
+        call = self._open_call = object()
+        reqs = [r for _, r in requests]
         bar = tqdm(total=len(requests), desc="Requests", unit="req", disable=not use_tqdm)
-        while self.engine.has_work():
-            for r, new in self.engine.step().items():
-                done = r.finished
-                bar.update(int(done))
-                yield StreamOutput(index=index[id(r)], request_id=r.request_id,
-                                   new_token_ids=list(new), finished=done,
-                                   output=self._output(r) if done else None)
-        bar.close()
+        try:
+            for i, out in enumerate(outputs):
+                if out is not None:
+                    yield StreamOutput(index=i, request_id=out.request_id, new_token_ids=[],
+                                       finished=True, output=out)
+                    self._check_open(call)
+            index = {id(r): i for i, r in requests}
+            for r in reqs:
+                self.engine.add_request(r)
+            while self.engine.has_work():
+                for r, new in self.engine.step().items():
+                    done = r.finished
+                    bar.update(int(done))
+                    yield StreamOutput(index=index[id(r)], request_id=r.request_id,
+                                       new_token_ids=list(new), finished=done,
+                                       output=self._output(r) if done else None)
+                    self._check_open(call)
+        except BaseException:  # GeneratorExit too: a stream closed early
+            self.engine.abort(reqs)
+            raise
+        finally:
+            bar.close()
+            if self._open_call is call:
+                self._open_call = None
+
+    def _check_open(self, call) -> None:
+        """Raise ``RuntimeError`` when a later call aborted the requests of ``call`` (a stream
+        resumed after it; see :meth:`_stream`)."""
+        if self._open_call is not call:
+            raise RuntimeError("this generate_stream was left open while a later call started, "
+                               "which aborted its requests.")
+
+    def _close_open_call(self) -> None:
+        """Abort the requests of a stream left open (see :meth:`_stream`)."""
+        if self._open_call is None:
+            return
+        self._open_call = None
+        aborted = self.engine.abort()
+        warnings.warn(f"an earlier generate_stream was left open (neither read to its end nor "
+                      f"closed); its {len(aborted)} unfinished requests were aborted. Close a "
+                      "stream you stop reading (stream.close()).", RuntimeWarning, stacklevel=4)
 
     def warmup(self, prompts, sampling_params=None) -> float:
         """Compile, before timing anything, the programs that generating ``prompts`` with

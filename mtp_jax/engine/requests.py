@@ -10,6 +10,9 @@ from typing import Sequence
 from mtp_jax.sampling import MAX_TEMPERATURE
 
 
+ABORT = "abort"  # finish_reason of a request taken out of the engine before it finished
+
+
 @dataclasses.dataclass
 class SamplingParams:
     """Sampling and stopping settings of one request (vLLM's names for the fields it has; one
@@ -81,7 +84,8 @@ class RequestOutput:
 
     token_ids: output token ids (prompt excluded); text: their detokenized text ("" without a
     tokenizer); finish_reason: ``"stop"`` (EOS, stop id or stop string), ``"length"``
-    (max_tokens or max_model_len) or ``"error"`` (``error`` holds the message).
+    (max_tokens or max_model_len), ``"error"`` (``error`` holds the message) or ``"abort"``
+    (:data:`ABORT`: ``Engine.abort``, or an error raised while it ran).
     Speculative metrics: ``num_rounds`` verify rounds (decode steps when off),
     ``accept_length`` = committed tokens per round (mean; None before the first round),
     ``acceptance_rate`` = accepted drafts / proposed drafts (None when no draft was proposed:

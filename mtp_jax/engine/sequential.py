@@ -35,7 +35,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
-from mtp_jax.engine.requests import Request
+from mtp_jax.engine.requests import ABORT, Request
 from mtp_jax.sampling import SALT_SAMPLE, SamplingTensors, sample
 
 
@@ -99,6 +99,20 @@ class SequentialEngine:
     def flush_cache(self) -> None:
         pass
 
+    def abort(self, requests=None) -> list[Request]:
+        """Take ``requests`` (default: all) out of the queue, the one being decoded with its
+        next step and PLE lookup dropped; returns those that were unfinished, now with
+        ``finish_reason`` ``"abort"``. Requests not in the queue are left as they are."""
+        asked = None if requests is None else set(requests)
+        gone = [r for r in self.waiting if asked is None or r in asked]
+        self.waiting = deque(r for r in self.waiting if r not in gone)
+        if self._run is not None and self._run.req in gone:
+            self._run = None
+        aborted = [r for r in gone if not r.finished]
+        for r in aborted:
+            r.finish_reason = ABORT
+        return aborted
+
     def _sample(self, req: Request, logits) -> jax.Array:
         """Device token ``[1, 1]`` int32 from the last row of ``logits [1, T, V]``."""
         p = req.params
@@ -115,7 +129,15 @@ class SequentialEngine:
         return n < req.params.max_tokens and len(req.prompt_ids) + n < self.max_model_len
 
     def step(self) -> dict[Request, list[int]]:
-        """Prefill the head request, or decode one token of it."""
+        """Prefill the head request, or decode one token of it. On an exception every request
+        is aborted (:meth:`abort`) and the exception re-raised."""
+        try:
+            return self._step()
+        except BaseException:
+            self.abort()
+            raise
+
+    def _step(self) -> dict[Request, list[int]]:
         from mtp_jax.engine.stops import append_tokens
 
         req, m = self.waiting[0], self.model

@@ -1,0 +1,121 @@
+"""Aborting requests, and recovering the engine from an error raised inside a step.
+
+:class:`AbortMixin` is a part of :class:`mtp_jax.engine.engine.Engine`: ``abort`` takes requests
+out (``finish_reason`` ``"abort"``, everything they hold given back), and ``_recover`` leaves the
+engine empty and usable after an exception in ``step()`` (docs/design.md, "Host side")."""
+
+from __future__ import annotations
+
+from collections import deque
+from typing import Iterable
+
+import jax
+
+from mtp_jax.cache.radix import RadixCache
+from mtp_jax.engine.pools import make_pools
+from mtp_jax.engine.requests import ABORT, Request
+from mtp_jax.models.loader import DTYPES
+
+
+def _pools_usable(pools) -> bool:
+    """Whether every pool array can still be read: a program that failed may have consumed its
+    donated input pools, or left its output pools holding the error (waits for the device)."""
+    try:
+        jax.block_until_ready(pools)
+    except Exception:
+        return False
+    return True
+
+
+class AbortMixin:
+    """Abort and error recovery; uses the engine's queues (``waiting``, ``prefilling``,
+    ``decoding``), ``_inflight``, ``_release``, free lists (``slots``, ``pages``,
+    ``snapshot_ids``), ``prefix``, ``pools``, ``model``, ``cfg``, ``page_size``, ``k`` and
+    ``proposer_kind``."""
+
+    def _discard_inflight(self) -> None:
+        """Drop the round in flight, if any, unread; give back the snapshot ids it was given.
+        The device may still be running it: later programs take the pools it returned, so they
+        run after it, and the pages it writes may be handed out again."""
+        f, self._inflight = self._inflight, None
+        if f is not None and self.snapshot_ids is not None:
+            self.snapshot_ids.give_back(f.snap_id[f.snap_row >= 0].tolist())
+
+    def _requests(self) -> list[Request]:
+        """Every request the engine holds, once each: queued, prefilling, decoding (finished
+        ones not yet released too) and in the round in flight."""
+        rows = self._inflight.rows if self._inflight is not None else []
+        return list(dict.fromkeys([*self.waiting, *self.prefilling, *self.decoding, *rows]))
+
+    def abort(self, requests: Iterable[Request] | None = None) -> list[Request]:
+        """Abort ``requests`` (default: every request the engine holds); returns those that were
+        unfinished, now with ``finish_reason`` ``"abort"``. Requests not in the engine are left
+        as they are. Each leaves the queues and gives back its slot, KV pages, prefix-cache
+        references and snapshot ids (nothing of it is inserted into the prefix cache). A round
+        in flight that computes only finished or aborted requests is dropped unread; one that
+        still computes another request runs on, and the aborted rows in it are ignored when it
+        is read and released then (as rows past a stop are)."""
+        held = self._requests()
+        if requests is not None:
+            inside = set(held)
+            held = [r for r in dict.fromkeys(requests) if r in inside]
+        return self._abort(held)
+
+    def _abort(self, reqs: list[Request]) -> list[Request]:
+        """:meth:`abort` of ``reqs``, which may also hold requests in no queue (taken out of
+        one by a step that then failed)."""
+        aborted = [r for r in reqs if not r.finished]
+        for r in aborted:
+            r.finish_reason = ABORT
+        gone = set(reqs)
+        self.waiting = deque(r for r in self.waiting if r not in gone)
+        self.prefilling = [r for r in self.prefilling if r not in gone]
+        if self._inflight is not None and all(r.finished for r in self._inflight.rows):
+            self._discard_inflight()
+        busy = set(self._inflight.rows) if self._inflight is not None else set()
+        for r in reqs:
+            if r not in busy:
+                self._release(r)
+        self.decoding = [r for r in self.decoding if r not in gone or r in busy]
+        return aborted
+
+    def _recover(self, held: list[Request], err: BaseException) -> None:
+        """After ``err`` was raised inside :meth:`step`: abort every request the engine held
+        (``held``, from the step's start, and any it holds now), which drops the round in
+        flight; make new pools if the failure left them unreadable (the prefix cache, whose
+        KV was in them, starts empty); and, the engine now holding no request, set the free
+        lists to every id the prefix cache does not own (a step that failed half-way may have
+        taken ids that no request records). If that fails too, ``err`` gets a note saying so."""
+        try:
+            self._abort(list(dict.fromkeys([*held, *self._requests()])))
+            self._discard_inflight()
+            if not _pools_usable(self.pools):
+                self._renew_pools()
+            self._reset_free_lists()
+        except Exception as e:
+            err.add_note(f"The engine could not recover from this error ({e!r}); make a new "
+                         "one.")
+
+    def _renew_pools(self) -> None:
+        """Zeroed pools of the current sizes, and an empty prefix cache (its stats kept)."""
+        self.pools = None  # the old buffers go first
+        n_snap = self.snapshot_ids.size - 1 if self.snapshot_ids is not None else 0
+        self.pools = make_pools(self.model.cfg, num_pages=self.pages.size,
+                                page_size=self.page_size, slots=self.slots.size, k=self.k,
+                                mtp=self.proposer_kind == "mtp",
+                                dtype=DTYPES[self.model.dtype], num_snapshots=n_snap)
+        if self.prefix is not None:
+            stats = self.prefix.stats
+            self.prefix = RadixCache(self.page_size, self.cfg.snapshot_interval_pages)
+            self.prefix.stats = stats
+
+    def _reset_free_lists(self) -> None:
+        """With no request in the engine: every slot free, every page and snapshot id free but
+        those the prefix cache holds, and no prefix-cache node referenced."""
+        pages, snapshots = self.prefix.owned() if self.prefix is not None else ([], [])
+        if self.prefix is not None:
+            self.prefix.drop_references()
+        self.slots.reset()
+        self.pages.reset(pages)
+        if self.snapshot_ids is not None:
+            self.snapshot_ids.reset(snapshots)

@@ -1,0 +1,273 @@
+"""Errors inside ``Engine.step()``: the exception reaches the caller with its traceback, every
+request the engine held is aborted (slots, KV pages and snapshot ids released, no queue holds
+it, a round in flight is dropped unread), and the same ``LLM`` then generates what a fresh one
+does. Also ``Engine.abort`` and a stream closed early.
+
+One LLM for the module (tiny MoE, MTP k = 2, two slots, overlap and prefix cache on, as
+test_llm.py's): failures are injected by wrapping a method the step calls so that it raises
+once, at a chosen moment."""
+
+import jax
+import numpy as np
+import pytest
+
+from conftest import fixture_path
+from engine_runs import greedy, make_requests
+from mtp_jax import LLM
+from mtp_jax.engine.sequential import SequentialEngine
+
+CKPT = fixture_path("tiny_moe_fused")
+
+
+class InjectedError(RuntimeError):
+    pass
+
+
+def _prompts(n, lo, hi, seed):
+    rng = np.random.default_rng(seed)
+    return [rng.integers(2, 300, int(rng.integers(lo, hi))).tolist() for _ in range(n)]
+
+
+# Three short prompts through two slots (the third is admitted when the first finishes, while
+# the second decodes); a 60-token one whose rounds reach the prefix cache's snapshot boundary
+# at 64 (those rounds take snapshot ids and run unchained).
+SHORT = (_prompts(3, 3, 9, seed=21), [greedy(6), greedy(12), greedy(9)])
+LONG = ([_prompts(1, 60, 61, seed=22)[0], SHORT[0][0]], [greedy(10), greedy(8)])
+
+
+def _free_counts(eng):
+    return (eng.slots.num_free, eng.pages.num_free,
+            eng.snapshot_ids.num_free if eng.snapshot_ids is not None else None)
+
+
+@pytest.fixture(scope="module")
+def llm():
+    return LLM(CKPT, dtype="float32", speculative_algorithm="mtp", speculative_num_steps=2,
+               max_running_requests=2)
+
+
+@pytest.fixture(scope="module")
+def fresh(llm):
+    """The fresh LLM's free counts and its greedy outputs of SHORT and LONG (the references)."""
+    counts = _free_counts(llm.engine)
+    want = {name: [o.token_ids for o in llm.generate(*prompts)]
+            for name, prompts in (("short", SHORT), ("long", LONG))}
+    return counts, want
+
+
+class _Programs:
+    """The engine's programs with attributes that may be replaced (``Programs`` is frozen)."""
+
+    def __init__(self, real):
+        self._real = real
+
+    def __getattr__(self, name):
+        return getattr(self._real, name)
+
+
+def _injected_failure(what):
+    raise InjectedError(f"injected failure in {what}")
+
+
+def fail_once(monkeypatch, obj, name, when, before=None):
+    """Make ``obj.name`` raise ``InjectedError`` on its first call for which ``when(*args,
+    **kwargs)`` holds (after ``before(*args, **kwargs)``, if given); returns a dict whose
+    ``fired`` says whether it did."""
+    real, state = getattr(obj, name), {"fired": False}
+
+    def wrapper(*args, **kwargs):
+        if not state["fired"] and when(*args, **kwargs):
+            state["fired"] = True
+            if before is not None:
+                before(*args, **kwargs)
+            _injected_failure(name)
+        return real(*args, **kwargs)
+
+    monkeypatch.setattr(obj, name, wrapper)
+    return state
+
+
+def _spy_requests(monkeypatch, eng):
+    added, real = [], eng.add_request
+
+    def spy(req):
+        added.append(req)
+        return real(req)
+
+    monkeypatch.setattr(eng, "add_request", spy)
+    return added
+
+
+def assert_clean(eng, counts, requests=()):
+    """Nothing queued, decoding or in flight; every request finished and holding nothing; after
+    a cache flush, the free slots, pages and snapshot ids of a fresh engine, each id once."""
+    assert not eng.has_work()
+    assert not eng.waiting and not eng.prefilling and not eng.decoding
+    assert eng._inflight is None
+    for r in requests:
+        assert r.finished and r.slot == 0 and r.pages == [] and r.prefix_nodes == []
+        assert r.snapshots == {}
+    eng.flush_cache()
+    assert _free_counts(eng) == counts
+    for fl in (eng.slots, eng.pages, eng.snapshot_ids):
+        if fl is not None:
+            assert sorted(fl._free) == list(range(1, fl.size))
+
+
+def _raised_here(excinfo):
+    names = [e.name for e in excinfo.traceback]
+    return "_injected_failure" in names and "step" in names
+
+
+def _round_in_flight(eng):
+    return lambda *a, **k: eng._inflight is not None
+
+
+@pytest.mark.parametrize("where", ["dispatch", "collect"])
+def test_round_failure_with_a_round_in_flight(llm, fresh, monkeypatch, where):
+    """k = 2, overlap on: a chained round's dispatch (the program call) or the collect of the
+    round before it (with the chained one in flight) raises."""
+    counts, want = fresh
+    eng = llm.engine
+    llm.flush_cache()
+    added = _spy_requests(monkeypatch, eng)
+    if where == "dispatch":
+        monkeypatch.setattr(eng, "programs", _Programs(eng.programs))
+        state = fail_once(monkeypatch, eng.programs, "round", _round_in_flight(eng))
+    else:
+        state = fail_once(monkeypatch, eng, "_collect",
+                          lambda f, later=None: later is not None and eng._inflight is later)
+    with pytest.raises(InjectedError) as excinfo:
+        llm.generate(*SHORT)
+    assert state["fired"] and _raised_here(excinfo)
+    assert_clean(eng, counts, added)
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
+    assert_clean(eng, counts)
+
+
+def test_prefill_failure_while_another_request_decodes(llm, fresh, monkeypatch):
+    """The third prompt's prefill (the first request finished, the second decoding) raises."""
+    counts, want = fresh
+    eng = llm.engine
+    llm.flush_cache()
+    added = _spy_requests(monkeypatch, eng)
+    monkeypatch.setattr(eng, "programs", _Programs(eng.programs))
+    rounds = eng.stats.rounds
+    state = fail_once(monkeypatch, eng.programs, "prefill", lambda *a, **k: (
+        eng.stats.rounds > rounds and any(not r.finished for r in eng.decoding)))
+    with pytest.raises(InjectedError) as excinfo:
+        llm.generate(*SHORT)
+    assert state["fired"] and _raised_here(excinfo)
+    assert_clean(eng, counts, added)
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
+    assert_clean(eng, counts)
+
+
+def test_round_failure_that_consumed_the_pools(llm, fresh, monkeypatch):
+    """A round that saves a prefix-cache snapshot (snapshot ids taken for it) fails after its
+    donated pools were consumed, as a device failure leaves them: the engine makes new pools
+    (the prefix cache starts empty) and generates as before."""
+    counts, want = fresh
+    eng = llm.engine
+    added = _spy_requests(monkeypatch, eng)
+    monkeypatch.setattr(eng, "programs", _Programs(eng.programs))
+    consume = lambda leaves, pools, batch, **k: jax.tree.map(lambda a: a.delete(), pools)
+    state = fail_once(monkeypatch, eng.programs, "round", lambda *a, **k: k.get("snapshot"),
+                      before=consume)
+    with pytest.raises(InjectedError) as excinfo:
+        llm.generate(*LONG)
+    assert state["fired"] and _raised_here(excinfo)
+    assert not any(a.is_deleted() for a in jax.tree.leaves(eng.pools))
+    assert_clean(eng, counts, added)
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(*LONG)] == want["long"]
+    assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
+    assert_clean(eng, counts)
+
+
+def test_stream_closed_early_aborts_its_requests(llm, fresh, monkeypatch):
+    counts, want = fresh
+    eng = llm.engine
+    added = _spy_requests(monkeypatch, eng)
+    stream = llm.generate_stream(*SHORT)
+    next(stream), next(stream)
+    assert eng.has_work()
+    stream.close()
+    assert_clean(eng, counts, added)
+    assert all(r.finish_reason == "abort" for r in added)
+    assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
+
+
+def test_stream_left_open_is_aborted_by_the_next_call(llm, fresh, monkeypatch):
+    """A stream neither read to its end nor closed (kept alive, as a traceback can keep it):
+    the next call aborts its requests with a warning, and resuming it raises."""
+    counts, want = fresh
+    eng = llm.engine
+    added = _spy_requests(monkeypatch, eng)
+    stream = llm.generate_stream(*SHORT)
+    next(stream)
+    with pytest.warns(RuntimeWarning, match="left open"):
+        assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
+    assert all(r.finish_reason == "abort" for r in added[:3])
+    with pytest.raises(RuntimeError, match="left open"):
+        next(stream)
+    assert_clean(eng, counts, added)
+
+
+def test_add_request_failure_aborts_the_calls_earlier_requests(llm, fresh, monkeypatch):
+    counts, want = fresh
+    eng = llm.engine
+    added = _spy_requests(monkeypatch, eng)
+    state = fail_once(monkeypatch, eng, "add_request", lambda r: len(added) == 1)
+    with pytest.raises(InjectedError):
+        llm.generate(*SHORT)
+    assert state["fired"] and len(added) == 1
+    assert_clean(eng, counts, added)
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
+
+
+def test_engine_abort_with_a_round_in_flight(llm, fresh):
+    """Engine.abort of one of two requests while a round computes both: the other finishes with
+    its own tokens; abort() of everything drops the round in flight and leaves the engine idle."""
+    counts, want = fresh
+    eng = llm.engine
+    a, b = make_requests(list(zip(*SHORT))[1:3])
+    eng.add_request(a)
+    eng.add_request(b)
+    while eng._inflight is None:
+        eng.step()
+    assert eng.abort([a]) == [a] and a.finish_reason == "abort"
+    while eng.has_work():
+        eng.step()
+    assert b.output_ids == want["short"][2] and b.finish_reason == "length"
+    assert_clean(eng, counts, [a, b])
+
+    a, b = make_requests(list(zip(*SHORT))[1:3])
+    eng.run([a])  # not in the engine any more: abort leaves it as it is
+    eng.add_request(b)
+    while eng._inflight is None:
+        eng.step()
+    assert eng.abort() == [b]
+    assert eng.abort([a]) == [] and a.finish_reason == "length"
+    assert b.finish_reason == "abort"
+    assert_clean(eng, counts, [a, b])
+    assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
+
+
+def test_sequential_engine_abort():
+    """qwen4_exp's engine (LLM aborts through the same method): queued requests and the one
+    being decoded leave it."""
+    from types import SimpleNamespace
+
+    model = SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=64, eos_token_ids=[1]))
+    eng = SequentialEngine(model, 64)
+    a, b = make_requests([([3, 4], greedy(4)), ([5], greedy(4))])
+    eng.add_request(a)
+    eng.add_request(b)
+    eng._run = SimpleNamespace(req=a)
+    assert eng.abort([b]) == [b] and list(eng.waiting) == [a] and eng._run is not None
+    assert eng.abort() == [a] and not eng.has_work() and eng._run is None
+    assert a.finish_reason == b.finish_reason == "abort"
