@@ -54,6 +54,14 @@ the floor counts out x (in + 4) bytes per projection and draft step); recorded a
 ``draft_layer_dtype``; with several values of both options, k > 0 rows for every (head, layer)
 pair.
 
+``--temperature T [T ...]`` (default 0: greedy) with ``--top-p`` / ``--top-k``: a set of rows per
+temperature; above 0 every request samples (seeded, request i with seed i), so the programs'
+sampling variant is timed (filtering, draws, rejection sampling of the drafts). Sampled k > 0
+rows take the drafts as drafted at every ``--num-scheduler-steps`` value (a sampled acceptance
+cannot be forced) and report the measured accept length; no exactness is checked on sampled
+rows (``exact`` ``-``). Recorded as ``sampling`` (``None`` for greedy rows); the round / step
+ratio pairs each k > 0 row with the k = 0 row of the same sampling.
+
 Output: markdown tables on stdout (pasteable into docs/benchmarks.md), progress on stderr,
 and a JSON file (``--out``: ``{"meta": {date, commit, jax version, device kind, XLA_FLAGS,
 ...}, "results": [one object per row]}``), rewritten after each row.
