@@ -242,7 +242,9 @@ def _main(argv) -> int:
         t0 = time.perf_counter()
         done = llm.generate([prompts[i] for i in run],
                             [params[i] for i in run] if isinstance(params, list) else params,
-                            use_tqdm=bool(args.prompts_file)) if run else []
+                            # a bar for a person watching; a log would fill with redraws
+                            use_tqdm=bool(args.prompts_file) and sys.stderr.isatty()
+                            ) if run else []
         seconds = time.perf_counter() - t0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)

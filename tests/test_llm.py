@@ -155,7 +155,9 @@ def test_cli_prompts_file(llm_mtp, tmp_path, capsys):
     rc = generate.main(["--model", CKPT, "--prompts-file", str(f), "--json", "--ignore-eos",
                         "--speculative-num-steps", "2", "--max-running-requests", "2"])
     assert rc == 0
-    lines = [json.loads(x) for x in capsys.readouterr().out.strip().splitlines()]
+    cap = capsys.readouterr()
+    assert "Requests:" not in cap.err  # no progress bar when stderr is not a terminal
+    lines = [json.loads(x) for x in cap.out.strip().splitlines()]
     assert [rec["output_tokens"] for rec in lines] == [3, 4, 5]
     for p, rec in zip(prompts, lines):
         solo = llm_mtp.generate([p], SamplingParams(
