@@ -271,3 +271,43 @@ def test_sequential_engine_abort():
     assert eng.abort([b]) == [b] and list(eng.waiting) == [a] and eng._run is not None
     assert eng.abort() == [a] and not eng.has_work() and eng._run is None
     assert a.finish_reason == b.finish_reason == "abort"
+
+
+def test_resize_cache_failure_keeps_the_old_pools(llm, fresh, monkeypatch):
+    """``resize_cache(num_pages=...)`` gives up the old KV pool before it makes the new one; when
+    making it fails (as out of device memory would), the engine holds pools of the old sizes
+    again and generates as before."""
+    from mtp_jax.engine import engine as engine_mod
+
+    counts, want = fresh
+    eng = llm.engine
+    llm.generate(*SHORT)  # something in the prefix cache
+    sizes = (eng.pages.size, eng.slots.size)
+    before = jax.tree_util.tree_structure(eng.pools)
+    shapes = [a.shape for a in jax.tree.leaves(eng.pools)]
+    state = fail_once(monkeypatch, engine_mod, "make_pools", lambda *a, **k: True)
+    with pytest.raises(InjectedError):
+        eng.resize_cache(num_pages=eng.pages.size + 16)
+    monkeypatch.undo()
+    assert state["fired"] and (eng.pages.size, eng.slots.size) == sizes
+    assert jax.tree_util.tree_structure(eng.pools) == before  # no field left None
+    assert [a.shape for a in jax.tree.leaves(eng.pools)] == shapes
+    assert_clean(eng, counts)
+    assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
+
+
+def test_warmup_failure_that_consumed_the_pools(llm, fresh, monkeypatch):
+    """A warm-up call that fails after its donated pools were consumed: new pools, then the
+    same outputs."""
+    counts, want = fresh
+    eng = llm.engine
+    monkeypatch.setattr(eng, "programs", _Programs(eng.programs))
+    consume = lambda leaves, pools, batch, **k: jax.tree.map(lambda a: a.delete(), pools)
+    state = fail_once(monkeypatch, eng.programs, "round", lambda *a, **k: True, before=consume)
+    with pytest.raises(InjectedError) as excinfo:
+        eng.warmup(sampled=False, max_batch=1, max_prompt_len=16)
+    assert state["fired"] and not getattr(excinfo.value, "__notes__", None)
+    monkeypatch.undo()
+    assert not any(a.is_deleted() for a in jax.tree.leaves(eng.pools))
+    assert_clean(eng, counts)
+    assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]

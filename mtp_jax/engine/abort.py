@@ -1,11 +1,13 @@
 """Aborting requests, and recovering the engine from an error raised inside a step.
 
 :class:`AbortMixin` is a part of :class:`mtp_jax.engine.engine.Engine`: ``abort`` takes requests
-out (``finish_reason`` ``"abort"``, everything they hold given back), and ``_recover`` leaves the
-engine empty and usable after an exception in ``step()`` (docs/design.md, "Host side")."""
+out (``finish_reason`` ``"abort"``, everything they hold given back), ``_recover`` leaves the
+engine empty and usable after an exception in ``step()``, and ``_pools_guard`` does the same
+for the pools after one in ``resize_cache`` or ``warmup`` (docs/design.md, "Host side")."""
 
 from __future__ import annotations
 
+import contextlib
 from collections import deque
 from typing import Iterable
 
@@ -95,6 +97,28 @@ class AbortMixin:
         except Exception as e:
             err.add_note(f"The engine could not recover from this error ({e!r}); make a new "
                          "one.")
+
+    @contextlib.contextmanager
+    def _pools_guard(self):
+        """On an exception in the block, if it left the pools unusable (consumed by a failed
+        program, or half replaced: a field set to ``None``), abort every request, make new
+        pools of the sizes the free lists give (:meth:`_renew_pools`) and reset the free
+        lists; the exception goes on (with a note if that fails too)."""
+        shape = jax.tree_util.tree_structure(self.pools)
+        try:
+            yield
+        except BaseException as err:
+            try:
+                if (self.pools is None or jax.tree_util.tree_structure(self.pools) != shape
+                        or not _pools_usable(self.pools)):
+                    self._abort(self._requests())
+                    self._discard_inflight()
+                    self._renew_pools()
+                    self._reset_free_lists()
+            except Exception as e:
+                err.add_note(f"The engine could not restore its pools after this error "
+                             f"({e!r}); make a new one.")
+            raise
 
     def _renew_pools(self) -> None:
         """Zeroed pools of the current sizes, and an empty prefix cache (its stats kept)."""

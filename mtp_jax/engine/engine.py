@@ -524,11 +524,18 @@ class Engine(WarmupMixin, AbortMixin):
         ``max_running_requests``: a new slot pool (GDN state, pending tokens, draft
         distributions); the KV pool, the draft KV and the cached prefixes are kept.
         Raises ``RuntimeError`` while requests run, ``ConfigError`` for a pool too small for one
-        full-length request.
+        full-length request. Another error (e.g. out of device memory for the new pool) leaves
+        the old sizes, with pools made anew when the old ones were already given up (the
+        prefix cache then empty).
         """
         if self.has_work():
             raise RuntimeError("resize_cache needs an idle engine; finish or drain the running "
                                "requests first.")
+        with self._pools_guard():
+            self._resize(num_pages, max_running_requests)
+
+    def _resize(self, num_pages: int | None, max_running_requests: int | None) -> None:
+        """:meth:`resize_cache` on an idle engine."""
         mc, dtype = self.model.cfg, DTYPES[self.model.dtype]
         mtp = self.proposer_kind == "mtp"
         if num_pages is not None:

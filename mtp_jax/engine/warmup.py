@@ -36,7 +36,7 @@ def next_pow2(n: int) -> int:
 class WarmupMixin:
     """Bucket lists and warm-up calls; uses the engine's ``cfg``, ``chunk_size``,
     ``max_model_len``, ``prefix``, ``programs``, ``pools``, ``k``, ``proposer_kind``,
-    ``rounds_per_call``, ``max_pages_per_req`` and ``_leaves``."""
+    ``rounds_per_call``, ``max_pages_per_req``, ``_leaves`` and ``_pools_guard``."""
 
     def prefill_buckets(self) -> list[int]:
         top = max(MIN_PREFILL_BUCKET, next_pow2(min(self.chunk_size, self.max_model_len)))
@@ -66,12 +66,15 @@ class WarmupMixin:
         first built together
         (:func:`mtp_jax.engine.startup.build_ahead`, compiling on ``workers`` threads; default
         :func:`mtp_jax.engine.executable_cache.compile_workers`), then the warm-up runs them.
+        A call that fails and leaves the pools unusable gets them made anew
+        (``Engine._pools_guard``) before its error is raised.
         """
         t0 = time.perf_counter()
-        run = self.warmup_calls(sampled, max_batch, max_prompt_len)
-        startup.build_ahead(self.programs, run, workers)
-        run()
-        jax.block_until_ready(self.pools)
+        with self._pools_guard():  # a failed call may consume the donated pools
+            run = self.warmup_calls(sampled, max_batch, max_prompt_len)
+            startup.build_ahead(self.programs, run, workers)
+            run()
+            jax.block_until_ready(self.pools)
         return time.perf_counter() - t0
 
     def warmup_calls(self, sampled: bool = True, max_batch: int | None = None,
