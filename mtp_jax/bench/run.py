@@ -548,6 +548,13 @@ def _plain_row(eng, reqs, k, s, refs, ledger, names) -> dict:
     return {**run, "tokens_per_s": len(reqs) / (run["round_ms"] / 1e3), "exact": None}
 
 
+def _derived(run: dict, batch: int, k: int, accept_lengths) -> dict[str, float]:
+    """Tokens/s at each accept length a k-draft round can commit (1 to k + 1): accept length
+    x batch / the median round time (which does not depend on acceptance)."""
+    return {str(al): al * batch / (run["round_ms"] / 1e3) for al in accept_lengths
+            if 1 <= al <= k + 1}
+
+
 def _sampled_row(eng, reqs, k, s, ledger, names) -> dict:
     """A sampled row (``reqs`` prefilled): k = 0, :func:`plain_decode`; k > 0,
     :func:`drafted_rounds` (the measured accept length is the random model's) and the derived
@@ -556,9 +563,8 @@ def _sampled_row(eng, reqs, k, s, ledger, names) -> dict:
         run = plain_decode(eng, reqs, s, ledger, names[1], fill_reference=False)
         return {**run, "tokens_per_s": len(reqs) / (run["round_ms"] / 1e3), "exact": None}
     run = drafted_rounds(eng, reqs, s, ledger, names[1])
-    return {**run, "exact": None, "tokens_per_s_at_accept_length": {
-        str(al): al * len(reqs) / (run["round_ms"] / 1e3) for al in s.accept_lengths
-        if 1 <= al <= k + 1}}
+    return {**run, "exact": None,
+            "tokens_per_s_at_accept_length": _derived(run, len(reqs), k, s.accept_lengths)}
 
 
 def _drafted_row(eng, reqs, k, s, refs, ledger, names) -> dict:
@@ -567,9 +573,8 @@ def _drafted_row(eng, reqs, k, s, refs, ledger, names) -> dict:
     against plain decoding (``decode_match``) and the forced row's continuation
     (``rounds_match``, when that row ran)."""
     run = drafted_rounds(eng, reqs, s, ledger, names[1])
-    row = {**run, "tokens_per_s_at_accept_length": {
-        str(al): al * len(reqs) / (run["round_ms"] / 1e3) for al in s.accept_lengths
-        if 1 <= al <= k + 1}}
+    row = {**run,
+           "tokens_per_s_at_accept_length": _derived(run, len(reqs), k, s.accept_lengths)}
     outputs = [list(r.output_ids) for r in reqs]
     row["decode_match"] = compare_to_reference(_cut(outputs, refs["plain"]), refs["plain"])
     if k in refs:
