@@ -166,11 +166,17 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv=None) -> int:
     """Run the CLI; returns the exit status: 0 all prompts done, 1 some prompt refused (its
-    ``error`` printed), 2 bad settings, files or a lone bad prompt (message on stderr).
+    ``error`` printed), 2 bad settings, files or a lone bad prompt (message on stderr), 130
+    interrupted (Ctrl-C: one ``interrupted`` line, no traceback, nothing of the run printed).
     Warnings print as ``warning: ...`` lines on stderr."""
     with warnings.catch_warnings():  # restores the process's warning display afterwards
         warnings.showwarning = _show_warning
-        return _main(argv)
+        try:
+            return _main(argv)
+        except KeyboardInterrupt:
+            print("\ninterrupted (Ctrl-C): the run stopped; nothing of it was printed.",
+                  file=sys.stderr)
+            return 130
 
 
 def _main(argv) -> int:

@@ -264,3 +264,15 @@ def test_cli_seed_is_a_base_seed_per_prompt(tmp_path, capsys):
     assert first[0] != first[1]
     other_base = run(["--seed", "6"])
     assert other_base[0] != first[0] and other_base[2] == first[2]
+
+
+def test_cli_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
+    from mtp_jax import generate
+
+    def interrupted(argv):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(generate, "_main", interrupted)
+    assert generate.main(["--prompt", "hi"]) == 130
+    err = capsys.readouterr().err
+    assert "interrupted (Ctrl-C)" in err and "Traceback" not in err

@@ -555,5 +555,32 @@ def test_sampling_flags_are_checked_before_weights(workdir, capsys):
                "--out", str(workdir / "bad.json")])
     assert rc == 2
     err = capsys.readouterr().err
-    assert "--temperature / --top-p / --top-k: top_p 0.0 must be in (0, 1]" in err
+    assert "error: --top-p 0.0 must be in (0, 1]" in err
     assert not (workdir / "bad.json").exists()
+
+
+def test_accept_lengths_are_checked_for_greedy_rows_only(workdir, capsys, monkeypatch):
+    """Forced accept lengths concern greedy k > 0 rows only: a sampled-only run takes any
+    (it reaches the benchmark), a run with greedy rows is refused with the range to pass;
+    --top-p / --top-k without a sampled row get a note."""
+    from mtp_jax.bench import cli, main
+
+    class Reached(Exception):
+        pass
+
+    def reached(*a, **k):
+        raise Reached
+
+    monkeypatch.setattr(cli, "bench_one", reached)
+    base = ["--config", str(workdir / "tiny.json"), "--k", "1", "--accept-lengths", "3.5",
+            "--out", str(workdir / "unused.json")]
+    with pytest.raises(Reached), _own_cache_folder():
+        main([*base, "--temperature", "0.7", "--compilation-cache-dir", "none"])
+    assert main([*base, "--temperature", "0", "0.7"]) == 2
+    err = capsys.readouterr().err
+    assert "none can be forced with k=1 (a round commits 1..2 tokens); pass values in [1, 2]" \
+        in err
+    with pytest.raises(Reached), _own_cache_folder():
+        main([*base[:2], "--k", "0", "--top-p", "0.9", "--out", str(workdir / "unused.json"),
+              "--compilation-cache-dir", "none"])
+    assert "note: --top-p / --top-k apply to sampled rows only" in capsys.readouterr().err

@@ -311,3 +311,67 @@ def test_warmup_failure_that_consumed_the_pools(llm, fresh, monkeypatch):
     assert not any(a.is_deleted() for a in jax.tree.leaves(eng.pools))
     assert_clean(eng, counts)
     assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
+
+
+def test_interrupted_clean_up_is_finished_by_the_next_call(llm, fresh, monkeypatch):
+    """A second failure inside a call's clean-up (its ``Engine.abort``, as a second Ctrl-C
+    there) leaves the call's requests in the engine; the next call aborts them with a warning
+    and generates what a fresh LLM does."""
+    counts, want = fresh
+    eng = llm.engine
+    added = _spy_requests(monkeypatch, eng)
+    stream = llm.generate_stream(*SHORT)
+    next(stream), next(stream)
+    state = fail_once(monkeypatch, eng, "abort", lambda *a, **k: True)
+    with pytest.raises(InjectedError):
+        stream.close()
+    assert state["fired"] and eng.has_work()
+    monkeypatch.undo()
+    with pytest.warns(RuntimeWarning, match="clean-up after an error was interrupted"):
+        assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
+    assert all(r.finish_reason == "abort" for r in added)
+    assert_clean(eng, counts, added)
+
+
+def test_interrupted_recovery_is_finished_by_the_next_call(llm, fresh, monkeypatch):
+    """A round fails after consuming its pools and the recovery fails while checking them: the
+    error says so, and the next call makes new pools and generates what a fresh LLM does."""
+    from mtp_jax.engine import abort as abort_mod
+
+    counts, want = fresh
+    eng = llm.engine
+    monkeypatch.setattr(eng, "programs", _Programs(eng.programs))
+    consume = lambda leaves, pools, batch, **k: jax.tree.map(lambda a: a.delete(), pools)
+    fail_once(monkeypatch, eng.programs, "round", lambda *a, **k: True, before=consume)
+    fail_once(monkeypatch, abort_mod, "_pools_usable",  # in the recovery, not at call start
+              lambda pools: any(a.is_deleted() for a in jax.tree.leaves(pools)))
+    with pytest.raises(InjectedError) as excinfo:
+        llm.generate(*SHORT)
+    assert "could not recover" in " ".join(getattr(excinfo.value, "__notes__", []))
+    monkeypatch.undo()
+    assert any(a.is_deleted() for a in jax.tree.leaves(eng.pools))
+    assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
+    assert_clean(eng, counts)
+
+
+def test_stream_ends_a_request_aborted_between_steps(llm, fresh):
+    """``Engine.abort`` of one request between two items of a stream: the stream still yields
+    a last item (``finished``, ``finish_reason`` ``"abort"``) for it, and the others end with
+    their own tokens."""
+    counts, want = fresh
+    eng = llm.engine
+    items = []
+    for item in llm.generate_stream(*SHORT):
+        items.append(item)
+        if len(items) == 2:
+            victim = items[0].request_id
+            assert len(eng.abort([r for r in eng._requests() if r.request_id == victim])) == 1
+    finals = {x.index: x for x in items if x.finished}
+    assert sorted(finals) == [0, 1, 2]
+    assert sum(x.finished for x in items) == 3
+    for i, x in finals.items():
+        if x.request_id == victim:
+            assert x.output.finish_reason == "abort"
+        else:
+            assert x.output.token_ids == want["short"][i]
+    assert_clean(eng, counts)

@@ -208,10 +208,15 @@ def main(argv=None, description: str | None = None) -> int:
         s.validate()
         for t in args.temperature:
             dataclasses.replace(s, temperature=t, top_p=args.top_p, top_k=args.top_k).validate()
-        for k in ks:
-            if k and not any(1 <= a <= k + 1 for a in s.accept_lengths):
+        for k in ks:  # forced only in greedy rows
+            if k and 0 in args.temperature and not any(1 <= a <= k + 1
+                                                       for a in s.accept_lengths):
                 raise ValueError(f"--accept-lengths {list(s.accept_lengths)}: none can be "
-                                 f"forced with k={k} (a round commits 1..{k + 1} tokens).")
+                                 f"forced with k={k} (a round commits 1..{k + 1} tokens); "
+                                 f"pass values in [1, {k + 1}].")
+        if max(args.temperature) == 0 and (args.top_p != 1 or args.top_k != -1):
+            print("note: --top-p / --top-k apply to sampled rows only (--temperature above "
+                  "0); every row of this run is greedy.", file=sys.stderr)
         backends = backend_kwargs(args)
         configs = [(path, load_config(path)) for path in args.config]
         for path, cfg in configs:  # kernel choices checked before any weight is drawn

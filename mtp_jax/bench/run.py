@@ -112,8 +112,11 @@ class Settings:
                    draft_layer_dtype=self.draft_layer_dtype).validate()
         try:
             self.sampling_params(1).validate()
-        except ValueError as e:
-            raise ValueError(f"--temperature / --top-p / --top-k: {e}") from None
+        except ValueError as e:  # "top_p 0.0 must be ..." -> "--top-p 0.0 must be ..."
+            field, _, rest = str(e).partition(" ")
+            if field in ("temperature", "top_p", "top_k"):
+                raise ValueError(f"--{field.replace('_', '-')} {rest}") from None
+            raise
 
     @property
     def reference_len(self) -> int:

@@ -63,6 +63,19 @@ class AbortMixin:
             held = [r for r in dict.fromkeys(requests) if r in inside]
         return self._abort(held)
 
+    def make_ready(self) -> list[Request]:
+        """Abort every request the engine still holds and, if its pools cannot be read (an
+        error whose recovery was itself interrupted, e.g. by a second Ctrl-C), make them anew
+        with fresh free lists. For the start of a call that owns the whole engine (``LLM``);
+        returns the requests that were unfinished. Waits for the device."""
+        held = self._requests()
+        aborted = self._abort(held) if held else []
+        self._discard_inflight()
+        if self.pools is None or not _pools_usable(self.pools):
+            self._renew_pools()
+            self._reset_free_lists()
+        return aborted
+
     def _abort(self, reqs: list[Request]) -> list[Request]:
         """:meth:`abort` of ``reqs``, which may also hold requests in no queue (taken out of
         one by a step that then failed)."""

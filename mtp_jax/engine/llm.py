@@ -361,8 +361,10 @@ class LLM:
         tokenizer) raises when it is the only prompt; among several, it gets an output with
         ``finish_reason="error"`` and ``error`` set to the message, and the others run normally.
         An exception while generating (a failed engine step, ``KeyboardInterrupt``) is raised
-        after this call's requests were aborted: the LLM serves the next call as a fresh one
-        would (:meth:`mtp_jax.engine.engine.Engine.step`).
+        after this call's requests were aborted, and the next call starts on an empty engine
+        (:meth:`mtp_jax.engine.engine.Engine.step`): its greedy outputs and explicitly seeded
+        samples are a fresh LLM's (unseeded requests take seeds from the request count, which
+        the failed call advanced).
         """
         outputs, requests = self._prepare(prompts, sampling_params)
         with contextlib.closing(self._stream(outputs, requests, use_tqdm)) as stream:
@@ -388,12 +390,14 @@ class LLM:
         aborted and the exception goes on, so the next call starts on an empty engine. A call
         that starts while an earlier stream is still open (neither exhausted nor closed, e.g.
         kept alive by a traceback) aborts that stream's requests, with a warning; that stream
-        raises ``RuntimeError`` if resumed."""
+        raises ``RuntimeError`` if resumed. Every request gets a last item with ``finished``
+        set, one aborted between steps (``Engine.abort``) too."""
         self._close_open_call()
         call = self._open_call = object()
         reqs = [r for _, r in requests]
-        bar = tqdm(total=len(requests), desc="Requests", unit="req", disable=not use_tqdm)
+        bar, ended = None, set()  # ids of the requests whose last item was yielded
         try:
+            bar = tqdm(total=len(requests), desc="Requests", unit="req", disable=not use_tqdm)
             for i, out in enumerate(outputs):
                 if out is not None:
                     yield StreamOutput(index=i, request_id=out.request_id, new_token_ids=[],
@@ -406,15 +410,22 @@ class LLM:
                 for r, new in self.engine.step().items():
                     done = r.finished
                     bar.update(int(done))
+                    if done:
+                        ended.add(id(r))
                     yield StreamOutput(index=index[id(r)], request_id=r.request_id,
                                        new_token_ids=list(new), finished=done,
                                        output=self._output(r) if done else None)
                     self._check_open(call)
+            for i, r in requests:  # taken out between steps (Engine.abort): no item said so
+                if id(r) not in ended:
+                    yield StreamOutput(index=i, request_id=r.request_id, new_token_ids=[],
+                                       finished=True, output=self._output(r))
         except BaseException:  # GeneratorExit too: a stream closed early
             self.engine.abort(reqs)
             raise
         finally:
-            bar.close()
+            if bar is not None:
+                bar.close()
             if self._open_call is call:
                 self._open_call = None
 
@@ -426,14 +437,20 @@ class LLM:
                                "which aborted its requests.")
 
     def _close_open_call(self) -> None:
-        """Abort the requests of a stream left open (see :meth:`_stream`)."""
-        if self._open_call is None:
-            return
-        self._open_call = None
-        aborted = self.engine.abort()
-        warnings.warn(f"an earlier generate_stream was left open (neither read to its end nor "
-                      f"closed); its {len(aborted)} unfinished requests were aborted. Close a "
-                      "stream you stop reading (stream.close()).", RuntimeWarning, stacklevel=4)
+        """Before a call: abort what earlier calls left in the engine, with a warning — the
+        requests of a stream left open (see :meth:`_stream`), or of a call whose own clean-up
+        was interrupted — and make its pools usable (``Engine.make_ready``)."""
+        was_open, self._open_call = self._open_call is not None, None
+        aborted = self.engine.make_ready()
+        if was_open:
+            warnings.warn(f"an earlier generate_stream was left open (not read to its end nor "
+                          f"closed); its {len(aborted)} unfinished requests were aborted. Close "
+                          "a stream you stop reading (stream.close()).", RuntimeWarning,
+                          stacklevel=4)
+        elif aborted:
+            warnings.warn(f"an earlier call left {len(aborted)} unfinished requests in the "
+                          "engine (its clean-up after an error was interrupted); they were "
+                          "aborted.", RuntimeWarning, stacklevel=4)
 
     def warmup(self, prompts, sampling_params=None) -> float:
         """Compile, before timing anything, the programs that generating ``prompts`` with

@@ -113,6 +113,10 @@ class SequentialEngine:
             r.finish_reason = ABORT
         return aborted
 
+    def make_ready(self) -> list[Request]:
+        """Abort every request left in the engine (:meth:`abort`); as ``Engine.make_ready``."""
+        return self.abort()
+
     def _sample(self, req: Request, logits) -> jax.Array:
         """Device token ``[1, 1]`` int32 from the last row of ``logits [1, T, V]``."""
         p = req.params
