@@ -284,8 +284,9 @@ def drafted_rounds(eng: Engine, reqs: list[Request], s: Settings, ledger: Ledger
                    round_program: str) -> dict:
     """k > 0 with the engine's ``rounds_per_call`` rounds per call (above 1, or a sampled row),
     the drafts as the MTP head drafted them (a multi-round call runs its rounds without the
-    host, so nothing can be forced between them; a sampled acceptance cannot be forced): warm-up calls (``warmup_rounds`` rounds, at least one call), then
-    calls until each request committed ``decode_tokens`` tokens. Times are per round; the round
+    host, so nothing can be forced between them; a sampled acceptance cannot be forced):
+    warm-up calls (``warmup_rounds`` rounds, at least one call), then calls until each request
+    committed ``decode_tokens`` tokens. Times are per round; the round
     time does not depend on acceptance (fixed shapes), the measured accept length does (low
     with random weights). Leaves the requests' outputs in place."""
     steps = eng.rounds_per_call
