@@ -123,6 +123,19 @@ def _round_in_flight(eng):
     return lambda *a, **k: eng._inflight is not None
 
 
+def fails_then_serves(llm, monkeypatch, state, counts, added, want):
+    """``generate(SHORT)`` raises the injected error from inside ``step()``, leaving the engine
+    clean (:func:`assert_clean`); with the failure undone, the next call gives the fresh
+    LLM's outputs."""
+    with pytest.raises(InjectedError) as excinfo:
+        llm.generate(*SHORT)
+    assert state["fired"] and _raised_here(excinfo)
+    assert_clean(llm.engine, counts, added)
+    monkeypatch.undo()
+    assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
+    assert_clean(llm.engine, counts)
+
+
 @pytest.mark.parametrize("where", ["dispatch", "collect"])
 def test_round_failure_with_a_round_in_flight(llm, fresh, monkeypatch, where):
     """k = 2, overlap on: a chained round's dispatch (the program call) or the collect of the
@@ -137,13 +150,7 @@ def test_round_failure_with_a_round_in_flight(llm, fresh, monkeypatch, where):
     else:
         state = fail_once(monkeypatch, eng, "_collect",
                           lambda f, later=None: later is not None and eng._inflight is later)
-    with pytest.raises(InjectedError) as excinfo:
-        llm.generate(*SHORT)
-    assert state["fired"] and _raised_here(excinfo)
-    assert_clean(eng, counts, added)
-    monkeypatch.undo()
-    assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
-    assert_clean(eng, counts)
+    fails_then_serves(llm, monkeypatch, state, counts, added, want)
 
 
 def test_prefill_failure_while_another_request_decodes(llm, fresh, monkeypatch):
@@ -156,13 +163,7 @@ def test_prefill_failure_while_another_request_decodes(llm, fresh, monkeypatch):
     rounds = eng.stats.rounds
     state = fail_once(monkeypatch, eng.programs, "prefill", lambda *a, **k: (
         eng.stats.rounds > rounds and any(not r.finished for r in eng.decoding)))
-    with pytest.raises(InjectedError) as excinfo:
-        llm.generate(*SHORT)
-    assert state["fired"] and _raised_here(excinfo)
-    assert_clean(eng, counts, added)
-    monkeypatch.undo()
-    assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
-    assert_clean(eng, counts)
+    fails_then_serves(llm, monkeypatch, state, counts, added, want)
 
 
 def test_round_failure_that_consumed_the_pools(llm, fresh, monkeypatch):
