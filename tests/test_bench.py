@@ -576,6 +576,7 @@ def test_accept_lengths_are_checked_for_greedy_rows_only(workdir, capsys, monkey
             "--out", str(workdir / "unused.json")]
     with pytest.raises(Reached), _own_cache_folder():
         main([*base, "--temperature", "0.7", "--compilation-cache-dir", "none"])
+    assert "note: no --accept-lengths value is in [1, 2]" in capsys.readouterr().err
     assert main([*base, "--temperature", "0", "0.7"]) == 2
     err = capsys.readouterr().err
     assert "none can be forced with k=1 (a round commits 1..2 tokens); pass values in [1, 2]" \

@@ -356,9 +356,9 @@ def test_interrupted_recovery_is_finished_by_the_next_call(llm, fresh, monkeypat
 
 
 def test_stream_ends_a_request_aborted_between_steps(llm, fresh):
-    """``Engine.abort`` of one request between two items of a stream: the stream still yields
-    a last item (``finished``, ``finish_reason`` ``"abort"``) for it, and the others end with
-    their own tokens."""
+    """``Engine.abort`` of one request between two items of a stream: the stream yields a last
+    item (``finished``, ``finish_reason`` ``"abort"``) for it after the next step, and the
+    others end with their own tokens."""
     counts, want = fresh
     eng = llm.engine
     items = []
@@ -370,6 +370,9 @@ def test_stream_ends_a_request_aborted_between_steps(llm, fresh):
     finals = {x.index: x for x in items if x.finished}
     assert sorted(finals) == [0, 1, 2]
     assert sum(x.finished for x in items) == 3
+    # its last item comes after the next step, not at the end of the stream
+    at = [n for n, x in enumerate(items) if x.finished]
+    assert items[at[0]].request_id == victim and at[0] < 8
     for i, x in finals.items():
         if x.request_id == victim:
             assert x.output.finish_reason == "abort"

@@ -209,8 +209,12 @@ def main(argv=None, description: str | None = None) -> int:
         for t in args.temperature:
             dataclasses.replace(s, temperature=t, top_p=args.top_p, top_k=args.top_k).validate()
         for k in ks:  # forced only in greedy rows
-            if k and 0 in args.temperature and not any(1 <= a <= k + 1
-                                                       for a in s.accept_lengths):
+            fits = any(1 <= a <= k + 1 for a in s.accept_lengths)
+            if k and not fits and max(args.temperature) > 0:
+                print(f"note: no --accept-lengths value is in [1, {k + 1}]: the sampled k={k} "
+                      "rows report no tokens/s at an accept length (pass values in that "
+                      "range for them).", file=sys.stderr)
+            if k and 0 in args.temperature and not fits:
                 raise ValueError(f"--accept-lengths {list(s.accept_lengths)}: none can be "
                                  f"forced with k={k} (a round commits 1..{k + 1} tokens); "
                                  f"pass values in [1, {k + 1}].")

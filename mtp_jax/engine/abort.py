@@ -35,6 +35,8 @@ class AbortMixin:
     ``snapshot_ids``), ``prefix``, ``pools``, ``model``, ``cfg``, ``page_size``, ``k`` and
     ``proposer_kind``."""
 
+    abort_count = 0  # requests aborted so far (a caller's cue to look for them)
+
     def _discard_inflight(self) -> None:
         """Drop the round in flight, if any, unread; give back the snapshot ids it was given.
         The device may still be running it: later programs take the pools it returned, so they
@@ -82,6 +84,7 @@ class AbortMixin:
         aborted = [r for r in reqs if not r.finished]
         for r in aborted:
             r.finish_reason = ABORT
+        self.abort_count += len(aborted)
         gone = set(reqs)
         self.waiting = deque(r for r in self.waiting if r not in gone)
         self.prefilling = [r for r in self.prefilling if r not in gone]

@@ -395,7 +395,7 @@ class LLM:
         self._close_open_call()
         call = self._open_call = object()
         reqs = [r for _, r in requests]
-        bar, ended = None, set()  # ids of the requests whose last item was yielded
+        bar, live = None, {id(r): (i, r) for i, r in requests}  # no last item yielded yet
         try:
             bar = tqdm(total=len(requests), desc="Requests", unit="req", disable=not use_tqdm)
             for i, out in enumerate(outputs):
@@ -403,23 +403,29 @@ class LLM:
                     yield StreamOutput(index=i, request_id=out.request_id, new_token_ids=[],
                                        finished=True, output=out)
                     self._check_open(call)
-            index = {id(r): i for i, r in requests}
             for r in reqs:
                 self.engine.add_request(r)
-            while self.engine.has_work():
+            aborts = self.engine.abort_count
+            while True:
+                if self.engine.abort_count != aborts:  # some taken out between steps
+                    aborts = self.engine.abort_count
+                    for i, r in [x for x in live.values() if x[1].finished]:
+                        del live[id(r)]  # no step reports them: their last item here
+                        bar.update(1)
+                        yield StreamOutput(index=i, request_id=r.request_id, new_token_ids=[],
+                                           finished=True, output=self._output(r))
+                        self._check_open(call)
+                    continue  # an abort while those were read is looked for again
+                if not self.engine.has_work():
+                    break
                 for r, new in self.engine.step().items():
                     done = r.finished
                     bar.update(int(done))
-                    if done:
-                        ended.add(id(r))
-                    yield StreamOutput(index=index[id(r)], request_id=r.request_id,
+                    i = live.pop(id(r))[0] if done else live[id(r)][0]
+                    yield StreamOutput(index=i, request_id=r.request_id,
                                        new_token_ids=list(new), finished=done,
                                        output=self._output(r) if done else None)
                     self._check_open(call)
-            for i, r in requests:  # taken out between steps (Engine.abort): no item said so
-                if id(r) not in ended:
-                    yield StreamOutput(index=i, request_id=r.request_id, new_token_ids=[],
-                                       finished=True, output=self._output(r))
         except BaseException:  # GeneratorExit too: a stream closed early
             self.engine.abort(reqs)
             raise

@@ -111,7 +111,10 @@ class SequentialEngine:
         aborted = [r for r in gone if not r.finished]
         for r in aborted:
             r.finish_reason = ABORT
+        self.abort_count += len(aborted)
         return aborted
+
+    abort_count = 0  # requests aborted so far (as Engine's)
 
     def make_ready(self) -> list[Request]:
         """Abort every request left in the engine (:meth:`abort`); as ``Engine.make_ready``."""
