@@ -79,8 +79,7 @@ class AbortMixin:
         return aborted
 
     def _abort(self, reqs: list[Request]) -> list[Request]:
-        """:meth:`abort` of ``reqs``, which may also hold requests in no queue (taken out of
-        one by a step that then failed)."""
+        """:meth:`abort` of ``reqs`` (requests the engine holds)."""
         aborted = [r for r in reqs if not r.finished]
         for r in aborted:
             r.finish_reason = ABORT
@@ -97,15 +96,15 @@ class AbortMixin:
         self.decoding = [r for r in self.decoding if r not in gone or r in busy]
         return aborted
 
-    def _recover(self, held: list[Request], err: BaseException) -> None:
-        """After ``err`` was raised inside :meth:`step`: abort every request the engine held
-        (``held``, from the step's start, and any it holds now), which drops the round in
-        flight; make new pools if the failure left them unreadable (the prefix cache, whose
+    def _recover(self, err: BaseException) -> None:
+        """After ``err`` was raised inside :meth:`step`: abort every request the engine holds
+        (a step keeps each request in one of its queues at every moment), which drops the
+        round in flight; make new pools if the failure left them unreadable (the prefix cache, whose
         KV was in them, starts empty); and, the engine now holding no request, set the free
         lists to every id the prefix cache does not own (a step that failed half-way may have
         taken ids that no request records). If that fails too, ``err`` gets a note saying so."""
         try:
-            self._abort(list(dict.fromkeys([*held, *self._requests()])))
+            self._abort(self._requests())
             self._discard_inflight()
             if not _pools_usable(self.pools):
                 self._renew_pools()

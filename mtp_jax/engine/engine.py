@@ -592,11 +592,10 @@ class Engine(WarmupMixin, AbortMixin):
         given back, the round in flight dropped unread; :meth:`_recover`) and the exception
         is re-raised as it was: the engine is then empty and serves new requests as a fresh
         one would."""
-        held = self._requests()
         try:
             return self._step()
         except BaseException as err:
-            self._recover(held, err)
+            self._recover(err)
             raise
 
     def _step(self) -> dict[Request, list[int]]:
@@ -607,11 +606,11 @@ class Engine(WarmupMixin, AbortMixin):
             self._drain(new)
             self._release_finished()
         while self.waiting and self._can_admit(self.waiting[0]):
-            req = self.waiting.popleft()
+            req = self.waiting[0]  # in a queue at every moment, for _recover to find
             req.slot = self.slots.take()[0]
             if self.prefix is not None:
                 self._admit_from_cache(req)
-            self.prefilling.append(req)
+            self.prefilling.append(self.waiting.popleft())
         if self.waiting and not (self.prefilling or self.decoding or self._inflight):
             raise MemoryError("the next request cannot be admitted into an empty engine; "
                               "its pages exceed the pool.")
@@ -620,7 +619,6 @@ class Engine(WarmupMixin, AbortMixin):
             req = self.prefilling[0]
             budget -= self._prefill_chunk(req, budget)
             if req.prefilled == len(req.prompt_ids):
-                self.prefilling.pop(0)
                 new[req] = list(req.output_ids)
                 if self.prefix is not None:
                     self._insert_prompt(req)
@@ -629,6 +627,7 @@ class Engine(WarmupMixin, AbortMixin):
                 else:
                     self._shrink(req, req.position)
                     self.decoding.append(req)
+                self.prefilling.pop(0)
         running = [r for r in self.decoding if not r.finished]
         prev = self._inflight
         if prev is not None and not (running and self._can_chain(running, prev)):
