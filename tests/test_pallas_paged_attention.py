@@ -166,11 +166,14 @@ def test_choose_num_splits():
     assert choose_num_splits(8, 2, max_blocks=512, **one) == 8  # 128 programs, not 144
     assert choose_num_splits(32, 2, max_blocks=512, **one) == 2  # 128, not 192
     assert choose_num_splits(32, 4, max_blocks=512, **one) == 1
-    assert choose_num_splits(1, 2, max_blocks=16) == 8  # at least 2 blocks per split
+    assert choose_num_splits(1, 2, max_blocks=16) == 16  # one block per split at most
+    assert choose_num_splits(1, 2, max_blocks=16, min_blocks_per_split=2) == 8
     assert choose_num_splits(64, 4, max_blocks=1) == 1
     # Four programs per SM by default: batch 32 x 2 kv heads takes 8 splits (512 programs).
     assert choose_num_splits(32, 2, max_blocks=512) == 8
-    assert 58 <= choose_num_splits(1, 2, max_blocks=128) <= 64  # capped: 2 blocks per split
+    assert 122 <= choose_num_splits(1, 2, max_blocks=128) <= 128  # capped: 1 block per split
+    assert choose_num_splits(1, 2, max_blocks=512) == 252  # 504 programs: one wave of 4 per SM
+    assert 58 <= choose_num_splits(1, 2, max_blocks=128, min_blocks_per_split=2) <= 64
 
 
 # (Hq, Hkv, T, page_size): Qwen3.5-2B, Qwen3.6-27B, Qwen3.6-35B-A3B head layouts, D = 256.

@@ -1,0 +1,92 @@
+"""A/B of kernel backends in one process (GPU machine helper; not part of the test suite).
+
+Each variant is a model loaded with its own backends (random weights of one config) and an
+engine; their decode steps (k = 0, ``--batch`` requests, ``--steps`` per call, overlap scheduling as the
+benchmark times them) are timed in turns, ``--reps`` times each, so that machine drift and
+context growth fall on every variant alike. Prints each turn's median step (ms) per variant.
+
+Usage: python scripts/ab_backends.py --config configs/Qwen3.5-2B.json \
+    --variant base: --variant xla_norm:norm=xla [--reps 3 --tokens 512 --steps 4]
+"""
+
+from __future__ import annotations
+
+import argparse
+import importlib
+import statistics
+
+import jax
+
+from mtp_jax.bench.floor import load_config
+from mtp_jax.bench.run import pipelined_rounds, requests
+from mtp_jax.config import EngineConfig, SpecConfig
+from mtp_jax.engine.engine import Engine
+from mtp_jax.models.loader import load_model
+
+
+def parse_variant(text: str) -> tuple[str, dict, dict]:
+    """``name:op=backend,...,@module.ATTR=int`` -> (name, load_model backends, constants)."""
+    name, _, rest = text.partition(":")
+    opts = dict(kv.split("=") for kv in rest.split(",") if kv)
+    consts = {k[1:]: int(v) for k, v in opts.items() if k.startswith("@")}
+    return name, {f"{op}_backend": v for op, v in opts.items() if not op.startswith("@")}, consts
+
+
+def set_constants(consts: dict) -> dict:
+    """Set ``module.ATTR`` integers (read when a program is traced); returns the old values."""
+    old = {}
+    for path, value in consts.items():
+        module, _, attr = path.rpartition(".")
+        mod = importlib.import_module(module)
+        old[path] = getattr(mod, attr)
+        setattr(mod, attr, value)
+    return old
+
+
+def main() -> None:
+    p = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    p.add_argument("--config", required=True)
+    p.add_argument("--variant", action="append", required=True)
+    p.add_argument("--reps", type=int, default=3)
+    p.add_argument("--tokens", type=int, default=512)
+    p.add_argument("--steps", type=int, default=4)
+    p.add_argument("--prompt-len", type=int, default=1024)
+    p.add_argument("--batch", type=int, default=1)
+    p.add_argument("--max-model-len", type=int, default=0,
+                   help="the engines' (default: room for every rep)")
+    args = p.parse_args()
+    cfg = load_config(args.config)
+    runs = {}
+    for text in args.variant:
+        name, backends, consts = parse_variant(text)
+        old = set_constants(consts)
+        model = load_model(cfg=cfg, dtype="bfloat16", dummy_weight=True, **backends)
+        eng = Engine(model, EngineConfig(
+            max_running_requests=args.batch, max_model_len=args.max_model_len or args.prompt_len
+            + (args.reps + 1) * (args.tokens + 64) + 256, chunked_prefill_size=args.prompt_len,
+            dtype="bfloat16", enable_prefix_cache=False, num_scheduler_steps=args.steps),
+            SpecConfig(algorithm="none"))
+        reqs = requests(args.batch, args.prompt_len, 10**6, cfg.vocab_size, 0)
+        for r in reqs:
+            eng.add_request(r)
+        while eng.waiting or eng.prefilling:
+            eng.step()
+        for _ in range(3):
+            eng._run_round(reqs)
+        jax.block_until_ready(eng.pools)
+        set_constants(old)  # the programs are compiled: later variants start from the defaults
+        runs[name] = (eng, reqs)
+        print(f"{name}: ready ({backends} {consts})", flush=True)
+    table = {name: [] for name in runs}
+    for _ in range(args.reps):
+        for name, (eng, reqs) in runs.items():
+            run = pipelined_rounds(eng, reqs,
+                                   lambda got, e=eng: len(got) * args.steps >= args.tokens)
+            table[name].append(statistics.median(run["times"]) / args.steps * 1e3)
+    for name, ms in table.items():
+        print(f"{name:16s} " + " ".join(f"{m:.4f}" for m in ms)
+              + f"   best {min(ms):.4f} ms ({args.batch * 1e3 / min(ms):.1f} tokens/s)")
+
+
+if __name__ == "__main__":
+    main()
