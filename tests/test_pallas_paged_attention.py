@@ -166,13 +166,17 @@ def test_choose_num_splits():
     assert choose_num_splits(8, 2, max_blocks=512, **one) == 8  # 128 programs, not 144
     assert choose_num_splits(32, 2, max_blocks=512, **one) == 2  # 128, not 192
     assert choose_num_splits(32, 4, max_blocks=512, **one) == 1
-    assert choose_num_splits(1, 2, max_blocks=16) == 16  # one block per split at most
+    # A short table at batch 1 (2 x 8 programs at 2 blocks each leave SMs idle): one block per
+    # split; batch 8 fills 132 SMs at 2 blocks per split (16 x 18 programs), so it keeps 2.
+    assert choose_num_splits(1, 2, max_blocks=16) == 16
     assert choose_num_splits(1, 2, max_blocks=16, min_blocks_per_split=2) == 8
+    assert choose_num_splits(8, 2, max_blocks=36) == 18
+    assert choose_num_splits(8, 2, max_blocks=36, min_blocks_per_split=1) == 32
     assert choose_num_splits(64, 4, max_blocks=1) == 1
     # Four programs per SM by default: batch 32 x 2 kv heads takes 8 splits (512 programs).
     assert choose_num_splits(32, 2, max_blocks=512) == 8
-    assert 122 <= choose_num_splits(1, 2, max_blocks=128) <= 128  # capped: 1 block per split
-    assert choose_num_splits(1, 2, max_blocks=512) == 252  # 504 programs: one wave of 4 per SM
+    assert 122 <= choose_num_splits(1, 2, max_blocks=128) <= 128  # 2 x 64 < 132: 1 block
+    assert choose_num_splits(1, 2, max_blocks=512) == 244  # cost-bound: 2 blocks per split kept
     assert 58 <= choose_num_splits(1, 2, max_blocks=128, min_blocks_per_split=2) <= 64
 
 

@@ -31,7 +31,6 @@ from jax.experimental.pallas import triton as plgpu
 
 NUM_SMS = 132  # H200 streaming multiprocessors: one wave of programs
 MAX_QUERY_ROWS = 128  # T x group after padding; more would not fit the registers of one program
-MIN_BLOCKS_PER_SPLIT = 1  # choose_num_splits' default bound (read when a program is traced)
 _MASKED = -1e30  # finite, so masked scores never make inf - inf
 _LOG2E = math.log2(math.e)
 
@@ -57,12 +56,14 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, *,
       max_blocks: key blocks in the page table's width (the longest context it can hold).
       num_sms: streaming multiprocessors to fill.
       min_blocks_per_split: at a full table, each split reads at least this many blocks, which
-        bounds the partial outputs written and merged relative to the K/V read (default
-        :data:`MIN_BLOCKS_PER_SPLIT`). 1 lets a short table (where this bound, not the waves, sets ``S``) take one block per
-        split: the Qwen3.5-2B decode step with a 2,300-token table (36 blocks of 64 keys, the
-        benchmark's) at 1,036-2,060 tokens of context took 1.275-1.283 ms with 36 splits
-        against 1.291-1.298 ms with 18 (2 blocks per split: a program's blocks are read one
-        after the other), on the H200 (session 22, ``scripts/ab_backends.py``).
+        bounds the partial outputs written and merged relative to the K/V read. Default: 2,
+        or 1 where the programs at 2 blocks each would leave SMs idle (``pairs * (max_blocks
+        // 2) < num_sms``): there a program's 2 blocks, read one after the other, are the
+        kernel's critical path. Measured on the H200 (session 22, ``scripts/ab_backends.py``,
+        Qwen3.5-2B decode, a 2,300-token table: 36 blocks of 64 keys, 1,036-2,060 tokens of
+        context): batch 1 (2 pairs) 1.275-1.283 ms per step with 1 block per split (36
+        splits) against 1.291-1.298 with 2 (18); batch 8 (16 pairs) 1.651-1.666 with 1 (32
+        splits) against 1.632-1.647 with 2 (18).
       slack: accepted relative excess over the least time, in exchange for fewer splits.
       programs_per_sm: programs one SM runs at once; one program alone cannot keep enough
         loads in flight to saturate an SM's share of HBM (measured on the H200: one program per
@@ -71,7 +72,9 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, *,
       an int in ``[1, max(1, max_blocks // min_blocks_per_split)]``.
     """
     pairs = batch * num_kv_heads
-    cap = max(1, max_blocks // (min_blocks_per_split or MIN_BLOCKS_PER_SPLIT))
+    if min_blocks_per_split is None:
+        min_blocks_per_split = 1 if pairs * (max_blocks // 2) < num_sms else 2
+    cap = max(1, max_blocks // min_blocks_per_split)
     slots = num_sms * programs_per_sm
     cost = [-(-pairs * s // slots) / s for s in range(1, cap + 1)]
     best = min(cost)
