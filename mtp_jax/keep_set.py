@@ -112,7 +112,8 @@ def prefix_end_candidates(x, m, t, k_eff, top_p, p_off, *, num_chunks: int = NUM
 
 
 def keep_mask(x, m, t, k_eff, top_p, p_off, filtered, *, num_chunks: int = NUM_CHUNKS,
-              per_chunk: int = PER_CHUNK, min_vocab: int | None = None):
+              per_chunk: int = PER_CHUNK, min_vocab: int | None = None,
+              some_filtered: bool | None = None):
     """``[..., V]`` bool: the ids each row keeps, all of them in rows outside ``filtered``.
 
     Without a filtered row every id is kept. Otherwise the candidates' answer
@@ -123,6 +124,11 @@ def keep_mask(x, m, t, k_eff, top_p, p_off, filtered, *, num_chunks: int = NUM_C
 
     Args:
       filtered: ``[...]`` bool, the rows with top-k or top-p on (and not greedy).
+      some_filtered: static, when the caller knows it: ``True`` (some row may filter: the
+        filter is traced with no run-time test), ``False`` (no row filters: every id is kept,
+        nothing traced; ``filtered`` must then be all false) or ``None`` (a ``lax.cond`` on
+        ``any(filtered)``; on a GPU a conditional reads its predicate back to the host, which
+        waits for the device there).
       Others as :func:`prefix_end_sorted`.
     Returns:
       ``[..., V]`` bool.
@@ -152,7 +158,10 @@ def keep_mask(x, m, t, k_eff, top_p, p_off, filtered, *, num_chunks: int = NUM_C
                                       with_sort, None))
 
     short = x.shape[-1] < (MIN_VOCAB if min_vocab is None else min_vocab)
-    return jax.lax.cond(jnp.any(filtered), by_sort if short else by_candidates, all_kept, None)
+    by_filter = by_sort if short else by_candidates
+    if some_filtered is not None:
+        return by_filter(None) if some_filtered else all_kept(None)
+    return jax.lax.cond(jnp.any(filtered), by_filter, all_kept, None)
 
 
 __all__ = ["MIN_VOCAB", "NUM_CHUNKS", "PER_CHUNK", "keep_mask", "prefix_end_candidates",

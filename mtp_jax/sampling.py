@@ -82,6 +82,15 @@ class SamplingTensors:
         """``[B] bool``: rows that use argmax and never touch the rng."""
         return self.temperature <= 0
 
+    def filters_any(self, vocab_size: int) -> bool:
+        """Whether some sampled row filters (top-k in ``(0, vocab_size)`` or top-p below 1), on
+        host values (``from_params(..., host=True)``): the static ``filtering`` flag of
+        :func:`sample`, :func:`filtered_probs` and :func:`mtp_jax.spec.accept.accept` for this
+        batch. ``False`` also holds for any smaller vocabulary the rows are filtered over (a
+        top-k at or above ``vocab_size`` is at or above it too)."""
+        temp, k, p = (np.asarray(a) for a in (self.temperature, self.top_k, self.top_p))
+        return bool(np.any((temp > 0) & (((k > 0) & (k < vocab_size)) | (p < 1))))
+
     @classmethod
     def greedy(cls, batch_size: int) -> "SamplingTensors":
         """All-greedy parameters for ``batch_size`` rows (also what padding rows get)."""
@@ -194,7 +203,8 @@ def _bcast_param(value, batch_shape: tuple[int, ...], name: str) -> jax.Array:
     return jnp.broadcast_to(value, batch_shape)
 
 
-def filtered_probs(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
+def filtered_probs(logits: jax.Array, temperature, top_k, top_p, *,
+                   filtering: bool | None = None) -> jax.Array:
     """Filtered sampling distribution (see the module docstring for the exact definition).
 
     Args:
@@ -204,6 +214,10 @@ def filtered_probs(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
         any prefix shape of ``logits.shape[:-1]``. ``<= 0`` means greedy (one-hot of argmax).
       top_k: int, same broadcasting; ``<= 0`` or ``>= V`` means off.
       top_p: float, same broadcasting; ``>= 1`` means off.
+      filtering: static, when the caller knows it (:meth:`SamplingTensors.filters_any`):
+        ``True`` traces the top-k / top-p filter with no run-time test of whether any row
+        filters, ``False`` traces none (every row's filters must be off), ``None`` tests at run
+        time (a ``lax.cond``: on a GPU a host round trip; :func:`mtp_jax.keep_set.keep_mask`).
 
     Returns:
       ``[..., V] float32`` probabilities; each row sums to 1 (greedy rows exactly one-hot).
@@ -236,7 +250,7 @@ def filtered_probs(logits: jax.Array, temperature, top_k, top_p) -> jax.Array:
     e = jnp.exp((x - m) / t[..., None])
     iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
 
-    keep = keep_mask(x, m, t, k_eff, top_p, p_off, row_filters)
+    keep = keep_mask(x, m, t, k_eff, top_p, p_off, row_filters, some_filtered=filtering)
     w = jnp.where(keep, e, 0.0)
     probs = w / jnp.sum(w, axis=-1, keepdims=True)
     onehot = (iota == jnp.argmax(x, axis=-1)[..., None]).astype(jnp.float32)
@@ -291,14 +305,21 @@ def categorical(keys: jax.Array, probs: jax.Array) -> jax.Array:
 
 
 def sample(logits: jax.Array, params: SamplingTensors, step: jax.Array, *,
-           salt=SALT_SAMPLE, greedy_only: bool = False) -> jax.Array:
+           salt=SALT_SAMPLE, greedy_only: bool = False,
+           filtering: bool | None = None) -> jax.Array:
     """Sample the next token of each row.
 
     Greedy rows (temperature 0) return ``jnp.argmax(logits)`` and their result never depends on the
     rng; other rows draw from :func:`filtered_probs` with the key ``row_keys(seed, step, salt)``.
-    When every row is greedy the filtering and drawing are skipped at run time (``lax.cond``);
-    with ``greedy_only`` (static: the caller knows every row is greedy) they are not traced at
-    all, which keeps a host-synchronising conditional out of the program.
+    What is traced follows what the caller knows (static), so that no host-synchronising
+    conditional is in the program where the host has decided already:
+
+    * ``greedy_only``: every row is greedy; the filtering and drawing are not traced;
+    * ``filtering`` ``True`` / ``False`` (some row samples, and some row filters or none does:
+      :meth:`SamplingTensors.filters_any`): the draw is traced with (or without) the filter,
+      with no run-time test;
+    * neither: when every row is greedy the filtering and drawing are skipped at run time
+      (``lax.cond``), and the filter likewise when no row filters.
 
     Args:
       logits: ``[B, V]`` float.
@@ -327,8 +348,11 @@ def sample(logits: jax.Array, params: SamplingTensors, step: jax.Array, *,
     greedy = params.is_greedy
 
     def random_path(_):
-        probs = filtered_probs(logits, params.temperature, params.top_k, params.top_p)
+        probs = filtered_probs(logits, params.temperature, params.top_k, params.top_p,
+                               filtering=filtering)
         drawn = categorical(row_keys(params.seed, step, salt), probs)
         return jnp.where(greedy, greedy_tok, drawn)
 
+    if filtering is not None:
+        return random_path(None)
     return jax.lax.cond(jnp.all(greedy), lambda _: greedy_tok, random_path, None)

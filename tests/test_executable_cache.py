@@ -261,10 +261,15 @@ def test_changed_static_keyword_or_shape_misses(model, cold, tmp_path):
     t = m.programs.executables
     assert (t.loads, t.traces) == (3, 1) and _traces(m) == 1
     m = _fresh(model)
-    # the round's sampled variant (the prefill has only that one)
-    _engine(m).warmup(sampled=True, max_batch=1)
+    # the round's sampled variant with the top-k / top-p filter (the prefill has only one)
+    _engine(m).warmup(sampled=True, max_batch=1, filtering=True)
     t = m.programs.executables
     assert (t.loads, t.traces) == (2, 1)
+    m = _fresh(model)
+    # both sampled variants: the filtered one now loads, the unfiltered one is new
+    _engine(m).warmup(sampled=True, max_batch=1)
+    t = m.programs.executables
+    assert (t.loads, t.traces) == (3, 1)
 
 
 def test_key_changes_with_config_flags_and_source(model, tmp_path, monkeypatch):

@@ -7,6 +7,7 @@ import pytest
 
 from conftest import fixture_path
 from mtp_jax import LLM, SamplingParams
+from mtp_jax.engine import engine as engine_mod
 
 CKPT = fixture_path("tiny_moe_fused")
 
@@ -191,15 +192,22 @@ def test_cli_prompts_file_bad_sampling_line_fails_alone(tmp_path, capsys):
     assert recs[0]["prompt_tokens"] == len(p[0]) and recs[1]["prompt_tokens"] is None
 
 
-def test_warmup_compiles_everything_the_run_calls(llm_mtp):
+def test_warmup_compiles_everything_the_run_calls(llm_mtp, monkeypatch):
     rng = np.random.default_rng(7)
-    prompts = [rng.integers(2, 300, n).tolist() for n in (5, 70)]  # 70 > one snapshot interval
+    prompts = [rng.integers(2, 300, n).tolist() for n in (5, 70, 9)]  # 70 > one snapshot interval
+    # The top-p request ends first: rounds with and without a filtering row (two variants).
     params = [SamplingParams(temperature=0.9, max_tokens=30, ignore_eos=True),
-              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)]
+              SamplingParams(temperature=0, max_tokens=40, ignore_eos=True),
+              SamplingParams(temperature=0.8, top_p=0.9, max_tokens=6, ignore_eos=True)]
     next_id = llm_mtp._next_id
     assert llm_mtp.warmup(prompts, params) > 0
     assert llm_mtp._next_id == next_id  # default seeds are not shifted by the warm-up
     before = llm_mtp.engine.compiled_program_count()
+    seen = []
+    real = engine_mod.sampling_variant
+    monkeypatch.setattr(engine_mod, "sampling_variant",
+                        lambda *a: seen.append(real(*a)) or seen[-1])
     outs = llm_mtp.generate(prompts, params)
-    assert [len(o.token_ids) for o in outs] == [30, 40]
+    assert [len(o.token_ids) for o in outs] == [30, 40, 6]
+    assert {v.get("filtering") for v in seen if not v["greedy_only"]} == {True, False}
     assert llm_mtp.engine.compiled_program_count() == before

@@ -92,6 +92,18 @@ def _all_greedy(reqs: Iterable[Request]) -> bool:
     return all(r.params.temperature <= 0 for r in reqs)
 
 
+def sampling_variant(reqs: Iterable[Request], sampling: SamplingTensors, vocab_size: int) -> dict:
+    """The static sampling keywords of a round over ``reqs`` (``sampling``: their host rows):
+    ``greedy_only`` when every request is greedy (no sampling path traced), else ``filtering``,
+    whether some row filters by top-k / top-p
+    (:meth:`~mtp_jax.sampling.SamplingTensors.filters_any`), so that the program holds no
+    run-time test of either (on a GPU each would be a host round trip per sampling site; the
+    2B sampled round lost about 0.15 ms to three of them, ``docs/benchmarks.md``, session 21)."""
+    if _all_greedy(reqs):
+        return {"greedy_only": True}
+    return {"greedy_only": False, "filtering": sampling.filters_any(vocab_size)}
+
+
 @dataclasses.dataclass
 class EngineStats:
     """Totals over the engine's life (seconds, tokens, calls)."""
@@ -439,8 +451,9 @@ class Engine(WarmupMixin, AbortMixin):
         static = {"rounds": rounds} if rounds > 1 else {}
         out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
                                               proposer=self.proposer_kind,
-                                              greedy_only=_all_greedy(running),
-                                              snapshot=snapshot, **static)
+                                              snapshot=snapshot, **static,
+                                              **sampling_variant(running, batch.sampling,
+                                                                 self.model.cfg.vocab_size))
         out.readback.copy_to_host_async()  # the result travels while the host goes on
         self.stats.rounds += rounds
         self.stats.round_calls += 1

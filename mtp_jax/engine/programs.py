@@ -67,7 +67,7 @@ def clamp_drafts(k: int, position, step, limit, max_step):
     return jnp.clip(room, 0, k).astype(jnp.int32)
 
 
-def _draft_token(model, z, sampling, step, j, greedy_only):
+def _draft_token(model, z, sampling, step, j, greedy_only, filtering=None):
     """Draft token j (0-based) from MTP hidden ``z [B, H]``: argmax for greedy rows, else a draw
     from the filtered draft distribution q, which is returned for rejection sampling (greedy
     rows' q is never read). With ``greedy_only`` (static; the host picks it when every row is
@@ -81,6 +81,8 @@ def _draft_token(model, z, sampling, step, j, greedy_only):
     are its mixed ones (int8 products, the best blocks re-scored in the model dtype;
     :mod:`mtp_jax.models.draft_head`), and q is filtered over them; greedy-only programs
     take ``model.draft_greedy`` (the best re-scored candidate, no pass over all V).
+    ``filtering`` (static; the host's :meth:`~mtp_jax.sampling.SamplingTensors.filters_any`):
+    whether the filter is traced, with no run-time test (``None``: tested at run time).
     Returns ``(tokens [B] int32, q [B, V] float32)``."""
     if greedy_only:
         return (model.draft_greedy(z),
@@ -88,7 +90,8 @@ def _draft_token(model, z, sampling, step, j, greedy_only):
     logits, hot = model.draft_logits(z)  # [B, N]; hot [N] int32, None: N = V, column = id
     to_id = (lambda i: i) if hot is None else (lambda i: jnp.take(hot, i))
     greedy_tok = jnp.argmax(logits, -1).astype(jnp.int32)
-    q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p)
+    q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                       filtering=filtering)
     drawn = categorical(row_keys(sampling.seed, step, SALT_DRAFT + j), q)
     if hot is not None:
         q = jnp.zeros((q.shape[0], model.cfg.vocab_size), jnp.float32).at[:, hot].set(
@@ -96,7 +99,8 @@ def _draft_token(model, z, sampling, step, j, greedy_only):
     return to_id(jnp.where(sampling.is_greedy, greedy_tok, drawn)), q
 
 
-def _chain(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, step, k, greedy_only):
+def _chain(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, step, k, greedy_only,
+           filtering=None):
     """k-1 chained draft steps from ``z [B, H]`` and draft token ``tok [B]``; step j runs at
     position ``pos + j - 1`` and writes its draft KV only below ``limit [B]``.
     Returns ``(drafts [B, k], q [B, k, V], draft_kv)``."""
@@ -107,7 +111,7 @@ def _chain(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, step, k
         zj, draft_kv = model.mtp(model.embed_tokens, z[:, None], toks[-1][:, None], batch,
                                  draft_kv, step=j)
         z = zj[:, 0]
-        t, qj = _draft_token(model, z, sampling, step, j, greedy_only)
+        t, qj = _draft_token(model, z, sampling, step, j, greedy_only, filtering)
         toks.append(t)
         qs.append(qj)
     return jnp.stack(toks, 1), jnp.stack(qs, 1), draft_kv
@@ -119,16 +123,16 @@ def _row(x, index):
 
 
 def _mtp_drafts(model, pools: Pools, hidden, next_ids, abatch, pick, step, pos, limit,
-                sampling, k: int, greedy_only: bool):
+                sampling, k: int, greedy_only: bool, filtering: bool | None = None):
     """Draft extend over the rows of ``hidden [B, T, H]`` (row t pairs the hidden at t with
     ``next_ids[:, t]``), then draft ``d_1`` from row ``pick [B]`` and ``d_2..d_k`` by chained
     steps at ``pos [B]`` onwards (writes below ``limit [B]`` only); the random streams use
     ``step [B]``. Returns ``((drafts [B, k], q [B, k, V]), pools with the new draft KV)``."""
     z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
     z_pick = _row(z, pick)
-    tok, q = _draft_token(model, z_pick, sampling, step, 0, greedy_only)
+    tok, q = _draft_token(model, z_pick, sampling, step, 0, greedy_only, filtering)
     drafts, qs, draft_kv = _chain(model, draft_kv, z_pick, tok, q, pos, abatch.page_table,
-                                  limit, sampling, step, k, greedy_only)
+                                  limit, sampling, step, k, greedy_only, filtering)
     return (drafts, qs), dataclasses.replace(pools, draft_kv=draft_kv)
 
 
@@ -198,10 +202,13 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, *, k: int, mtp:
 
 
 def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, proposer: str,
-               greedy_only: bool = False, snapshot: bool = False):
+               greedy_only: bool = False, filtering: bool | None = None,
+               snapshot: bool = False):
     """One verify/accept/commit(/draft) round; ``proposer`` in ``none | mtp | external``.
 
-    Static variants: ``greedy_only`` (every row greedy: no sampling path traced) and
+    Static variants: ``greedy_only`` (every row greedy: no sampling path traced), ``filtering``
+    (some row samples: ``True`` when some row filters by top-k / top-p, ``False`` when none
+    does; traced without run-time tests; ``None``: tested at run time) and
     ``snapshot`` (some row crosses a prefix-cache boundary: the snapshot replay is traced).
     Choosing them on the host keeps data-dependent conditionals, which synchronise the GPU with
     the host and split its command buffers, out of the round.
@@ -239,11 +246,11 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
     if k:
         q = pools.draft_probs[batch.slot] if proposer == "mtp" else None
         n, emitted = accept(logits, tokens[:, 1:], q, batch.sampling, step,
-                            num_draft=num_draft, greedy_only=greedy_only)
+                            num_draft=num_draft, greedy_only=greedy_only, filtering=filtering)
     else:
         n = jnp.zeros((b,), jnp.int32)
         emitted = sample(logits[:, 0], batch.sampling, step, salt=SALT_SAMPLE,
-                         greedy_only=greedy_only)[:, None]
+                         greedy_only=greedy_only, filtering=filtering)[:, None]
     commit_len = jnp.where(batch.live, n + 1, 0)
     if snapshot:
         pools = _save_round_snapshots(model, pools, rows, batch)
@@ -256,7 +263,7 @@ def spec_round(graphdef, params, pools: Pools, batch: RoundBatch, *, k: int, pro
         live_limit = jnp.where(batch.live, batch.limit, 0)
         drafts, pools = _mtp_drafts(model, pools, hidden, next_ids, abatch, n,
                                     step + n + 1, position + n + 1, live_limit,
-                                    batch.sampling, k, greedy_only)
+                                    batch.sampling, k, greedy_only, filtering)
     pools = _store_next(pools, batch.slot, bonus, drafts, k)
     advance = jnp.where(batch.live, n + 1, 0)
     pools = dataclasses.replace(pools, position=pools.position.at[batch.slot].add(advance),
@@ -313,7 +320,8 @@ class Programs:
     and the parameters travel as a flat tuple of arrays; the batch (numpy arrays) travels as one
     packed int32 buffer (:mod:`mtp_jax.engine.packing`), so a call costs one host-to-device
     copy. Pools are donated. Shapes and the static keywords (``k``, ``mtp``, ``proposer``,
-    ``greedy_only``, ``snapshot``) key the compile caches: one program per bucket and variant.
+    ``greedy_only``, ``filtering``, ``snapshot``) key the compile caches: one program per bucket
+    and variant.
 
     With ``executables`` (what :func:`make_programs` gives), calls run the compiled program of
     their shapes from an :class:`~mtp_jax.engine.executable_cache.ExecutableTable`: loaded from
@@ -367,15 +375,16 @@ def make_programs(graphdef, params, packing=None) -> Programs:
         return prefill(graphdef, params_of(leaves), pools, unpack(buf, spec), k=k, mtp=mtp,
                        greedy_only=greedy_only)
 
-    def round_(leaves, pools, buf, *, spec, k, proposer, greedy_only=False, snapshot=False,
-               rounds=1):
+    def round_(leaves, pools, buf, *, spec, k, proposer, greedy_only=False, filtering=None,
+               snapshot=False, rounds=1):
         return spec_rounds(graphdef, params_of(leaves), pools, unpack(buf, spec), k=k,
-                           proposer=proposer, greedy_only=greedy_only, snapshot=snapshot,
-                           rounds=rounds)
+                           proposer=proposer, greedy_only=greedy_only, filtering=filtering,
+                           snapshot=snapshot, rounds=rounds)
 
     return Programs(
         prefill_jit=jax.jit(prefill_, static_argnames=("spec", "k", "mtp", "greedy_only"),
                             donate_argnums=(1,)),
         round_jit=jax.jit(round_, static_argnames=("spec", "k", "proposer", "greedy_only",
-                                                   "snapshot", "rounds"), donate_argnums=(1,)),
+                                                   "filtering", "snapshot", "rounds"),
+                          donate_argnums=(1,)),
         treedef=treedef, executables=ExecutableTable(graphdef))

@@ -54,13 +54,15 @@ class WarmupMixin:
         return out
 
     def warmup(self, sampled: bool = True, max_batch: int | None = None,
-               max_prompt_len: int | None = None, workers: int | None = None) -> float:
+               max_prompt_len: int | None = None, workers: int | None = None,
+               filtering: bool | None = None) -> float:
         """Compile the programs this engine can call, with rows that write only to the trash
         page and slot, so that no compile happens while requests are served. Returns seconds.
 
         Covers each prefill length bucket (one variant, :data:`PREFILL_GREEDY_ONLY`) and each
         batch bucket's round calls (:meth:`round_variants`), in the greedy-only variant and,
-        with ``sampled``, the sampling one. ``max_batch``
+        with ``sampled``, the sampling ones: with the top-k / top-p filter (``filtering``
+        True), without it (False) or both (None; the engine's ``sampling_variant``). ``max_batch``
         (requests at once) and ``max_prompt_len`` (tokens) limit it to the buckets such a
         workload can reach. Programs missing from memory and from the executable cache are
         first built together
@@ -71,14 +73,15 @@ class WarmupMixin:
         """
         t0 = time.perf_counter()
         with self._pools_guard():  # a failed call may consume the donated pools
-            run = self.warmup_calls(sampled, max_batch, max_prompt_len)
+            run = self.warmup_calls(sampled, max_batch, max_prompt_len, filtering)
             startup.build_ahead(self.programs, run, workers)
             run()
             jax.block_until_ready(self.pools)
         return time.perf_counter() - t0
 
     def warmup_calls(self, sampled: bool = True, max_batch: int | None = None,
-                     max_prompt_len: int | None = None) -> Callable[[], None]:
+                     max_prompt_len: int | None = None,
+                     filtering: bool | None = None) -> Callable[[], None]:
         """The program calls of :meth:`warmup` (same arguments), as a function that makes them
         (each passes the pools on) without building anything ahead."""
         prefill = self.prefill_buckets()
@@ -91,10 +94,15 @@ class WarmupMixin:
         if max_batch is not None:
             rounds = [b for b in rounds if b <= next_pow2(max(1, max_batch))]
 
+        variants = [{"greedy_only": True}]
+        if sampled:
+            variants += [{"greedy_only": False, "filtering": f}
+                         for f in ((False, True) if filtering is None else (filtering,))]
+
         def run() -> None:
             self._warmup_prefill(prefill)
-            for greedy_only in (True, False) if sampled else (True,):
-                self._warmup_rounds(greedy_only, rounds)
+            for variant in variants:
+                self._warmup_rounds(variant, rounds)
         return run
 
     def _warmup_prefill(self, prefill_buckets) -> None:
@@ -122,12 +130,12 @@ class WarmupMixin:
             out += ([{"snapshot": False}] if n > 1 else []) + [{"snapshot": True}]
         return out
 
-    def _warmup_rounds(self, greedy_only: bool, batch_buckets) -> None:
+    def _warmup_rounds(self, sampling: dict, batch_buckets) -> None:
         for b, static in itertools.product(batch_buckets, self.round_variants()):
             batch = self.padding_round_batch(b)
             out, self.pools = self.programs.round(self._leaves, self.pools, batch, k=self.k,
                                                   proposer=self.proposer_kind,
-                                                  greedy_only=greedy_only, **static)
+                                                  **sampling, **static)
 
     def padding_round_batch(self, b: int) -> RoundBatch:
         """A round batch of ``b`` padding rows (they write only the trash page and slot)."""

@@ -123,7 +123,8 @@ def greedy_accept(target_logits: jax.Array, draft_tokens: jax.Array,
 
 def rejection_accept(target_logits: jax.Array, draft_tokens: jax.Array,
                      draft_probs: jax.Array | None, params: SamplingTensors, step: jax.Array,
-                     num_draft: jax.Array | None = None) -> tuple[jax.Array, jax.Array]:
+                     num_draft: jax.Array | None = None, *,
+                     filtering: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Exact speculative rejection sampling for one verify round (per-row greedy/sampled).
 
     For a sampled row with ``p_j = filtered_probs(target_logits[:, j], row params)`` and ``q_j`` the
@@ -140,6 +141,8 @@ def rejection_accept(target_logits: jax.Array, draft_tokens: jax.Array,
       params: :class:`~mtp_jax.sampling.SamplingTensors` with ``[B]`` fields.
       step: ``[B]`` int32, the row's generated-token count at the start of the round.
       num_draft: optional ``[B]`` int32 per-row draft count (default k).
+      filtering: static, as :func:`~mtp_jax.sampling.filtered_probs`'s (whether some row
+        filters; ``None``: tested at run time).
 
     Returns:
       ``(num_accepted [B] int32, emitted [B, k+1] int32)``.
@@ -164,7 +167,8 @@ def rejection_accept(target_logits: jax.Array, draft_tokens: jax.Array,
     valid = _draft_valid(d, V, k, num_draft)  # [B, k]
     d_safe = jnp.clip(d, 0, V - 1)
     # [B, k+1, V]; the [B] params broadcast over the k+1 positions of each row.
-    p = filtered_probs(target_logits, params.temperature, params.top_k, params.top_p)
+    p = filtered_probs(target_logits, params.temperature, params.top_k, params.top_p,
+                       filtering=filtering)
     p_d = jnp.take_along_axis(p[:, :k], d_safe[..., None], axis=-1)[..., 0]  # [B, k]
     if draft_probs is None:
         q_d = jnp.ones((B, k), jnp.float32)
@@ -204,12 +208,15 @@ def rejection_accept(target_logits: jax.Array, draft_tokens: jax.Array,
 def accept(target_logits: jax.Array, draft_tokens: jax.Array, draft_probs: jax.Array | None,
            params: SamplingTensors, step: jax.Array,
            num_draft: jax.Array | None = None, *,
-           greedy_only: bool = False) -> tuple[jax.Array, jax.Array]:
+           greedy_only: bool = False,
+           filtering: bool | None = None) -> tuple[jax.Array, jax.Array]:
     """Verify-round acceptance for a batch mixing greedy and sampled rows (one jit, no host branch).
 
-    Same contract and results as :func:`rejection_accept` (greedy rows == :func:`greedy_accept`);
-    when every row is greedy the filtering/sampling work is skipped at run time via ``lax.cond``,
-    and with ``greedy_only`` (static) it is not traced at all.
+    Same contract and results as :func:`rejection_accept` (greedy rows == :func:`greedy_accept`).
+    Static knowledge of the batch, as :func:`mtp_jax.sampling.sample` takes it: with
+    ``greedy_only`` the filtering/sampling work is not traced; with ``filtering`` ``True`` /
+    ``False`` (some row samples; some row filters, or none) it is traced with no run-time
+    test; with neither, it is skipped at run time (``lax.cond``) when every row is greedy.
     """
     target_logits = jnp.asarray(target_logits)
     draft_tokens = jnp.asarray(draft_tokens)
@@ -224,6 +231,9 @@ def accept(target_logits: jax.Array, draft_tokens: jax.Array, draft_probs: jax.A
         return all_greedy(None)
 
     def mixed(_):
-        return rejection_accept(target_logits, draft_tokens, draft_probs, params, step, num_draft)
+        return rejection_accept(target_logits, draft_tokens, draft_probs, params, step, num_draft,
+                                filtering=filtering)
 
+    if filtering is not None:
+        return mixed(None)
     return jax.lax.cond(jnp.all(params.is_greedy), all_greedy, mixed, None)
