@@ -186,8 +186,9 @@ def _main(argv) -> int:
 
     try:
         if not 0 <= args.seed < 2**32:
-            raise ValueError(f"seed (--seed) {args.seed} must be an int in [0, 2**32), e.g. "
-                             f"{args.seed % 2**32}.")
+            raise ValueError(f"seed (--seed) {args.seed} must be an int in [0, 2**32); pass a "
+                             f"non-negative one such as {args.seed % 2**32} (the same 32 "
+                             "bits).")
         # Requests without their own seed take one from LLM(seed=--seed) and their index.
         defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
                         max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)

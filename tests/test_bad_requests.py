@@ -173,7 +173,8 @@ def test_stop_token_ids_outside_the_vocabulary(llm, run_spy):
 @pytest.mark.parametrize("args,message", [
     (["--max-tokens", "0"], "max_tokens (--max-tokens) 0 must be an int >= 1"),
     (["--temperature", "-1"], "temperature (--temperature) -1.0 must be a number in [0, 3.4e+38]"),
-    (["--seed", "-1"], "seed (--seed) -1 must be an int in [0, 2**32), e.g. 4294967295."),
+    (["--seed", "-1"], "seed (--seed) -1 must be an int in [0, 2**32); pass a non-negative one "
+                       "such as 4294967295 (the same 32 bits)."),
     (["--top-p", "1.5"], "top_p (--top-p) 1.5 must be in (0, 1]"),
     (["--top-k", "-3"], "top_k (--top-k) -3 must be an int"),
     (["--prompts-file", "/nonexistent/p.jsonl"],

@@ -1,0 +1,33 @@
+"""``scripts/ab_backends.py``'s variant syntax: parsed and checked before any model loads."""
+
+import os
+import sys
+
+import pytest
+
+sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
+from ab_backends import parse_variant  # noqa: E402
+
+
+def test_variants_parse_backends_and_constants():
+    assert parse_variant("base:") == ("base", {}, {})
+    name, backends, consts = parse_variant(
+        "x:norm=xla,gemv=reduce,@pallas_kernels.paged_attention.pallas.NUM_SMS=64")
+    assert (name, backends) == ("x", {"norm_backend": "xla", "gemv_backend": "reduce"})
+    assert consts == {"pallas_kernels.paged_attention.pallas.NUM_SMS": 64}
+
+
+@pytest.mark.parametrize("text,message", [
+    ("b=norm=xla", "a name, then a colon"),  # no colon: would run the defaults under that name
+    (":norm=xla", "a name, then a colon"),
+    ("b:norm", "'norm' is not key=value"),
+    ("b:foo=xla", "'foo' is not an op"),
+    ("b:norm=bogus", "norm backend 'bogus' is unknown"),
+    ("b:@nope.X=1", "not an attribute of an importable module"),
+    ("b:@pallas_kernels.paged_attention.pallas.NUM_SMS=x", "is not an int"),
+    ("b:@pallas_kernels.paged_attention.pallas.MAX_QUERY_ROWS=1.5", "is not an int"),
+    ("b:@pallas_kernels.paged_attention.api.BACKENDS=1", "not an int; only integer"),
+])
+def test_bad_variants_name_the_part_and_the_syntax(text, message):
+    with pytest.raises(ValueError, match=message):
+        parse_variant(text)
