@@ -328,7 +328,8 @@ class Engine(WarmupMixin, AbortMixin):
         return t
 
     @staticmethod
-    def _sampling(reqs: list[Request | None]) -> SamplingTensors:
+    def sampling_rows(reqs: list[Request | None]) -> SamplingTensors:
+        """The host sampling rows of ``reqs`` (``None``: a greedy padding row, placed last)."""
         rows = [(r.params.temperature, r.params.top_k, r.params.top_p, r.seed)
                 for r in reqs if r is not None]
         return SamplingTensors.from_params(rows, pad_to=len(reqs), host=True)  # padding at the end
@@ -358,7 +359,7 @@ class Engine(WarmupMixin, AbortMixin):
             input_ids=np.asarray(ids), next_ids=np.asarray(nxt),
             start=np.asarray([start], np.int32), length=np.asarray([n], np.int32),
             prompt_len=np.asarray([n_prompt], np.int32), slot=np.asarray([req.slot], np.int32),
-            page_table=np.asarray(self._table([req])), sampling=self._sampling([req]),
+            page_table=np.asarray(self._table([req])), sampling=self.sampling_rows([req]),
             step=np.zeros((1,), np.int32))
         t0 = time.perf_counter()
         first, self.pools = self.programs.prefill(self._leaves, self.pools, batch, k=self.k,
@@ -436,7 +437,7 @@ class Engine(WarmupMixin, AbortMixin):
             slot=np.asarray([r.slot if r else 0 for r in rows], np.int32),
             live=np.asarray([r is not None for r in rows], bool),
             page_table=np.asarray(self._table(rows)), limit=limit, max_step=max_step,
-            sampling=self._sampling(rows), tokens=tokens, snap_row=snap_row, snap_id=snap_id)
+            sampling=self.sampling_rows(rows), tokens=tokens, snap_row=snap_row, snap_id=snap_id)
         return batch, bool(np.any(snap_row >= 0))
 
     def _dispatch_round(self, running: list[Request], chained: bool = False) -> InFlightRound:

@@ -17,7 +17,6 @@ from mtp_jax.config import (EngineConfig, SpecConfig, normalize_algorithm,
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, RequestOutput, SamplingParams, StreamOutput
 from mtp_jax.models.loader import load_model, resolve_dtype
-from mtp_jax.sampling import SamplingTensors
 from mtp_jax.spec.external import Proposer
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamOutput"]
@@ -483,9 +482,7 @@ class LLM:
             return time.perf_counter() - t0
         sampled = [r for _, r in requests if r.params.temperature > 0]
         vocab = self.engine.model.cfg.vocab_size
-        filters = {SamplingTensors.from_params([(r.params.temperature, r.params.top_k,
-                                                 r.params.top_p, 0)], host=True)
-                   .filters_any(vocab) for r in sampled}
+        filters = {self.engine.sampling_rows([r]).filters_any(vocab) for r in sampled}
         return self.engine.warmup(
             sampled=bool(sampled), filtering=filters.pop() if len(filters) == 1 else None,
             max_batch=len(requests),
