@@ -40,7 +40,7 @@ class CompilationCacheWarning(UserWarning):
 
 def default_cache_dir() -> str:
     """``$MTP_JAX_CACHE/xla``, by default ``~/.cache/mtp_jax/xla`` (not created here)."""
-    from mtp_jax.tools import cache_root
+    from mtp_jax.home import cache_root
 
     return os.path.join(cache_root(), "xla")
 

@@ -204,18 +204,7 @@ class ModelConfig(LayerShapes):
     @classmethod
     def from_folder(cls, path: str) -> "ModelConfig":
         """Read ``<path>/config.json``; raises :class:`ConfigError` if absent or unreadable."""
-        file = os.path.join(path, "config.json")
-        if not os.path.isdir(path):
-            raise ConfigError(f"model path {path!r} is not a folder; pass a checkpoint folder "
-                              "holding config.json and *.safetensors.")
-        if not os.path.isfile(file):
-            raise ConfigError(f"{path!r} has no config.json; pass an HF checkpoint folder.")
-        try:
-            with open(file) as f:
-                raw = json.load(f)
-        except (OSError, json.JSONDecodeError) as e:
-            raise ConfigError(f"cannot parse {file}: {e}") from e
-        return cls.from_dict(raw)
+        return cls.from_dict(read_config_json(path))
 
     def validate(self) -> None:
         sizes = ["vocab_size", "hidden_size", "num_hidden_layers", "num_attention_heads",
@@ -245,17 +234,59 @@ class ModelConfig(LayerShapes):
 _MISSING = object()
 
 
+def read_config_json(path: str) -> Any:
+    """The parsed ``<path>/config.json`` of a checkpoint folder. Raises :class:`ConfigError`
+    when ``path`` is not a folder, has no config.json, or it cannot be parsed."""
+    file = os.path.join(path, "config.json")
+    if not os.path.isdir(path):
+        raise ConfigError(f"model path {path!r} is not a folder; pass a checkpoint folder "
+                          "holding config.json and *.safetensors.")
+    if not os.path.isfile(file):
+        raise ConfigError(f"{path!r} has no config.json; pass an HF checkpoint folder.")
+    try:
+        with open(file) as f:
+            return json.load(f)
+    except (OSError, json.JSONDecodeError) as e:
+        raise ConfigError(f"cannot parse {file}: {e}") from e
+
+
+def strip_private_keys(obj: Any) -> Any:
+    """Copy of a JSON value with every dict key starting with ``_`` removed, recursively (the
+    presets in ``configs/`` carry notes under such keys)."""
+    if isinstance(obj, dict):
+        return {k: strip_private_keys(v) for k, v in obj.items() if not str(k).startswith("_")}
+    if isinstance(obj, list):
+        return [strip_private_keys(v) for v in obj]
+    return obj
+
+
+def config_dict(config: dict | str) -> dict:
+    """A config dict from a dict, a ``config.json`` path or a checkpoint folder, with ``_``
+    keys stripped. Raises ``OSError`` for a missing file, ``TypeError`` for another value."""
+    if isinstance(config, (str, os.PathLike)):
+        path = os.fspath(config)
+        if os.path.isdir(path):
+            path = os.path.join(path, "config.json")
+        with open(path, encoding="utf-8") as f:
+            config = json.load(f)
+    if not isinstance(config, dict):
+        raise TypeError(f"config must be a dict or a path, got {type(config).__name__}")
+    return strip_private_keys(config)
+
+
 @dataclasses.dataclass(frozen=True)
-class SpecConfig:
+class SpeculativeConfig:
     """Speculative decoding settings.
 
     ``algorithm``: ``"none"`` (plain decoding), ``"mtp"`` (the checkpoint's ``mtp.*`` layer
-    drafts) or ``"external"`` (a host callable drafts, see ``mtp_jax.spec.external``).
+    drafts) or ``"external"`` (a host callable drafts, see ``mtp_jax.speculative.external``).
     ``num_steps`` is ``speculative_num_steps`` (k drafted tokens per round, 1..8).
     ``draft_vocab_size`` / ``token_map_path`` (``speculative_draft_vocab_size`` /
     ``speculative_token_map``, MTP only): the draft scores only a hot subset of N token ids
     (FR-Spec; the N lowest ids, the map's ids, or the map's first N; see
-    :mod:`mtp_jax.spec.draft_vocab`). ``None``/``None`` is the full vocabulary.
+    :mod:`mtp_jax.speculative.draft_vocab`, which also checks them: the token map is a file,
+    read by the config-time checks, :func:`mtp_jax.checks.check_settings`). ``None``/``None``
+    is the full vocabulary.
     ``draft_head_dtype`` (``speculative_draft_head_dtype``, MTP only): ``None`` scores drafts
     with the LM head in the model dtype; ``"int8"`` with an int8 copy of its rows (half the
     bytes per draft step) whose best few logits are re-scored in the model dtype
@@ -288,14 +319,16 @@ class SpecConfig:
         """Raise :class:`ConfigError` for a combination that cannot run.
 
         Without ``model`` only the settings themselves are checked; with it, also that the
-        checkpoint's config can feed the algorithm. The full set of config-time checks (model
-        family, GGUF, draft source, slot states, dummy weights) is
-        :func:`mtp_jax.checks.check_before_load`."""
+        checkpoint's config can feed the algorithm. The reduced draft vocabulary is checked
+        with its token map by :func:`mtp_jax.speculative.draft_vocab.hot_token_ids`. The full
+        set of config-time checks (model family, GGUF, draft source, slot states, dummy
+        weights, draft vocabulary) is :func:`mtp_jax.checks.check_before_load`."""
         if self.algorithm not in SPECULATIVE_ALGORITHMS:
             raise ConfigError(f"speculative_algorithm (--speculative-algorithm) {self.algorithm!r} "
                               f"is unknown; use one of {', '.join(SPECULATIVE_ALGORITHMS)} "
                               "(mtp also accepts nextn and eagle; external, a host callable "
-                              "that drafts, is for the Python API: mtp_jax.spec.external).")
+                              "that drafts, is for the Python API: "
+                              "mtp_jax.speculative.external).")
         low = 0 if self.algorithm == "none" else 1  # 0 with speculation off, as SGLang's
         if (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
                 or not low <= self.num_steps <= MAX_SPECULATIVE_NUM_STEPS):
@@ -309,11 +342,6 @@ class SpecConfig:
                               f"{self.draft_model_path!r} was given but speculative_algorithm is "
                               f"{self.algorithm!r}; it only applies with speculative_algorithm="
                               "'mtp'. Drop the path or use --speculative-algorithm mtp.")
-        if self.draft_vocab_size is not None or self.token_map_path is not None:
-            from mtp_jax.spec.draft_vocab import hot_token_ids
-
-            hot_token_ids(self.algorithm, self.draft_vocab_size, self.token_map_path,
-                          None if model is None else model.vocab_size)
         for part, value, known in (("head", self.draft_head_dtype, DRAFT_HEAD_DTYPES),
                                    ("layer", self.draft_layer_dtype, DRAFT_LAYER_DTYPES)):
             if value is None:
@@ -339,10 +367,10 @@ class SpecConfig:
 
 def normalize_draft_dtype(name):
     """Map user spellings of ``speculative_draft_head_dtype`` and
-    ``speculative_draft_layer_dtype`` to :class:`SpecConfig`'s: None,
+    ``speculative_draft_layer_dtype`` to :class:`SpeculativeConfig`'s: None,
     ``"model"``, ``"auto"`` and ``""`` (any case) -> None (the model dtype); other strings
     lower-cased (``"INT8"`` -> ``"int8"``); anything else unchanged, for
-    :meth:`SpecConfig.validate` to refuse."""
+    :meth:`SpeculativeConfig.validate` to refuse."""
     if not isinstance(name, str):
         return name
     n = name.strip().lower()
@@ -428,3 +456,13 @@ class EngineConfig:
             raise ConfigError(f"max_model_len (--max-model-len) {self.max_model_len} must be "
                               ">= 2 (prompt plus output tokens); use 4096 (the default) or the "
                               "longest prompt + output you need.")
+
+
+def check_scheduler_steps(speculative: SpeculativeConfig, engine: EngineConfig) -> None:
+    """Multi-step calls need drafts made on the device (not by a host proposer); raises
+    :class:`ConfigError` otherwise."""
+    if speculative.algorithm == "external" and engine.num_scheduler_steps > 1:
+        raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) "
+                          f"{engine.num_scheduler_steps} needs drafts made on the device; "
+                          "speculative_algorithm='external' takes them from the host every "
+                          "round: use num_scheduler_steps=1 (the default).")

@@ -23,7 +23,7 @@ import shutil
 import sys
 import tempfile
 
-from mtp_jax.tools import cache_root
+from mtp_jax.home import cache_root
 
 DEFAULT_MODEL_NAME = "default-qwen3_5_moe-v1"
 
@@ -93,7 +93,7 @@ def default_model_path(cache_dir: str | None = None) -> str:
 
     Built in a temporary sibling folder and renamed into place, so a partial build is never
     seen and concurrent callers agree on one copy. ``cache_dir`` overrides
-    :func:`mtp_jax.tools.cache_root`. Takes a few seconds the first time (the tokenizer
+    :func:`mtp_jax.home.cache_root`. Takes a few seconds the first time (the tokenizer
     conversion dominates).
     """
     root = cache_dir or cache_root()

@@ -107,9 +107,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA compilation cache folder, or 'none' (default: "
                         "$MTP_JAX_COMPILATION_CACHE or ~/.cache/mtp_jax/xla)")
-    p.add_argument("--ple-backend", default="disk", choices=["disk", "memory"],
+    p.add_argument("--ple-backend", default=None, choices=["disk", "memory"],
                    help="Qwen3.8-Flash-Next checkpoints (model_type qwen4_exp) only: their "
-                        "PLE n-gram tables memory-mapped from disk or held in host RAM")
+                        "PLE n-gram tables memory-mapped from disk (the default) or held in "
+                        "host RAM")
     add_backend_flags(p)
     p.add_argument("--json", action="store_true", help="print one JSON object per request")
     return p
@@ -258,13 +259,13 @@ def _main(argv) -> int:
         return 2
     # Printed once the run is accepted, so that a refusal is the only thing on stderr.
     print(f"[model] {args.model or 'built-in default (random weights, real Qwen3.5 tokenizer)'}"
-          f"; speculative_algorithm={llm.spec.algorithm}"
-          + (f" (k={llm.spec.num_steps})" if llm.spec.enabled else "")
+          f"; speculative_algorithm={llm.speculative.algorithm}"
+          + (f" (k={llm.speculative.num_steps})" if llm.speculative.enabled else "")
           + (f"; draft vocabulary {llm.engine.draft_vocab_size} hot ids"
-             if getattr(llm.engine, "draft_vocab_size", None) else "")
-          + (f"; draft LM head {llm.spec.draft_head_dtype}" if llm.spec.draft_head_dtype
+             if llm.engine.draft_vocab_size else "")
+          + (f"; draft LM head {llm.speculative.draft_head_dtype}" if llm.speculative.draft_head_dtype
              else "")
-          + (f"; draft layer {llm.spec.draft_layer_dtype}" if llm.spec.draft_layer_dtype
+          + (f"; draft layer {llm.speculative.draft_layer_dtype}" if llm.speculative.draft_layer_dtype
              else "")
           + (f"; {args.num_scheduler_steps} rounds per call" if args.num_scheduler_steps > 1
              else "")

@@ -19,7 +19,7 @@ import jax
 
 from mtp_jax.bench.floor import load_config
 from mtp_jax.bench.run import pipelined_rounds, requests
-from mtp_jax.config import ConfigError, EngineConfig, SpecConfig
+from mtp_jax.config import ConfigError, EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.kernels import OPS, KernelBackends, choices_of
 from mtp_jax.models.loader import load_model
@@ -118,7 +118,7 @@ def main() -> None:
             max_running_requests=args.batch, max_model_len=args.max_model_len or args.prompt_len
             + (args.reps + 1) * (args.tokens + 64) + 256, chunked_prefill_size=args.prompt_len,
             dtype="bfloat16", enable_prefix_cache=False, num_scheduler_steps=args.steps),
-            SpecConfig(algorithm="none"))
+            SpeculativeConfig(algorithm="none"))
         reqs = requests(args.batch, args.prompt_len, 10**6, cfg.vocab_size, 0)
         for r in reqs:
             eng.add_request(r)

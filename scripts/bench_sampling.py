@@ -24,7 +24,7 @@ sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 import jax  # noqa: E402
 import jax.numpy as jnp  # noqa: E402
 
-from mtp_jax import keep_set, sampling  # noqa: E402
+from mtp_jax.sampling import keep_set, sampling  # noqa: E402
 from bench_draft_head import _time  # noqa: E402  (scripts/, this script's folder)
 
 VOCAB = 248320

@@ -36,7 +36,7 @@ import jax
 from ab_xla_flags import accepted as xla_flag_accepted  # scripts/ (this script's folder)
 from mtp_jax.bench.floor import load_config
 from mtp_jax.bench.run import requests
-from mtp_jax.config import EngineConfig, SpecConfig
+from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.kernels import OPS, add_backend_flags
 from mtp_jax.models.loader import load_model
@@ -150,7 +150,7 @@ def profile(model, cfg, k: int, batch: int, prompt_len: int, rounds: int, out: s
     eng = Engine(model, EngineConfig(max_running_requests=batch, max_model_len=prompt_len + 512,
                                      chunked_prefill_size=prompt_len, dtype=model.dtype,
                                      enable_prefix_cache=False),
-                 SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3))
+                 SpeculativeConfig(algorithm="mtp" if k else "none", num_steps=k or 3))
     for r in requests(batch, prompt_len, 10**6, cfg.vocab_size, 0):
         eng.add_request(r)
     while eng.waiting or eng.prefilling:

@@ -112,7 +112,7 @@ def child(args) -> dict:
     import jax
 
     from mtp_jax.compile_cache import enable_compilation_cache
-    from mtp_jax.config import EngineConfig, SpecConfig
+    from mtp_jax.config import EngineConfig, SpeculativeConfig
     from mtp_jax.engine import startup
     from mtp_jax.engine.engine import Engine
     from mtp_jax.models.loader import load_model
@@ -136,7 +136,7 @@ def child(args) -> dict:
                                      chunked_prefill_size=args.chunked_prefill_size,
                                      enable_prefix_cache=args.prefix_cache,
                                      num_pages=args.num_pages),
-                 SpecConfig(algorithm="mtp" if args.k else "none", num_steps=args.k or 3))
+                 SpeculativeConfig(algorithm="mtp" if args.k else "none", num_steps=args.k or 3))
     engine_s = time.perf_counter() - t0
     programs = eng.programs
     if args.mode == "jit":

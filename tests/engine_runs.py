@@ -3,7 +3,7 @@
 
 import numpy as np
 
-from mtp_jax.config import EngineConfig, SpecConfig
+from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, SamplingParams
 
@@ -23,9 +23,9 @@ def run_engine(model, specs, k, *, seed=100, running=2, prefix=False, num_pages=
                                      max_model_len=96, num_pages=num_pages,
                                      enable_prefix_cache=prefix, snapshot_interval_pages=1,
                                      **cfg),
-                 SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3))
+                 SpeculativeConfig(algorithm="mtp" if k else "none", num_steps=k or 3))
     reqs = eng.run(make_requests(specs, seed))
-    assert not eng.has_work() and eng.slots.num_free == eng.slots.size - 1
+    assert not eng.has_work() and eng.book.slots.num_free == eng.book.slots.size - 1
     return [(r.output_ids, r.finish_reason) for r in reqs], eng
 
 

@@ -36,7 +36,7 @@ def prefill_one_row(model, cfg, ids):
     import jax.numpy as jnp
 
     from mtp_jax.cache.paged import AttentionBatch
-    from mtp_jax.engine.pools import make_pools
+    from mtp_jax.cache.pools import make_pools
 
     t = ids.shape[1]
     pools = make_pools(cfg, num_pages=5, page_size=8, slots=1, k=0, mtp=False,

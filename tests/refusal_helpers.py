@@ -14,7 +14,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from conftest import fixture_path
-from mtp_jax.weights import safetensors_reader as st
+from mtp_jax.weights import safetensors_files as st
 
 MOE = fixture_path("tiny_moe_fused")
 DENSE = fixture_path("tiny_dense")

@@ -1,4 +1,4 @@
-"""Tests for mtp_jax.spec.accept: greedy verify and exact speculative rejection sampling."""
+"""Tests for mtp_jax.speculative.accept: greedy verify and exact speculative rejection sampling."""
 
 import math
 
@@ -9,7 +9,7 @@ import pytest
 from scipy import stats
 
 from mtp_jax.sampling import SamplingTensors
-from mtp_jax.spec.accept import accept, greedy_accept, rejection_accept
+from mtp_jax.speculative.accept import accept, greedy_accept, rejection_accept
 
 ALPHA = 1e-3  # significance level of every statistical test (fixed seeds => deterministic)
 

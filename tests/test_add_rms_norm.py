@@ -106,7 +106,7 @@ def test_model_with_the_pallas_norms_matches_xla():
     """The tiny dense model with its decoder norms, final norm and MTP norm on the kernel
     (interpret mode): the target's hidden states and the draft's output as with XLA."""
     from mtp_jax.cache.paged import AttentionBatch
-    from mtp_jax.engine.pools import make_pools
+    from mtp_jax.cache.pools import make_pools
     from mtp_jax.models.loader import load_model
     from tests.conftest import fixture_path
 

@@ -206,7 +206,7 @@ def test_layer_fused_path_matches_xla(tiny):
     KV pools of the XLA path; one request's row is invalid."""
     from flax import nnx
 
-    from mtp_jax.engine.pools import make_pools
+    from mtp_jax.cache.pools import make_pools
 
     b, t = 3, 6
     rng = np.random.default_rng(4)

@@ -11,7 +11,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mtp_jax import LLM, ConfigError
-from mtp_jax.weights.safetensors_reader import CheckpointError
+from mtp_jax.weights.safetensors_files import CheckpointError
 from refusal_helpers import DENSE, MOE, copy_ckpt, edit_config, weight_spy  # noqa: F401
 
 SHARD2 = "model-00002-of-00002.safetensors"

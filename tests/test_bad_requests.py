@@ -89,7 +89,7 @@ def test_bad_prompts_in_a_batch_fail_alone(llm):
         assert o.token_ids == s.token_ids and len(o.token_ids) == 6
     assert len({o.request_id for o in outs}) == len(outs)
     # Every slot was given back: the refused prompts left nothing behind.
-    assert llm.engine.slots.num_free == 1
+    assert llm.engine.book.slots.num_free == 1
 
 
 def test_all_prompts_bad_in_a_batch(llm, run_spy):

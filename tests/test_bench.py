@@ -516,16 +516,17 @@ def test_sampled_rows(workdir, capsys, monkeypatch):
     with the drafts as drafted. Every round runs the programs' sampling variant (the engine
     never picks the greedy-only one), nothing compiles in the timed phase, no exactness is
     claimed, and the round / step ratio pairs the sampled rows with each other."""
-    from mtp_jax.engine import engine as engine_mod
+    from mtp_jax.engine import scheduler as scheduler_mod
 
     picked = []
-    real = engine_mod._all_greedy
+    real = scheduler_mod.sampling_choice
 
-    def spy(reqs):
-        picked.append(real(reqs))
-        return picked[-1]
+    def spy(*args):
+        got = real(*args)
+        picked.append(got["greedy_only"])
+        return got
 
-    monkeypatch.setattr(engine_mod, "_all_greedy", spy)
+    monkeypatch.setattr(scheduler_mod, "sampling_choice", spy)
     rc, data, stdout, stderr = _bench(workdir, capsys, "sampled", "--k", "0", "2",
                                       "--temperature", "0.7", "--top-p", "0.9", "--top-k", "20")
     assert rc == 0, stderr

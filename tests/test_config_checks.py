@@ -7,11 +7,11 @@ import os
 
 import pytest
 
-from mtp_jax import LLM, ConfigError, SpecConfig, load_model
+from mtp_jax import LLM, ConfigError, SpeculativeConfig, load_model
 from mtp_jax.checks import DUMMY_WEIGHT_MTP_MESSAGE, check_before_load
 from mtp_jax.models import registry
 from mtp_jax.weights import hub
-from mtp_jax.weights.safetensors_reader import CheckpointError
+from mtp_jax.weights.safetensors_files import CheckpointError
 from refusal_helpers import (MOE, config_only, edit_config, split_moe, weight_spy,  # noqa: F401
                              write_gguf)
 
@@ -162,7 +162,7 @@ def test_dummy_weight_message_exact():
 @pytest.mark.parametrize("repo_id", ["org/name", "name", "Qwen/Qwen3.6-35B-A3B-MTP"])
 def test_repo_id_draft_passes_config_time(repo_id, tmp_path, monkeypatch, weight_spy):
     monkeypatch.chdir(tmp_path)
-    cfg = check_before_load(MOE, spec=SpecConfig("mtp", 3, repo_id))
+    cfg = check_before_load(MOE, speculative=SpeculativeConfig("mtp", 3, repo_id))
     assert cfg.model_type == "qwen3_5_moe"
     assert weight_spy.opened == [] and weight_spy.data == []
 
@@ -243,13 +243,13 @@ CLI_CASES = [
 def test_num_steps_zero_taken_with_speculation_off_only():
     """SGLang users pass --speculative-num-steps 0 with speculation off: taken there (k = 0),
     refused with MTP, which needs a draft."""
-    from mtp_jax.config import ConfigError, SpecConfig
+    from mtp_jax.config import ConfigError, SpeculativeConfig
 
-    off = SpecConfig(algorithm="none", num_steps=0)
+    off = SpeculativeConfig(algorithm="none", num_steps=0)
     off.validate()
     assert off.k == 0
     with pytest.raises(ConfigError, match=r"0 is outside 1\.\.8"):
-        SpecConfig(algorithm="mtp", num_steps=0).validate()
+        SpeculativeConfig(algorithm="mtp", num_steps=0).validate()
 
 
 @pytest.mark.parametrize("args,message", CLI_CASES, ids=[" ".join(c[0]) for c in CLI_CASES])
@@ -278,7 +278,7 @@ def test_registry_declares_replay_for_gdn_states():
 
 
 def test_slot_state_check_only_with_speculation(unhandled_slot_state, weight_spy):
-    cfg = check_before_load(MOE, spec=SpecConfig("none"))
+    cfg = check_before_load(MOE, speculative=SpeculativeConfig("none"))
     assert cfg.model_type == "qwen3_5_moe" and weight_spy.opened == []
 
 
@@ -295,9 +295,9 @@ def test_docs_cli_lists_every_flag():
 def test_algorithm_synonyms_documented():
     """SGLang's names for drafting with the checkpoint's own MTP layer map to mtp, and the
     refusal of an unknown name lists them."""
-    from mtp_jax.config import ConfigError, SpecConfig, normalize_algorithm
+    from mtp_jax.config import ConfigError, SpeculativeConfig, normalize_algorithm
 
     assert [normalize_algorithm(n) for n in ("MTP", "NEXTN", "eagle", None, "off")] == [
         "mtp", "mtp", "mtp", "none", "none"]
     with pytest.raises(ConfigError, match="mtp also accepts nextn and eagle"):
-        SpecConfig(algorithm="medusa").validate()
+        SpeculativeConfig(algorithm="medusa").validate()

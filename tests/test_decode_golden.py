@@ -7,7 +7,7 @@ import pytest
 from conftest import fixture_path
 from mtp_jax import LLM, SamplingParams
 from mtp_jax.engine.engine import Engine
-from mtp_jax.config import EngineConfig, SpecConfig
+from mtp_jax.config import EngineConfig, SpeculativeConfig
 
 FIXTURES = ["tiny_dense", "tiny_moe_fused", "tiny_moe_mtp_per_expert"]
 
@@ -19,7 +19,7 @@ def test_cached_decode_logits_match_hf(name):
     from flax import nnx
 
     from mtp_jax.cache.paged import AttentionBatch
-    from mtp_jax.engine.pools import make_pools
+    from mtp_jax.cache.pools import make_pools
     from mtp_jax.models.loader import load_model
 
     g = np.load(fixture_path(name) + "/golden.npz")

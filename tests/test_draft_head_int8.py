@@ -12,8 +12,8 @@ import numpy as np
 import pytest
 
 from conftest import fixture_path
-from mtp_jax.config import ConfigError, ModelConfig, SpecConfig, normalize_draft_dtype
-from mtp_jax.engine.programs import _draft_token
+from mtp_jax.config import ConfigError, ModelConfig, SpeculativeConfig, normalize_draft_dtype
+from mtp_jax.speculative.mtp import draft_token
 from mtp_jax.models.draft_head import (BLOCK, RESCORE, DraftHead, candidates, draft_head_bytes,
                                       with_draft_head)
 from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows
@@ -144,7 +144,7 @@ def test_rescore_rounds_to_the_table_dtype():
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_draft_token_with_int8_head(tied):
-    """``_draft_token`` on a model with an int8 head of all V rows: greedy tokens are the
+    """``draft_token`` on a model with an int8 head of all V rows: greedy tokens are the
     float64 argmax of the full head; a sampled row's q is the float64 filtered softmax of the
     mixed logits (the distribution it was drawn from). Tied: the rows and the re-scoring
     come from the embedding."""
@@ -163,14 +163,14 @@ def test_draft_token_with_int8_head(tied):
     rows = [(0.0, -1, 1.0), (0.8, -1, 1.0), (1.0, 5, 1.0), (0.7, -1, 0.6)]
     sampling = SamplingTensors.from_params([(t, k, p, 50 + i) for i, (t, k, p) in enumerate(rows)])
     step = jnp.arange(4, dtype=jnp.int32)
-    tok, q = _draft_token(module, jnp.asarray(z), sampling, step, 1, False)
+    tok, q = draft_token(module, jnp.asarray(z), sampling, step, 1, False)
     tok, q = np.asarray(tok), np.asarray(q)
     assert tok[0] == np.argmax(z[0].astype(np.float64) @ w.T)
     mixed = np.asarray(head(jnp.asarray(z), table), np.float64)
     for b, (t, k, p) in enumerate(rows[1:], 1):
         np.testing.assert_allclose(q[b], _np_filtered(mixed[b], t, k, p), atol=2e-6)
         assert q[b, tok[b]] > 0
-    g_tok, _ = _draft_token(module, jnp.asarray(z), sampling, step, 1, True)
+    g_tok, _ = draft_token(module, jnp.asarray(z), sampling, step, 1, True)
     np.testing.assert_array_equal(np.asarray(g_tok), np.argmax(z.astype(np.float64) @ w.T, -1))
 
 
@@ -197,7 +197,7 @@ def test_bytes_for_memory_and_floor():
 ])
 def test_bad_settings_name_the_flag(part, algorithm, value, words):
     """Both draft dtypes (``speculative_draft_head_dtype``, ``..._layer_dtype``)."""
-    spec = SpecConfig(algorithm=algorithm, **{f"draft_{part}_dtype": value})
+    spec = SpeculativeConfig(algorithm=algorithm, **{f"draft_{part}_dtype": value})
     with pytest.raises(ConfigError) as e:
         spec.validate()
     flag = f"speculative_draft_{part}_dtype (--speculative-draft-{part}-dtype)"

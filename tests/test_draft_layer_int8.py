@@ -14,13 +14,14 @@ import pytest
 from flax import nnx
 
 from conftest import fixture_path
-from mtp_jax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
+from mtp_jax.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.memory import planned_weights_bytes
 from mtp_jax.models.draft_head import draft_layer_bytes, with_draft_head
 from mtp_jax.models.layers.basic import (Linear, MergedLinear, merge_linears,
                                           quantize_projections)
-from mtp_jax.models.loader import load_model, param_name
+from mtp_jax.models.loader import load_model
+from mtp_jax.models.params import param_name
 from mtp_jax.weights import names
 
 FLAG = "speculative_draft_layer_dtype (--speculative-draft-layer-dtype)"
@@ -131,8 +132,8 @@ def test_engine_with_int8_draft_equals_plain_decoding(moe):
                 for i, p in enumerate(prompts)]
         return eng.run(reqs), eng
 
-    want, _ = run(SpecConfig(algorithm="none"))
-    got, eng = run(SpecConfig(algorithm="mtp", num_steps=3, draft_layer_dtype="int8",
+    want, _ = run(SpeculativeConfig(algorithm="none"))
+    got, eng = run(SpeculativeConfig(algorithm="mtp", num_steps=3, draft_layer_dtype="int8",
                               draft_head_dtype="int8"))
     assert eng.draft_layer_dtype == "int8" and eng.draft_head_dtype == "int8"
     assert eng.model.module().mtp.fc.weight[...].dtype == jnp.int8
@@ -155,7 +156,7 @@ def _unique_bytes(*models) -> int:
 def test_planned_bytes_count_the_int8_layer(moe, head):
     """The engine's plan and ``planned_weights_bytes`` (LLM's check before load) count the
     int8 copy of the draft's projections as held next to the model's own parameters."""
-    spec = SpecConfig(algorithm="mtp", num_steps=2, draft_layer_dtype="int8",
+    spec = SpeculativeConfig(algorithm="mtp", num_steps=2, draft_layer_dtype="int8",
                       draft_head_dtype=head)
     eng = Engine(moe, EngineConfig(max_running_requests=2, dtype="float32", max_model_len=64,
                                    max_total_tokens=200), spec)

@@ -18,14 +18,16 @@ import pytest
 from flax import nnx
 
 from conftest import fixture_path
-from mtp_jax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
+from mtp_jax.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
-from mtp_jax.engine.programs import _draft_token
+from mtp_jax.speculative.mtp import draft_token
 from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.draft_head import with_draft_head
-from mtp_jax.models.loader import fill_state, load_model, param_name
+from mtp_jax.models.loader import load_model
+from mtp_jax.models.params import fill_state, param_name
 from mtp_jax.sampling import SamplingTensors
-from mtp_jax.spec.draft_vocab import hot_token_ids
+from mtp_jax.checks import check_settings
+from mtp_jax.speculative.draft_vocab import hot_token_ids
 
 CKPT = fixture_path("tiny_dense")
 N = 64
@@ -70,7 +72,7 @@ def _engine_cfg():
 
 
 def _run(model, prompts, params, **spec):
-    eng = Engine(model, _engine_cfg(), SpecConfig(**spec))
+    eng = Engine(model, _engine_cfg(), SpeculativeConfig(**spec))
     return eng.run(_requests(prompts, params)), eng
 
 
@@ -94,9 +96,10 @@ def test_hot_set_holding_the_continuation_accepts_every_draft(chain, plain):
     reqs, eng = _run(chain, prompts, [_greedy()] * 3, algorithm="mtp", num_steps=3,
                      token_map_path=_write(hot, "hot.npy"))
     assert eng.draft_vocab_size == N
-    low = Engine(chain, _engine_cfg(), SpecConfig(algorithm="mtp", num_steps=3,
-                                                  draft_vocab_size=N))
-    assert low.programs is eng.programs  # same N: the compiled programs are shared
+    low = Engine(chain, _engine_cfg(), SpeculativeConfig(algorithm="mtp", num_steps=3,
+                                                         draft_vocab_size=N))
+    # same N: the compiled programs are shared
+    assert low.device.programs is eng.device.programs
     for r, out in zip(reqs, want):
         assert r.output_ids == out
         assert r.num_draft_tokens > 0 and r.num_accepted_tokens == r.num_draft_tokens
@@ -184,7 +187,7 @@ def _np_filtered(logits, t, top_k, top_p):
 
 @pytest.mark.parametrize("tied", [False, True])
 def test_draft_token_q_is_the_filtered_softmax_over_the_hot_logits(base, tied):
-    """``_draft_token`` with a hot head: q [B, V] is 0 outside the hot set, sums to 1 and
+    """``draft_token`` with a hot head: q [B, V] is 0 outside the hot set, sums to 1 and
     equals the float64 filtered softmax of ``z @ W[hot].T``; drawn tokens are hot with q > 0;
     the greedy row's token is ``hot[argmax]``. Tied: the rows come from the embedding."""
     model = (load_model(fixture_path("tiny_moe_mtp_per_expert"), "float32", with_mtp=True)
@@ -199,7 +202,7 @@ def test_draft_token_q_is_the_filtered_softmax_over_the_hot_logits(base, tied):
     rows = [(0.0, -1, 1.0), (0.8, -1, 1.0), (1.0, 5, 1.0), (0.7, -1, 0.6), (1.3, 10, 0.8)]
     sampling = SamplingTensors.from_params([(t, k, p, 100 + i) for i, (t, k, p) in enumerate(rows)])
     step = jnp.arange(5, dtype=jnp.int32)
-    tok, q = _draft_token(module, jnp.asarray(z), sampling, step, 1, False)
+    tok, q = draft_token(module, jnp.asarray(z), sampling, step, 1, False)
     tok, q = np.asarray(tok), np.asarray(q)
     assert q.shape == (5, v) and q.dtype == np.float32
     cold = np.setdiff1d(np.arange(v), hot)
@@ -211,7 +214,7 @@ def test_draft_token_q_is_the_filtered_softmax_over_the_hot_logits(base, tied):
         np.testing.assert_allclose(q[b, hot], _np_filtered(logits[b], t, k, p), atol=2e-6,
                                    err_msg=f"row {b}")
         assert tok[b] in hot and q[b, tok[b]] > 0
-    g_tok, g_q = _draft_token(module, jnp.asarray(z), sampling, step, 1, True)  # greedy-only
+    g_tok, g_q = draft_token(module, jnp.asarray(z), sampling, step, 1, True)  # greedy-only
     np.testing.assert_array_equal(np.asarray(g_tok), hot[np.argmax(logits, -1)])
     assert g_q.shape == (5, v) and not np.asarray(g_q).any()
 
@@ -267,9 +270,9 @@ def test_bad_settings_name_the_flag(kw, flag, words):
         kw["token_map_path"] = _write(None, "m.json", kw.pop("token_map_json"))
     if kw.pop("token_map_pt", False):
         kw["token_map_path"] = _write(None, "map.pt", "")
-    spec = SpecConfig(**{"algorithm": "mtp", **kw})
-    with pytest.raises(ConfigError) as e:
-        spec.validate(ModelConfig.from_folder(CKPT))
+    spec = SpeculativeConfig(**{"algorithm": "mtp", **kw})
+    with pytest.raises(ConfigError) as e:  # the config-time checks with the vocabulary size
+        check_settings(spec, vocab_size=ModelConfig.from_folder(CKPT).vocab_size)
     assert flag in str(e.value) and words in str(e.value), str(e.value)
 
 

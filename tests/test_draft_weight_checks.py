@@ -12,7 +12,7 @@ import pytest
 from safetensors.numpy import load_file, save_file
 
 from mtp_jax import load_model
-from mtp_jax.weights.safetensors_reader import CheckpointError
+from mtp_jax.weights.safetensors_files import CheckpointError
 from refusal_helpers import MOE, copy_ckpt, split_moe, weight_spy, write_raw_safetensors  # noqa: F401
 
 E, I, H = 8, 32, 64  # tiny_moe_fused: num_experts, moe_intermediate_size, hidden_size

@@ -36,8 +36,8 @@ LONG = ([_prompts(1, 60, 61, seed=22)[0], SHORT[0][0]], [greedy(10), greedy(8)])
 
 
 def _free_counts(eng):
-    return (eng.slots.num_free, eng.pages.num_free,
-            eng.snapshot_ids.num_free if eng.snapshot_ids is not None else None)
+    return (eng.book.slots.num_free, eng.book.pages.num_free,
+            eng.prefix.snapshot_ids.num_free if eng.prefix is not None else None)
 
 
 @pytest.fixture(scope="module")
@@ -102,14 +102,15 @@ def assert_clean(eng, counts, requests=()):
     """Nothing queued, decoding or in flight; every request finished and holding nothing; after
     a cache flush, the free slots, pages and snapshot ids of a fresh engine, each id once."""
     assert not eng.has_work()
-    assert not eng.waiting and not eng.prefilling and not eng.decoding
-    assert eng._inflight is None
+    sched = eng.scheduler
+    assert not sched.waiting and not sched.prefilling and not sched.decoding
+    assert sched.inflight is None
     for r in requests:
         assert r.finished and r.slot == 0 and r.pages == [] and r.prefix_nodes == []
         assert r.snapshots == {}
     eng.flush_cache()
     assert _free_counts(eng) == counts
-    for fl in (eng.slots, eng.pages, eng.snapshot_ids):
+    for fl in (eng.book.slots, eng.book.pages, eng.prefix and eng.prefix.snapshot_ids):
         if fl is not None:
             assert sorted(fl._free) == list(range(1, fl.size))
 
@@ -120,7 +121,7 @@ def _raised_here(excinfo):
 
 
 def _round_in_flight(eng):
-    return lambda *a, **k: eng._inflight is not None
+    return lambda *a, **k: eng.scheduler.inflight is not None
 
 
 def fails_then_serves(llm, monkeypatch, state, counts, added, want):
@@ -145,11 +146,12 @@ def test_round_failure_with_a_round_in_flight(llm, fresh, monkeypatch, where):
     llm.flush_cache()
     added = _spy_requests(monkeypatch, eng)
     if where == "dispatch":
-        monkeypatch.setattr(eng, "programs", _Programs(eng.programs))
-        state = fail_once(monkeypatch, eng.programs, "round", _round_in_flight(eng))
+        monkeypatch.setattr(eng.device, "programs", _Programs(eng.device.programs))
+        state = fail_once(monkeypatch, eng.device.programs, "round", _round_in_flight(eng))
     else:
-        state = fail_once(monkeypatch, eng, "_collect",
-                          lambda f, later=None: later is not None and eng._inflight is later)
+        state = fail_once(monkeypatch, eng.scheduler, "collect",
+                          lambda f, later=None: later is not None
+                          and eng.scheduler.inflight is later)
     fails_then_serves(llm, monkeypatch, state, counts, added, want)
 
 
@@ -159,10 +161,10 @@ def test_prefill_failure_while_another_request_decodes(llm, fresh, monkeypatch):
     eng = llm.engine
     llm.flush_cache()
     added = _spy_requests(monkeypatch, eng)
-    monkeypatch.setattr(eng, "programs", _Programs(eng.programs))
+    monkeypatch.setattr(eng.device, "programs", _Programs(eng.device.programs))
     rounds = eng.stats.rounds
-    state = fail_once(monkeypatch, eng.programs, "prefill", lambda *a, **k: (
-        eng.stats.rounds > rounds and any(not r.finished for r in eng.decoding)))
+    state = fail_once(monkeypatch, eng.device.programs, "prefill", lambda *a, **k: (
+        eng.stats.rounds > rounds and any(not r.finished for r in eng.scheduler.decoding)))
     fails_then_serves(llm, monkeypatch, state, counts, added, want)
 
 
@@ -173,10 +175,10 @@ def test_round_failure_that_consumed_the_pools(llm, fresh, monkeypatch):
     counts, want = fresh
     eng = llm.engine
     added = _spy_requests(monkeypatch, eng)
-    monkeypatch.setattr(eng, "programs", _Programs(eng.programs))
-    consume = lambda leaves, pools, batch, **k: jax.tree.map(lambda a: a.delete(), pools)
-    state = fail_once(monkeypatch, eng.programs, "round", lambda *a, **k: k.get("snapshot"),
-                      before=consume)
+    monkeypatch.setattr(eng.device, "programs", _Programs(eng.device.programs))
+    consume = lambda leaves, pools, batch, variant: jax.tree.map(lambda a: a.delete(), pools)
+    state = fail_once(monkeypatch, eng.device.programs, "round",
+                      lambda leaves, pools, batch, variant: variant.snapshot, before=consume)
     with pytest.raises(InjectedError) as excinfo:
         llm.generate(*LONG)
     assert state["fired"] and _raised_here(excinfo)
@@ -238,7 +240,7 @@ def test_engine_abort_with_a_round_in_flight(llm, fresh):
     a, b = make_requests(list(zip(*SHORT))[1:3])
     eng.add_request(a)
     eng.add_request(b)
-    while eng._inflight is None:
+    while eng.scheduler.inflight is None:
         eng.step()
     assert eng.abort([a]) == [a] and a.finish_reason == "abort"
     while eng.has_work():
@@ -249,7 +251,7 @@ def test_engine_abort_with_a_round_in_flight(llm, fresh):
     a, b = make_requests(list(zip(*SHORT))[1:3])
     eng.run([a])  # not in the engine any more: abort leaves it as it is
     eng.add_request(b)
-    while eng._inflight is None:
+    while eng.scheduler.inflight is None:
         eng.step()
     assert eng.abort() == [b]
     assert eng.abort([a]) == [] and a.finish_reason == "length"
@@ -278,19 +280,19 @@ def test_resize_cache_failure_keeps_the_old_pools(llm, fresh, monkeypatch):
     """``resize_cache(num_pages=...)`` gives up the old KV pool before it makes the new one; when
     making it fails (as out of device memory would), the engine holds pools of the old sizes
     again and generates as before."""
-    from mtp_jax.engine import engine as engine_mod
+    from mtp_jax.engine import device as engine_mod  # where the pools are made
 
     counts, want = fresh
     eng = llm.engine
     llm.generate(*SHORT)  # something in the prefix cache
-    sizes = (eng.pages.size, eng.slots.size)
+    sizes = (eng.book.pages.size, eng.book.slots.size)
     before = jax.tree_util.tree_structure(eng.pools)
     shapes = [a.shape for a in jax.tree.leaves(eng.pools)]
     state = fail_once(monkeypatch, engine_mod, "make_pools", lambda *a, **k: True)
     with pytest.raises(InjectedError):
-        eng.resize_cache(num_pages=eng.pages.size + 16)
+        eng.resize_cache(num_pages=eng.book.pages.size + 16)
     monkeypatch.undo()
-    assert state["fired"] and (eng.pages.size, eng.slots.size) == sizes
+    assert state["fired"] and (eng.book.pages.size, eng.book.slots.size) == sizes
     assert jax.tree_util.tree_structure(eng.pools) == before  # no field left None
     assert [a.shape for a in jax.tree.leaves(eng.pools)] == shapes
     assert_clean(eng, counts)
@@ -302,9 +304,10 @@ def test_warmup_failure_that_consumed_the_pools(llm, fresh, monkeypatch):
     same outputs."""
     counts, want = fresh
     eng = llm.engine
-    monkeypatch.setattr(eng, "programs", _Programs(eng.programs))
-    consume = lambda leaves, pools, batch, **k: jax.tree.map(lambda a: a.delete(), pools)
-    state = fail_once(monkeypatch, eng.programs, "round", lambda *a, **k: True, before=consume)
+    monkeypatch.setattr(eng.device, "programs", _Programs(eng.device.programs))
+    consume = lambda leaves, pools, batch, variant: jax.tree.map(lambda a: a.delete(), pools)
+    state = fail_once(monkeypatch, eng.device.programs, "round", lambda *a, **k: True,
+                      before=consume)
     with pytest.raises(InjectedError) as excinfo:
         eng.warmup(sampled=False, max_batch=1, max_prompt_len=16)
     assert state["fired"] and not getattr(excinfo.value, "__notes__", None)
@@ -341,10 +344,10 @@ def test_interrupted_recovery_is_finished_by_the_next_call(llm, fresh, monkeypat
 
     counts, want = fresh
     eng = llm.engine
-    monkeypatch.setattr(eng, "programs", _Programs(eng.programs))
-    consume = lambda leaves, pools, batch, **k: jax.tree.map(lambda a: a.delete(), pools)
-    fail_once(monkeypatch, eng.programs, "round", lambda *a, **k: True, before=consume)
-    fail_once(monkeypatch, abort_mod, "_pools_usable",  # in the recovery, not at call start
+    monkeypatch.setattr(eng.device, "programs", _Programs(eng.device.programs))
+    consume = lambda leaves, pools, batch, variant: jax.tree.map(lambda a: a.delete(), pools)
+    fail_once(monkeypatch, eng.device.programs, "round", lambda *a, **k: True, before=consume)
+    fail_once(monkeypatch, abort_mod, "pools_usable",  # in the recovery, not at call start
               lambda pools: any(a.is_deleted() for a in jax.tree.leaves(pools)))
     with pytest.raises(InjectedError) as excinfo:
         llm.generate(*SHORT)
@@ -366,7 +369,7 @@ def test_stream_ends_a_request_aborted_between_steps(llm, fresh):
         items.append(item)
         if len(items) == 2:
             victim = items[0].request_id
-            assert len(eng.abort([r for r in eng._requests() if r.request_id == victim])) == 1
+            assert len(eng.abort([r for r in eng.scheduler.held() if r.request_id == victim])) == 1
     finals = {x.index: x for x in items if x.finished}
     assert sorted(finals) == [0, 1, 2]
     assert sum(x.finished for x in items) == 3

@@ -19,11 +19,14 @@ import pytest
 from conftest import fixture_path
 from mtp_jax import compile_cache
 from mtp_jax.bench.compiles import CompileWatch
-from mtp_jax.config import EngineConfig, SpecConfig
+from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine import executable_cache as xc
 from mtp_jax.engine import executable_key as ek
 from mtp_jax.engine.engine import Engine
+from mtp_jax.engine import programs as programs_mod
 from mtp_jax.engine.programs import Programs, make_programs
+from mtp_jax.engine.variants import RoundVariant
+from mtp_jax.engine.warmup import padding_round_batch
 from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
 
@@ -76,15 +79,22 @@ class JaxTraces:
 
 def _fresh(model, table=True):
     """A copy of ``model`` with freshly made programs (spied jits; no table when False)."""
-    m = dataclasses.replace(model)
+    m = dataclasses.replace(model, derived={})
     p = make_programs(m.graphdef, m.params)
-    m.__dict__["programs"] = Programs(Spy(p.prefill_jit), Spy(p.round_jit), p.treedef,
-                                      p.executables if table else None)
+    spied = Programs(Spy(p.prefill_jit), Spy(p.round_jit), p.treedef,
+                     p.executables if table else None)
+    programs_mod._BY_MODEL[m] = programs_mod.ModelPrograms(
+        spied, tuple(jax.tree_util.tree_leaves(m.params)))
     return m
 
 
+def _programs(model):
+    """The programs the engines on ``model`` call."""
+    return programs_mod.programs_for(model).programs
+
+
 def _traces(model):
-    p = model.programs
+    p = _programs(model)
     return p.prefill_jit.traces + p.round_jit.traces
 
 
@@ -92,7 +102,7 @@ def _engine(model, k=2, chunk=16):
     return Engine(model, EngineConfig(max_running_requests=2, dtype="float32", max_model_len=64,
                                       chunked_prefill_size=chunk, enable_prefix_cache=False,
                                       num_pages=24),
-                  SpecConfig(algorithm="mtp", num_steps=k))
+                  SpeculativeConfig(algorithm="mtp", num_steps=k))
 
 
 def _generate(eng):
@@ -134,7 +144,7 @@ def cold(model, tmp_path_factory):
     with CompileWatch() as w, JaxTraces() as jt:
         eng.warmup(sampled=False)
     assert jt.count >= 6 and w.compiles == 3 and w.cache_hits == 0  # the signals work
-    table = m.programs.executables
+    table = _programs(m).executables
     assert (table.traces, table.loads, len(table)) == (3, 0, 3)
     assert len(_files(folder)) == 3
     tokens = _generate(eng)
@@ -150,7 +160,7 @@ def test_second_engine_loads_every_program_and_matches(model, cold):
     eng = _engine(m)
     with CompileWatch() as w, JaxTraces() as jt:
         eng.warmup(sampled=False)
-    table = m.programs.executables
+    table = _programs(m).executables
     # jax's own events: no jaxpr traced or lowered; every executable built was a cache load
     assert _traces(m) == 0 and jt.count == 0 and w.compiles == w.cache_hits == 3
     assert (table.loads, table.traces, table.compiles, len(table)) == (3, 0, 0, 3)
@@ -159,7 +169,7 @@ def test_second_engine_loads_every_program_and_matches(model, cold):
     with CompileWatch() as w, JaxTraces() as jt:
         assert _generate(eng) == tokens
     assert w.compiles == jt.count == _traces(m) == 0 and eng.compiled_program_count() == before
-    assert m.programs.prefill_jit.calls == m.programs.round_jit.calls == 0  # never the jit
+    assert _programs(m).prefill_jit.calls == _programs(m).round_jit.calls == 0  # never the jit
 
 
 CHILD = """
@@ -172,7 +182,7 @@ m = t._fresh(t.load_model(t.CKPT, "float32", with_mtp=True))
 eng = t._engine(m)
 eng.warmup(sampled=False)
 tokens = t._generate(eng)
-print("RESULT", json.dumps(dict(m.programs.executables.stats(), spied_traces=t._traces(m),
+print("RESULT", json.dumps(dict(t._programs(m).executables.stats(), spied_traces=t._traces(m),
                                 tokens=tokens)))
 """
 
@@ -231,16 +241,17 @@ def test_loaded_program_consumes_donated_pools_and_takes_the_cpp_path(model, col
     m = _fresh(model)
     eng = _engine(m)
     eng.warmup(sampled=False)
-    assert m.programs.executables.loads == 3
+    assert _programs(m).executables.loads == 3
     slow = []
     real = stages.Compiled.call
     monkeypatch.setattr(stages.Compiled, "call",
                         staticmethod(lambda *a, **kw: slow.append(1) or real(*a, **kw)))
-    batch = eng.padding_round_batch(1)
+    batch = padding_round_batch(1, 2, eng.max_pages_per_req)
+    variant = RoundVariant(k=2, proposer="mtp", greedy_only=True)
     for i in range(5):
         old = jax.tree_util.tree_leaves(eng.pools)
-        out, eng.pools = eng.programs.round(eng._leaves, eng.pools, batch, k=2,
-                                            proposer="mtp", greedy_only=True, snapshot=False)
+        out, eng.device.pools = eng.device.programs.round(eng.device.leaves, eng.pools, batch,
+                                                          variant)
         jax.block_until_ready(out)
         assert all(a.is_deleted() for a in old)
     assert len(slow) <= 1  # the Python path at most once, to set up the C++ dispatch
@@ -254,21 +265,21 @@ def test_changed_static_keyword_or_shape_misses(model, cold, tmp_path):
     # three programs saved), which is enough to see which keys hit and which miss.
     m = _fresh(model)
     _engine(m, k=1).warmup(sampled=False, max_batch=1)  # static k differs (and pool shapes)
-    t = m.programs.executables
+    t = _programs(m).executables
     assert (t.loads, t.traces) == (0, 2) and _traces(m) == 2
     m = _fresh(model)
     _engine(m, chunk=32).warmup(sampled=False)  # a new prefill bucket: input shape [1, 32]
-    t = m.programs.executables
+    t = _programs(m).executables
     assert (t.loads, t.traces) == (3, 1) and _traces(m) == 1
     m = _fresh(model)
     # the round's sampled variant with the top-k / top-p filter (the prefill has only one)
     _engine(m).warmup(sampled=True, max_batch=1, filtering=True)
-    t = m.programs.executables
+    t = _programs(m).executables
     assert (t.loads, t.traces) == (2, 1)
     m = _fresh(model)
     # both sampled variants: the filtered one now loads, the unfiltered one is new
     _engine(m).warmup(sampled=True, max_batch=1)
-    t = m.programs.executables
+    t = _programs(m).executables
     assert (t.loads, t.traces) == (3, 1)
 
 
@@ -318,14 +329,14 @@ def test_corrupt_entries_warn_and_are_rebuilt(model, cold, tmp_path):
     with pytest.warns(xc.ExecutableCacheWarning, match="unreadable") as rec:
         eng.warmup(sampled=False)
     assert len([r for r in rec if issubclass(r.category, xc.ExecutableCacheWarning)]) == 2
-    t = m.programs.executables
+    t = _programs(m).executables
     assert (t.loads, t.traces, t.saves) == (1, 2, 2)
     assert _generate(eng) == cold[1]
     m = _fresh(model)  # the rebuilt entries load again
     with warnings.catch_warnings():
         warnings.simplefilter("error", xc.ExecutableCacheWarning)
         _engine(m).warmup(sampled=False)
-    assert m.programs.executables.loads == 3
+    assert _programs(m).executables.loads == 3
 
 
 def test_cache_off_writes_nothing(model, cold, tmp_path, monkeypatch):
@@ -336,7 +347,7 @@ def test_cache_off_writes_nothing(model, cold, tmp_path, monkeypatch):
     m = _fresh(model)
     eng = _engine(m)
     eng.warmup(sampled=False)
-    t = m.programs.executables
+    t = _programs(m).executables
     assert (t.loads, t.traces, t.saves, len(t)) == (0, 3, 0, 3)
     assert _generate(eng) == cold[1]
     assert _files(cold[0]) == before and not (tmp_path / "home").exists()
@@ -353,7 +364,7 @@ def test_build_ahead_compiles_the_warmup_on_threads(model, cold, tmp_path):
     eng = _engine(m)
     before = [a.copy() for a in jax.tree_util.tree_leaves(eng.pools)]
     build_warmup_programs(eng, workers=2, sampled=False)
-    t = m.programs.executables
+    t = _programs(m).executables
     assert (t.traces, t.compiles, t.saves, len(t)) == (3, 3, 3, 3)
     after = jax.tree_util.tree_leaves(eng.pools)  # the dry run donated and changed nothing
     assert all(not a.is_deleted() for a in after)
@@ -373,6 +384,6 @@ def test_warmup_loads_saved_programs_on_threads(model, cold, tmp_path):
     m = _fresh(model)
     eng = _engine(m)
     eng.warmup(sampled=False, workers=2)
-    t = m.programs.executables
+    t = _programs(m).executables
     assert (t.loads, t.traces, t.compiles) == (3, 0, 0) and _traces(m) == 0
     assert _generate(eng) == cold[1]

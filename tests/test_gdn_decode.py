@@ -170,7 +170,7 @@ def test_model_decode_equals_verify_plus_commit(tiny, backend):
     from flax import nnx
 
     from mtp_jax.cache.paged import AttentionBatch
-    from mtp_jax.engine.pools import make_pools
+    from mtp_jax.cache.pools import make_pools
 
     model = with_backend(tiny, "gdn", backend)
     b, t = 4, 5
@@ -220,12 +220,12 @@ def test_model_decode_equals_verify_plus_commit(tiny, backend):
 
 
 def _engine_run(m, prompts):
-    from mtp_jax.config import EngineConfig, SpecConfig
+    from mtp_jax.config import EngineConfig, SpeculativeConfig
     from mtp_jax.engine.engine import Engine
     from mtp_jax.engine.requests import Request, SamplingParams
 
     eng = Engine(m, EngineConfig(max_running_requests=2, dtype="float32", overlap_schedule=False,
-                                 enable_prefix_cache=False), SpecConfig(algorithm="none"))
+                                 enable_prefix_cache=False), SpeculativeConfig(algorithm="none"))
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     reqs = [Request(request_id=f"r{i}", index=i, prompt=None, prompt_ids=p, params=params,
                     seed=0) for i, p in enumerate(prompts)]

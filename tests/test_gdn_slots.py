@@ -14,7 +14,7 @@ import numpy as np
 import pytest
 
 from mtp_jax.cache.paged import AttentionBatch
-from mtp_jax.engine.pools import make_pools
+from mtp_jax.cache.pools import make_pools
 from mtp_jax.models.layers.gdn import GDNConvRows, GDNRows
 from tests.model_backends import with_backend
 from tests.test_gdn_decode import tiny  # noqa: F401 (fixture)

@@ -1,4 +1,4 @@
-"""The top-k / top-p kept set from per-chunk candidates (mtp_jax.keep_set) against the whole-row
+"""The top-k / top-p kept set from per-chunk candidates (mtp_jax.sampling.keep_set) against the whole-row
 sort and against the float64 reference of the sampling definition."""
 
 import jax
@@ -6,7 +6,7 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp_jax import keep_set
+from mtp_jax.sampling import keep_set
 from mtp_jax.sampling import filtered_probs
 from test_sampling import assert_matches_reference
 

@@ -46,7 +46,7 @@ def test_fused_gemv_needs_dense_merged_mlps(monkeypatch):
 
     import mtp_jax
     from conftest import fixture_path
-    from mtp_jax.models import loader
+    from mtp_jax.models.qwen3_5 import loader
 
     with pytest.raises(ConfigError, match="mixture-of-experts; use --gemv-backend reduce"):
         KernelBackends.resolve(platform="gpu", gemv="fused", dense_mlp=False)
@@ -129,7 +129,7 @@ def test_cli_refuses_pallas_on_cpu_before_loading(capsys, monkeypatch):
     import jax
 
     from mtp_jax import generate
-    from mtp_jax.models import loader
+    from mtp_jax.models.qwen3_5 import loader
 
     if jax.default_backend() == "gpu":
         pytest.skip("the refusal is for machines without a GPU")

@@ -7,7 +7,7 @@ import pytest
 
 from conftest import fixture_path
 from mtp_jax import LLM, SamplingParams
-from mtp_jax.engine import engine as engine_mod
+from mtp_jax.engine import scheduler as scheduler_mod
 
 CKPT = fixture_path("tiny_moe_fused")
 
@@ -33,8 +33,8 @@ def test_more_requests_than_slots_equal_solo_runs(llm_mtp):
         assert len(out.token_ids) == 7 and out.finish_reason == "length"
         assert out.text == ""  # no tokenizer in this folder
     llm_mtp.engine.flush_cache()  # the prefix cache keeps prompt pages until flushed
-    assert llm_mtp.engine.slots.num_free == 2 and llm_mtp.engine.pages.num_free == \
-        llm_mtp.engine.pages.size - 1  # everything released
+    assert llm_mtp.engine.book.slots.num_free == 2 and llm_mtp.engine.book.pages.num_free == \
+        llm_mtp.engine.book.pages.size - 1  # everything released
 
 
 def test_seeded_sampling_is_reproducible_and_greedy_ignores_seed(llm_mtp):
@@ -204,8 +204,8 @@ def test_warmup_compiles_everything_the_run_calls(llm_mtp, monkeypatch):
     assert llm_mtp._next_id == next_id  # default seeds are not shifted by the warm-up
     before = llm_mtp.engine.compiled_program_count()
     seen = []
-    real = engine_mod.sampling_variant
-    monkeypatch.setattr(engine_mod, "sampling_variant",
+    real = scheduler_mod.sampling_choice
+    monkeypatch.setattr(scheduler_mod, "sampling_choice",
                         lambda *a: seen.append(real(*a)) or seen[-1])
     outs = llm_mtp.generate(prompts, params)
     assert [len(o.token_ids) for o in outs] == [30, 40, 6]

@@ -5,7 +5,7 @@ import json
 import pytest
 
 from conftest import fixture_path
-from mtp_jax.config import ConfigError, EngineConfig, ModelConfig, SpecConfig
+from mtp_jax.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.memory import plan_memory, weights_bytes
 from mtp_jax.models.loader import load_model
@@ -21,7 +21,7 @@ def test_planned_bytes_equal_allocated(model, k):
     algo = "mtp" if k else "none"
     eng = Engine(model, EngineConfig(max_running_requests=3, dtype="float32", max_model_len=100,
                                      max_total_tokens=500),
-                 SpecConfig(algorithm=algo, num_steps=k or 3))
+                 SpeculativeConfig(algorithm=algo, num_steps=k or 3))
     assert eng.pools.nbytes == eng.plan.pool_bytes
     assert eng.plan.num_pages == 1 + 500 // 16 + (500 % 16 > 0)
     import jax
@@ -45,7 +45,7 @@ def test_planned_bytes_count_the_draft_head(model, head, tmp_path):
     if "token_map" in head:
         np.save(tmp_path / "map.npy", np.arange(7, 7 + head.pop("token_map")))
         head["token_map_path"] = str(tmp_path / "map.npy")
-    spec = SpecConfig(algorithm="mtp", num_steps=2, **head)
+    spec = SpeculativeConfig(algorithm="mtp", num_steps=2, **head)
     eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", max_model_len=64,
                                      max_total_tokens=200), spec)
     held = sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(eng.model.params))
@@ -82,7 +82,7 @@ def test_resize_cache_keeps_generation_working(model):
     # One slot to start: the reference run is one row at a time (prefill and the batch-1
     # round only); the slot resize then gives three requests a slot each at once.
     eng = Engine(model, EngineConfig(max_running_requests=1, dtype="float32", max_model_len=64),
-                 SpecConfig(algorithm="mtp", num_steps=2))
+                 SpeculativeConfig(algorithm="mtp", num_steps=2))
 
     def run():
         params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)

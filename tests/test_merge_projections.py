@@ -16,7 +16,7 @@ from flax import nnx
 
 import mtp_jax
 from mtp_jax.models.layers.basic import Linear, MergedLinear, merge_linears, project
-from mtp_jax.models.loader import param_name
+from mtp_jax.models.params import param_name
 
 FIXTURES = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures")
 MERGED = {  # merged parameter -> the checkpoint tensors stacked in it, in order

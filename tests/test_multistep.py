@@ -8,7 +8,7 @@ import pytest
 from conftest import fixture_path
 from engine_runs import greedy, make_requests, random_prompts, run_engine
 from mtp_jax.checks import check_settings
-from mtp_jax.config import MAX_SCHEDULER_STEPS, ConfigError, EngineConfig, SpecConfig
+from mtp_jax.config import MAX_SCHEDULER_STEPS, ConfigError, EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import SamplingParams
 from mtp_jax.models.loader import load_model
@@ -23,7 +23,8 @@ def model():
 
 def _run(model, specs, k, steps, **kw):
     out, eng = run_engine(model, specs, k, seed=200, num_scheduler_steps=steps, **kw)
-    assert eng.pages.num_free == eng.pages.size - 1 or eng.prefix  # no page kept (trash aside)
+    # no page kept (trash aside)
+    assert eng.book.pages.num_free == eng.book.pages.size - 1 or eng.prefix
     return out, eng
 
 
@@ -34,16 +35,20 @@ def test_warmup_covers_multistep_calls(model):
     ``test_multistep_with_prefix_cache_snapshots``, which then runs on the programs compiled
     here; chunks of 16 tokens, the snapshot interval, which no chunk crosses with the cache.)"""
     from mtp_jax.engine.engine import MultiStepWarning
+    from mtp_jax.engine.variants import RoundVariant
+    from mtp_jax.engine.warmup import batch_buckets, prefill_buckets, round_variants
 
     with pytest.warns(MultiStepWarning):  # 2 * 4 tokens against a 16-token interval
         eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32",
                                          max_model_len=96, enable_prefix_cache=True,
                                          chunked_prefill_size=16, snapshot_interval_pages=1,
                                          num_scheduler_steps=4),
-                     SpecConfig(algorithm="none"))
-    assert eng.round_variants() == [{"snapshot": False, "rounds": 4}, {"snapshot": False},
-                                    {"snapshot": True}]
-    assert eng.prefill_buckets() == [16] and eng.batch_buckets() == [1, 2]
+                     SpeculativeConfig(algorithm="none"))
+    assert round_variants(eng.scheduler) == [RoundVariant(0, "none", rounds=4),
+                                             RoundVariant(0, "none"),
+                                             RoundVariant(0, "none", snapshot=True)]
+    assert prefill_buckets(16, eng.max_model_len) == [16]
+    assert batch_buckets(eng.book.max_requests) == [1, 2]
     eng.warmup(sampled=False)
     before = eng.compiled_program_count()
     got = eng.run(make_requests([(p, greedy(20)) for p in random_prompts(3, seed=3, lo=20,
@@ -117,7 +122,7 @@ def test_num_scheduler_steps_checked(bad):
 def test_external_proposer_refuses_multistep():
     with pytest.raises(ConfigError, match=r"num_scheduler_steps \(--num-scheduler-steps\) 2 "
                                           "needs drafts made on the device"):
-        check_settings(SpecConfig(algorithm="external", num_steps=2),
+        check_settings(SpeculativeConfig(algorithm="external", num_steps=2),
                        EngineConfig(num_scheduler_steps=2), has_proposer=True)
 
 
@@ -130,7 +135,7 @@ def test_warns_when_snapshots_would_undo_multistep(model):
         return Engine(model, EngineConfig(max_running_requests=1, dtype="float32",
                                           max_model_len=64, enable_prefix_cache=prefix,
                                           num_scheduler_steps=steps),
-                      SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3))
+                      SpeculativeConfig(algorithm="mtp" if k else "none", num_steps=k or 3))
 
     with pytest.warns(MultiStepWarning, match=r"num_scheduler_steps 4 with 3 drafts.*within "
                                               r"32 tokens of a snapshot boundary \(every 64"):

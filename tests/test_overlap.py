@@ -10,8 +10,7 @@ import pytest
 from conftest import fixture_path
 from engine_runs import greedy, make_requests, random_prompts, run_engine
 from mtp_jax.config import ConfigError, EngineConfig
-from mtp_jax.engine.engine import clamp_num_draft
-from mtp_jax.engine.programs import clamp_drafts
+from mtp_jax.speculative.clamp import clamp_drafts, clamp_num_draft
 from mtp_jax.engine.requests import SamplingParams
 from mtp_jax.models.loader import load_model
 

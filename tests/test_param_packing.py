@@ -13,10 +13,11 @@ import numpy as np
 import pytest
 
 from conftest import fixture_path
-from mtp_jax.config import EngineConfig, SpecConfig
+from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.param_packing import ParamPacking
 from mtp_jax.engine.requests import Request, SamplingParams
+from mtp_jax.engine.programs import programs_for
 from mtp_jax.models.loader import load_model
 
 
@@ -60,12 +61,13 @@ def test_engine_with_packed_small_params_generates_the_same_tokens():
     packed = dataclasses.replace(plain, pack_small_params=True)
     leaves = jax.tree_util.tree_leaves(plain.params)
     small = sum(1 for x in leaves if x.size <= 1 << 16)
-    assert len(packed.param_leaves) < len(leaves) - small // 2  # most small leaves packed
+    packed_leaves = programs_for(packed).leaves
+    assert len(packed_leaves) < len(leaves) - small // 2  # most small leaves packed
     rng = np.random.default_rng(5)
     prompts = [rng.integers(2, 300, n).tolist() for n in (4, 13)]
     cfg = EngineConfig(max_running_requests=2, dtype="float32", max_model_len=64,
                        enable_prefix_cache=False)
-    spec = SpecConfig(algorithm="mtp", num_steps=2)
+    spec = SpeculativeConfig(algorithm="mtp", num_steps=2)
     want = [r.output_ids for r in Engine(plain, cfg, spec).run(_requests(prompts))]
     got = [r.output_ids for r in Engine(packed, cfg, spec).run(_requests(prompts))]
     assert got == want and all(len(w) == 9 for w in want)

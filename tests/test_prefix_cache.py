@@ -7,7 +7,7 @@ import pytest
 
 from conftest import fixture_path
 from mtp_jax.cache.radix import RadixCache
-from mtp_jax.config import EngineConfig, SpecConfig
+from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
@@ -30,7 +30,7 @@ def _engine(model, algo, cache, num_pages=None):
     return Engine(model, EngineConfig(max_running_requests=2, dtype="float32", page_size=PAGE,
                                       max_model_len=64, enable_prefix_cache=cache,
                                       snapshot_interval_pages=INTERVAL, num_pages=num_pages),
-                  SpecConfig(algorithm=algo, num_steps=2))
+                  SpeculativeConfig(algorithm=algo, num_steps=2))
 
 
 def _pair(share):
@@ -56,8 +56,9 @@ def test_shared_prefix_same_output_cache_on_and_off(model, algo):
             outs[cache] = (ra.output_ids, rb.output_ids, rb.cached_tokens)
             if cache:
                 eng.flush_cache()
-                assert eng.pages.num_free == eng.pages.size - 1
-                assert eng.snapshot_ids.num_free == eng.snapshot_ids.size - 1
+                assert eng.book.pages.num_free == eng.book.pages.size - 1
+                ids = eng.prefix.snapshot_ids
+                assert ids.num_free == ids.size - 1
         assert outs[True][:2] == outs[False][:2], share
         assert outs[True][2] == reuse, (share, outs[True][2])
 
@@ -90,13 +91,13 @@ def test_eviction_under_page_pressure(model):
     for r in reqs:
         eng.run([r])
     assert all(r.finish_reason == "length" for r in reqs)
-    assert sum(-(-(len(r.prompt_ids) + 8) // PAGE) for r in reqs) > eng.pages.size
+    assert sum(-(-(len(r.prompt_ids) + 8) // PAGE) for r in reqs) > eng.book.pages.size
     ref = _engine(model, "mtp", False)
     again = [_req(f"x{i}", r.prompt_ids, max_tokens=8) for i, r in enumerate(reqs)]
     ref.run(again)
     assert [r.output_ids for r in reqs] == [r.output_ids for r in again]
     eng.flush_cache()
-    assert eng.pages.num_free == eng.pages.size - 1
+    assert eng.book.pages.num_free == eng.book.pages.size - 1
 
 
 @pytest.mark.parametrize("algo", ["none", "mtp"])

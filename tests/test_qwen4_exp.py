@@ -10,6 +10,7 @@ a float64 head assembled from HF modules (transformers has no qwen4_exp MTP). No
 
 from __future__ import annotations
 
+import dataclasses
 import os
 
 import numpy as np
@@ -139,7 +140,7 @@ def test_load_model_refuses_only_asked_kernels(monkeypatch):
     import mtp_jax
     from mtp_jax.config import ConfigError
     from mtp_jax.kernels import KernelBackends
-    from mtp_jax.models.qwen4_exp import loader as q4
+    from mtp_jax.models import registry
 
     with pytest.raises(ConfigError, match=r"qwen4_exp runs the XLA kernels only.*"
                                           r"'gemv_backend': 'reduce'"):
@@ -147,5 +148,6 @@ def test_load_model_refuses_only_asked_kernels(monkeypatch):
     gpu_auto = KernelBackends.resolve(platform="gpu")
     assert gpu_auto != KernelBackends()  # what auto means for the other families on a GPU
     monkeypatch.setattr(KernelBackends, "resolve", classmethod(lambda cls, *a, **k: gpu_auto))
-    monkeypatch.setattr(q4, "load_via_load_model", lambda *a, **k: "loaded")
+    monkeypatch.setitem(registry.REGISTRY, "qwen4_exp", dataclasses.replace(
+        registry.REGISTRY["qwen4_exp"], load=lambda *a, **k: "loaded"))
     assert mtp_jax.load_model(FIX, dtype="float32") == "loaded"

@@ -75,15 +75,15 @@ def test_decode_overlaps_ple_lookup_with_stop_checks_and_next_head(monkeypatch):
     checks, times out here). Tokens stay equal to transformers' greedy ones."""
     import threading
 
-    from mtp_jax.engine import stops as stops_mod
-    from mtp_jax.models.qwen4_exp import loader
+    from mtp_jax.engine import sequential as stops_mod  # the name the engine calls
+    from mtp_jax.models.qwen4_exp.loader import LoadedQwen4Exp
 
     g = np.load(CKPT + "/golden.npz")
     prompt, n = g["input_ids"][0].tolist(), g["greedy_tokens"].shape[1]
     events, started, appended = [], threading.Semaphore(0), threading.Semaphore(0)
     main = threading.main_thread
 
-    real_start, real_lookup = loader.LoadedQwen4Exp.start_step, loader.LoadedQwen4Exp.lookup
+    real_start, real_lookup = LoadedQwen4Exp.start_step, LoadedQwen4Exp.lookup
     real_append = stops_mod.append_tokens
 
     def start_step(self, cache, ids):
@@ -105,8 +105,8 @@ def test_decode_overlaps_ple_lookup_with_stop_checks_and_next_head(monkeypatch):
         appended.release()
         return real_append(req, toks, *args)
 
-    monkeypatch.setattr(loader.LoadedQwen4Exp, "start_step", start_step)
-    monkeypatch.setattr(loader.LoadedQwen4Exp, "lookup", lookup)
+    monkeypatch.setattr(LoadedQwen4Exp, "start_step", start_step)
+    monkeypatch.setattr(LoadedQwen4Exp, "lookup", lookup)
     monkeypatch.setattr(stops_mod, "append_tokens", append_tokens)
     llm = LLM(CKPT, dtype="float32", speculative_algorithm="none")
     out = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=n, ignore_eos=True))

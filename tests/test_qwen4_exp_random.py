@@ -9,7 +9,7 @@ import numpy as np
 
 from mtp_jax.models.qwen4_exp import load_qwen4_exp
 from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
-from mtp_jax.weights.safetensors_reader import read_header
+from mtp_jax.weights.safetensors_files import read_header
 
 FIX = os.path.join(os.path.dirname(os.path.abspath(__file__)), "fixtures", "tiny_qwen4_exp")
 

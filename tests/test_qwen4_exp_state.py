@@ -79,7 +79,7 @@ def test_shift_register_hooks_match_whole_sequence():
 def test_every_slot_state_declares_a_handler_and_a_missing_one_is_a_config_error(
         monkeypatch, tmp_path):
     from mtp_jax.models import registry
-    from mtp_jax.models.qwen4_exp import spec
+    from mtp_jax.models.qwen4_exp import entry
 
     states = slot_states.check_slot_states()
     assert {s.name for s in states} == {"gdn_recurrent", "gdn_conv", "ple_conv",
@@ -92,7 +92,7 @@ def test_every_slot_state_declares_a_handler_and_a_missing_one_is_a_config_error
     no_hook = dataclasses.replace(slot_states.by_name("ple_conv"), commit=None)
     monkeypatch.setattr(slot_states, "SLOT_STATES", states[:2] + (no_hook,))
     with pytest.raises(ConfigError, match="ple_conv"):
-        spec.registry_entry(registry.ModelSpec, registry.SlotState)
+        entry.make_entry()
     # Refused before any weight is read: the folder's weight file is not even a safetensors file.
     (tmp_path / "config.json").write_text(open(os.path.join(FIX, "config.json")).read())
     (tmp_path / "model.safetensors").write_bytes(b"not a checkpoint")

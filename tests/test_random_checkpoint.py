@@ -14,6 +14,7 @@ import pytest
 from safetensors import safe_open
 
 from mtp_jax.config import ConfigError, ModelConfig
+from mtp_jax.models.qwen3_5 import random_checkpoint as family_rc
 from mtp_jax.tools import random_checkpoint as rc
 from mtp_jax.weights import names
 
@@ -198,7 +199,7 @@ def test_streaming_memory_is_bounded(tmp_path, monkeypatch):
     big = copy.deepcopy(MOE)
     big["text_config"].update(vocab_size=65536, hidden_size=256, num_attention_heads=4,
                               head_dim=64)
-    monkeypatch.setattr(rc, "CHUNK_ELEMENTS", 1 << 16)
+    monkeypatch.setattr(family_rc, "CHUNK_ELEMENTS", 1 << 16)
     tracemalloc.start()
     try:
         out = rc.write_random_checkpoint(big, str(tmp_path), shard_size_bytes=16 << 20,
@@ -255,7 +256,7 @@ def test_real_config_plans_match_released_sizes(name):
     path = os.path.join(CONFIGS, name)
     with open(path) as f:
         assert not any(k.startswith("_") for k in json.load(f))
-    _, plans = rc.plan_checkpoint(path)
+    _, plans = family_rc.plan_checkpoint(path)
     assert sum(p.nbytes(2) for p in plans) == RELEASED_BF16_BYTES[name]
-    shards = rc.shard_plans(plans, 2, 2 << 30)
+    shards = family_rc.shard_plans(plans, 2, 2 << 30)
     assert all(sum(p.nbytes(2) for p in s) <= 2 << 30 or len(s) == 1 for s in shards)

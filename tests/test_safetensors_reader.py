@@ -12,8 +12,9 @@ from safetensors.numpy import save_file
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.weights import names
-from mtp_jax.weights import safetensors_reader as sr
-from mtp_jax.weights.safetensors_reader import CheckpointError, list_tensor_names, load_tensors
+from mtp_jax.weights import safetensors_files as sr
+from mtp_jax.weights.safetensors_files import CheckpointError, list_tensor_names
+from mtp_jax.weights.safetensors_reader import load_tensors
 
 F32, BF16, F16 = np.dtype(np.float32), np.dtype(ml_dtypes.bfloat16), np.dtype(np.float16)
 

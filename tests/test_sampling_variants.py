@@ -13,10 +13,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
-from mtp_jax import keep_set
-from mtp_jax.engine.engine import sampling_variant
-from mtp_jax.sampling import SamplingTensors, filtered_probs, sample
-from mtp_jax.spec.accept import accept
+from mtp_jax.sampling import keep_set
+from mtp_jax.engine.variants import sampling_choice
+from mtp_jax.sampling import SamplingParams, SamplingTensors, filtered_probs, sample
+from mtp_jax.speculative.accept import accept
 from test_sampling import assert_matches_reference
 
 
@@ -103,7 +103,7 @@ def test_static_accept_equals_the_run_time_variant():
 
 class _Req:
     def __init__(self, temperature, top_k=-1, top_p=1.0):
-        self.params = type("P", (), dict(temperature=temperature, top_k=top_k, top_p=top_p))
+        self.params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
 
 
 def test_engine_sampling_variant_from_its_requests():
@@ -112,8 +112,8 @@ def test_engine_sampling_variant_from_its_requests():
         tensors = SamplingTensors.from_params(
             [(r.params.temperature, r.params.top_k, r.params.top_p, 0) for r in reqs],
             pad_to=8, host=True)
-        return sampling_variant(reqs, tensors, v)
-    assert variant([_Req(0.0, 5, 0.5), _Req(0.0)]) == {"greedy_only": True}
+        return sampling_choice([r.params.greedy for r in reqs], tensors, v)
+    assert variant([_Req(0.0, 5, 0.5), _Req(0.0)]) == {"greedy_only": True, "filtering": None}
     assert variant([_Req(0.0, 5, 0.5), _Req(0.7)]) == {"greedy_only": False, "filtering": False}
     assert variant([_Req(0.7, 1000)]) == {"greedy_only": False, "filtering": False}
     assert variant([_Req(0.7), _Req(0.6, 20, 0.95)]) == {"greedy_only": False,

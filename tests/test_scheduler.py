@@ -9,8 +9,9 @@ import pytest
 
 from conftest import fixture_path
 from mtp_jax.cache.paged import PagedKV
-from mtp_jax.config import EngineConfig, SpecConfig
-from mtp_jax.engine.engine import Engine, clamp_num_draft
+from mtp_jax.config import EngineConfig, SpeculativeConfig
+from mtp_jax.engine.engine import Engine
+from mtp_jax.speculative.clamp import clamp_num_draft
 from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
 
@@ -30,11 +31,12 @@ def _req(tag, prompt, max_tokens=8, **kw):
 
 
 def _engine(model, algo="mtp", k=2, running=4, chunk=2048, proposer=None, num_pages=None,
-            max_len=MAX_LEN):
+            max_len=MAX_LEN, tokenizer=None):
     return Engine(model, EngineConfig(max_running_requests=running, dtype="float32",
                                       max_model_len=max_len, chunked_prefill_size=chunk,
                                       num_pages=num_pages),
-                  SpecConfig(algorithm=algo, num_steps=k), proposer=proposer)
+                  SpeculativeConfig(algorithm=algo, num_steps=k), proposer=proposer,
+                  tokenizer=tokenizer)
 
 
 def _prompts(n, seed=0, lo=2, hi=30):
@@ -58,18 +60,18 @@ def _nan_pools(eng):
     nan = lambda pages: pages.at[1:].set(jnp.nan)
     kv = eng.pools.kv
     dk = eng.pools.draft_kv
-    eng.pools = dataclasses.replace(
+    eng.device.pools = dataclasses.replace(
         eng.pools, kv=PagedKV(tuple(map(nan, kv.k)), tuple(map(nan, kv.v))),
         draft_kv=PagedKV(tuple(map(nan, dk.k)), tuple(map(nan, dk.v))))
     taken = set()
-    orig = eng.pages.take
+    orig = eng.book.pages.take
 
     def take(n=1):
         ids = orig(n)
         taken.update(ids)
         return ids
 
-    eng.pages.take = take
+    eng.book.pages.take = take
     return taken
 
 
@@ -89,7 +91,7 @@ def test_batch_equivalence_with_mixed_acceptance(model, solo, n):
     taken = _nan_pools(eng)
     reqs = [_req(f"b{i}", prompts[i], max_tokens=6 + i) for i in range(n)]
     accepted = []
-    orig_collect = eng._collect
+    orig_collect = eng.scheduler.collect
 
     def spy(f, later=None):
         before = {r: r.num_accepted_tokens for r in f.rows}
@@ -97,18 +99,18 @@ def test_batch_equivalence_with_mixed_acceptance(model, solo, n):
         accepted.extend(r.num_accepted_tokens - before[r] for r in f.rows)
         return out
 
-    eng._collect = spy
+    eng.scheduler.collect = spy
     eng.run(reqs)
     for i, r in enumerate(reqs):
         assert r.output_ids == ref[i], r.request_id
     assert accepted and all(0 <= a <= k for a in accepted)
-    untouched = [p for p in range(1, eng.pages.size) if p not in taken]
+    untouched = [p for p in range(1, eng.book.pages.size) if p not in taken]
     assert untouched, "the test needs pages that were never handed out"
     for pages in eng.pools.kv.k + eng.pools.kv.v + eng.pools.draft_kv.k + eng.pools.draft_kv.v:
         assert np.isnan(np.asarray(pages)[untouched]).all()
     assert not any(np.isnan(np.asarray(pages)[0]).any() for pages in eng.pools.kv.k)
     eng.flush_cache()
-    assert eng.pages.num_free == eng.pages.size - 1 and eng.slots.num_free == 4
+    assert eng.book.pages.num_free == eng.book.pages.size - 1 and eng.book.slots.num_free == 4
 
 
 @pytest.mark.parametrize("chunk", [1, 5, 16])
@@ -118,9 +120,9 @@ def test_chunked_prefill_equals_one_shot(model, chunk):
     for c in (2048, chunk):
         eng = _engine(model, "mtp", k=2, running=1, chunk=c)
         r = _req("c", prompt, max_tokens=4)
-        r.slot = eng.slots.take()[0]
+        r.slot = eng.book.slots.take()[0]
         while r.prefilled < len(prompt):
-            eng._prefill_chunk(r, c)
+            eng.scheduler.prefill_chunk(r, c)
         slot = r.slot
         pools = eng.pools
         states[c] = dict(
@@ -129,7 +131,7 @@ def test_chunked_prefill_equals_one_shot(model, chunk):
             rec=[np.asarray(a[slot]) for a in pools.gdn.recurrent],
             conv=[np.asarray(a[slot]) for a in pools.gdn.conv])
         # KV and draft KV of the prompt positions, read through the page table.
-        table = eng._table([r])[0]
+        table = eng.book.table([r])[0]
         pos = np.arange(len(prompt))
         where = table[pos // eng.page_size], pos % eng.page_size
         states[c]["kv"] = [np.asarray(a)[where] for a in pools.kv.k + pools.kv.v]
@@ -229,8 +231,8 @@ def test_stops_inside_an_accepted_chunk(model, solo):
     def run(**kw):
         # The settings of test_batch_equivalence_with_mixed_acceptance (its programs are
         # compiled already); one request at a time.
-        eng = _engine(model, "external", k=3, running=4, proposer=all_right, num_pages=40)
-        eng.tokenizer = _CharTokenizer()
+        eng = _engine(model, "external", k=3, running=4, proposer=all_right, num_pages=40,
+                      tokenizer=_CharTokenizer())
         r = _req("x", prompts[5], **kw)
         eng.run([r])
         return r
@@ -258,11 +260,13 @@ def test_greedy_round_program_has_no_host_synchronising_control_flow(model):
     replay, draft chain) must have none. (The sampling variant keeps the top-k/top-p filter's
     skip and, on CPU, threefry's round loop.)"""
     from mtp_jax.engine.packing import pack
+    from mtp_jax.engine.variants import RoundVariant
+    from mtp_jax.engine.warmup import padding_round_batch
 
     eng = _engine(model, "mtp", k=3, running=2)
-    buf, spec = pack(eng.padding_round_batch(2))
-    hlo = eng.programs.round_jit.lower(eng._leaves, eng.pools, buf, spec=spec, k=3,
-                                       proposer="mtp", greedy_only=True,
-                                       snapshot=True).as_text()
+    buf, layout = pack(padding_round_batch(2, 3, eng.max_pages_per_req))
+    hlo = eng.device.programs.round_jit.lower(
+        eng.device.leaves, eng.pools, buf, layout=layout,
+        variant=RoundVariant(k=3, proposer="mtp", greedy_only=True, snapshot=True)).as_text()
     for op in ("stablehlo.while", "stablehlo.case", "stablehlo.if"):
         assert op not in hlo

@@ -10,7 +10,7 @@ import numpy as np
 import pytest
 
 from conftest import fixture_path
-from mtp_jax.config import EngineConfig, SpecConfig
+from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
@@ -60,7 +60,7 @@ def model():
 def reference(model):
     prompts = _prompts(model.cfg.vocab_size)
     eng = Engine(model, EngineConfig(max_running_requests=4, dtype="float32", overlap_schedule=False),
-                 SpecConfig(algorithm="none"))
+                 SpeculativeConfig(algorithm="none"))
     reqs = _requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS + 8)
     states = _run_recording(eng, reqs)
     return prompts, [r.output_ids for r in reqs], states
@@ -106,7 +106,7 @@ def test_external_drafts_reproduce_plain_decoding(model, reference, k):
         return [t if i < j else (t + 1) % vocab for i, t in enumerate(truth)]
 
     eng = Engine(model, EngineConfig(max_running_requests=8, dtype="float32", overlap_schedule=False),
-                 SpecConfig(algorithm="external", num_steps=k), proposer=proposer)
+                 SpeculativeConfig(algorithm="external", num_steps=k), proposer=proposer)
     reqs = _requests(req_prompts, tags, MAX_TOKENS)
     states = _run_recording(eng, reqs)
     for r in reqs:
@@ -125,7 +125,7 @@ def test_external_drafts_reproduce_plain_decoding(model, reference, k):
 def test_mtp_reproduces_plain_decoding(model, reference, k):
     prompts, ref_out, ref_states = reference
     eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", overlap_schedule=False),
-                 SpecConfig(algorithm="mtp", num_steps=k))
+                 SpeculativeConfig(algorithm="mtp", num_steps=k))
     reqs = _requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS)
     states = _run_recording(eng, reqs)
     for i, r in enumerate(reqs):

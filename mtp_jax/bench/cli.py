@@ -159,7 +159,7 @@ def row_plan(ks: list[int], steps: tuple[int, ...], heads: list[str] = ("model",
 
 
 def _dtype(name: str) -> str | None:
-    """``--draft-head-dtype`` / ``--draft-layer-dtype`` value -> the SpecConfig field's
+    """``--draft-head-dtype`` / ``--draft-layer-dtype`` value -> the SpeculativeConfig field's
     (``model``: None)."""
     return None if name == "model" else name
 

@@ -51,10 +51,12 @@ from mtp_jax.bench.floor import round_bytes
 from mtp_jax.bench.forced import (accept_fraction, commits_of_round, compare_to_reference,
                                   force_on_device)
 from mtp_jax.cache.allocator import pages_needed
-from mtp_jax.config import EngineConfig, SpecConfig
+from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
-from mtp_jax.engine.warmup import next_pow2
-from mtp_jax.engine.requests import Request, SamplingParams
+from mtp_jax.engine.rounds import next_pow2
+from mtp_jax.engine.requests import Request
+from mtp_jax.engine.warmup import batch_buckets, prefill_buckets
+from mtp_jax.sampling import SamplingParams, is_greedy
 
 
 @dataclasses.dataclass(frozen=True)
@@ -85,7 +87,7 @@ class Settings:
 
     @property
     def sampled(self) -> bool:
-        return self.temperature > 0
+        return not is_greedy(self.temperature)
 
     def sampling_params(self, max_tokens: int) -> SamplingParams:
         """The requests' parameters: greedy, or sampled with this temperature, top_p, top_k
@@ -108,8 +110,8 @@ class Settings:
             raise ValueError(f"--draft-vocab-size {self.draft_vocab_size} must be >= 1 (hot "
                              "token ids of the draft's LM head), or omitted for the full "
                              "vocabulary.")
-        SpecConfig(draft_head_dtype=self.draft_head_dtype,
-                   draft_layer_dtype=self.draft_layer_dtype).validate()
+        SpeculativeConfig(draft_head_dtype=self.draft_head_dtype,
+                          draft_layer_dtype=self.draft_layer_dtype).validate()
         try:
             self.sampling_params(1).validate()
         except ValueError as e:  # "top_p 0.0 must be ..." -> "--top-p 0.0 must be ..."
@@ -176,16 +178,16 @@ def make_engine(model, batch: int, k: int, s: Settings, steps: int = 1) -> Engin
     ``steps`` rounds per call (k > 0: with the reduced draft vocabulary of
     ``s.draft_vocab_size`` and the draft head and layer dtypes ``s.draft_head_dtype``,
     ``s.draft_layer_dtype``, if set)."""
-    spec = SpecConfig(algorithm="mtp" if k else "none", num_steps=k or 3,
-                      draft_vocab_size=s.draft_vocab_size if k else None,
-                      draft_head_dtype=s.draft_head_dtype if k else None,
-                      draft_layer_dtype=s.draft_layer_dtype if k else None)
+    speculative = SpeculativeConfig(algorithm="mtp" if k else "none", num_steps=k or 3,
+                                    draft_vocab_size=s.draft_vocab_size if k else None,
+                                    draft_head_dtype=s.draft_head_dtype if k else None,
+                                    draft_layer_dtype=s.draft_layer_dtype if k else None)
     return Engine(model, EngineConfig(max_running_requests=batch + 1, page_size=s.page_size,
                                       max_model_len=s.max_model_len,
                                       chunked_prefill_size=s.prompt_len,
                                       enable_prefix_cache=False, dtype=model.dtype,
                                       num_scheduler_steps=steps),
-                  spec)
+                  speculative)
 
 
 def _bucket_names(eng: Engine, batch: int, k: int, s: Settings) -> tuple[str, str]:
@@ -200,25 +202,23 @@ def prefill_all(eng: Engine, reqs: list[Request], ledger: Ledger, phase: str,
                 first_program: str | None) -> None:
     """Admit ``reqs`` and prefill each whole prompt (no round in between), as ``Engine.step``
     does; the first request's prefill is recorded as ``first_program``'s first call."""
+    sched = eng.scheduler
     for r in reqs:
-        eng.add_request(r)
-        eng.waiting.remove(r)
-        r.slot = eng.slots.take()[0]
+        sched.add(r)
+        sched.admit(r)
     for i, r in enumerate(reqs):
         with ledger.phase(phase, first_program if i == 0 else None):
-            eng.prefilling.append(r)
             while r.prefilled < len(r.prompt_ids):
-                eng._prefill_chunk(r, eng.chunk_size)
-            eng.prefilling.remove(r)
-            eng._shrink(r, r.position)
-            eng.decoding.append(r)
+                sched.prefill_chunk(r, sched.settings.chunk_size)
+            sched.finish_prefill(r)
             jax.block_until_ready(eng.pools)
 
 
 def release_all(eng: Engine, reqs: list[Request]) -> None:
+    sched = eng.scheduler
     for r in reqs:
-        eng._release(r)
-    eng.decoding = [r for r in eng.decoding if r not in reqs]
+        sched.release(r)
+    sched.decoding = [r for r in sched.decoding if r not in reqs]
 
 
 def measure_prefill(eng: Engine, s: Settings, vocab: int) -> float:
@@ -227,16 +227,17 @@ def measure_prefill(eng: Engine, s: Settings, vocab: int) -> float:
     times = []
     for rep in range(s.prefill_reps):
         extra = requests(1, s.prompt_len, 2, vocab, 10**6 + rep)[0]
-        eng.add_request(extra)
-        eng.waiting.remove(extra)
-        extra.slot = eng.slots.take()[0]
+        sched = eng.scheduler
+        sched.add(extra)
+        sched.admit(extra)
         jax.block_until_ready(eng.pools)
         t0 = time.perf_counter()
         while extra.prefilled < s.prompt_len:
-            eng._prefill_chunk(extra, eng.chunk_size)
+            sched.prefill_chunk(extra, sched.settings.chunk_size)
         jax.block_until_ready(eng.pools)
         times.append(time.perf_counter() - t0)
-        eng._release(extra)
+        sched.release(extra)
+        sched.prefilling.remove(extra)
     return statistics.median(times)
 
 
@@ -265,15 +266,15 @@ def plain_decode(eng: Engine, reqs: list[Request], s: Settings, ledger: Ledger,
     per step."""
     steps = eng.rounds_per_call
     with ledger.phase(warm, round_program):
-        eng._run_round(reqs)
+        eng.scheduler.run_round(reqs)
     with ledger.phase(warm):
         for _ in range(s.warmup_rounds - 1):
-            eng._run_round(reqs)
+            eng.scheduler.run_round(reqs)
     with ledger.phase(timed or warm):
         run = pipelined_rounds(eng, reqs, lambda got: len(got) * steps >= s.decode_tokens)
     with ledger.phase(warm):
         while fill_reference and min(len(r.output_ids) for r in reqs) < s.reference_len:
-            eng._run_round(reqs)
+            eng.scheduler.run_round(reqs)
     tokens = len(run["times"]) * steps
     return {**_timing(run["times"], run["host"], steps), "context": _context(run["positions"]),
             "tokens_per_s_e2e": tokens * len(reqs) / run["wall"], "wall_s": run["wall"],
@@ -291,10 +292,10 @@ def drafted_rounds(eng: Engine, reqs: list[Request], s: Settings, ledger: Ledger
     with random weights). Leaves the requests' outputs in place."""
     steps = eng.rounds_per_call
     with ledger.phase("warmup", round_program):
-        eng._run_round(reqs)
+        eng.scheduler.run_round(reqs)
     with ledger.phase("warmup"):
         for _ in range(-(-s.warmup_rounds // steps) - 1):
-            eng._run_round(reqs)
+            eng.scheduler.run_round(reqs)
     tally = [0] * len(reqs)
 
     def counted(results: list[dict]) -> bool:
@@ -327,24 +328,24 @@ def pipelined_rounds(eng: Engine, reqs: list[Request], done: Callable[[list[dict
     counted result}``. A round whose host time is close to its time is bound by the host."""
     times, host, positions, results = [], [], [], []
     t_start = t_last = time.perf_counter()
-    prev = eng._dispatch_round(reqs)
+    prev = eng.scheduler.dispatch(reqs)
     while True:
         t0 = time.perf_counter()
         if before_dispatch is not None:
             before_dispatch(len(results) + 1)
-        cur = eng._dispatch_round(reqs, chained=True)
+        cur = eng.scheduler.dispatch(reqs, chained=True)
         positions.append(float(np.mean([r.position for r in reqs])))  # where prev started
         t1 = time.perf_counter()
         jax.block_until_ready(prev.out.readback)  # the device's part, not the host's
         t2 = time.perf_counter()
-        results.append(eng._collect(prev, later=cur))
+        results.append(eng.scheduler.collect(prev, later=cur))
         now = time.perf_counter()
         times.append(now - t_last)
         host.append((t1 - t0) + (now - t2))
         t_last, prev = now, cur
         if done(results):
             break
-    eng._collect(prev)
+    eng.scheduler.collect(prev)
     return {"times": times, "host": host, "positions": positions, "results": results,
             "wall": t_last - t_start}
 
@@ -361,7 +362,7 @@ def _drafts_writer(eng: Engine, reqs: list[Request], reference) -> Callable[[int
         t0 = time.perf_counter()
         nt = force_on_device(eng.pools.next_tokens, eng.pools.step, slots, ref, jnp.int32(m),
                              vocab)
-        eng.pools = dataclasses.replace(eng.pools, next_tokens=nt)
+        eng.device.pools = dataclasses.replace(eng.pools, next_tokens=nt)
         return time.perf_counter() - t0
 
     return force_m
@@ -400,7 +401,7 @@ def rejected_drafts_reference(eng: Engine, reqs: list[Request], reference, k: in
     first = True
     while min(len(r.output_ids) for r in reqs) < s.reference_len:
         with ledger.phase("warmup", programs[1] if programs and first else None):
-            eng._run_round(reqs)
+            eng.scheduler.run_round(reqs)
         with ledger.phase("warmup"):
             force_m(0)
         first = False
@@ -420,7 +421,7 @@ def forced_decode(eng: Engine, reqs: list[Request], reference, accept_length: fl
     force_s: list[float] = []
     for i in range(s.warmup_rounds):
         with ledger.phase("warmup"):
-            eng._run_round(reqs)
+            eng.scheduler.run_round(reqs)
         with ledger.phase("warmup"):
             # the alternation restarts with the timed phase: its R rounds commit floor(a R)
             force_m(commits_of_round(a, i + 1 if i + 1 < s.warmup_rounds else 0) - 1)
@@ -496,8 +497,10 @@ def bench_one(model, batch: int, k: int, s: Settings, refs: dict,
     if s.engine_warmup:
         with ledger.phase("engine_warmup") as w:
             eng.warmup()
-        res["engine_warmup"] = {"buckets": {"prefill": eng.prefill_buckets(),
-                                            "batch": eng.batch_buckets()}, **w.as_dict()}
+        buckets = {"prefill": prefill_buckets(eng.scheduler.settings.chunk_size,
+                                              eng.max_model_len),
+                   "batch": batch_buckets(eng.book.max_requests)}
+        res["engine_warmup"] = {"buckets": buckets, **w.as_dict()}
     reqs = requests(batch, s.prompt_len, 10**9, cfg.vocab_size, 0,
                     s.sampling_params(10**9) if s.sampled else None)
     if s.sampled:

@@ -68,3 +68,11 @@ class RoundBatch:
     tokens: jax.Array
     snap_row: jax.Array
     snap_id: jax.Array
+
+
+def sampling_rows(reqs: list) -> SamplingTensors:
+    """The host sampling rows of ``reqs`` (:class:`~mtp_jax.engine.requests.Request`s; ``None``:
+    a greedy padding row, placed last): ``[len(reqs)]`` numpy fields."""
+    rows = [(r.params.temperature, r.params.top_k, r.params.top_p, r.seed)
+            for r in reqs if r is not None]
+    return SamplingTensors.from_params(rows, pad_to=len(reqs), host=True)  # padding at the end

@@ -17,7 +17,7 @@ altered, from another format or unreadable is ignored with an :class:`Executable
 removed, and the program rebuilt. Like jax's cache, the folder is trusted code (loading an
 entry unpickles it): do not point it at a folder others can write to.
 
-Calls go through a dict keyed by ``(program, batch spec, static keywords, pool shapes)`` to a
+Calls go through a dict keyed by ``(program, batch layout, variant, pool shapes)`` to a
 ``jax.stages.Compiled``, whose call is jax's C++ dispatch path, like a jitted function's
 (measured on CPU: +1.5 us per call over the jitted function, of about 60 us). Programs missing
 from the dict are loaded or built one by one as they are called, or all at once by
@@ -101,21 +101,26 @@ def initialize_custom_call_libraries() -> None:
 
 @dataclasses.dataclass
 class Call:
-    """One program call: ``fn(leaves, pools, buf, spec=spec, **static)`` (``fn`` jitted with
-    the pools donated); ``key``: its in-memory key in the table that saw it."""
+    """One program call: ``fn(leaves, pools, buf, layout=layout, variant=variant)`` (``fn``
+    jitted with the pools donated; ``layout``: the packed batch's, ``variant``: the call's
+    static choices, a frozen dataclass); ``key``: its in-memory key in the table that saw it."""
 
     name: str
     fn: object
     leaves: tuple
     pools: object
     buf: object
-    spec: object
-    static: dict
+    layout: object
+    variant: object
     key: tuple
 
     def describe(self) -> str:
-        shapes = ",".join("x".join(map(str, s)) for s, _ in self.spec[1][:1])
-        return f"{self.name}[{shapes}] " + ek.static_description(self.static)
+        shapes = ",".join("x".join(map(str, s)) for s, _ in self.layout[1][:1])
+        return f"{self.name}[{shapes}] " + ek.static_description(self.static())
+
+    def static(self) -> dict:
+        """The variant's fields by name."""
+        return dataclasses.asdict(self.variant)
 
 
 def pools_signature(pools) -> tuple:
@@ -282,21 +287,21 @@ class ExecutableTable:
         return self._signatures.setdefault(pools_signature(pools), len(self._signatures))
 
     # ---- calls -----------------------------------------------------------------------------
-    def call(self, name: str, fn, leaves, pools, buf, spec, static: dict):
-        """``fn(leaves, pools, buf, spec=spec, **static)`` through the compiled program of its
-        key: program, batch spec (structure, shapes, dtypes), static keywords (sorted) and pool
+    def call(self, name: str, fn, leaves, pools, buf, layout, variant):
+        """``fn(leaves, pools, buf, layout=layout, variant=variant)`` through the compiled
+        program of its key: program, batch layout (structure, shapes, dtypes), variant and pool
         shapes (the parameters are the model's, fixed per table). A miss builds or loads it.
         While :meth:`recording`, nothing runs: a call missing from memory is recorded, and
         every call returns ``(None, pools)`` (pools untouched)."""
         sid = self._pools_id(pools)
-        key = (name, spec, tuple(sorted(static.items())), sid)
+        key = (name, layout, variant, sid)
         entry = self._compiled.get(key)
         if self._recording is not None:  # a dry run: no program runs, no pool is donated
             if entry is None:
-                self._recording.append(Call(name, fn, leaves, pools, buf, spec, static, key))
+                self._recording.append(Call(name, fn, leaves, pools, buf, layout, variant, key))
             return None, pools
         if entry is None:
-            self.build([Call(name, fn, leaves, pools, buf, spec, static, key)])
+            self.build([Call(name, fn, leaves, pools, buf, layout, variant, key)])
             entry = self._compiled[key]
         out = entry[0](leaves, pools, buf)
         if entry[1]:
@@ -323,7 +328,7 @@ class ExecutableTable:
         if self._params_sig is None or self._params_sig[0] is not c.leaves:
             self._params_sig = (c.leaves, ek.tree_signature(c.leaves))
         return ek.digest(FORMAT, environment, self._model_digest, c.name,
-                         ek.static_description(dict(c.static, spec=c.spec)),
+                         ek.static_description(dict(c.static(), layout=c.layout)),
                          f"donated={DONATED}", self._params_sig[1], ek.tree_signature(c.pools),
                          ek.leaf_signature(c.buf))
 
@@ -364,7 +369,7 @@ class ExecutableTable:
                 _report_load(seconds)
                 continue
             t0 = time.perf_counter()
-            traced = c.fn.trace(c.leaves, c.pools, c.buf, spec=c.spec, **c.static)
+            traced = c.fn.trace(c.leaves, c.pools, c.buf, layout=c.layout, variant=c.variant)
             t1 = time.perf_counter()
             lowered = traced.lower()
             self.traces += 1

@@ -5,7 +5,7 @@ Budget (bytes) = ``mem_fraction`` x device memory (or an explicit ``max_total_to
 in this order: the weights, the per-slot state of ``max_running_requests + 1`` slots (GDN recurrent
 and conv state, pending/draft tokens, draft distributions), then KV pages, each holding
 ``page_size`` positions of every target attention layer plus every MTP draft layer. The planned
-pool bytes equal the bytes :func:`mtp_jax.engine.pools.make_pools` allocates.
+pool bytes equal the bytes :func:`mtp_jax.cache.pools.make_pools` allocates.
 """
 
 from __future__ import annotations
@@ -15,7 +15,10 @@ import dataclasses
 import numpy as np
 
 from mtp_jax.cache.allocator import pages_needed
-from mtp_jax.config import ConfigError, ModelConfig
+from mtp_jax.config import ConfigError, ModelConfig, SpeculativeConfig
+from mtp_jax.models.draft_head import draft_head_bytes, draft_layer_bytes
+from mtp_jax.models.registry import entry_of
+from mtp_jax.speculative.draft_vocab import hot_token_ids
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
 
@@ -128,33 +131,28 @@ def plan_memory(cfg: ModelConfig, *, dtype: str, page_size: int, max_running_req
                       snapshots=snapshots, snapshot_bytes=snap_b)
 
 
-def planned_weights_bytes(cfg: ModelConfig, dtype: str, mtp: bool, spec) -> int:
-    """:func:`weights_bytes` plus the MTP draft's own LM head when ``spec``
-    (:class:`~mtp_jax.config.SpecConfig`) gives it one (a reduced vocabulary, read from the
-    token map if there is one, and/or int8 rows; :func:`mtp_jax.models.draft_head.
-    draft_head_bytes`) and the int8 copy of the draft's projections when it asks for one
-    (:func:`~mtp_jax.models.draft_head.draft_layer_bytes`). The engine's plan and ``LLM``'s
-    check before load both count this. Raises ConfigError for an unreadable token map."""
-    from mtp_jax.models.draft_head import draft_head_bytes, draft_layer_bytes
-    from mtp_jax.spec.draft_vocab import hot_token_ids
-
+def planned_weights_bytes(cfg: ModelConfig, dtype: str, mtp: bool,
+                          speculative: SpeculativeConfig | None) -> int:
+    """:func:`weights_bytes` plus the MTP draft's own LM head when ``speculative`` gives it one
+    (a reduced vocabulary, read from the token map if there is one, and/or int8 rows;
+    :func:`mtp_jax.models.draft_head.draft_head_bytes`) and the int8 copy of the draft's
+    projections when it asks for one (:func:`~mtp_jax.models.draft_head.draft_layer_bytes`).
+    The engine's plan and the check before load both count this. Raises ConfigError for an
+    unreadable token map."""
     total = weights_bytes(cfg, dtype, mtp)
-    if not mtp or spec is None:
+    if not mtp or speculative is None:
         return total
-    hot = hot_token_ids(spec.algorithm, spec.draft_vocab_size, spec.token_map_path,
-                        cfg.vocab_size)
+    hot = hot_token_ids(speculative.algorithm, speculative.draft_vocab_size,
+                        speculative.token_map_path, cfg.vocab_size)
     return (total + draft_head_bytes(cfg, None if hot is None else hot.size, dtype,
-                                     spec.draft_head_dtype)
-            + draft_layer_bytes(cfg, spec.draft_layer_dtype))
+                                     speculative.draft_head_dtype)
+            + draft_layer_bytes(cfg, speculative.draft_layer_dtype))
 
 
 def weights_bytes(cfg: ModelConfig, dtype: str, mtp: bool) -> int:
-    """Parameter bytes from the canonical tensor list (GDN A_log/dt_bias are float32)."""
-    from mtp_jax.weights import names
-
-    tensors = dict(names.target_tensors(cfg))
-    if mtp:
-        tensors.update(names.mtp_tensors(cfg))
+    """Parameter bytes of the checkpoint's tensors (the family's
+    :attr:`~mtp_jax.models.entry.ModelEntry.tensor_shapes`; GDN A_log/dt_bias are float32)."""
+    tensors = entry_of(cfg).tensor_shapes(cfg, mtp)
     total = 0
     for name, shape in tensors.items():
         size = 4 if name.endswith(("A_log", "dt_bias")) else _ITEMSIZE[dtype]

@@ -17,8 +17,8 @@ _WORD = {np.dtype(np.int32), np.dtype(np.float32), np.dtype(np.uint32)}
 
 
 def pack(tree) -> tuple[np.ndarray, tuple]:
-    """``tree`` of numpy arrays -> ``(buffer [N] int32, spec)``; ``spec`` is hashable (a static
-    jit argument) and holds the tree structure, shapes and dtypes.
+    """``tree`` of numpy arrays -> ``(buffer [N] int32, layout)``; ``layout`` is hashable (a
+    static jit argument) and holds the tree structure, shapes and dtypes.
 
     Raises ValueError for a leaf dtype other than int32, float32, uint32 or bool.
     """
@@ -38,9 +38,10 @@ def pack(tree) -> tuple[np.ndarray, tuple]:
     return buf, (treedef, tuple(shapes))
 
 
-def unpack(buf: jax.Array, spec: tuple):
-    """Inverse of :func:`pack`, traced inside a program: slices of ``buf`` back into the tree."""
-    treedef, shapes = spec
+def unpack(buf: jax.Array, layout: tuple):
+    """Inverse of :func:`pack`, traced inside a program: slices of ``buf`` back into the tree
+    that ``layout`` describes."""
+    treedef, shapes = layout
     leaves, at = [], 0
     for shape, dtype_str in shapes:
         n = int(np.prod(shape, dtype=np.int64))

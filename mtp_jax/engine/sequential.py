@@ -4,8 +4,10 @@
 :class:`~mtp_jax.models.qwen4_exp.loader.LoadedQwen4Exp`).
 
 It keeps the :class:`mtp_jax.engine.engine.Engine` surface that ``LLM`` uses (``add_request``,
-``has_work``, ``step``, ``flush_cache``) and the same stop rules, so ``LLM.generate``,
-``generate_stream`` and the CLI work unchanged. No speculation, no batching, no prefix cache.
+``has_work``, ``step``, ``abort``, ``make_ready``, ``flush_cache``, ``warmup_for``) and the same
+stop rules, so ``LLM.generate``, ``generate_stream`` and the CLI work unchanged. No speculation,
+no batching, no prefix cache. A family is served here when its registry entry says
+``serving="sequential"`` (:func:`mtp_jax.engine.serving.make_engine`).
 
 The PLE rows a step needs are hashed from its input token, the token the previous step sampled,
 so their host lookup cannot start before that token is on the host. One ``step()`` call::
@@ -28,6 +30,7 @@ prompt's head program.
 from __future__ import annotations
 
 import dataclasses
+import time
 from collections import deque
 from concurrent.futures import Future, ThreadPoolExecutor
 
@@ -36,7 +39,8 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.engine.requests import ABORT, Request
-from mtp_jax.sampling import SALT_SAMPLE, SamplingTensors, sample
+from mtp_jax.engine.stops import append_tokens
+from mtp_jax.sampling import SALT_SAMPLE, SamplingParams, SamplingTensors, sample
 
 
 @dataclasses.dataclass
@@ -78,7 +82,11 @@ def cache_len(prompt_len: int, max_tokens: int, max_model_len: int, page: int = 
 
 
 class SequentialEngine:
-    prefix = None
+    """Plain decoding of one request at a time on a family's split step API (see the module
+    docstring); ``max_model_len`` tokens per request at most (capped by the model's)."""
+
+    prefix = None  # no prefix cache
+    draft_vocab_size = None  # no draft
 
     def __init__(self, model, max_model_len: int, tokenizer=None):
         self.model, self.tokenizer = model, tokenizer
@@ -97,7 +105,22 @@ class SequentialEngine:
         return bool(self.waiting)
 
     def flush_cache(self) -> None:
-        pass
+        """No prefix cache: nothing to drop."""
+
+    def warmup_for(self, requests: list[Request]) -> float:
+        """Compile what generating ``requests`` calls: one greedy two-token request of the
+        first prompt (the step programs' shapes follow the prompt length and cache size).
+        Returns seconds."""
+        t0 = time.perf_counter()
+        if requests:
+            r = requests[0]
+            self.add_request(Request(request_id="warmup", index=-1, prompt=None,
+                                     prompt_ids=list(r.prompt_ids),
+                                     params=SamplingParams(temperature=0, max_tokens=2),
+                                     seed=0))
+            while self.has_work():
+                self.step()
+        return time.perf_counter() - t0
 
     def abort(self, requests=None) -> list[Request]:
         """Take ``requests`` (default: all) out of the queue, the one being decoded with its
@@ -123,7 +146,7 @@ class SequentialEngine:
     def _sample(self, req: Request, logits) -> jax.Array:
         """Device token ``[1, 1]`` int32 from the last row of ``logits [1, T, V]``."""
         p = req.params
-        if p.temperature <= 0:
+        if p.greedy:
             return _GREEDY(logits)
         st = SamplingTensors.from_params([(p.temperature, p.top_k, p.top_p, req.seed)],
                                          host=True)
@@ -145,8 +168,6 @@ class SequentialEngine:
             raise
 
     def _step(self) -> dict[Request, list[int]]:
-        from mtp_jax.engine.stops import append_tokens
-
         req, m = self.waiting[0], self.model
         run = self._run
         if run is None or run.req is not req:

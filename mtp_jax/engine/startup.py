@@ -36,4 +36,4 @@ def build_warmup_programs(engine, workers: int | None = None, **warmup_kwargs) -
     """:func:`build_ahead` of ``engine.warmup(**warmup_kwargs)``'s calls, without running them;
     a warm-up after it loads nothing and compiles nothing (``Engine.warmup`` does both steps
     itself). Returns seconds."""
-    return build_ahead(engine.programs, engine.warmup_calls(**warmup_kwargs), workers)
+    return build_ahead(engine.device.programs, engine.warmup_calls(**warmup_kwargs), workers)

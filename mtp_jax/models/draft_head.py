@@ -5,7 +5,7 @@ Made once after load (:func:`with_draft_head`) from ``lm_head.weight`` (or the e
 the head is tied) and stored on the model as ``draft_head``; ``model.draft_logits(z)`` then
 calls it instead of the target's full head. The target's logits are untouched, so the output
 stays exact whatever the draft head scores: only the drafts, hence the accept length, can
-change (:mod:`mtp_jax.spec.draft_vocab` defines the hot set).
+change (:mod:`mtp_jax.speculative.draft_vocab` defines the hot set).
 
 **int8** (``head_dtype="int8"``, ``speculative_draft_head_dtype``): the rows are stored as
 weight-only int8 with a float32 scale per row (:mod:`mtp_jax.models.layers.int8_rows`), so a
@@ -40,6 +40,7 @@ from mtp_jax.config import DRAFT_LAYER_DTYPES as LAYER_DTYPES
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import as_data, quantize_projections
 from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows
+from mtp_jax.weights import names
 from pallas_kernels.gemv import gemv
 
 __all__ = ["DraftHead", "HEAD_DTYPES", "LAYER_DTYPES", "RESCORE", "BLOCK", "candidates",
@@ -145,9 +146,9 @@ def _check(model, ids, head_dtype, layer_dtype) -> None:
 
 def with_draft_head(model, hot_ids: np.ndarray | None, head_dtype: str | None = None,
                     layer_dtype: str | None = None):
-    """A :class:`~mtp_jax.models.loader.LoadedModel` whose MTP draft has weights of its own.
+    """A :class:`~mtp_jax.models.loaded.LoadedModel` whose MTP draft has weights of its own.
     With ``hot_ids`` or ``head_dtype``: its own head, the rows of ``hot_ids`` (``[N]`` ints in
-    ``[0, V)``, unique; from :func:`mtp_jax.spec.draft_vocab.hot_token_ids`; ``None``: all V),
+    ``[0, V)``, unique; from :func:`mtp_jax.speculative.draft_vocab.hot_token_ids`; ``None``: all V),
     in the model dtype or, with ``head_dtype="int8"``, as int8 rows (see the module
     docstring). With ``layer_dtype="int8"``: draft projections (``mtp.fc`` and the MTP
     decoder layers' :class:`~mtp_jax.models.layers.basic.Linear` / ``MergedLinear``
@@ -157,7 +158,8 @@ def with_draft_head(model, hot_ids: np.ndarray | None, head_dtype: str | None = 
     ``hot_ids``, ``head_dtype`` and ``layer_dtype`` all ``None`` return ``model`` itself.
     Otherwise the new model shares every other parameter array with ``model`` and holds the
     ``draft_head`` and/or the int8 projections as well (``model`` keeps its own), so it has
-    its own compiled programs; it is made once per (model, hot ids, dtypes) and reused.
+    its own compiled programs (shared with any model of the same structure); it is made once
+    per (model, hot ids, dtypes), kept in ``model.derived``, and reused.
     Raises ``ValueError`` when the model has no MTP draft, ids are out of range or a dtype
     is unknown.
     """
@@ -165,25 +167,20 @@ def with_draft_head(model, hot_ids: np.ndarray | None, head_dtype: str | None = 
         return model
     ids = None if hot_ids is None else np.asarray(hot_ids, np.int32)
     _check(model, ids, head_dtype, layer_dtype)
-    cache = model.__dict__.setdefault("_draft_head_models", {})
     key = (b"all" if ids is None else ids.tobytes(), head_dtype, layer_dtype)
-    if key not in cache:
+    if key not in model.derived:
         module = model.module()
         if hot_ids is not None or head_dtype is not None:
             module.draft_head = as_data(_head(model, module, ids, head_dtype))
         if layer_dtype == "int8":
             quantize_projections(module.mtp)
         graphdef, params = nnx.split(module)
-        derived = dataclasses.replace(model, graphdef=graphdef, params=params)
         # Heads of the same size and dtype give the same program structure (the ids are a
-        # parameter): share the compiled programs instead of compiling them again.
-        for other in cache.values():
-            if other.graphdef == graphdef and jax.tree_util.tree_structure(
-                    other.params) == jax.tree_util.tree_structure(params):
-                derived.__dict__["programs"] = other.programs
-                break
-        cache[key] = derived
-    return cache[key]
+        # parameter): the engine shares their compiled programs
+        # (mtp_jax.engine.programs.programs_for).
+        model.derived[key] = dataclasses.replace(model, graphdef=graphdef, params=params,
+                                                 derived={})
+    return model.derived[key]
 
 
 def _head(model, module, ids, head_dtype) -> DraftHead:
@@ -216,6 +213,4 @@ def draft_layer_bytes(cfg, layer_dtype: str | None = None) -> int:
     copies stay loaded); 0 for ``None``."""
     if layer_dtype is None:
         return 0
-    from mtp_jax.weights import names
-
     return sum(out * (inp + 4) for out, inp in names.mtp_projections(cfg).values())

@@ -18,7 +18,7 @@ The conversion to a byte-level BPE ``tokenizer.json``::
     pre-tokenizer  Split(regex, isolated) then ByteLevel(use_regex=False); decoder ByteLevel
 
 The conversion takes a few seconds; :func:`converted_tokenizer_json` caches the result under
-:func:`mtp_jax.tools.cache_root`. ``python -m mtp_jax.tools.qwen_vocab --out DIR`` writes
+:func:`mtp_jax.home.cache_root`. ``python -m mtp_jax.tools.qwen_vocab --out DIR`` writes
 ``tokenizer.json``, ``tokenizer_config.json`` (with :data:`CHAT_TEMPLATE`) and
 ``generation_config.json`` into ``DIR``.
 """
@@ -33,7 +33,7 @@ import json
 import os
 import tempfile
 
-from mtp_jax.tools import cache_root
+from mtp_jax.home import cache_root
 
 # Bump when the produced tokenizer.json changes; part of the cache file name.
 CONVERTER_VERSION = 1

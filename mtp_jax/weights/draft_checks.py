@@ -15,7 +15,7 @@ import os
 import re
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.weights.safetensors_reader import CheckpointError, TensorInfo
+from mtp_jax.weights.safetensors_files import CheckpointError, TensorInfo
 
 _FLOATS = ("F16", "BF16", "F32", "F64")
 _FP8 = ("F8_E4M3", "F8_E5M2")

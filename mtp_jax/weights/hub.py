@@ -11,7 +11,7 @@ from __future__ import annotations
 
 import re
 
-from mtp_jax.weights.safetensors_reader import CheckpointError
+from mtp_jax.weights.safetensors_files import CheckpointError
 
 _PART = r"[A-Za-z0-9](?:[A-Za-z0-9._-]{0,94}[A-Za-z0-9_-])?"
 _REPO_ID = re.compile(rf"^(?:{_PART}/)?{_PART}$")

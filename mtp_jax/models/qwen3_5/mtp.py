@@ -23,12 +23,11 @@ from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import Embed, Linear, RMSNorm
+from mtp_jax.models.qwen3_5.decoder import DecoderLayer
 
 
 class MTPDraft(nnx.Module):
     def __init__(self, cfg: ModelConfig, dtype):
-        from mtp_jax.models.qwen3_5.model import DecoderLayer
-
         h = cfg.hidden_size
         self.fc = Linear(2 * h, h, dtype)
         self.pre_fc_norm_embedding = RMSNorm(h, cfg.rms_norm_eps, dtype)

@@ -19,24 +19,15 @@ Conventions (../shared/MODEL_FACTS.md, "Qwen3.8-Flash-Next"):
 from __future__ import annotations
 
 import dataclasses
-import json
 import math
-import os
 from typing import Any
 
-from mtp_jax.config import ConfigError, LayerShapes
+from mtp_jax.config import ConfigError, LayerShapes, read_config_json
 
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 QSA_SPELLINGS = ("full_attention", "qwen_sparse_attention", "indexed_attention",
                  "deepseek_sparse_attention", "hybrid_indexed")
 _MISSING = object()
-
-
-def is_qwen4_exp(raw: dict[str, Any]) -> bool:
-    """Whether an HF config dict is a qwen4_exp checkpoint (composite or text-only)."""
-    t = raw.get("model_type")
-    text = raw.get("text_config")
-    return t in MODEL_TYPES or (isinstance(text, dict) and text.get("model_type") in MODEL_TYPES)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -219,11 +210,8 @@ class Qwen4ExpConfig(LayerShapes):
 
     @classmethod
     def from_folder(cls, path: str) -> "Qwen4ExpConfig":
-        file = os.path.join(path, "config.json")
-        if not os.path.isfile(file):
-            raise ConfigError(f"{path!r} has no config.json; pass an HF checkpoint folder.")
-        with open(file) as f:
-            return cls.from_dict(json.load(f))
+        """Read ``<path>/config.json``; raises :class:`ConfigError` if absent or unreadable."""
+        return cls.from_dict(read_config_json(path))
 
     def validate(self, raw_ple_ids=None) -> None:
         if self.num_attention_heads % self.num_key_value_heads:
@@ -339,11 +327,3 @@ def ngram_table_rows(cfg: Qwen4ExpConfig, ple_index: int) -> int:
     d = cfg.make_ngram_vocab_size_divisible_by
     return -(-total // d) * d
 
-
-def folder_is_qwen4_exp(path: str) -> bool:
-    """Whether ``path/config.json`` is a qwen4_exp config (False when it is absent/unreadable)."""
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            return is_qwen4_exp(json.load(f))
-    except (OSError, ValueError):
-        return False

@@ -3,7 +3,7 @@ host-side :class:`~mtp_jax.models.qwen4_exp.ple_store.NgramTable` (memory or dis
 int64 hash buffers checked against the config.
 
 ``load_qwen4_exp(path)`` returns a :class:`LoadedQwen4Exp` whose ``forward`` / ``mtp_forward``
-mirror :class:`mtp_jax.models.loader.LoadedModel` (hidden states of this family are the
+mirror :class:`mtp_jax.models.loaded.LoadedModel` (hidden states of this family are the
 pre-mixer residual streams ``[B, T, hc*H]``), plus cached decoding over a :class:`Qwen4Cache`:
 ``extend`` (prefill or decode), built from the split step the engine overlaps::
 
@@ -21,12 +21,11 @@ import re
 
 import jax
 import jax.numpy as jnp
-import ml_dtypes
 import numpy as np
 from flax import nnx
 
 from mtp_jax.cache.paged import AttentionBatch
-from mtp_jax.config import ConfigError
+from mtp_jax.models.loaded import DTYPES, NP_DTYPES, resolve_dtype
 from mtp_jax.models.qwen4_exp import names
 from mtp_jax.models.qwen4_exp.config import (Qwen4ExpConfig, head_offsets, head_vocab_sizes,
                                              layer_multipliers, ngram_table_rows)
@@ -34,11 +33,9 @@ from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel, Qwen4State, state_merg
 from mtp_jax.models.qwen4_exp.ple import ngram_ids
 from mtp_jax.models.qwen4_exp.ple_store import NgramTable
 from mtp_jax.models.qwen4_exp.slot_states import check_slot_states, token_register_commit
-from mtp_jax.weights.safetensors_reader import (_FLOAT_DTYPES, CheckpointError, _Files, _read,
-                                                checkpoint_files, read_header)
+from mtp_jax.weights.safetensors_files import (_FLOAT_DTYPES, CheckpointError, _Files, _read,
+                                               checkpoint_files, read_header)
 
-DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
-_NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 _EXPERT = re.compile(r"^(?P<p>.*)mlp\.experts\.(?P<e>\d+)\.(?P<proj>gate_proj|up_proj|down_proj)"
                      r"\.weight$")
 _TABLE = re.compile(r"^layers\.(?P<l>\d+)\.ple\.ple_embedding\.ngram_embedding"
@@ -166,8 +163,8 @@ def read_checkpoint(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], 
                                 f"vocab_size={cfg.vocab_size}, ngram_vocab_size_base="
                                 f"{cfg.ngram_vocab_size_base})")
             vals[b] = tuple(int(x) for x in raw)
-        ple.append(PLEHost(layer, NgramTable(shards, ple_backend, _NP[dtype]) if not problems
-                           else None, vals["layer_multipliers"],
+        table = NgramTable(shards, ple_backend, NP_DTYPES[dtype]) if not problems else None
+        ple.append(PLEHost(layer, table, vals["layer_multipliers"],
                            vals["ngram_heads_vocab_sizes"], vals["ngram_heads_offsets"]))
     if unexpected:
         problems.append(f"{len(unexpected)} tensor(s) not expected by the config: "
@@ -180,9 +177,9 @@ def read_checkpoint(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], 
         for c, t, p in plans:
             shape = expected[c]
             if t is not None:
-                out[c] = _read(fh, t).astype(_NP[dtype])
+                out[c] = _read(fh, t).astype(NP_DTYPES[dtype])
                 continue
-            arr = np.empty(shape, _NP[dtype])
+            arr = np.empty(shape, NP_DTYPES[dtype])
             half = shape[1] // 2
             for (e, proj), ti in p.items():
                 raw = _read(fh, ti)
@@ -426,15 +423,6 @@ _JIT_FORWARD = jax.jit(_forward_fn, static_argnums=(0,))
 _JIT_MTP = jax.jit(_mtp_forward_fn, static_argnums=(0,))
 
 
-def resolve_dtype(dtype):
-    if dtype in (None, "auto"):
-        return "float32" if jax.default_backend() == "cpu" else "bfloat16"
-    if dtype not in DTYPES:
-        raise ConfigError(f"dtype (--dtype) {dtype!r} is not supported; use auto (bfloat16 on a "
-                          "GPU, float32 on CPU), bfloat16, float16 or float32.")
-    return dtype
-
-
 def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = True,
                    ple_backend: str = "disk", cfg: Qwen4ExpConfig | None = None) -> LoadedQwen4Exp:
     """Load a qwen4_exp checkpoint folder (composite ``model.language_model.*`` or text-only
@@ -461,16 +449,3 @@ def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = Tr
     params = nnx.from_flat_state(filled)
     return LoadedQwen4Exp(cfg=cfg, dtype=dtype, graphdef=graphdef, params=params,
                           has_mtp=with_mtp, ple=ple)
-
-
-def load_via_load_model(path: str, dtype, *, with_mtp: bool, dummy_weight: bool,
-                        draft_path: str | None, ple_backend: str = "disk") -> LoadedQwen4Exp:
-    """What :func:`mtp_jax.models.loader.load_model` returns for a qwen4_exp folder."""
-    if dummy_weight:
-        raise ConfigError("dummy weights are not supported for qwen4_exp by load_model yet; write "
-                          "a random checkpoint with mtp_jax.models.qwen4_exp.random_checkpoint."
-                          "write_random_qwen4_exp and load it.")
-    if draft_path is not None:
-        raise ConfigError(f"speculative_draft_model_path {draft_path!r}: a separate MTP draft "
-                          "folder is not supported for qwen4_exp yet; its own mtp.* is read.")
-    return load_qwen4_exp(path, dtype, with_mtp=with_mtp, ple_backend=ple_backend)

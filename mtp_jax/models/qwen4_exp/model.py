@@ -22,13 +22,10 @@ from flax import nnx
 from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.models.layers.basic import Embed, Linear
-from mtp_jax.models.layers.gdn import GatedDeltaNet
-from mtp_jax.models.layers.mlp import SparseMoE
 from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig
-from mtp_jax.models.qwen4_exp.hyper_connection import GatedResidual, inject
-from mtp_jax.models.qwen4_exp.ple import PLE
-from mtp_jax.models.qwen4_exp.qsa import QSAAttention
-from mtp_jax.models.qwen4_exp.slot_states import by_name
+from mtp_jax.models.qwen4_exp.decoder import DecoderLayer
+from mtp_jax.models.qwen4_exp.hyper_connection import GatedResidual
+from mtp_jax.models.qwen4_exp.mtp import MTPDraft
 
 
 @jax.tree_util.register_dataclass
@@ -99,73 +96,8 @@ def state_merge(state: Qwen4State, part: Qwen4State, cfg: Qwen4ExpConfig, start:
                       put(state.ple_conv, p, part.ple_conv))
 
 
-STEP_FORM_ROWS = 8  # calls of at most this many rows use the GDN step form (decode)
-
-
-class GatedDeltaNetGate(GatedDeltaNet):
-    """Gated DeltaNet with a configurable output gate: ``norm(o) * w * act(z)``, act = sigmoid
-    (Qwen3.8-Flash-Next) or silu."""
-
-    def __init__(self, cfg, dtype):
-        super().__init__(cfg, dtype)
-        self.output_gate = cfg.output_gate_type  # read by GatedDeltaNet._output_gate
-
-    def decode(self, x, state, valid, slots=None, start=None):
-        """Step form over ``x [B, T, H]``: a verify of the rows (the decode recurrence row by
-        row) committed in full through the ``gdn_recurrent`` slot-state hooks, instead of the
-        chunked prefill form, which pads every call to a 64-row chunk. Same arguments and
-        results as :meth:`prefill` (a batch view of the states: ``slots`` must be None; the
-        shift-register conv state needs no ``start``). Raises ValueError with ``slots``."""
-        if slots is not None:
-            raise ValueError("GatedDeltaNetGate.decode takes a batch view of the states; "
-                             "gather the slots first (slots=None).")
-        out, rows = self.verify(x, state, valid, start=start)
-        accepted = jnp.sum(valid, axis=1).astype(jnp.int32)
-        return out, by_name("gdn_recurrent").commit(state, rows, None, accepted)
-
-
-class DecoderLayer(nnx.Module):
-    def __init__(self, cfg: Qwen4ExpConfig, layer_type: str, dtype, cache_index: int,
-                 ple_index: int | None = None, rope_theta: float | None = None):
-        self.layer_type, self.cache_index, self.ple_index = layer_type, cache_index, ple_index
-        mk = lambda inj=True: GatedResidual(cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank,
-                                            cfg.rms_norm_eps, dtype, inject=inj)
-        self.attn_hyper_connection = mk()
-        self.mlp_hyper_connection = mk()
-        if layer_type == "full_attention":
-            self.self_attn = QSAAttention(cfg, dtype, rope_theta)
-        else:
-            self.linear_attn = GatedDeltaNetGate(cfg, dtype)
-        self.mlp = SparseMoE(cfg, dtype)
-        self.ple = PLE(cfg, dtype) if ple_index is not None else None
-
-    def __call__(self, h, batch: AttentionBatch, *, qsa=None, gdn=None, ple_emb=None,
-                 ple_conv=None):
-        """``qsa = (k_pages, v_pages, idx_pages, open_group)`` for a QSA layer, ``gdn =
-        (recurrent, conv)`` for a GDN layer. Returns ``(h, qsa, gdn, ple_conv)`` (the states this
-        layer does not own pass through as given)."""
-        if self.ple is not None:
-            p, ple_conv = self.ple(h, ple_emb, ple_conv, batch.valid)
-            h = h + p
-        x, inj = self.attn_hyper_connection(h)
-        if self.layer_type == "full_attention":
-            k, v, idx, group = qsa
-            y, (k, v), idx, group = self.self_attn(x, batch, (k, v), idx, group)
-            qsa = (k, v, idx, group)
-        else:
-            gdn_form = (self.linear_attn.decode if x.shape[1] <= STEP_FORM_ROWS
-                        else self.linear_attn.prefill)
-            y, gdn = gdn_form(x, gdn, batch.valid)
-        h = inject(h, inj, y)
-        x, inj = self.mlp_hyper_connection(h)
-        h = inject(h, inj, self.mlp(x))
-        return h, qsa, gdn, ple_conv
-
-
 class Qwen4ExpModel(nnx.Module):
     def __init__(self, cfg: Qwen4ExpConfig, dtype, with_mtp: bool = False):
-        from mtp_jax.models.qwen4_exp.mtp import MTPDraft
-
         self.cfg = cfg
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype)
         layers, n_attn, n_gdn = [], 0, 0

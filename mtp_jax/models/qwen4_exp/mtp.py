@@ -20,13 +20,12 @@ from flax import nnx
 
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.models.layers.basic import Embed, Linear, RMSNorm
+from mtp_jax.models.qwen4_exp.decoder import DecoderLayer
 from mtp_jax.models.qwen4_exp.hyper_connection import GatedResidual
 
 
 class MTPDraft(nnx.Module):
     def __init__(self, cfg, dtype):
-        from mtp_jax.models.qwen4_exp.model import DecoderLayer
-
         h = cfg.hidden_size
         self.hc, self.hidden = cfg.hc_count, h
         self.fc_embedding = Linear(h, h, dtype)

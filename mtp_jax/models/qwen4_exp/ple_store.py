@@ -17,7 +17,7 @@ import math
 
 import numpy as np
 
-from mtp_jax.weights.safetensors_reader import _FLOAT_DTYPES, TensorInfo
+from mtp_jax.weights.safetensors_files import _FLOAT_DTYPES, TensorInfo
 
 PLE_BACKENDS = ("disk", "memory")
 

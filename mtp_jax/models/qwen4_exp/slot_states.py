@@ -24,7 +24,7 @@ hooks run on every decode step. Handlers (``kind``):
   accepted rows (:func:`mtp_jax.models.layers.gdn.commit`).
 
 The registry name of each handler (``replay``: verify keeps rows, commit rebuilds the state from
-the accepted ones) comes from :data:`mtp_jax.models.registry.VERIFY_HANDLERS`. A declaration
+the accepted ones) comes from :data:`mtp_jax.models.entry.VERIFY_HANDLERS`. A declaration
 without a handler, or with a missing hook, is a :class:`~mtp_jax.config.ConfigError` raised by
 :func:`check_slot_states` (at registry build and when a checkpoint is loaded, before any weight
 is read).
@@ -40,6 +40,9 @@ import jax.numpy as jnp
 import numpy as np
 
 from mtp_jax.config import ConfigError
+from mtp_jax.models.entry import VERIFY_HANDLERS
+from mtp_jax.models.layers.conv_state import conv_window
+from mtp_jax.models.layers.gdn import commit as gdn_commit
 
 # ---- group ring (QSA open index group) -------------------------------------------------------
 
@@ -95,8 +98,6 @@ def group_ring_commit(live, kept, length, accepted):
 def shift_register_commit(live: jax.Array, rows: jax.Array, length, accepted) -> jax.Array:
     """Window state ``live [B, C, L]`` (time last) after the first ``accepted [B]`` of
     ``rows [B, T, C]``: the ``L`` rows ending at the last accepted one (unchanged for 0)."""
-    from mtp_jax.models.layers.conv_state import conv_window
-
     del length
     return conv_window(live, rows, jnp.asarray(accepted, jnp.int32))
 
@@ -119,10 +120,8 @@ def keep_rows(live, rows):
 
 
 def _gdn_commit(live, kept, length, accepted):
-    from mtp_jax.models.layers.gdn import commit
-
     del length
-    return commit(live, kept, jnp.asarray(accepted, jnp.int32))
+    return gdn_commit(live, kept, jnp.asarray(accepted, jnp.int32))
 
 
 def _gdn_verify(live, rows):
@@ -169,8 +168,6 @@ def check_slot_states(states=None) -> tuple[SlotStateDecl, ...]:
       ConfigError: a state whose ``handler`` is not one of the registry's ``VERIFY_HANDLERS``,
         whose ``kind`` is unset, or whose ``verify`` / ``commit`` hook is not callable.
     """
-    from mtp_jax.models.registry import VERIFY_HANDLERS
-
     states = SLOT_STATES if states is None else states
     for s in states:
         missing = [k for k in ("verify", "commit") if not callable(getattr(s, k))]

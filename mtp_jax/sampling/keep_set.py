@@ -2,7 +2,7 @@
 
 :func:`mtp_jax.sampling.filtered_probs` keeps a prefix of each row's ranking (logit descending,
 then token id ascending): its first ``n_keep`` ranks, where ``n_keep`` follows from top-k and
-top-p (the module docstring of :mod:`mtp_jax.sampling`). A prefix is described by its last rank's
+top-p (the module docstring of :mod:`mtp_jax.sampling.filtering`). A prefix is described by its last rank's
 logit ``v_last`` and token id ``i_last``: token ``i`` is kept iff ``x_i > v_last``, or
 ``x_i == v_last`` and ``i <= i_last``.
 

@@ -114,7 +114,7 @@ def hot_token_ids(algorithm: str, draft_vocab_size, token_map_path,
       draft_vocab_size: N, or ``None``.
       token_map_path: a token map file (see :func:`read_token_map`), or ``None``.
       vocab_size: the model's V; ``None`` skips the checks that need it (``N <= V``, ids in
-        ``[0, V)``), as :meth:`SpecConfig.validate` does before the config is read.
+        ``[0, V)``), as :func:`mtp_jax.checks.check_settings` does before the config is read.
     Raises:
       ConfigError: a setting with another algorithm, N not an int in ``1..V``, a map shorter
         than N, an id outside ``[0, V)`` or repeated; the message names the flag and the fix.

@@ -1,39 +1,34 @@
-"""``LLM``: the notebook / Python face of the engine (vLLM-style)."""
+"""``LLM``: the notebook / Python face of the engine (vLLM-style).
+
+The family of the checkpoint is the registry's: the config-time checks, the loader and the
+engine that serves it (:func:`mtp_jax.engine.serving.make_engine`) all come from its entry."""
 
 from __future__ import annotations
 
 import contextlib
 import dataclasses
-import numbers
 import warnings
-from collections.abc import Iterable
 from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
 from mtp_jax.checks import check_before_load
-from mtp_jax.config import (EngineConfig, SpecConfig, normalize_algorithm,
+from mtp_jax.compile_cache import enable_compilation_cache
+from mtp_jax.config import (EngineConfig, SpeculativeConfig, normalize_algorithm,
                             normalize_draft_dtype)
-from mtp_jax.engine.engine import Engine
-from mtp_jax.engine.requests import Request, RequestOutput, SamplingParams, StreamOutput
-from mtp_jax.models.loader import load_model, resolve_dtype
-from mtp_jax.spec.external import Proposer
+from mtp_jax.default_model import default_model_path
+from mtp_jax.engine.requests import Request, RequestOutput, StreamOutput
+from mtp_jax.engine.serving import check_memory_before_load, make_engine
+from mtp_jax.models.checks import check_backends
+from mtp_jax.models.loaded import resolve_dtype
+from mtp_jax.models.loader import load_model, load_request
+from mtp_jax.prompts import (check_stop_ids, error_output, params_list, prompt_ids,
+                             prompt_list, request_output)
+from mtp_jax.sampling import SamplingParams
+from mtp_jax.speculative.external import Proposer
+from mtp_jax.tokenizer import Tokenizer
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamOutput"]
-
-
-def _is_qwen4_exp_folder(path: str) -> bool:
-    import json
-    import os
-
-    from mtp_jax.models.qwen4_exp.config import is_qwen4_exp
-
-    try:
-        with open(os.path.join(path, "config.json")) as f:
-            raw = json.load(f)
-    except (OSError, ValueError):
-        return False  # the regular checks report it
-    return isinstance(raw, dict) and is_qwen4_exp(raw)
 
 
 class LLM:
@@ -58,7 +53,7 @@ class LLM:
         BPE ids follow merge order, so low ids are frequent; a map counted on real traffic is
         better); both: the map's first N. Output stays exact (greedy: plain decoding; sampled:
         the target's distribution); the accept length may drop a little. Default: the full
-        vocabulary. See :mod:`mtp_jax.spec.draft_vocab`.
+        vocabulary. See :mod:`mtp_jax.speculative.draft_vocab`.
       speculative_draft_head_dtype: MTP only; ``"int8"`` scores drafts with an int8 copy of
         the LM head (a float32 scale per row; the 8 blocks of 32 rows holding the best logits
         re-scored in the model dtype): 1 byte per weight read per draft step instead of 2
@@ -90,9 +85,9 @@ class LLM:
         ``speculative_algorithm="external"``.
       mem_fraction: fraction of device memory for weights and pools (default 0.9);
       max_total_tokens: KV positions for all requests together (wins over ``mem_fraction``).
-      ple_backend: qwen4_exp only: where the PLE n-gram tables live, ``"disk"`` (memory-mapped,
-        default) or ``"memory"`` (host RAM). qwen4_exp runs plain decoding, one request at a
-        time, for now.
+      ple_backend: qwen4_exp only (a ConfigError for other families): where the PLE n-gram
+        tables live, ``"disk"`` (memory-mapped, the default) or ``"memory"`` (host RAM).
+        qwen4_exp runs plain decoding, one request at a time, for now.
       attention_backend, gdn_backend, moe_backend, norm_backend, gemv_backend: ``"auto"``
         (default), ``"xla"`` or ``"pallas"``: the implementation of paged attention, the GDN
         decode/verify/commit step form, the MoE experts and router, the decoder layers'
@@ -122,34 +117,23 @@ class LLM:
                  chunked_prefill_size: int = 2048, enable_prefix_cache: bool = True,
                  overlap_schedule: bool = True, num_scheduler_steps: int = 1,
                  mem_fraction: float = 0.9, max_total_tokens: int | None = None,
-                 ple_backend: str = "disk", attention_backend: str = "auto",
+                 ple_backend: str | None = None, attention_backend: str = "auto",
                  gdn_backend: str = "auto", moe_backend: str = "auto",
                  compilation_cache_dir: str | None = None, norm_backend: str = "auto",
                  gemv_backend: str = "auto"):
-        from mtp_jax.compile_cache import enable_compilation_cache
-
         enable_compilation_cache(compilation_cache_dir)  # before anything compiles
-        from mtp_jax.kernels import KernelBackends
-
-        backends = dict(attention_backend=attention_backend, gdn_backend=gdn_backend,
-                        moe_backend=moe_backend, norm_backend=norm_backend,
-                        gemv_backend=gemv_backend)
-        KernelBackends.resolve(attention_backend, gdn_backend, moe_backend,
-                               dtype=resolve_dtype(dtype), norm=norm_backend,
-                               gemv=gemv_backend)  # errors first
+        backends = dict(attention=attention_backend, gdn=gdn_backend, moe=moe_backend,
+                        norm=norm_backend, gemv=gemv_backend)
+        check_backends(backends, dtype=resolve_dtype(dtype))  # errors first
         if model is None:
-            from mtp_jax.default_model import default_model_path
-
             model = default_model_path()
         algorithm = normalize_algorithm(speculative_algorithm)
-        spec = SpecConfig(algorithm=algorithm, num_steps=speculative_num_steps,
-                          draft_model_path=speculative_draft_model_path,
-                          draft_vocab_size=speculative_draft_vocab_size,
-                          token_map_path=speculative_token_map,
-                          draft_head_dtype=normalize_draft_dtype(
-                              speculative_draft_head_dtype),
-                          draft_layer_dtype=normalize_draft_dtype(
-                              speculative_draft_layer_dtype))
+        speculative = SpeculativeConfig(
+            algorithm=algorithm, num_steps=speculative_num_steps,
+            draft_model_path=speculative_draft_model_path,
+            draft_vocab_size=speculative_draft_vocab_size, token_map_path=speculative_token_map,
+            draft_head_dtype=normalize_draft_dtype(speculative_draft_head_dtype),
+            draft_layer_dtype=normalize_draft_dtype(speculative_draft_layer_dtype))
         engine_cfg = EngineConfig(max_running_requests=max_running_requests, page_size=page_size,
                                   max_model_len=max_model_len, dtype=resolve_dtype(dtype),
                                   chunked_prefill_size=chunked_prefill_size,
@@ -158,87 +142,25 @@ class LLM:
                                   num_scheduler_steps=num_scheduler_steps,
                                   mem_fraction=mem_fraction, max_total_tokens=max_total_tokens)
         self.seed = seed
-        self.spec = spec  # the speculative settings in use (SpecConfig)
+        self.speculative = speculative  # the speculative settings in use
         self._next_id = 0
         self._open_call = None  # the generate / generate_stream call being served, if any
-        if _is_qwen4_exp_folder(model):
-            if set(backends.values()) - {"auto", "xla"}:
-                from mtp_jax.config import ConfigError
-
-                raise ConfigError(f"qwen4_exp runs the XLA kernels only for now ({backends} "
-                                  "was asked for); use the xla or auto backends.")
-            self._init_qwen4_exp(model, spec, engine_cfg, dummy_weight, ple_backend)
-            return
+        request = load_request(engine_cfg.dtype, with_mtp=algorithm == "mtp",
+                               draft_path=speculative_draft_model_path,
+                               dummy_weight=dummy_weight, backends=backends,
+                               ple_backend=ple_backend)
         # Every config-time check, before any weight (or the tokenizer) is read.
-        model_cfg = check_before_load(model, spec=spec, engine=engine_cfg,
+        model_cfg = check_before_load(model, speculative=speculative, engine=engine_cfg,
                                       dummy_weight=dummy_weight,
-                                      has_proposer=proposer is not None)
-        self._plan_before_load(model_cfg, engine_cfg, spec, algorithm)
-        from mtp_jax.tokenizer import Tokenizer
-
+                                      has_proposer=proposer is not None, request=request)
+        check_memory_before_load(model_cfg, engine_cfg, speculative)
         self.tokenizer = Tokenizer.from_folder(model)
         self.model = load_model(model, engine_cfg.dtype, with_mtp=algorithm == "mtp",
                                 dummy_weight=dummy_weight, cfg=model_cfg,
-                                draft_path=speculative_draft_model_path, **backends)
-        self.engine = Engine(self.model, engine_cfg, spec, proposer=proposer,
-                             tokenizer=self.tokenizer)
-
-    def _init_qwen4_exp(self, model, spec, engine_cfg, dummy_weight, ple_backend) -> None:
-        from mtp_jax.config import ConfigError
-        from mtp_jax.engine.sequential import SequentialEngine
-        from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig
-        from mtp_jax.models.qwen4_exp.loader import load_qwen4_exp
-        from mtp_jax.tokenizer import Tokenizer
-
-        if (spec.draft_vocab_size is not None or spec.token_map_path is not None
-                or spec.draft_head_dtype is not None or spec.draft_layer_dtype is not None):
-            raise ConfigError("speculative_draft_vocab_size (--speculative-draft-vocab-size) / "
-                              "speculative_token_map (--speculative-token-map) / "
-                              "speculative_draft_head_dtype (--speculative-draft-head-dtype) / "
-                              "speculative_draft_layer_dtype (--speculative-draft-layer-dtype) "
-                              "set the MTP draft's weights, but qwen4_exp runs without "
-                              "speculation for now; drop them.")
-        if spec.enabled:
-            raise ConfigError(f"speculative_algorithm {spec.algorithm!r} is not supported for "
-                              "qwen4_exp yet (its verify/commit programs are not built); use "
-                              "speculative_algorithm='none' (--speculative-algorithm none).")
-        if dummy_weight:
-            raise ConfigError("dummy weights are not supported for qwen4_exp yet; write a random "
-                              "checkpoint with mtp_jax.models.qwen4_exp.random_checkpoint.")
-        if engine_cfg.num_scheduler_steps != 1:
-            raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) "
-                              f"{engine_cfg.num_scheduler_steps}: qwen4_exp runs one decode step "
-                              "per call for now; use 1 (the default).")
-        if ple_backend not in ("disk", "memory"):
-            raise ConfigError(f"ple_backend {ple_backend!r} is unknown; use 'disk' or 'memory'.")
-        engine_cfg.validate()
-        cfg = Qwen4ExpConfig.from_folder(model)
-        self.tokenizer = Tokenizer.from_folder(model)
-        self.model = load_qwen4_exp(model, engine_cfg.dtype, with_mtp=False,
-                                    ple_backend=ple_backend, cfg=cfg)
-        self.engine = SequentialEngine(self.model, engine_cfg.max_model_len, self.tokenizer)
-
-    @staticmethod
-    def _plan_before_load(model_cfg, engine_cfg, spec, algorithm) -> None:
-        """Refuse a memory budget that cannot hold one full-length request before any weight
-        is read (the engine plans again, with the same numbers, after loading)."""
-        import jax
-
-        from mtp_jax.engine.memory import plan_memory, planned_weights_bytes
-
-        if engine_cfg.num_pages is not None:
-            return
-        mtp = algorithm == "mtp"
-        stats = jax.devices()[0].memory_stats() or {}
-        plan_memory(model_cfg, dtype=engine_cfg.dtype, page_size=engine_cfg.page_size,
-                    max_running_requests=engine_cfg.max_running_requests,
-                    max_model_len=min(engine_cfg.max_model_len,
-                                      model_cfg.max_position_embeddings),
-                    k=spec.k, mtp=mtp,
-                    weights_bytes=planned_weights_bytes(model_cfg, engine_cfg.dtype,
-                                                        mtp and model_cfg.has_mtp, spec),
-                    device_bytes=stats.get("bytes_limit"), mem_fraction=engine_cfg.mem_fraction,
-                    max_total_tokens=engine_cfg.max_total_tokens)
+                                draft_path=speculative_draft_model_path, ple_backend=ple_backend,
+                                **{f"{op}_backend": v for op, v in backends.items()})
+        self.engine = make_engine(self.model, engine_cfg, speculative, proposer=proposer,
+                                  tokenizer=self.tokenizer)
 
     def resize_cache(self, *, num_pages: int | None = None,
                      max_running_requests: int | None = None) -> None:
@@ -248,47 +170,10 @@ class LLM:
         self.engine.resize_cache(num_pages=num_pages, max_running_requests=max_running_requests)
 
     # ---- requests ----------------------------------------------------------------------------
-    def _prompt_ids(self, prompt) -> tuple[str | None, list[int]]:
-        """Token ids of one prompt; ``ValueError`` naming what is wrong with it."""
-        if isinstance(prompt, str):
-            if self.tokenizer is None:
-                raise ValueError("this checkpoint folder has no tokenizer files; pass prompts "
-                                 "as lists of token ids (Python: LLM.generate([[1, 2, 3]]); "
-                                 "CLI: --prompts-file FILE with lines like "
-                                 "{\"prompt\": [1, 2, 3]}).")
-            ids = self.tokenizer.encode(prompt)
-            text = prompt
-        elif isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist")
-                                                   and getattr(prompt, "ndim", 0) == 1):
-            prompt = prompt.tolist() if hasattr(prompt, "tolist") else prompt
-            bad = [t for t in prompt
-                   if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
-            if bad:
-                raise ValueError(f"prompt token ids must be ints; got {bad[:5]!r}. Pass a string "
-                                 "or a list of token ids.")
-            ids, text = [int(t) for t in prompt], None
-        else:
-            raise ValueError(f"prompt {prompt!r} is neither a string nor a list of token ids.")
-        if not ids:
-            raise ValueError("empty prompt: a prompt needs at least one token.")
-        vocab = self.model.cfg.vocab_size
-        bad = [t for t in ids if not 0 <= t < vocab]
-        if bad:
-            raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary [0, {vocab}); "
-                             "use ids from this checkpoint's tokenizer.")
-        if len(ids) >= self.engine.max_model_len:
-            raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len "
-                             f"{self.engine.max_model_len} (it needs room for one output token); "
-                             "raise max_model_len (--max-model-len) or shorten the prompt.")
-        return text, ids
-
     def _request(self, prompt, params: SamplingParams) -> Request:
-        text, ids = self._prompt_ids(prompt)
         vocab = self.model.cfg.vocab_size
-        bad = [t for t in params.stop_token_ids if t >= vocab]
-        if bad:  # such an id could never be generated: the stop would never fire
-            raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, {vocab}); "
-                             "use ids from this checkpoint's tokenizer.")
+        text, ids = prompt_ids(prompt, self.tokenizer, vocab, self.engine.max_model_len)
+        check_stop_ids(params, vocab)
         index = self._next_id
         self._next_id += 1
         seed = params.seed if params.seed is not None else (self.seed * 1000003 + index) % 2**32
@@ -296,47 +181,13 @@ class LLM:
                        params=params, seed=seed)
 
     def _output(self, r: Request) -> RequestOutput:
-        text = ""
-        if self.tokenizer is not None:
-            text = self.tokenizer.decode(r.output_ids)
-            if r.stop_text_len is not None:
-                text = text[:r.stop_text_len]
-        return RequestOutput(request_id=r.request_id, prompt=r.prompt,
-                             prompt_token_ids=r.prompt_ids, token_ids=list(r.output_ids),
-                             text=text, finish_reason=r.finish_reason, num_rounds=r.num_rounds,
-                             num_draft_tokens=r.num_draft_tokens,
-                             num_accepted_tokens=r.num_accepted_tokens,
-                             cached_tokens=r.cached_tokens)
+        return request_output(r, self.tokenizer)
 
     def _prepare(self, prompts, sampling_params):
         """Validate and turn prompts into requests: ``(outputs, [(index, Request)])`` where
         ``outputs`` already holds the error outputs of bad prompts (see :meth:`generate`)."""
-        single = isinstance(prompts, str) or (
-            isinstance(prompts, (list, tuple)) and len(prompts) > 0
-            and isinstance(prompts[0], numbers.Integral))
-        if single or (hasattr(prompts, "ndim") and prompts.ndim == 1):
-            prompts = [prompts]
-        if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, dict)):
-            raise ValueError(f"prompts {prompts!r} ({type(prompts).__name__}) must be a string, "
-                             "a list of token ids, or a list of either.")
-        prompts = list(prompts)
-        if sampling_params is None:
-            sampling_params = SamplingParams()
-        if isinstance(sampling_params, SamplingParams):
-            sampling_params = [sampling_params] * len(prompts)
-        if not isinstance(sampling_params, (list, tuple)):
-            raise ValueError(f"sampling_params is a {type(sampling_params).__name__}; pass a "
-                             "SamplingParams (e.g. SamplingParams(**d) for a dict d) or a list "
-                             "of one per prompt.")
-        sampling_params = list(sampling_params)
-        if len(sampling_params) != len(prompts):
-            raise ValueError(f"{len(sampling_params)} sampling params for {len(prompts)} prompts; "
-                             "pass one for all or one per prompt.")
-        for i, sp in enumerate(sampling_params):
-            if not isinstance(sp, SamplingParams):
-                raise ValueError(f"sampling_params[{i}] is {type(sp).__name__}, not "
-                                 "SamplingParams.")
-            sp.validate()
+        prompts = prompt_list(prompts)
+        sampling_params = params_list(sampling_params, len(prompts))
         outputs: list[RequestOutput | None] = [None] * len(prompts)
         requests: list[tuple[int, Request]] = []
         for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
@@ -345,7 +196,8 @@ class LLM:
             except ValueError as e:
                 if len(prompts) == 1:
                     raise
-                outputs[i] = self._error_output(p, str(e))
+                outputs[i] = error_output(str(self._next_id), p, str(e))
+                self._next_id += 1
         return outputs, requests
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -471,22 +323,7 @@ class LLM:
             requests = []  # generate() reports it
         finally:
             self._next_id = next_id
-        if not requests:
-            return 0.0
-        if not hasattr(self.engine, "batch_buckets"):  # qwen4_exp's sequential engine
-            import time
-
-            t0 = time.perf_counter()
-            self.generate([requests[0][1].prompt_ids], SamplingParams(max_tokens=2, temperature=0))
-            self._next_id = next_id
-            return time.perf_counter() - t0
-        sampled = [r for _, r in requests if r.params.temperature > 0]
-        vocab = self.engine.model.cfg.vocab_size
-        filters = {self.engine.sampling_rows([r]).filters_any(vocab) for r in sampled}
-        return self.engine.warmup(
-            sampled=bool(sampled), filtering=filters.pop() if len(filters) == 1 else None,
-            max_batch=len(requests),
-            max_prompt_len=max(len(r.prompt_ids) for _, r in requests))
+        return self.engine.warmup_for([r for _, r in requests])
 
     def flush_cache(self) -> None:
         """Empty the prefix cache (entries that running requests use stay)."""
@@ -497,16 +334,6 @@ class LLM:
         if self.engine.prefix is None:
             return {}
         return dataclasses.asdict(self.engine.prefix.stats)
-
-    def _error_output(self, prompt, message: str) -> RequestOutput:
-        index = self._next_id
-        self._next_id += 1
-        ids = ([int(t) for t in prompt] if isinstance(prompt, (list, tuple)) and all(
-            isinstance(t, numbers.Integral) for t in prompt) else [])
-        return RequestOutput(request_id=str(index),
-                             prompt=prompt if isinstance(prompt, str) else None,
-                             prompt_token_ids=ids, token_ids=[], text="", finish_reason="error",
-                             error=message)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None):
         """Apply the chat template to ``messages`` and generate one reply."""

@@ -1,0 +1,106 @@
+"""The engine's device side: the state pools and the programs that take them.
+
+:class:`DeviceState` holds the :class:`~mtp_jax.cache.pools.Pools` pytree and the model's
+compiled programs with their parameter arguments (:func:`~mtp_jax.engine.programs.programs_for`),
+and passes the pools through every call (each program donates them and returns new ones). It
+also makes the pools anew after an error consumed them, and replaces the KV or the slot pools
+on a resize.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.cache.pools import Pools, make_pools
+from mtp_jax.engine.batch import PrefillBatch, RoundBatch
+from mtp_jax.engine.programs import LOAD_SNAPSHOT, SAVE_SNAPSHOT, RoundOutput, programs_for
+from mtp_jax.engine.variants import PrefillVariant, RoundVariant
+
+__all__ = ["PoolShape", "DeviceState", "pools_usable"]
+
+
+@dataclasses.dataclass(frozen=True)
+class PoolShape:
+    """What every pool of an engine is made with beside its sizes: the model config, tokens
+    per page, drafts per round ``k``, whether the MTP draft's KV and distributions are kept,
+    and the KV dtype (a jnp dtype)."""
+
+    cfg: object
+    page_size: int
+    k: int
+    mtp: bool
+    dtype: object
+
+    def make(self, num_pages: int, slots: int, num_snapshots: int = 0) -> Pools:
+        """Zeroed pools of these sizes (:func:`~mtp_jax.cache.pools.make_pools`)."""
+        return make_pools(self.cfg, num_pages=num_pages, page_size=self.page_size, slots=slots,
+                          k=self.k, mtp=self.mtp, dtype=self.dtype,
+                          num_snapshots=num_snapshots)
+
+
+def pools_usable(pools) -> bool:
+    """Whether every pool array can still be read: a program that failed may have consumed its
+    donated input pools, or left its output pools holding the error (waits for the device)."""
+    if pools is None:
+        return False
+    try:
+        jax.block_until_ready(pools)
+    except Exception:
+        return False
+    return True
+
+
+class DeviceState:
+    """The pools (``pools``) and programs (``programs``, called with ``leaves``) of one engine
+    on ``model``; ``shape`` makes the pools, first with ``num_pages`` pages, ``slots`` slots and
+    ``num_snapshots`` prefix-cache snapshots."""
+
+    def __init__(self, model, shape: PoolShape, num_pages: int, slots: int, num_snapshots: int):
+        mp = programs_for(model)
+        self.programs, self.leaves, self.shape = mp.programs, mp.leaves, shape
+        self.pools: Pools | None = shape.make(num_pages, slots, num_snapshots)
+
+    # ---- programs -----------------------------------------------------------------------------
+    def prefill(self, batch: PrefillBatch, variant: PrefillVariant) -> jax.Array:
+        """Run a prefill call; returns its first tokens ``[B]`` int32 (on the device)."""
+        first, self.pools = self.programs.prefill(self.leaves, self.pools, batch, variant)
+        return first
+
+    def round(self, batch: RoundBatch, variant: RoundVariant) -> RoundOutput:
+        """Dispatch a round call; returns its :class:`RoundOutput` (on the device)."""
+        out, self.pools = self.programs.round(self.leaves, self.pools, batch, variant)
+        return out
+
+    def save_snapshot(self, slot: int, snapshot: int) -> None:
+        """Copy the GDN state of ``slot`` into prefix-cache snapshot ``snapshot``."""
+        self.pools = SAVE_SNAPSHOT(self.pools, jnp.asarray([slot], jnp.int32),
+                                   jnp.asarray([snapshot], jnp.int32))
+
+    def load_snapshot(self, snapshot: int, slot: int) -> None:
+        """Copy prefix-cache snapshot ``snapshot`` into the GDN state of ``slot``."""
+        self.pools = LOAD_SNAPSHOT(self.pools, jnp.asarray([snapshot], jnp.int32),
+                                   jnp.asarray([slot], jnp.int32))
+
+    # ---- sizes --------------------------------------------------------------------------------
+    def renew(self, num_pages: int, slots: int, num_snapshots: int) -> None:
+        """Zeroed pools of these sizes (the old ones are given up first)."""
+        self.pools = None
+        self.pools = self.shape.make(num_pages, slots, num_snapshots)
+
+    def replace_kv(self, num_pages: int) -> None:
+        """A new target and draft KV pool of ``num_pages`` pages; the rest is kept."""
+        self.pools = dataclasses.replace(self.pools, kv=None, draft_kv=None)
+        fresh = self.shape.make(num_pages, 1)
+        self.pools = dataclasses.replace(self.pools, kv=fresh.kv, draft_kv=fresh.draft_kv)
+
+    def replace_slots(self, slots: int) -> None:
+        """New slot pools (GDN state, pending tokens, draft distributions, positions) of
+        ``slots`` slots; the KV and the snapshots are kept."""
+        fresh = self.shape.make(1, slots)
+        self.pools = dataclasses.replace(self.pools, gdn=fresh.gdn,
+                                         next_tokens=fresh.next_tokens,
+                                         draft_probs=fresh.draft_probs,
+                                         position=fresh.position, step=fresh.step)

@@ -1,0 +1,151 @@
+"""The engine's prefix cache: the radix tree of committed pages and the GDN snapshot ids.
+
+:class:`PrefixStore` owns the :class:`~mtp_jax.cache.radix.RadixCache` and the free list of
+snapshot ids; the pages the tree owns come from the engine's :class:`~mtp_jax.engine.pages.
+PageBook`, and every method that lets pages go returns them for the book to take back (the
+store never holds the book). What it does for a request:
+
+* admission: reuse the longest cached prefix (shared pages, the GDN snapshot to load into the
+  slot, prefill resuming after it; :meth:`admit`);
+* snapshot ids for prefill chunks ending on a boundary and for rounds that cross one;
+* insertion of committed tokens only: the prompt's full pages when its prefill completes, the
+  committed output's when the request ends (never past a stop);
+* release of its references and unused snapshot ids.
+"""
+
+from __future__ import annotations
+
+from mtp_jax.cache.allocator import FreeList
+from mtp_jax.cache.radix import RadixCache
+from mtp_jax.engine.requests import Request
+
+__all__ = ["PrefixStore"]
+
+
+class PrefixStore:
+    """The radix tree (``tree``) and snapshot ids (``snapshot_ids``: ids ``1..num_snapshots``,
+    0 is the trash snapshot; ``None`` without snapshots) of one engine.
+
+    Args: ``page_size`` tokens per page; GDN snapshots every ``snapshot_interval_pages`` pages;
+    ``num_snapshots`` snapshot slots in the pools."""
+
+    def __init__(self, page_size: int, snapshot_interval_pages: int, num_snapshots: int):
+        self.page_size, self.interval = page_size, snapshot_interval_pages
+        self.tree = RadixCache(page_size, snapshot_interval_pages)
+        self.snapshot_ids = (FreeList(num_snapshots + 1, "prefix snapshots")
+                             if num_snapshots else None)
+
+    @property
+    def snapshot_tokens(self) -> int:
+        """Tokens between snapshot boundaries."""
+        return self.tree.snapshot_tokens
+
+    @property
+    def stats(self):
+        return self.tree.stats
+
+    # ---- pages and ids ------------------------------------------------------------------------
+    def evictable_pages(self) -> int:
+        return self.tree.evictable_pages()
+
+    def evict(self, num_pages: int) -> list[int]:
+        """Evict up to ``num_pages`` unreferenced pages (least recently used leaves first);
+        their snapshot ids come back here. Returns the pages."""
+        pages, snapshots = self.tree.evict(num_pages)
+        self.give_back_snapshots(snapshots)
+        return pages
+
+    def flush(self) -> list[int]:
+        """Drop every entry no running request uses; returns their pages."""
+        pages, snapshots = self.tree.flush()
+        self.give_back_snapshots(snapshots)
+        return pages
+
+    def take_snapshot_id(self) -> int | None:
+        """A free snapshot id, else one evicted from the tree, else ``None``."""
+        if self.snapshot_ids is not None and self.snapshot_ids.num_free:
+            return self.snapshot_ids.take()[0]
+        return self.tree.evict_snapshot()
+
+    def give_back_snapshots(self, ids) -> None:
+        if ids:
+            self.snapshot_ids.give_back(list(ids))
+
+    def boundary_reached(self, position: int, reach: int) -> bool:
+        """Whether the next snapshot boundary after ``position`` lies within ``reach`` tokens."""
+        st = self.snapshot_tokens
+        return (position // st + 1) * st <= position + reach
+
+    # ---- a request ----------------------------------------------------------------------------
+    def admit(self, req: Request) -> int | None:
+        """Reuse the longest cached prefix of ``req``'s prompt: its pages become the request's
+        first pages (owned by the tree), prefill resumes after them. Returns the snapshot id
+        whose GDN state the slot must load, or ``None`` on a miss."""
+        path = self.tree.match(req.prompt_ids)
+        self.tree.acquire(path, len(req.prompt_ids))
+        if not path:
+            return None
+        req.prefix_nodes = list(path)
+        req.pages = [n.page for n in path]
+        req.tree_pages = set(req.pages)
+        req.prefilled = req.cached_tokens = len(path) * self.page_size
+        return path[-1].snapshot
+
+    def chunk_snapshot(self, req: Request) -> int | None:
+        """After a prefill chunk: a snapshot id to save the slot's GDN state into when the
+        chunk ended on a boundary not saved yet (recorded in ``req.snapshots``), else
+        ``None``."""
+        end = req.prefilled
+        if end % self.snapshot_tokens or end in req.snapshots:
+            return None
+        sid = self.take_snapshot_id()
+        if sid is not None:
+            req.snapshots[end] = sid
+        return sid
+
+    def insert_prompt(self, req: Request) -> None:
+        """Insert the prompt's full pages (committed; the first output token is the lookahead
+        of a page ending at the prompt's end)."""
+        tokens = req.prompt_ids + req.output_ids[:1]
+        held = self._insert(req, tokens, len(req.prompt_ids))
+        req.prefix_nodes += held
+
+    def insert_committed(self, req: Request) -> None:
+        """At a request's end, insert the full pages of its committed tokens (prompt and kept
+        output; the last output token is the lookahead), with the snapshots taken on the way.
+        Nothing past a stop is inserted: the committed count is the kept tokens minus the
+        pending one."""
+        tokens = req.prompt_ids + req.output_ids
+        held = self._insert(req, tokens, min(len(tokens) - 1, req.position))
+        self.tree.release(held)  # the request is leaving; the tree keeps the pages
+
+    def _insert(self, req: Request, tokens: list[int], committed: int) -> list:
+        held, owned, unused = self.tree.insert(tokens, committed, req.pages, req.snapshots)
+        req.tree_pages |= set(owned)
+        self.give_back_snapshots(unused)
+        req.snapshots = {}
+        return held
+
+    def release(self, req: Request) -> None:
+        """Drop ``req``'s references to tree nodes and give back its snapshot ids."""
+        self.tree.release(req.prefix_nodes)
+        self.give_back_snapshots(req.snapshots.values())
+        req.prefix_nodes, req.snapshots = [], {}
+
+    # ---- recovery and resizing ----------------------------------------------------------------
+    def clear(self) -> None:
+        """An empty tree (its stats kept) and every snapshot id free: for pools made anew."""
+        stats = self.tree.stats
+        self.tree = RadixCache(self.page_size, self.interval)
+        self.tree.stats = stats
+        if self.snapshot_ids is not None:
+            self.snapshot_ids.reset()
+
+    def reset_references(self) -> list[int]:
+        """With no request in the engine: no node referenced, every snapshot id free but those
+        the tree holds. Returns the pages the tree owns."""
+        pages, snapshots = self.tree.owned()
+        self.tree.drop_references()
+        if self.snapshot_ids is not None:
+            self.snapshot_ids.reset(snapshots)
+        return pages

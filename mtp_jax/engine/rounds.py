@@ -1,0 +1,114 @@
+"""A round call's host side: its batch, its reach in positions, and its record while in flight.
+
+Pure helpers of the step loop (:mod:`mtp_jax.engine.scheduler`), each a function of its inputs:
+what a call of ``rounds`` rounds may write past a request's position (:func:`span`), which
+prefix-cache snapshot a single round saves (:func:`snapshot_rows`), the drafts of a host
+proposer (:func:`external_tokens`), and the padded :class:`~mtp_jax.engine.batch.RoundBatch`
+(:func:`round_batch`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import numpy as np
+
+from mtp_jax.engine.batch import RoundBatch, sampling_rows
+from mtp_jax.engine.pages import PageBook
+from mtp_jax.engine.prefix import PrefixStore
+from mtp_jax.engine.requests import Request
+from mtp_jax.speculative.clamp import clamp_num_draft
+from mtp_jax.speculative.external import Proposer, propose
+
+__all__ = ["InFlightRound", "span", "next_pow2", "batch_bucket", "snapshot_rows",
+           "external_tokens", "round_batch"]
+
+
+@dataclasses.dataclass
+class InFlightRound:
+    """A dispatched call of ``rounds`` rounds: its rows (requests, in batch order), its device
+    output, the snapshot rows/ids it was given and the host time it was dispatched at."""
+
+    rows: list[Request]
+    out: object
+    snap_row: np.ndarray
+    snap_id: np.ndarray
+    t0: float
+    rounds: int = 1
+
+
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= ``n`` (1 for ``n <= 1``)."""
+    return 1 << max(0, (n - 1).bit_length())
+
+
+def batch_bucket(num_rows: int, max_requests: int) -> int:
+    """The batch bucket of ``num_rows`` requests: a power of two, at most the bucket of
+    ``max_requests``."""
+    return min(next_pow2(num_rows), next_pow2(max_requests))
+
+
+def span(k: int, rounds: int) -> int:
+    """Positions past a request's position that a call of ``rounds`` rounds with ``k`` drafts
+    may write (verify rows and chained drafts of its last round)."""
+    return (rounds - 1) * (k + 1) + 2 * k + 1
+
+
+def max_step(req: Request, max_model_len: int) -> int:
+    """The most tokens ``req`` may generate in all."""
+    return min(req.params.max_tokens, max_model_len - len(req.prompt_ids))
+
+
+def snapshot_rows(running: list[Request], limit: np.ndarray, k: int, max_model_len: int,
+                  prefix: PrefixStore, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """For a single round with nothing in flight: the verify row after which each request's GDN
+    state reaches its next prefix-cache boundary, when the round can reach it (``k`` clamped as
+    the program clamps it), and a snapshot id to save it in. Returns ``(snap_row [b], snap_id
+    [b])`` int32 (-1 / 0: none)."""
+    snap_row = np.full((b,), -1, np.int32)
+    snap_id = np.zeros((b,), np.int32)
+    st = prefix.snapshot_tokens
+    for i, r in enumerate(running):
+        n = clamp_num_draft(k, r.position, int(limit[i]), len(r.output_ids),
+                            r.params.max_tokens, len(r.prompt_ids), max_model_len)
+        # A boundary p with c < p <= c + num_draft + 1 is reached after row p - 1 - c.
+        p = (r.position // st + 1) * st
+        if p <= r.position + n + 1 and p not in r.snapshots:
+            sid = prefix.take_snapshot_id()
+            if sid is not None:
+                snap_row[i], snap_id[i] = p - 1 - r.position, sid
+    return snap_row, snap_id
+
+
+def external_tokens(running: list[Request], proposer: Proposer, k: int, vocab_size: int,
+                    b: int) -> np.ndarray:
+    """``[b, k+1]`` int32: each request's pending token and the ``k`` drafts its host
+    proposer gives (checked by :func:`~mtp_jax.speculative.external.propose`)."""
+    tokens = np.zeros((b, k + 1), np.int32)
+    for i, r in enumerate(running):
+        tokens[i, 0] = r.output_ids[-1]
+        tokens[i, 1:] = propose(proposer, r.request_id, r.prompt_ids + r.output_ids, k,
+                                vocab_size)
+    return tokens
+
+
+def round_batch(running: list[Request], book: PageBook, *, b: int, reach: int,
+                max_model_len: int, tokens: np.ndarray) -> RoundBatch:
+    """The padded batch of a round call over ``running`` (``b`` rows, padding last), saving no
+    snapshot (set ``snap_row`` / ``snap_id`` after, :func:`snapshot_rows`). Each request first
+    takes pages for ``reach`` positions past its position, when it can
+    (:meth:`PageBook.grow`); ``limit`` is then the end of its pages. ``tokens``: ``[b, k+1]``
+    host drafts (zeros when the drafts are on the device)."""
+    rows: list[Request | None] = list(running) + [None] * (b - len(running))
+    limit = np.zeros((b,), np.int32)
+    steps = np.zeros((b,), np.int32)
+    for i, r in enumerate(running):
+        book.grow(r, r.position + reach)
+        limit[i] = len(r.pages) * book.page_size
+        steps[i] = max_step(r, max_model_len)
+    return RoundBatch(
+        slot=np.asarray([r.slot if r else 0 for r in rows], np.int32),
+        live=np.asarray([r is not None for r in rows], bool),
+        page_table=book.table(rows), limit=limit, max_step=steps,
+        sampling=sampling_rows(rows), tokens=tokens,
+        snap_row=np.full((b,), -1, np.int32), snap_id=np.zeros((b,), np.int32))

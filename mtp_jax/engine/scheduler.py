@@ -1,0 +1,379 @@
+"""The step loop: admission, chunked prefill, rounds and per-token stops on the host.
+
+Each :meth:`Scheduler.step`:
+
+1. admits waiting requests (first come, first served) while a slot is free and the page pool can
+   guarantee the pages of their final length (prompt + max_tokens, capped at max_model_len);
+2. prefills up to ``chunk_size`` prompt tokens (chunks of the oldest prefilling request; a
+   prompt longer than that takes several steps, interleaved with rounds);
+3. runs one speculative round (a decode step when k = 0) for every decoding request in one
+   program call over a power-of-two batch bucket; ``rounds_per_call`` rounds in a row in one
+   call when it is above 1 (multi-step scheduling). With ``overlap`` that call is dispatched
+   before the previous call's result is read: each slot's position and generated-token count
+   advance on the device, so the host's readback, stop checks and next batch run while the
+   device computes.
+
+Pages: a request's guaranteed pages cover its committed tokens; before a round it also takes
+pages for the k+1 verify positions and the k-1 chained draft positions from the free pool when
+it can (for every round of the call, and one call's worth more when the previous call is still
+in flight), and its k is clamped (down to 0) where it cannot, or where ``max_tokens`` or
+``max_model_len`` leave fewer tokens to emit. After the round, pages past the committed length
+(plus what a round in flight may use) are freed.
+
+The scheduler's inputs are explicit: its :class:`LoopSettings`, the :class:`PageBook`, the
+:class:`PrefixStore` (or None), the :class:`DeviceState`, the stop rules and the host proposer.
+Every request it holds is in exactly one of ``waiting``, ``prefilling`` and ``decoding`` at every
+moment (admission and prefill completion move it last), so an error anywhere can find them all
+(:mod:`mtp_jax.engine.abort`).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import time
+from collections import deque
+from typing import Callable
+
+import numpy as np
+
+from mtp_jax.engine.batch import PrefillBatch, sampling_rows
+from mtp_jax.engine.device import DeviceState
+from mtp_jax.engine.pages import PageBook
+from mtp_jax.engine.prefix import PrefixStore
+from mtp_jax.engine.programs import RoundOutput
+from mtp_jax.engine.requests import ABORT, Request
+from mtp_jax.engine.rounds import (InFlightRound, batch_bucket, external_tokens, next_pow2,
+                                   round_batch, snapshot_rows, span)
+from mtp_jax.engine.variants import PrefillVariant, RoundVariant, sampling_choice
+from mtp_jax.speculative.external import Proposer
+
+__all__ = ["EngineStats", "LoopSettings", "Scheduler", "MIN_PREFILL_BUCKET",
+           "PREFILL_GREEDY_ONLY", "prefill_bucket"]
+
+MIN_PREFILL_BUCKET = 16
+
+# Prefill programs are compiled in their sampling variant only; it serves greedy requests with
+# the same tokens (argmax for greedy rows), and its extra draft-filtering work is small next to
+# a prefill, while a greedy-only variant would add one program per prefill bucket to start-up.
+PREFILL_GREEDY_ONLY = False
+
+
+def prefill_bucket(n: int, chunk_size: int) -> int:
+    """The length bucket of a prefill chunk of ``n`` tokens: a power of two from
+    :data:`MIN_PREFILL_BUCKET` up to the bucket of ``chunk_size``."""
+    top = max(MIN_PREFILL_BUCKET, next_pow2(chunk_size))
+    return min(max(MIN_PREFILL_BUCKET, next_pow2(n)), top)
+
+
+@dataclasses.dataclass
+class EngineStats:
+    """Totals over the engine's life (seconds, tokens, calls)."""
+
+    prompt_tokens: int = 0
+    prefill_seconds: float = 0.0
+    round_seconds: float = 0.0
+    prefill_calls: int = 0
+    rounds: int = 0
+    chained_rounds: int = 0  # rounds dispatched before the previous round's result was read
+    round_calls: int = 0  # program calls that ran the rounds (fewer with num_scheduler_steps)
+
+
+@dataclasses.dataclass(frozen=True)
+class LoopSettings:
+    """The step loop's fixed settings: ``k`` drafts per round (0: plain decoding),
+    ``proposer`` (``none | mtp | external``), ``rounds_per_call`` (``num_scheduler_steps``),
+    ``chunk_size`` (prompt tokens per step), ``max_model_len`` (tokens), ``overlap``
+    (dispatch a round before reading the previous one) and the model's ``vocab_size``."""
+
+    k: int
+    proposer: str
+    rounds_per_call: int
+    chunk_size: int
+    max_model_len: int
+    overlap: bool
+    vocab_size: int
+
+
+class Scheduler:
+    """The step loop over explicit parts (see the module docstring).
+
+    ``stops(req, tokens) -> kept``: appends committed tokens applying every stop
+    (:func:`mtp_jax.engine.stops.append_tokens` with the engine's EOS ids, tokenizer and
+    ``max_model_len``); ``proposer``: the host drafter of ``proposer="external"``."""
+
+    def __init__(self, settings: LoopSettings, book: PageBook, prefix: PrefixStore | None,
+                 device: DeviceState, stops: Callable[[Request, list[int]], int],
+                 proposer: Proposer | None = None):
+        self.settings, self.book, self.prefix, self.device = settings, book, prefix, device
+        self.stops, self.proposer = stops, proposer
+        self.waiting: deque[Request] = deque()
+        self.prefilling: list[Request] = []
+        self.decoding: list[Request] = []
+        self.inflight: InFlightRound | None = None  # a call dispatched, result not yet read
+        self.stats = EngineStats()
+        self.abort_count = 0  # requests aborted so far (a caller's cue to look for them)
+        self._round_clock = 0.0  # when the last round result was read
+
+    # ---- queues ------------------------------------------------------------------------------
+    def final_len(self, req: Request) -> int:
+        """Tokens ``req`` holds at most: prompt + max_tokens, capped at max_model_len."""
+        return min(len(req.prompt_ids) + req.params.max_tokens, self.settings.max_model_len)
+
+    def add(self, req: Request) -> None:
+        """Queue ``req`` with its page guarantee; ``MemoryError`` when the pool could never
+        hold it."""
+        req.reserve = self.book.pages_for(self.final_len(req))
+        if req.reserve > self.book.pages.size - 1:
+            raise MemoryError(f"request {req.request_id!r} needs {req.reserve} KV pages "
+                              f"({self.final_len(req)} tokens) but the pool has "
+                              f"{self.book.pages.size - 1}; lower max_tokens or raise the KV "
+                              "budget.")
+        self.waiting.append(req)
+
+    def has_work(self) -> bool:
+        return bool(self.waiting or self.prefilling or self.decoding or self.inflight)
+
+    def held(self) -> list[Request]:
+        """Every request held, once each: queued, prefilling, decoding (finished ones not yet
+        released too) and in the round in flight."""
+        rows = self.inflight.rows if self.inflight is not None else []
+        return list(dict.fromkeys([*self.waiting, *self.prefilling, *self.decoding, *rows]))
+
+    def release(self, req: Request) -> None:
+        """Give back what ``req`` holds: its pages (but those the prefix cache owns), its slot,
+        its prefix-cache references and snapshot ids. A request that finished (not aborted)
+        first inserts its committed tokens into the prefix cache. A request without a slot
+        (queued, or released already) holds nothing: nothing changes."""
+        if not req.slot:
+            return
+        if (self.prefix is not None and req.finish_reason != ABORT
+                and req.prefilled == len(req.prompt_ids) and req.output_ids):
+            self.prefix.insert_committed(req)
+        self.book.release(req)
+        if self.prefix is not None:
+            self.prefix.release(req)
+
+    def release_finished(self) -> None:
+        """Release finished requests that no round in flight still computes."""
+        busy = set(self.inflight.rows) if self.inflight is not None else set()
+        done = [r for r in self.decoding if r.finished and r not in busy]
+        for r in done:
+            self.release(r)
+        self.decoding = [r for r in self.decoding if r not in done]
+
+    # ---- admission and prefill ---------------------------------------------------------------
+    def admit(self, req: Request) -> None:
+        """Move the head of ``waiting`` (``req``) to ``prefilling``: a slot, its guarantee and,
+        with the prefix cache, the cached prefix (its GDN snapshot loaded into the slot)."""
+        self.book.admit(req)
+        if self.prefix is not None:
+            sid = self.prefix.admit(req)
+            if sid is not None:
+                self.device.load_snapshot(sid, req.slot)
+        self.prefilling.append(self.waiting.popleft())
+
+    def prefill_chunk(self, req: Request, budget: int) -> int:
+        """Prefill the next chunk (at most ``budget`` tokens, ending on a snapshot boundary with
+        the prefix cache) of ``req``; the last chunk samples the first token. Returns its
+        length."""
+        s = self.settings
+        n_prompt, start = len(req.prompt_ids), req.prefilled
+        n = min(budget, n_prompt - start)
+        if self.prefix is not None:  # end chunks on snapshot boundaries
+            st = self.prefix.snapshot_tokens
+            n = min(n, (start // st + 1) * st - start)
+        t = prefill_bucket(n, s.chunk_size)
+        ids = np.zeros((1, t), np.int32)
+        nxt = np.zeros((1, t), np.int32)
+        ids[0, :n] = req.prompt_ids[start:start + n]
+        following = req.prompt_ids[start + 1:start + n + 1]
+        nxt[0, :len(following)] = following
+        self.book.grow(req, start + n + 2 * s.k + 1)
+        batch = PrefillBatch(
+            input_ids=ids, next_ids=nxt, start=np.asarray([start], np.int32),
+            length=np.asarray([n], np.int32), prompt_len=np.asarray([n_prompt], np.int32),
+            slot=np.asarray([req.slot], np.int32), page_table=self.book.table([req]),
+            sampling=sampling_rows([req]), step=np.zeros((1,), np.int32))
+        t0 = time.perf_counter()
+        first = self.device.prefill(batch, self.prefill_variant())
+        req.prefilled += n
+        if self.prefix is not None:
+            sid = self.prefix.chunk_snapshot(req)
+            if sid is not None:
+                self.device.save_snapshot(req.slot, sid)
+        if req.prefilled == n_prompt:
+            req.position = n_prompt
+            self.stops(req, [int(np.asarray(first)[0])])
+        self.stats.prefill_seconds += time.perf_counter() - t0
+        self.stats.prefill_calls += 1
+        self.stats.prompt_tokens += n
+        return n
+
+    def prefill_variant(self) -> PrefillVariant:
+        return PrefillVariant(k=self.settings.k, mtp=self.settings.proposer == "mtp",
+                              greedy_only=PREFILL_GREEDY_ONLY)
+
+    def finish_prefill(self, req: Request) -> None:
+        """After ``req``'s last chunk: insert its prompt into the prefix cache, then release it
+        (it stopped at its first token) or move it to ``decoding``."""
+        if self.prefix is not None:
+            self.prefix.insert_prompt(req)
+        if req.finished:
+            self.release(req)
+        else:
+            self.book.shrink(req, req.position)
+            self.decoding.append(req)
+        self.prefilling.remove(req)
+
+    # ---- rounds ------------------------------------------------------------------------------
+    def rounds_for(self, running: list[Request], ahead: int) -> int:
+        """Rounds of the next call: ``rounds_per_call``, or 1 when the prefix cache is on and
+        some row may reach a snapshot boundary within the call (snapshots are saved in single
+        rounds)."""
+        n, k = self.settings.rounds_per_call, self.settings.k
+        if n == 1:
+            return n
+        return 1 if self.near_snapshot(running, ahead + n * (k + 1)) else n
+
+    def near_snapshot(self, running: list[Request], reach: int) -> bool:
+        """Whether the prefix cache is on and some row's next snapshot boundary lies within
+        ``reach`` tokens of its position."""
+        return self.prefix is not None and any(
+            self.prefix.boundary_reached(r.position, reach) for r in running)
+
+    def dispatch(self, running: list[Request], chained: bool = False) -> InFlightRound:
+        """Dispatch one call (``rounds_per_call`` rounds, or 1: :meth:`rounds_for`) over
+        ``running`` without waiting for it. ``chained``: the previous call is still in flight
+        (its result not yet read); it may commit up to ``rounds_per_call * (k + 1)`` tokens per
+        row."""
+        s = self.settings
+        ahead = s.rounds_per_call * (s.k + 1) if chained else 0
+        rounds = self.rounds_for(running, ahead)
+        b = batch_bucket(len(running), self.book.max_requests)
+        tokens = (external_tokens(running, self.proposer, s.k, s.vocab_size, b)
+                  if s.proposer == "external" else np.zeros((b, s.k + 1), np.int32))
+        batch = round_batch(running, self.book, b=b, reach=ahead + span(s.k, rounds),
+                            max_model_len=s.max_model_len, tokens=tokens)
+        if self.prefix is not None and not ahead and rounds == 1:
+            batch.snap_row, batch.snap_id = snapshot_rows(running, batch.limit, s.k,
+                                                          s.max_model_len, self.prefix, b)
+        variant = RoundVariant(k=s.k, proposer=s.proposer, rounds=rounds,
+                               snapshot=bool(np.any(batch.snap_row >= 0)),
+                               **sampling_choice([r.params.greedy for r in running],
+                                                 batch.sampling, s.vocab_size))
+        t0 = time.perf_counter()
+        out = self.device.round(batch, variant)
+        out.readback.copy_to_host_async()  # the result travels while the host goes on
+        self.stats.rounds += rounds
+        self.stats.round_calls += 1
+        self.stats.chained_rounds += rounds if chained else 0
+        return InFlightRound(list(running), out, batch.snap_row, batch.snap_id, t0, rounds)
+
+    def collect(self, f: InFlightRound, later: InFlightRound | None = None
+                ) -> dict[Request, list[int]]:
+        """Read call ``f``'s result and apply its rounds in order on the host: append the
+        committed tokens (stops checked per token), keep or give back its snapshots, free pages
+        past the committed length, except those that ``later`` (a call dispatched after ``f``,
+        still in flight) may use. Rows of requests that had already finished (in an earlier
+        call, or an earlier round of this one) are ignored."""
+        host = RoundOutput(np.asarray(f.out.readback))  # the call's one device-to-host copy
+        emitted, accepted, num_draft = host.emitted, host.num_accepted, host.num_draft
+        now = time.perf_counter()  # overlapped rounds: count the time since the last read
+        self.stats.round_seconds += now - max(f.t0, self._round_clock)
+        self._round_clock = now
+        new: dict[Request, list[int]] = {}
+        active = [r for r in f.rows if not r.finished]
+        for j in range(f.rounds):
+            for i, r in enumerate(f.rows):
+                if r.finished:  # stopped or aborted earlier; this row ran on, discarded
+                    if f.snap_row[i] >= 0:  # aborted while its single round was in flight
+                        self.prefix.give_back_snapshots([int(f.snap_id[i])])
+                    continue
+                n = int(accepted[j, i])
+                if f.snap_row[i] >= 0:  # single rounds only: keep it if its row was committed
+                    if f.snap_row[i] <= n:
+                        r.snapshots[int(r.position + f.snap_row[i] + 1)] = int(f.snap_id[i])
+                    else:
+                        self.prefix.give_back_snapshots([int(f.snap_id[i])])
+                before = len(r.output_ids)
+                kept = self.stops(r, emitted[j, i, :n + 1].tolist())
+                new.setdefault(r, []).extend(r.output_ids[before:])
+                r.num_rounds += 1
+                r.num_draft_tokens += int(num_draft[j, i])
+                r.num_accepted_tokens += min(n, kept)
+                r.position += n + 1
+        in_later = set(later.rows) if later is not None else set()
+        for r in active:
+            extra = span(self.settings.k, later.rounds) if r in in_later else 0
+            self.book.shrink(r, r.position + extra)
+        return new
+
+    def run_round(self, running: list[Request]) -> dict[Request, list[int]]:
+        """One call over ``running``, waited for (no overlap)."""
+        return self.collect(self.dispatch(running))
+
+    def can_chain(self, running: list[Request], prev: InFlightRound) -> bool:
+        """Whether the next call over ``running`` may be dispatched before ``prev``'s result
+        is read: overlap on, drafts not from the host, every row in ``prev`` and none able to
+        reach a prefix-cache snapshot boundary in either call (those rounds run waited for,
+        with the exact snapshot row)."""
+        s = self.settings
+        if not s.overlap or not set(running) <= set(prev.rows):
+            return False
+        return not self.near_snapshot(running, 2 * s.rounds_per_call * (s.k + 1))
+
+    def drain(self, new: dict[Request, list[int]]) -> None:
+        """Wait for the call in flight, if any, and apply it (tokens added to ``new``)."""
+        f, self.inflight = self.inflight, None
+        if f is not None:
+            for r, toks in self.collect(f).items():
+                new.setdefault(r, []).extend(toks)
+
+    # ---- one step ----------------------------------------------------------------------------
+    def step(self) -> dict[Request, list[int]]:
+        """One scheduler iteration (see the module docstring). Returns the tokens each request
+        gained in it. Admission, prefill and rounds that may save a prefix-cache snapshot wait
+        for the call in flight first. Errors go to the caller (:meth:`Engine.step` recovers)."""
+        new: dict[Request, list[int]] = {}
+        if self.inflight is not None and (self.prefilling or (
+                self.waiting and self.book.can_admit(self.waiting[0]))):
+            self.drain(new)
+            self.release_finished()
+        while self.waiting and self.book.can_admit(self.waiting[0]):
+            self.admit(self.waiting[0])
+        if self.waiting and not (self.prefilling or self.decoding or self.inflight):
+            raise MemoryError("the next request cannot be admitted into an empty engine; "
+                              "its pages exceed the pool.")
+        budget = self.settings.chunk_size
+        while self.prefilling and budget > 0:
+            req = self.prefilling[0]
+            budget -= self.prefill_chunk(req, budget)
+            if req.prefilled == len(req.prompt_ids):
+                new[req] = list(req.output_ids)
+                self.finish_prefill(req)
+        self._round_step(new)
+        self.release_finished()
+        return new
+
+    def _round_step(self, new: dict[Request, list[int]]) -> None:
+        """The round part of :meth:`step`: dispatch the next call, chained to the one in flight
+        where it may be, and apply the call whose result is due."""
+        running = [r for r in self.decoding if not r.finished]
+        prev = self.inflight
+        if prev is not None and not (running and self.can_chain(running, prev)):
+            self.drain(new)
+            prev = None
+            running = [r for r in self.decoding if not r.finished]
+        if not running:
+            return
+        cur = self.dispatch(running, chained=prev is not None)
+        self.inflight = cur
+        if prev is not None:
+            got = self.collect(prev, later=cur)
+        elif not self.settings.overlap:
+            self.inflight = None
+            got = self.collect(cur)
+        else:
+            got = {}
+        for r, toks in got.items():
+            new.setdefault(r, []).extend(toks)

@@ -1,0 +1,73 @@
+"""The static choices of a program call, as frozen hashable dataclasses.
+
+A program is compiled once per batch shape and variant; the variant is the static argument of
+the jitted function (as gemma's sampler loop object is), so the executable caches key on it and
+a typo in a field name is an error, not a new program. The host picks the variant of every
+call from what it knows about the batch, so the programs hold no run-time test of it (on a GPU
+each ``lax.cond`` predicate is a device-to-host round trip).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Iterable
+
+from mtp_jax.sampling import SamplingTensors
+
+__all__ = ["PROPOSERS", "PrefillVariant", "RoundVariant", "sampling_choice"]
+
+PROPOSERS = ("none", "mtp", "external")  # who drafts a round's tokens
+
+
+@dataclasses.dataclass(frozen=True)
+class PrefillVariant:
+    """Static choices of a prefill program.
+
+    k: drafts per round (``speculative_num_steps``; 0 with speculation off); mtp: the MTP draft
+    runs over the chunk and drafts ``d_1..d_k``; greedy_only: every row is greedy, so no
+    sampling path is traced."""
+
+    k: int
+    mtp: bool
+    greedy_only: bool = False
+
+
+@dataclasses.dataclass(frozen=True)
+class RoundVariant:
+    """Static choices of a round program (:func:`mtp_jax.engine.programs.rounds`).
+
+    k: drafts per round (0: a plain decode step); proposer: one of :data:`PROPOSERS`;
+    greedy_only: every row greedy (no sampling path traced); filtering: for rounds that sample,
+    whether some row filters by top-k / top-p (``True``: the filter is traced, ``False``: none
+    is; ``None``: tested at run time); snapshot: some row crosses a prefix-cache boundary, so
+    the snapshot replay is traced; rounds: rounds per call (multi-step scheduling).
+    Raises ``ValueError`` for an unknown proposer, ``rounds < 1`` or a multi-round snapshot
+    call (the host saves snapshots in single rounds)."""
+
+    k: int
+    proposer: str
+    greedy_only: bool = False
+    filtering: bool | None = None
+    snapshot: bool = False
+    rounds: int = 1
+
+    def __post_init__(self):
+        if self.proposer not in PROPOSERS:
+            raise ValueError(f"RoundVariant proposer {self.proposer!r} is not one of "
+                             f"{', '.join(PROPOSERS)}.")
+        if self.rounds < 1 or (self.rounds > 1 and self.snapshot):
+            raise ValueError(f"RoundVariant rounds={self.rounds} must be >= 1, and 1 with "
+                             "snapshot.")
+
+
+def sampling_choice(greedy: Iterable[bool], sampling: SamplingTensors,
+                    vocab_size: int) -> dict:
+    """The sampling fields of a variant for a batch: ``greedy_only`` when every request is
+    greedy (``greedy``: each request's ``SamplingParams.greedy``), else ``filtering``, whether
+    some row filters by top-k / top-p (:meth:`~mtp_jax.sampling.SamplingTensors.filters_any`
+    on the batch's host rows), so that the program holds no run-time test of either (the 2B
+    sampled round lost about 0.15 ms to three of them, ``docs/benchmarks.md``, session 21).
+    Returns keywords for ``dataclasses.replace`` of a variant."""
+    if all(greedy):
+        return {"greedy_only": True, "filtering": None}
+    return {"greedy_only": False, "filtering": sampling.filters_any(vocab_size)}

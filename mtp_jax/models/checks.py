@@ -1,0 +1,187 @@
+"""Model-side config-time checks: everything about a checkpoint and its family that can be
+refused before a weight is read.
+
+They read at most ``config.json`` files, a GGUF header and the tensor names of a separate draft
+folder (its index or its safetensors headers), never tensor data, and raise
+:class:`~mtp_jax.config.ConfigError` naming the bad value, what is supported and the fix:
+
+* :func:`read_model_config` — the target: a GGUF file (refused; for a Qwen3.5-family GGUF with
+  MTP: "MTP is not supported for <architecture> yet"), ``config.json`` (missing, unreadable,
+  unknown ``model_type``: the registry);
+* :func:`check_family` — a speculative algorithm with no draft registered for the family, a
+  per-request slot state without a verify handler;
+* :func:`check_request` — what a load asks of the family (random weights, a draft folder,
+  kernel backends, family options) against its registry entry;
+* :func:`check_draft_source` / :func:`check_draft_folder` — where the MTP draft comes from.
+
+The settings-level checks and the full gate of every entry point are in :mod:`mtp_jax.checks`.
+"""
+
+from __future__ import annotations
+
+import os
+
+from mtp_jax.config import ConfigError, ModelConfig
+from mtp_jax.kernels import KernelBackends
+from mtp_jax.models.entry import VERIFY_HANDLERS, LoadRequest, ModelEntry
+from mtp_jax.models.registry import REGISTRY, entry_of, read_config
+from mtp_jax.weights.gguf_header import QWEN3_5_GGUF_ARCHS, gguf_architecture, gguf_file
+from mtp_jax.weights.hub import looks_like_repo_id
+from mtp_jax.weights.safetensors_files import list_tensor_names
+
+__all__ = ["read_model_config", "check_family", "check_request", "check_backends",
+           "check_draft_source", "check_draft_folder"]
+
+_DRAFT_KEYS = ("model_type", "hidden_size", "vocab_size", "num_experts")
+
+
+def read_model_config(path: str | None, *, mtp: bool):
+    """The target's config, parsed by its family's config class; refuses GGUF targets (``mtp``:
+    MTP was asked for)."""
+    if path is None:
+        raise ConfigError("no model path was given; pass a checkpoint folder (config.json + "
+                          "*.safetensors).")
+    if not isinstance(path, (str, os.PathLike)):
+        raise ConfigError(f"model path {path!r} is not a path; pass a checkpoint folder.")
+    path = os.fspath(path)
+    g = gguf_file(path)
+    if g is not None:
+        arch = gguf_architecture(g)
+        if arch not in QWEN3_5_GGUF_ARCHS:
+            raise ConfigError(
+                f"{g} is a GGUF checkpoint of architecture {arch!r}; mtp_jax runs the Qwen3.5 "
+                f"family only (GGUF architectures {', '.join(QWEN3_5_GGUF_ARCHS)}; HF model_type "
+                "qwen3_5, qwen3_5_moe). Pass a Qwen3.5-family HF checkpoint folder.")
+        if mtp:
+            raise ConfigError(
+                f"MTP is not supported for {arch} yet: {g} is a GGUF checkpoint, and mtp_jax "
+                "reads the MTP draft (mtp.* tensors) only from HF safetensors. Pass the HF "
+                "safetensors checkpoint folder (config.json + *.safetensors), or run without "
+                "speculation (--speculative-algorithm none).")
+        raise ConfigError(
+            f"{g} is a GGUF checkpoint ({arch}); mtp_jax does not load GGUF weights yet. Pass "
+            "the HF safetensors checkpoint folder of the model (config.json + *.safetensors).")
+    return read_config(path)
+
+
+def check_family(cfg, algorithm: str) -> ModelEntry:
+    """The family of ``cfg`` can run speculative ``algorithm`` (``"none"`` always can): a draft
+    is registered for it and every per-request slot state declares a verify handler. Returns
+    the family's entry."""
+    family = entry_of(cfg)
+    if algorithm != "none" and algorithm not in family.drafts:
+        what = "MTP" if algorithm == "mtp" else repr(algorithm)
+        raise ConfigError(
+            f"speculative_algorithm={algorithm!r} is not available for model_type "
+            f"{cfg.model_type!r}: the family has no {what} draft registered (registered: "
+            f"{', '.join(family.drafts) or 'none'}). Use one of those, or "
+            "speculative_algorithm='none' (--speculative-algorithm none).")
+    if algorithm != "none":
+        for state in family.slot_states:
+            if state.verify_handler not in VERIFY_HANDLERS:
+                raise ConfigError(
+                    f"model_type {cfg.model_type!r} keeps a per-request slot state "
+                    f"{state.name!r} whose verify handler is {state.verify_handler!r}: it "
+                    "declares no way to commit a speculative verify (handlers: "
+                    f"{', '.join(VERIFY_HANDLERS)}). Run with speculative_algorithm='none' "
+                    "(--speculative-algorithm none), or register a handler for the state in "
+                    "mtp_jax/models/registry.py.")
+    return family
+
+
+def check_request(cfg, request: LoadRequest) -> None:
+    """What a load asks of ``cfg``'s family, against its entry: random weights, a separate
+    draft folder, kernel backends (``pallas`` for an op the family runs on XLA only) and its
+    own options (unknown names or values)."""
+    family = entry_of(cfg)
+    if request.dummy_weight and not family.dummy_weight:
+        raise ConfigError(f"dummy (random) weights are not supported for {cfg.model_type} yet; "
+                          "write a random checkpoint (python -m mtp_jax.tools.random_checkpoint"
+                          " --config ... --out DIR) and load it.")
+    if request.draft_path is not None and not family.draft_folder:
+        raise ConfigError(f"speculative_draft_model_path {request.draft_path!r}: a separate MTP "
+                          f"draft folder is not supported for {cfg.model_type} yet; drop it (its "
+                          "own mtp.* is read).")
+    asked = {f"{op}_backend": v for op, v in request.backends
+             if op not in family.kernel_ops and v not in (None, "auto", "xla")}
+    if asked:
+        raise ConfigError(f"{cfg.model_type} runs the XLA kernels only for now, but {asked} was "
+                          "asked for; use the xla (or auto) backends.")
+    allowed = dict(family.load_options)
+    for name, value in request.options:
+        if name not in allowed:
+            owners = [e.model_type for e in _families_with(name)]
+            raise ConfigError(f"{name} {value!r} applies to {' and '.join(owners) or 'no'} "
+                              f"checkpoints only, not to model_type {cfg.model_type!r}; drop it.")
+        if value not in allowed[name]:
+            raise ConfigError(f"{name} {value!r} is unknown; use one of "
+                              f"{', '.join(map(repr, allowed[name]))}.")
+
+
+def _families_with(option: str) -> list[ModelEntry]:
+    return [e for e in REGISTRY.values() if option in dict(e.load_options)]
+
+
+def check_backends(backends: dict, dtype: str | None = None) -> None:
+    """The kernel backend choices themselves (names, and ``pallas`` needing a GPU):
+    :meth:`mtp_jax.kernels.KernelBackends.resolve`."""
+    KernelBackends.resolve(backends.get("attention", "auto"), backends.get("gdn", "auto"),
+                           backends.get("moe", "auto"), dtype=dtype,
+                           norm=backends.get("norm", "auto"), gemv=backends.get("gemv", "auto"))
+
+
+def check_draft_folder(cfg: ModelConfig, draft_path: str) -> None:
+    """A local draft folder: its config (when it has one) matches the target's architecture,
+    hidden size, vocabulary and expert count, and it holds ``mtp.*`` tensors. Reads config.json
+    first, then the index or the safetensors headers; never tensor data."""
+    if not os.path.isdir(draft_path):
+        raise ConfigError(f"speculative_draft_model_path {draft_path!r} is not a folder; pass a "
+                          "folder holding the mtp.* tensors (safetensors).")
+    if os.path.isfile(os.path.join(draft_path, "config.json")):
+        try:
+            d = read_config(draft_path)
+        except ConfigError as e:
+            raise ConfigError(f"the draft folder {draft_path!r} has a config.json mtp_jax cannot "
+                              f"use: {e}") from None
+        for key in _DRAFT_KEYS:
+            if getattr(d, key, None) != getattr(cfg, key, None):
+                raise ConfigError(f"the draft at {draft_path!r} has {key}={getattr(d, key)!r} but "
+                                  f"the target has {getattr(cfg, key)!r}; the MTP draft must "
+                                  "come from the same model family and shape. Pass the draft "
+                                  "made for this target, or omit the path to use the target's "
+                                  "own mtp.* layer.")
+    try:
+        tensors = list_tensor_names(draft_path)
+    except ValueError as e:
+        raise ConfigError(f"cannot read the draft folder {draft_path!r}: {e}") from e
+    if not any(n.startswith("mtp.") for n in tensors):
+        raise ConfigError(f"the draft folder {draft_path!r} holds no mtp.* tensors, so the MTP "
+                          "draft cannot be read from it; point speculative_draft_model_path at "
+                          "a checkpoint that has them, or omit it to use the target's own.")
+
+
+def check_draft_source(cfg, draft_path: str) -> None:
+    """Where the MTP draft comes from: a local folder (checked), a GGUF (refused) or a
+    Hugging Face repo id (passes; downloaded at load)."""
+    if not isinstance(draft_path, (str, os.PathLike)):
+        raise ConfigError(f"speculative_draft_model_path {draft_path!r} is not a path.")
+    draft_path = os.fspath(draft_path)
+    if not os.path.exists(draft_path):
+        if looks_like_repo_id(draft_path):
+            return
+        raise ConfigError(
+            f"speculative_draft_model_path {draft_path!r} is not a folder on this machine, and "
+            "it is a local path rather than a Hugging Face repo id (name or org/name); pass an "
+            "existing folder holding the mtp.* tensors, or omit it to use the target's own.")
+    g = gguf_file(draft_path)
+    if g is not None:
+        try:
+            arch = gguf_architecture(g)
+        except ConfigError:
+            arch = "unreadable header"
+        raise ConfigError(
+            f"speculative_draft_model_path {draft_path!r} is a GGUF file ({arch}); a GGUF draft "
+            f"cannot supply the MTP draft of a {cfg.model_type} target, since mtp_jax reads "
+            "mtp.* tensors only from HF safetensors. Pass a safetensors folder holding the "
+            "mtp.* tensors, or omit the path to use the target's own.")
+    check_draft_folder(cfg, draft_path)

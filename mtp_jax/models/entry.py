@@ -1,0 +1,123 @@
+"""What a model family declares to the engine: :class:`ModelEntry` and its slot states.
+
+Each family package (``mtp_jax/models/<family>/entry.py``) builds one ``ModelEntry``;
+:mod:`mtp_jax.models.registry` maps ``config.json``'s ``model_type`` to it. Everything outside
+``models/`` asks the registry (which config class parses the file, which loader reads the
+weights, which drafts exist, which slot states a verify must commit, which engine serves the
+family) and never tests a family by name. This module imports no family, so families import it
+freely.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Callable
+
+__all__ = ["VERIFY_HANDLERS", "SERVING", "SlotState", "LoadRequest", "ModelEntry"]
+
+# How a slot state is committed after a speculative verify window of k+1 rows:
+#   "replay":     verify leaves the live state untouched and keeps the per-row inputs; the commit
+#                 replays the accepted rows onto the live state;
+#   "checkpoint": verify keeps one state per row; the commit selects the accepted row's copy.
+VERIFY_HANDLERS = ("replay", "checkpoint")
+
+# Which engine serves a family: "rounds" — the batched engine (mtp_jax.engine.engine.Engine:
+# continuous batching, prefix cache, speculative rounds); "sequential" — one request at a time,
+# plain decoding only (mtp_jax.engine.sequential.SequentialEngine), for a family whose round
+# programs are not built yet (speculation is refused at config time, whatever its drafts).
+SERVING = ("rounds", "sequential")
+
+
+@dataclasses.dataclass(frozen=True)
+class SlotState:
+    """A per-request state that a verify must commit (beyond the paged KV, which rolls back by
+    position). ``verify_handler`` is one of :data:`VERIFY_HANDLERS`; ``None`` means the state
+    cannot be verified, so speculation is refused for the model at config time."""
+
+    name: str
+    description: str
+    verify_handler: str | None
+
+
+@dataclasses.dataclass(frozen=True)
+class LoadRequest:
+    """What :func:`mtp_jax.models.loader.load_model` asks a family's loader for, checked
+    against the family's :class:`ModelEntry` before any weight is read.
+
+    dtype: ``"float32" | "bfloat16" | "float16"`` (resolved); with_mtp: read the ``mtp.*``
+    draft; draft_path: a separate local folder holding it (None: the checkpoint); dummy_weight
+    / seed: random weights instead of the checkpoint's; device: where arrays go (None: the
+    default device); backends: ``{op: choice}`` of the kernel backend arguments
+    (``"auto" | "xla" | "pallas" | ...``, :class:`mtp_jax.kernels.KernelBackends`);
+    merge_projections / pack_small_params: the batched engine's parameter forms; options:
+    family-specific loader options given (e.g. ``{"ple_backend": "disk"}``)."""
+
+    dtype: str
+    with_mtp: bool = True
+    draft_path: str | None = None
+    dummy_weight: bool = False
+    seed: int = 0
+    device: object = None
+    backends: tuple = ()  # ((op, choice), ...), sorted
+    merge_projections: bool = True
+    pack_small_params: bool = False
+    options: tuple = ()  # ((name, value), ...), given options only
+
+    @property
+    def backend_choices(self) -> dict:
+        return dict(self.backends)
+
+    @property
+    def option_values(self) -> dict:
+        return dict(self.options)
+
+
+@dataclasses.dataclass(frozen=True)
+class ModelEntry:
+    """One model family, as the rest of the package sees it.
+
+    model_type: the canonical HF ``model_type`` (``cfg.model_type`` of its configs);
+    hf_model_types: every spelling of ``model_type`` in a ``config.json`` (the file's or its
+      ``text_config``'s) that the family reads;
+    config_class: parses ``config.json``: ``config_class.from_dict(raw) -> config`` (frozen,
+      hashable; raises ``ConfigError``);
+    build: ``(cfg, dtype, with_mtp) -> nnx.Module``, the model with (or without) its draft;
+    load: ``(path, cfg, request: LoadRequest) -> loaded model`` (a
+      :class:`~mtp_jax.models.loaded.LoadedModel`, or the family's own loaded form);
+    tensor_shapes: ``(cfg, with_mtp) -> {canonical tensor name: shape}``, the checkpoint's
+      tensors (for memory plans and floors);
+    drafts: speculative algorithms with a draft registered (``"mtp"``: the family has an MTP
+      draft layer that ``load_model`` reads; ``"external"``: its rounds take host drafts);
+    slot_states: per-request states and their verify handlers;
+    serving: one of :data:`SERVING`;
+    kernel_ops: ops whose GPU kernels it can run (others: XLA only; a ``pallas`` choice for
+      them is refused);
+    dummy_weight: whether random weights (``dummy_weight=True``) can be drawn for it;
+    draft_folder: whether a separate draft folder (``speculative_draft_model_path``) can
+      supply its ``mtp.*`` draft;
+    load_options: the family-specific options its loader takes, as ``((name, (allowed
+      values...)), ...)``;
+    write_random: ``(raw, out_dir, *, dtype, experts, mtp_experts, include_mtp,
+      shard_size_bytes, seed, zero_rows_from, workers) -> out_dir``, the family's writer of
+      random-weight checkpoints (:mod:`mtp_jax.tools.random_checkpoint`), or None.
+    """
+
+    model_type: str
+    hf_model_types: tuple[str, ...]
+    config_class: type
+    build: Callable
+    load: Callable
+    tensor_shapes: Callable
+    drafts: tuple[str, ...]
+    slot_states: tuple[SlotState, ...] = ()
+    serving: str = "rounds"
+    kernel_ops: tuple[str, ...] = ("attention", "gdn", "moe", "norm", "gemv")
+    dummy_weight: bool = True
+    draft_folder: bool = True
+    load_options: tuple = ()  # ((name, (allowed values...)), ...)
+    write_random: Callable | None = None
+
+    def __post_init__(self):
+        if self.serving not in SERVING:
+            raise ValueError(f"ModelEntry {self.model_type!r}: serving {self.serving!r} is not "
+                             f"one of {SERVING}.")

@@ -1,0 +1,81 @@
+"""The registry entry of Qwen3.8-Flash-Next (``qwen4_exp``).
+
+Slot states and their verify handlers are declared in
+:mod:`mtp_jax.models.qwen4_exp.slot_states` (GDN recurrent: replay of the accepted rows; GDN
+conv, PLE conv window and n-gram context: shift registers; QSA open index group: group ring).
+Plain decoding runs the same hooks with every row accepted. QSA raw index keys are paged like KV
+(same page ids) and roll back by position, so they need no slot state. A declaration without a
+handler is a :class:`~mtp_jax.config.ConfigError` when the registry is built.
+
+Served sequentially for now (one request at a time, plain decoding,
+:mod:`mtp_jax.engine.sequential`), so speculation is refused at config time; its MTP draft
+layer is registered (``load_model`` reads it, ``mtp_forward`` runs it for research use). The PLE
+tables stay on the host (``ple_backend`` ``disk``, memory-mapped, or ``memory``); the kernels
+are XLA's.
+"""
+
+from __future__ import annotations
+
+from mtp_jax.config import ConfigError
+from mtp_jax.models.entry import LoadRequest, ModelEntry, SlotState
+from mtp_jax.models.qwen4_exp import names
+from mtp_jax.models.qwen4_exp.config import MODEL_TYPES, Qwen4ExpConfig
+from mtp_jax.models.qwen4_exp.loader import LoadedQwen4Exp, load_qwen4_exp
+from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
+from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
+from mtp_jax.models.qwen4_exp.slot_states import check_slot_states
+
+__all__ = ["ENTRY", "make_entry"]
+
+PLE_BACKENDS = ("disk", "memory")
+
+
+def build(cfg: Qwen4ExpConfig, dtype, with_mtp: bool) -> Qwen4ExpModel:
+    return Qwen4ExpModel(cfg, dtype, with_mtp=with_mtp)
+
+
+def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp:
+    """:func:`~mtp_jax.models.qwen4_exp.loader.load_qwen4_exp` for ``load_model`` (the entry's
+    capabilities were checked before: no dummy weights, no draft folder, XLA kernels)."""
+    if request.pack_small_params:
+        raise ConfigError("pack_small_params applies to the batched engine's programs, which "
+                          "qwen4_exp does not run yet; drop it.")
+    return load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,
+                          ple_backend=request.option_values.get("ple_backend", "disk"), cfg=cfg)
+
+
+def tensor_shapes(cfg: Qwen4ExpConfig, with_mtp: bool) -> dict[str, tuple[int, ...]]:
+    """Canonical name -> shape of the dense tensors (the PLE tables are not included)."""
+    out = dict(names.target_tensors(cfg))
+    if with_mtp:
+        out.update(names.mtp_tensors(cfg))
+    return out
+
+
+def write_random(raw: dict, out_dir: str, *, dtype: str = "bfloat16", experts: str = "fused",
+                 mtp_experts: str | None = None, include_mtp: bool = True,
+                 shard_size_bytes: int = 2 << 30, seed: int = 0,
+                 zero_rows_from: int | None = None, workers: int | None = None) -> str:
+    """The family's random checkpoint (n-gram tables sharded as released), held in host memory
+    while written: small shapes only, fused experts, no tokenizer yet."""
+    del shard_size_bytes, workers  # one file, written from memory
+    if experts != "fused" or mtp_experts not in (None, "fused") or zero_rows_from is not None:
+        raise ValueError("for qwen4_exp configs random_checkpoint writes fused experts and no "
+                         "tokenizer for now; drop --experts per-expert / --tokenizer.")
+    write_random_qwen4_exp(raw, out_dir, dtype=dtype, seed=seed, with_mtp=include_mtp)
+    return out_dir
+
+
+def make_entry() -> ModelEntry:
+    """The entry, with the slot states of :mod:`~mtp_jax.models.qwen4_exp.slot_states`
+    checked (``ConfigError`` for one without a usable verify handler)."""
+    return ModelEntry(
+        model_type="qwen4_exp", hf_model_types=MODEL_TYPES, config_class=Qwen4ExpConfig,
+        build=build, load=load, tensor_shapes=tensor_shapes, drafts=("mtp",),
+        slot_states=tuple(SlotState(s.name, s.description, s.handler)
+                          for s in check_slot_states()),
+        serving="sequential", kernel_ops=(), dummy_weight=False, draft_folder=False,
+        load_options=(("ple_backend", PLE_BACKENDS),), write_random=write_random)
+
+
+ENTRY = make_entry()

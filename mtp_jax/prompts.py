@@ -1,0 +1,125 @@
+"""Prompts and sampling parameters in, requests and outputs out: the checks and conversions of
+``LLM``'s calls, as pure functions (each bad value gets a ``ValueError`` naming it).
+
+:func:`prompt_ids` turns one prompt (text or token ids) into ids; :func:`prompt_list` and
+:func:`params_list` normalise a call's arguments; :func:`request_output` and
+:func:`error_output` build what the caller gets back.
+"""
+
+from __future__ import annotations
+
+import numbers
+from collections.abc import Iterable
+
+from mtp_jax.engine.requests import Request, RequestOutput
+from mtp_jax.sampling import SamplingParams
+
+__all__ = ["prompt_ids", "check_stop_ids", "prompt_list", "params_list", "request_output",
+           "error_output"]
+
+
+def prompt_ids(prompt, tokenizer, vocab_size: int,
+               max_model_len: int) -> tuple[str | None, list[int]]:
+    """``(text or None, token ids)`` of one prompt: a string (encoded with ``tokenizer``) or a
+    list / 1-D array of ints. Raises ``ValueError`` for text without a tokenizer, non-int ids,
+    an empty prompt, ids outside ``[0, vocab_size)``, or a prompt that leaves no room in
+    ``max_model_len`` for one output token."""
+    if isinstance(prompt, str):
+        if tokenizer is None:
+            raise ValueError("this checkpoint folder has no tokenizer files; pass prompts "
+                             "as lists of token ids (Python: LLM.generate([[1, 2, 3]]); "
+                             "CLI: --prompts-file FILE with lines like "
+                             "{\"prompt\": [1, 2, 3]}).")
+        ids, text = tokenizer.encode(prompt), prompt
+    elif isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist")
+                                               and getattr(prompt, "ndim", 0) == 1):
+        prompt = prompt.tolist() if hasattr(prompt, "tolist") else prompt
+        bad = [t for t in prompt if not isinstance(t, numbers.Integral) or isinstance(t, bool)]
+        if bad:
+            raise ValueError(f"prompt token ids must be ints; got {bad[:5]!r}. Pass a string "
+                             "or a list of token ids.")
+        ids, text = [int(t) for t in prompt], None
+    else:
+        raise ValueError(f"prompt {prompt!r} is neither a string nor a list of token ids.")
+    if not ids:
+        raise ValueError("empty prompt: a prompt needs at least one token.")
+    bad = [t for t in ids if not 0 <= t < vocab_size]
+    if bad:
+        raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
+                         f"[0, {vocab_size}); use ids from this checkpoint's tokenizer.")
+    if len(ids) >= max_model_len:
+        raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len "
+                         f"{max_model_len} (it needs room for one output token); "
+                         "raise max_model_len (--max-model-len) or shorten the prompt.")
+    return text, ids
+
+
+def check_stop_ids(params: SamplingParams, vocab_size: int) -> None:
+    """Refuse stop token ids outside the vocabulary: such an id could never be generated, so
+    the stop would never fire."""
+    bad = [t for t in params.stop_token_ids if t >= vocab_size]
+    if bad:
+        raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, "
+                         f"{vocab_size}); use ids from this checkpoint's tokenizer.")
+
+
+def prompt_list(prompts) -> list:
+    """A call's prompts as a list: one string or one token-id list is one prompt. Raises
+    ``ValueError`` for anything else that is not a list of prompts."""
+    single = isinstance(prompts, str) or (
+        isinstance(prompts, (list, tuple)) and len(prompts) > 0
+        and isinstance(prompts[0], numbers.Integral))
+    if single or (hasattr(prompts, "ndim") and prompts.ndim == 1):
+        prompts = [prompts]
+    if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, dict)):
+        raise ValueError(f"prompts {prompts!r} ({type(prompts).__name__}) must be a string, "
+                         "a list of token ids, or a list of either.")
+    return list(prompts)
+
+
+def params_list(sampling_params, n: int) -> list[SamplingParams]:
+    """One :class:`SamplingParams` per prompt (``None``: the defaults; one: for all), each
+    validated again (a parameter changed after construction is caught here). Raises
+    ``ValueError`` for a count or type that does not fit."""
+    if sampling_params is None:
+        sampling_params = SamplingParams()
+    if isinstance(sampling_params, SamplingParams):
+        sampling_params = [sampling_params] * n
+    if not isinstance(sampling_params, (list, tuple)):
+        raise ValueError(f"sampling_params is a {type(sampling_params).__name__}; pass a "
+                         "SamplingParams (e.g. SamplingParams(**d) for a dict d) or a list "
+                         "of one per prompt.")
+    sampling_params = list(sampling_params)
+    if len(sampling_params) != n:
+        raise ValueError(f"{len(sampling_params)} sampling params for {n} prompts; "
+                         "pass one for all or one per prompt.")
+    for i, sp in enumerate(sampling_params):
+        if not isinstance(sp, SamplingParams):
+            raise ValueError(f"sampling_params[{i}] is {type(sp).__name__}, not "
+                             "SamplingParams.")
+        sp.validate()
+    return sampling_params
+
+
+def request_output(r: Request, tokenizer) -> RequestOutput:
+    """What a caller gets for a request that ran (the text cut at a matched stop string)."""
+    text = ""
+    if tokenizer is not None:
+        text = tokenizer.decode(r.output_ids)
+        if r.stop_text_len is not None:
+            text = text[:r.stop_text_len]
+    return RequestOutput(request_id=r.request_id, prompt=r.prompt,
+                         prompt_token_ids=r.prompt_ids, token_ids=list(r.output_ids),
+                         text=text, finish_reason=r.finish_reason, num_rounds=r.num_rounds,
+                         num_draft_tokens=r.num_draft_tokens,
+                         num_accepted_tokens=r.num_accepted_tokens,
+                         cached_tokens=r.cached_tokens)
+
+
+def error_output(request_id: str, prompt, message: str) -> RequestOutput:
+    """The output of a prompt refused among several (``finish_reason="error"``)."""
+    ids = ([int(t) for t in prompt] if isinstance(prompt, (list, tuple)) and all(
+        isinstance(t, numbers.Integral) for t in prompt) else [])
+    return RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,
+                         prompt_token_ids=ids, token_ids=[], text="", finish_reason="error",
+                         error=message)

@@ -1,0 +1,109 @@
+"""The filtered sampling distribution: the one function shared by plain sampling and speculative
+acceptance.
+
+Everything here is jit-able with fixed shapes; per-row sampling parameters are arrays (never Python
+values that change per step), so one compiled program serves any mix of greedy and sampled rows.
+
+Definitions (per row):
+
+* greedy: :func:`mtp_jax.sampling.params.is_greedy` (temperature 0; the checks refuse negative
+  values, and any ``temperature <= 0`` inside jit is greedy). A greedy row's distribution is the
+  one-hot of ``argmax(logits)`` (first index of the max on ties, exactly ``jnp.argmax``).
+* otherwise ``probs = softmax(logits / temperature)`` restricted, in this order, to
+
+  1. top-k: the ``top_k`` highest-ranked tokens (``top_k <= 0`` or ``top_k >= V`` means off);
+  2. top-p: the smallest rank-prefix of the top-k set whose cumulative probability, measured on the
+     top-k distribution renormalised, is ``>= top_p`` (the token that crosses ``top_p`` is kept;
+     ``top_p >= 1`` means off; the top-ranked token is always kept);
+
+  then renormalised. Ranking is by logit descending, then token index ascending, so ties are
+  resolved deterministically in favour of the lower token id (rank 0 == ``jnp.argmax``).
+
+The random draws from it are in :mod:`mtp_jax.sampling.draw`.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+
+from mtp_jax.sampling.keep_set import keep_mask
+from mtp_jax.sampling.params import is_greedy
+
+__all__ = ["filtered_probs"]
+
+
+def _bcast_param(value, batch_shape: tuple[int, ...], name: str) -> jax.Array:
+    """Broadcast a per-row parameter over ``batch_shape`` aligning on the LEFT.
+
+    A ``[B]`` parameter applied to ``[B, S]`` batch dims becomes ``[B, S]`` (row b's value for every
+    s). Scalars broadcast everywhere.
+    """
+    value = jnp.asarray(value)
+    nb = len(batch_shape)
+    if value.ndim > nb:
+        raise ValueError(
+            f"{name} has shape {value.shape} but logits have only {nb} leading (batch) dims "
+            f"{batch_shape}; pass one value per leading row (shape {batch_shape[:1]}) or a scalar")
+    for i, d in enumerate(value.shape):
+        if d != 1 and d != batch_shape[i]:
+            raise ValueError(
+                f"{name} has shape {value.shape}, incompatible with the logits' leading dims "
+                f"{batch_shape}; parameters align with the leading dims from the left "
+                f"(e.g. shape {batch_shape[:1]} for per-row values)")
+    value = value.reshape(value.shape + (1,) * (nb - value.ndim))
+    return jnp.broadcast_to(value, batch_shape)
+
+
+def filtered_probs(logits: jax.Array, temperature, top_k, top_p, *,
+                   filtering: bool | None = None) -> jax.Array:
+    """Filtered sampling distribution (see the module docstring for the exact definition).
+
+    Args:
+      logits: ``[..., V]`` float (any float dtype; computed in float32).
+      temperature: float, broadcast over the leading dims of ``logits`` aligned from the LEFT:
+        a scalar, or shape ``[B]`` for logits ``[B, ..., V]`` (row b's value for all of row b), or
+        any prefix shape of ``logits.shape[:-1]``. ``<= 0`` means greedy (one-hot of argmax).
+      top_k: int, same broadcasting; ``<= 0`` or ``>= V`` means off.
+      top_p: float, same broadcasting; ``>= 1`` means off.
+      filtering: static, when the caller knows it (:meth:`SamplingTensors.filters_any`):
+        ``True`` traces the top-k / top-p filter with no run-time test of whether any row
+        filters, ``False`` traces none (every row's filters must be off), ``None`` tests at run
+        time (a ``lax.cond``: on a GPU a host round trip; :func:`mtp_jax.sampling.keep_set.keep_mask`).
+
+    Returns:
+      ``[..., V] float32`` probabilities; each row sums to 1 (greedy rows exactly one-hot).
+      Tokens outside the filtered set are exactly 0. A row whose logits are all ``-inf`` gives NaN.
+
+    Raises:
+      ValueError: ``logits`` has no vocab axis, or a parameter's shape does not align with the
+        leading dims of ``logits``.
+    """
+    logits = jnp.asarray(logits)
+    if logits.ndim < 1 or logits.shape[-1] < 1:
+        raise ValueError(
+            f"logits must have shape [..., V] with V >= 1; got shape {logits.shape}")
+    batch_shape = logits.shape[:-1]
+    V = logits.shape[-1]
+    temperature = _bcast_param(temperature, batch_shape, "temperature").astype(jnp.float32)
+    top_k = _bcast_param(top_k, batch_shape, "top_k").astype(jnp.int32)
+    top_p = _bcast_param(top_p, batch_shape, "top_p").astype(jnp.float32)
+
+    x = logits.astype(jnp.float32)
+    x = jnp.where(x == 0, jnp.float32(0), x)  # canonicalise -0.0 so sort and == agree on ties
+    greedy = is_greedy(temperature)
+    t = jnp.where(greedy, jnp.float32(1), temperature)
+    k_eff = jnp.where((top_k <= 0) | (top_k >= V), V, top_k)
+    p_off = top_p >= 1
+    row_filters = (~greedy) & ((k_eff < V) | ~p_off)
+
+    m = jnp.max(x, axis=-1, keepdims=True)
+    # Unnormalised softmax weights; the max token gets exactly 1.
+    e = jnp.exp((x - m) / t[..., None])
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+
+    keep = keep_mask(x, m, t, k_eff, top_p, p_off, row_filters, some_filtered=filtering)
+    w = jnp.where(keep, e, 0.0)
+    probs = w / jnp.sum(w, axis=-1, keepdims=True)
+    onehot = (iota == jnp.argmax(x, axis=-1)[..., None]).astype(jnp.float32)
+    return jnp.where(greedy[..., None], onehot, probs)

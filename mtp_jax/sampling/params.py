@@ -1,0 +1,117 @@
+"""``SamplingParams``, the one validation of sampling values, and the one definition of greedy.
+
+Every place that takes sampling values checks them here: :class:`SamplingParams` (a request's
+settings) and :meth:`mtp_jax.sampling.SamplingTensors.from_params` (a batch's device rows) call
+the same ``check_*`` functions, so a bad value gets the same message wherever it enters.
+
+Greedy is ``temperature <= 0`` (:func:`is_greedy`; the checks refuse negative values, so a
+valid request is greedy exactly when its temperature is 0). Python floats, numpy arrays and
+traced JAX arrays all go through that one function.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import numbers
+from typing import Sequence
+
+import numpy as np
+
+__all__ = ["MAX_TEMPERATURE", "SamplingParams", "is_greedy", "check_temperature", "check_top_k",
+           "check_top_p", "check_seed"]
+
+MAX_TEMPERATURE = float(np.finfo(np.float32).max)  # larger temperatures overflow float32
+
+
+def is_greedy(temperature):
+    """Whether rows of ``temperature`` (a number, or an array of any shape: numpy or JAX,
+    traced too) are greedy: argmax, no random draw. Returns a bool or a bool array."""
+    return temperature <= 0
+
+
+def _is_int(v) -> bool:
+    return isinstance(v, numbers.Integral) and not isinstance(v, bool)
+
+
+def _is_num(v) -> bool:
+    return isinstance(v, numbers.Real) and not isinstance(v, bool)
+
+
+def check_temperature(t) -> None:
+    """Raise ``ValueError`` unless ``t`` is a number in ``[0, MAX_TEMPERATURE]``."""
+    if not _is_num(t) or not 0 <= t <= MAX_TEMPERATURE:
+        raise ValueError(f"temperature {t!r} must be a number in [0, {MAX_TEMPERATURE:.3g}] "
+                         "(0 means greedy; float32's largest value bounds it).")
+
+
+def check_top_p(p) -> None:
+    """Raise ``ValueError`` unless ``p`` is a number in ``(0, 1]``."""
+    if not _is_num(p) or not 0 < p <= 1:
+        raise ValueError(f"top_p {p!r} must be in (0, 1]; 1 turns it off.")
+
+
+def check_top_k(k) -> None:
+    """Raise ``ValueError`` unless ``k`` is an int >= -1 (-1 and 0 turn top-k off)."""
+    if not _is_int(k) or k < -1:
+        raise ValueError(f"top_k {k!r} must be an int: -1 or 0 (off) or >= 1.")
+
+
+def check_seed(s) -> None:
+    """Raise ``ValueError`` unless ``s`` is an int in ``[0, 2**32)``."""
+    if not _is_int(s) or not 0 <= s < 2**32:
+        raise ValueError(f"seed {s!r} must be an int in [0, 2**32) or None.")
+
+
+@dataclasses.dataclass
+class SamplingParams:
+    """Sampling and stopping settings of one request (vLLM's names for the fields it has; one
+    sample per request: vLLM's ``n``, ``best_of`` and penalties are not supported, so repeat a
+    prompt for several samples).
+
+    temperature: in [0, 3.4e38] (float32's range), 0 = greedy. top_k: -1 (or 0) = off, else
+    >= 1 (a top_k at or above the vocabulary size keeps every id). top_p: in (0, 1].
+    max_tokens: >= 1 output tokens. seed: int or None (then the engine's seed and the request's
+    index). stop: strings that end the output (excluded from the text); stop_token_ids: extra
+    ids that end it (included; ids outside the checkpoint's vocabulary are refused by
+    ``LLM.generate``); ignore_eos: do not stop at the checkpoint's EOS ids.
+    Raises ``ValueError`` at construction for out-of-range values.
+    """
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    max_tokens: int = 16
+    seed: int | None = None
+    stop: Sequence[str] | str | None = None
+    stop_token_ids: Sequence[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self):
+        self.validate()
+
+    def validate(self) -> None:
+        """Raise ``ValueError`` naming the first out-of-range value (also called by
+        ``LLM.generate``, so parameters changed after construction are checked again)."""
+        check_temperature(self.temperature)
+        check_top_p(self.top_p)
+        check_top_k(self.top_k)
+        if not _is_int(self.max_tokens) or self.max_tokens < 1:
+            raise ValueError(f"max_tokens {self.max_tokens!r} must be an int >= 1.")
+        if self.seed is not None:
+            check_seed(self.seed)
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        if not isinstance(self.stop, (list, tuple, type(None))):
+            raise ValueError(f"stop {self.stop!r} must be a string or a list of strings.")
+        self.stop = list(self.stop or [])
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise ValueError(f"stop {self.stop!r} must hold non-empty strings.")
+        ids = list(self.stop_token_ids or [])
+        if any(not _is_int(t) or t < 0 for t in ids):
+            raise ValueError(f"stop_token_ids {self.stop_token_ids!r} must hold ints >= 0.")
+        self.stop_token_ids = [int(t) for t in ids]
+
+    @property
+    def greedy(self) -> bool:
+        """Argmax decoding (:func:`is_greedy`: temperature 0)."""
+        return bool(is_greedy(self.temperature))

@@ -1,0 +1,116 @@
+"""The MTP proposer: the checkpoint's own ``mtp.*`` layer drafts the next round's k tokens.
+
+Inside a compiled program (prefill or round), after the target's forward::
+
+    draft extend over T rows        row t pairs the target's hidden h_t with token x_{t+1}
+                                    (at position t), writing the draft KV of every row
+    d_1 from row pick[b]            the last committed row of each request
+    d_2..d_k: k-1 chained steps     the draft's own hidden z fed back with the token it drafted,
+                                    step j at position pos + j - 1
+
+Greedy rows draft the argmax; sampled rows draw from the filtered draft distribution q, which
+is stored with the drafts (``Pools.draft_probs``) for the next round's rejection sampling. The
+draft's LM head may be its own (a reduced vocabulary or int8 rows:
+:mod:`mtp_jax.models.draft_head`, hot ids from :mod:`mtp_jax.speculative.draft_vocab`).
+
+The model supplies the pieces (``model.mtp``, ``model.embed_tokens``, ``model.draft_logits``,
+``model.draft_greedy``); nothing here knows the family.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+
+import jax.numpy as jnp
+
+from mtp_jax.cache.paged import AttentionBatch
+from mtp_jax.cache.pools import Pools
+from mtp_jax.sampling import SALT_DRAFT, categorical, filtered_probs, row_keys
+
+__all__ = ["draft_token", "chain_drafts", "mtp_drafts", "store_next_tokens", "row_at"]
+
+
+def row_at(x, index):
+    """``x[b, index[b]]`` for ``x [B, T, ...]`` and ``index [B]`` int32: ``[B, ...]``."""
+    return jnp.take_along_axis(x, index.reshape(-1, 1, *([1] * (x.ndim - 2))), axis=1)[:, 0]
+
+
+def draft_token(model, z, sampling, step, j, greedy_only, filtering=None):
+    """Draft token j (0-based) from MTP hidden ``z [B, H]``: argmax for greedy rows, else a draw
+    from the filtered draft distribution q, which is returned for rejection sampling (greedy
+    rows' q is never read). With ``greedy_only`` (static; the host picks it when every row is
+    greedy) the filtering is not traced; otherwise some row samples, so no run-time test of an
+    all-greedy batch is made (on a GPU it would be a host round trip per draft step).
+
+    With a reduced draft vocabulary (``model.draft_head``: N hot ids) the draft scores only the
+    hot ids: the argmax / draw over the N logits is mapped to its full id, and q (filtered over
+    the N logits) is scattered into ``[B, V]``, zero outside the hot set, so the accept step
+    sees the distribution the draft really sampled from. With an int8 draft head the logits
+    are its mixed ones (int8 products, the best blocks re-scored in the model dtype;
+    :mod:`mtp_jax.models.draft_head`), and q is filtered over them; greedy-only programs
+    take ``model.draft_greedy`` (the best re-scored candidate, no pass over all V).
+    ``filtering`` (static; the host's :meth:`~mtp_jax.sampling.SamplingTensors.filters_any`):
+    whether the filter is traced, with no run-time test (``None``: tested at run time).
+    Random stream: ``row_keys(seed, step, SALT_DRAFT + j)``.
+    Returns ``(tokens [B] int32, q [B, V] float32)``."""
+    if greedy_only:
+        return (model.draft_greedy(z),
+                jnp.zeros((z.shape[0], model.cfg.vocab_size), jnp.float32))
+    logits, hot = model.draft_logits(z)  # [B, N]; hot [N] int32, None: N = V, column = id
+    to_id = (lambda i: i) if hot is None else (lambda i: jnp.take(hot, i))
+    greedy_tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p,
+                       filtering=filtering)
+    drawn = categorical(row_keys(sampling.seed, step, SALT_DRAFT + j), q)
+    if hot is not None:
+        q = jnp.zeros((q.shape[0], model.cfg.vocab_size), jnp.float32).at[:, hot].set(
+            q, unique_indices=True)
+    return to_id(jnp.where(sampling.is_greedy, greedy_tok, drawn)), q
+
+
+def chain_drafts(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, step, k,
+                 greedy_only, filtering=None):
+    """k-1 chained draft steps from ``z [B, H]`` and draft token ``tok [B]`` (with its ``q [B,
+    V]``); step j runs at position ``pos + j - 1`` and writes its draft KV only below ``limit
+    [B]``. Returns ``(drafts [B, k] int32, q [B, k, V] float32, draft_kv)``."""
+    toks, qs = [tok], [q]
+    for j in range(1, k):
+        p = pos + j - 1
+        batch = AttentionBatch(p[:, None], (p < limit)[:, None], page_table)
+        zj, draft_kv = model.mtp(model.embed_tokens, z[:, None], toks[-1][:, None], batch,
+                                 draft_kv, step=j)
+        z = zj[:, 0]
+        t, qj = draft_token(model, z, sampling, step, j, greedy_only, filtering)
+        toks.append(t)
+        qs.append(qj)
+    return jnp.stack(toks, 1), jnp.stack(qs, 1), draft_kv
+
+
+def mtp_drafts(model, pools: Pools, hidden, next_ids, abatch, pick, step, pos, limit,
+               sampling, k: int, greedy_only: bool, filtering: bool | None = None):
+    """Draft extend over the rows of ``hidden [B, T, H]`` (row t pairs the hidden at t with
+    ``next_ids[:, t]``, at ``abatch``'s positions), then draft ``d_1`` from row ``pick [B]``
+    and ``d_2..d_k`` by chained steps at ``pos [B]`` onwards (writes below ``limit [B]``
+    only); the random streams use ``step [B]``. Returns ``((drafts [B, k] int32, q [B, k, V]
+    float32), pools with the new draft KV)``."""
+    z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
+    z_pick = row_at(z, pick)
+    tok, q = draft_token(model, z_pick, sampling, step, 0, greedy_only, filtering)
+    drafts, qs, draft_kv = chain_drafts(model, draft_kv, z_pick, tok, q, pos,
+                                        abatch.page_table, limit, sampling, step, k,
+                                        greedy_only, filtering)
+    return (drafts, qs), dataclasses.replace(pools, draft_kv=draft_kv)
+
+
+def store_next_tokens(pools: Pools, slot, pending, drafts, k: int) -> Pools:
+    """``next_tokens[slot] = [pending, d_1..d_k]`` (zeros in place of drafts when ``drafts`` is
+    None: no proposer, or host drafts that come with the next round's batch) and, with MTP
+    drafts ``(tokens [B, k], q [B, k, V])``, ``draft_probs[slot] = q``."""
+    row = pending[:, None]
+    if drafts is not None:
+        toks, qs = drafts
+        row = jnp.concatenate([row, toks], 1)
+        pools = dataclasses.replace(pools, draft_probs=pools.draft_probs.at[slot].set(qs))
+    elif k:
+        row = jnp.concatenate([row, jnp.zeros((row.shape[0], k), jnp.int32)], 1)
+    return dataclasses.replace(pools, next_tokens=pools.next_tokens.at[slot].set(row))
