@@ -1,12 +1,9 @@
-"""``scripts/ab_backends.py``'s variant syntax: parsed and checked before any model loads."""
-
-import os
-import sys
+"""``python -m mtp_jax.bench ab``'s variant syntax (``mtp_jax.bench.ab_backends``): parsed and
+checked before any model loads."""
 
 import pytest
 
-sys.path.insert(0, os.path.join(os.path.dirname(os.path.dirname(__file__)), "scripts"))
-from ab_backends import parse_variant  # noqa: E402
+from mtp_jax.bench.ab_backends import parse_variant
 
 
 def test_variants_parse_backends_and_constants():

@@ -7,6 +7,8 @@ One LLM for the module (tiny MoE, MTP k = 2, two slots, overlap and prefix cache
 test_llm.py's): failures are injected by wrapping a method the step calls so that it raises
 once, at a chosen moment."""
 
+import dataclasses
+
 import jax
 import numpy as np
 import pytest
@@ -280,7 +282,9 @@ def test_resize_cache_failure_keeps_the_old_pools(llm, fresh, monkeypatch):
     """``resize_cache(num_pages=...)`` gives up the old KV pool before it makes the new one; when
     making it fails (as out of device memory would), the engine holds pools of the old sizes
     again and generates as before."""
-    from mtp_jax.engine import device as engine_mod  # where the pools are made
+    from types import SimpleNamespace
+
+    from mtp_jax.models import registry
 
     counts, want = fresh
     eng = llm.engine
@@ -288,7 +292,11 @@ def test_resize_cache_failure_keeps_the_old_pools(llm, fresh, monkeypatch):
     sizes = (eng.book.pages.size, eng.book.slots.size)
     before = jax.tree_util.tree_structure(eng.pools)
     shapes = [a.shape for a in jax.tree.leaves(eng.pools)]
-    state = fail_once(monkeypatch, engine_mod, "make_pools", lambda *a, **k: True)
+    entry = registry.entry_of(eng.model.cfg)  # the family's pools, made through its entry
+    pools = SimpleNamespace(make=entry.make_pools)
+    state = fail_once(monkeypatch, pools, "make", lambda *a, **k: True)
+    monkeypatch.setitem(registry.REGISTRY, entry.model_type, dataclasses.replace(
+        entry, make_pools=lambda *a, **k: pools.make(*a, **k)))
     with pytest.raises(InjectedError):
         eng.resize_cache(num_pages=eng.book.pages.size + 16)
     monkeypatch.undo()

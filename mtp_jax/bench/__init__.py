@@ -1,6 +1,7 @@
-"""``python -m mtp_jax.bench``: prefill, decode-step and speculative-round timings on a
-random-weight model of a real shape, against the HBM floor, with exactness-confirming forced
-drafts.
+"""``python -m mtp_jax.bench`` (or ``python -m mtp_jax.bench engine``): prefill, decode-step and
+speculative-round timings on a random-weight model of a real shape, against the HBM floor, with
+exactness-confirming forced drafts. (``python -m mtp_jax.bench --help`` lists the other
+subcommands, each with its own ``--help``; :mod:`mtp_jax.bench.commands` dispatches.)
 
 For each configuration (``configs/*.json``), batch size and k (0 = speculation off), in the
 chosen dtype, with ``--prompt-len`` prompt tokens and ``--decode-tokens`` timed tokens per
@@ -72,13 +73,13 @@ from mtp_jax.bench.floor import (expected_experts, forward_weight_bytes, load_co
                                  round_bytes)
 from mtp_jax.bench.run import Settings, bench_one, requests
 
-_requests = requests  # scripts/profile_round.py
-
 
 def main(argv=None) -> int:
-    from mtp_jax.bench.cli import main as cli_main
+    """``python -m mtp_jax.bench [SUBCOMMAND] ...`` (:func:`mtp_jax.bench.commands.main`): the
+    engine benchmark without a subcommand; returns the exit status."""
+    from mtp_jax.bench.commands import main as commands_main
 
-    return cli_main(argv, description=__doc__)
+    return commands_main(argv, engine_doc=__doc__)
 
 
 __all__ = ["Settings", "bench_one", "expected_experts", "forward_weight_bytes", "load_config",

@@ -1,4 +1,5 @@
-"""``python -m mtp_jax.bench``: arguments, the loop over configs / batches / k, the output."""
+"""``python -m mtp_jax.bench [engine]`` (the engine benchmark, the default subcommand):
+arguments, the loop over configs / batches / k, the output."""
 
 from __future__ import annotations
 
@@ -6,7 +7,6 @@ import argparse
 import dataclasses
 import inspect
 import json
-import re
 import sys
 import time
 
@@ -16,21 +16,20 @@ from mtp_jax.bench import report
 from mtp_jax.bench.compiles import install
 from mtp_jax.bench.floor import load_config
 from mtp_jax.bench.run import Settings, bench_one
+from mtp_jax.bench.subcommand import plain_text
 from mtp_jax.config import ConfigError
 from mtp_jax.kernels import OPS, KernelBackends, add_backend_flags
 from mtp_jax.models.loader import load_model
 
 
-def plain_text(doc: str | None) -> str | None:
-    """A docstring for ``--help``: reST roles (``:mod:`x``` -> ``x``) and inline-literal
-    backticks removed."""
-    if doc is None:
-        return None
-    return re.sub(r":\w+:`([^`]*)`", r"\1", doc).replace("``", "")
+SUMMARY = ("(the default) prefill, decode-step and speculative-round times of the engine on a "
+           "random-weight model of a real shape, against the HBM floor, with forced-draft "
+           "exactness checks")
 
 
 def build_parser(description: str | None = None) -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mtp_jax.bench",
+    """The engine benchmark's flags; ``description`` is its ``--help`` text."""
+    p = argparse.ArgumentParser(prog="python -m mtp_jax.bench [engine]",
                                 description=plain_text(description),
                                 formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--config", action="append", required=True,

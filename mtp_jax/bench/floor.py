@@ -9,22 +9,26 @@ an int8 draft head or layer, 1 byte per weight and 4 per row's scale).
 
 from __future__ import annotations
 
-import json
-
 import numpy as np
 
-from mtp_jax.config import ModelConfig
+from mtp_jax.config import ConfigError, ModelConfig, config_dict
+from mtp_jax.models.registry import config_from_dict, entry_of
 from mtp_jax.weights import names
 
 
-def load_config(path: str) -> ModelConfig:
-    """A :class:`ModelConfig` from a released ``config.json`` (``configs/*.json``), keys
-    starting with ``_`` (notes) dropped. Raises ``OSError`` / ``ConfigError``."""
-    with open(path) as f:
-        raw = json.load(f)
-    strip = lambda d: {k: strip(v) if isinstance(v, dict) else v for k, v in d.items()
-                       if not k.startswith("_")}
-    return ModelConfig.from_dict(strip(raw))
+def load_config(path: str):
+    """The model config of a released ``config.json`` (``configs/*.json``) or a checkpoint
+    folder, keys starting with ``_`` (notes) dropped, parsed by the config class of the family
+    that the registry finds for its ``model_type``
+    (:func:`mtp_jax.models.registry.config_from_dict`). Raises ``OSError`` (no such file),
+    ``ValueError`` (not JSON) or ``ConfigError`` (not a JSON object, an unknown family, a bad
+    field)."""
+    try:
+        raw = config_dict(path)
+    except TypeError:
+        raise ConfigError(f"{path} holds no JSON object; pass a model config.json (e.g. "
+                          "configs/Qwen3.5-2B.json).") from None
+    return config_from_dict(raw)
 
 
 def _numel(shape) -> int:
@@ -59,7 +63,8 @@ def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: in
     ``draft_head_dtype="int8"``: those rows are int8 with a float32 scale each (the few rows
     the int8 head re-scores per request are not counted); ``draft_layer_dtype="int8"``: the
     draft's projections (:func:`mtp_jax.weights.names.mtp_projections`) likewise."""
-    target = names.target_tensors(cfg)
+    shapes = entry_of(cfg).tensor_shapes  # the family's checkpoint tensors (the registry)
+    target = shapes(cfg, False)
     lm_head = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
     if cfg.tie_word_embeddings:
         target = {**target, **lm_head}  # the tied head reads the whole table
@@ -76,7 +81,7 @@ def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: in
         head = draft_rows * cfg.hidden_size * itemsize
         if draft_head_dtype == "int8":
             head = draft_rows * (cfg.hidden_size + 4)
-        draft = names.mtp_tensors(cfg)
+        draft = {n: s for n, s in shapes(cfg, True).items() if n not in target}
         int8 = names.mtp_projections(cfg) if draft_layer_dtype == "int8" else {}
         rest = {n: shape for n, shape in draft.items() if n not in int8}
         int8_bytes = sum(o * (i + 4) for o, i in int8.values())

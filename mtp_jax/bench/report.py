@@ -1,5 +1,6 @@
 """The run's metadata and the markdown tables printed on stdout (pasteable into
-docs/benchmarks.md)."""
+docs/benchmarks.md): the engine benchmark's rows, and the subcommands' op rows
+(:func:`op_row`, :func:`op_table`)."""
 
 from __future__ import annotations
 
@@ -239,3 +240,64 @@ def failures(results: list[dict]) -> list[str]:
             out.append(f"COMPILE IN TIMED PHASE {tag}: {r['compiles_timed']} XLA compilation(s) "
                        "after warm-up")
     return out
+
+
+# ---- op rows (the subcommands: attention, gdn, moe, gemv, sampling, draft-head, ab, profile) --
+
+OP_FIELDS = ("op", "case", "variant", "time_us", "timing", "bytes", "tb_per_s", "floor_us",
+             "fraction_of_floor", "error", "reference", "notes")
+
+
+def op_row(op: str, case: str, variant: str, seconds: float, nbytes: float | None, *,
+           hbm_tbps: float = 4.2, timing: str = "wall", error: float | None = None,
+           reference: str | None = None, **notes) -> dict:
+    """One result of a subcommand, with the fields of :data:`OP_FIELDS`.
+
+    ``seconds``: one call's time (``timing``: ``"wall"``, the median wall time of jitted calls,
+    or ``"device"``, kernel time from a profiler trace; :mod:`mtp_jax.bench.timing`);
+    ``nbytes``: the bytes the call must move (``None``: not counted), giving ``tb_per_s``
+    (TB = 1e12 bytes), the floor at ``hbm_tbps`` (``floor_us``) and ``fraction_of_floor``
+    (floor / time); ``error``: the largest difference from ``reference`` (a variant's name or a
+    description; ``None``: not compared); ``notes``: anything else (JSON values). Raises
+    ``ValueError`` for a time that is not positive."""
+    if not seconds > 0:
+        raise ValueError(f"op_row {op} {case} {variant}: time {seconds!r} s must be positive.")
+    floor = None if nbytes is None else nbytes / (hbm_tbps * 1e12)
+    return {"op": op, "case": case, "variant": variant, "time_us": seconds * 1e6,
+            "timing": timing, "bytes": None if nbytes is None else float(nbytes),
+            "tb_per_s": None if nbytes is None else nbytes / seconds / 1e12,
+            "floor_us": None if floor is None else floor * 1e6,
+            "fraction_of_floor": None if floor is None else floor / seconds,
+            "error": None if error is None else float(error), "reference": reference,
+            "notes": notes}
+
+
+def _note_text(notes: dict) -> str:
+    """``k=v, k=v`` of the scalar notes (lists and dicts stay in the JSON)."""
+    def fmt(v):
+        return f"{v:.3g}" if isinstance(v, float) else str(v)
+    return ", ".join(f"{k}={fmt(v)}" for k, v in notes.items()
+                     if not isinstance(v, (list, dict, tuple)))
+
+
+def op_table(rows: list[dict]) -> str:
+    """The op rows as a markdown table: time (us, and whether wall or device), MB moved,
+    TB/s, fraction of the HBM floor, error against the reference, notes."""
+    lines = ["| op | case | variant | time us | timing | MB | TB/s | of floor | error (vs) | "
+             "notes |", "|---|---|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        mb = "-" if r["bytes"] is None else f"{r['bytes'] / 1e6:.2f}"
+        tbps = "-" if r["tb_per_s"] is None else f"{r['tb_per_s']:.2f}"
+        frac = "-" if r["fraction_of_floor"] is None else f"{r['fraction_of_floor']:.1%}"
+        err = "-" if r["error"] is None else f"{r['error']:.1e} ({r['reference']})"
+        lines.append(f"| {r['op']} | {r['case']} | {r['variant']} | {r['time_us']:.2f} | "
+                     f"{r['timing']} | {mb} | {tbps} | {frac} | {err} | "
+                     f"{_note_text(r['notes'])} |")
+    return "\n".join(lines)
+
+
+def op_progress(r: dict) -> str:
+    """One stderr line per op row."""
+    frac = "" if r["fraction_of_floor"] is None else f" ({r['fraction_of_floor']:.1%} of floor)"
+    err = "" if r["error"] is None else f" err {r['error']:.1e} vs {r['reference']}"
+    return f"{r['op']} {r['case']} {r['variant']}: {r['time_us']:.2f} us {r['timing']}{frac}{err}"

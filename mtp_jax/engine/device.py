@@ -14,10 +14,11 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.cache.pools import Pools, make_pools
+from mtp_jax.cache.pools import Pools
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
 from mtp_jax.engine.programs import LOAD_SNAPSHOT, SAVE_SNAPSHOT, RoundOutput, programs_for
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant
+from mtp_jax.models.registry import entry_of
 
 __all__ = ["PoolShape", "DeviceState", "pools_usable"]
 
@@ -35,10 +36,11 @@ class PoolShape:
     dtype: object
 
     def make(self, num_pages: int, slots: int, num_snapshots: int = 0) -> Pools:
-        """Zeroed pools of these sizes (:func:`~mtp_jax.cache.pools.make_pools`)."""
-        return make_pools(self.cfg, num_pages=num_pages, page_size=self.page_size, slots=slots,
-                          k=self.k, mtp=self.mtp, dtype=self.dtype,
-                          num_snapshots=num_snapshots)
+        """Zeroed pools of these sizes (the family's ``ModelEntry.make_pools``)."""
+        return entry_of(self.cfg).make_pools(self.cfg, num_pages=num_pages,
+                                             page_size=self.page_size, slots=slots, k=self.k,
+                                             mtp=self.mtp, dtype=self.dtype,
+                                             num_snapshots=num_snapshots)
 
 
 def pools_usable(pools) -> bool:

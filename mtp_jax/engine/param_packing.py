@@ -3,7 +3,8 @@
 A program call hands every parameter to the runtime as its own buffer: about 230 for the
 Qwen3.5-2B shape and 450 for Qwen3.6-35B-A3B after merging projections, of which more than
 half are small vectors (norm weights). If the host pays per argument buffer on each call (an
-inference from the session-7 profiles, to be measured with ``scripts/dispatch_cost.py``), packing
+inference from the session-7 profiles; 1.17 us per parameter buffer measured on the H200,
+``docs/benchmarks.md``; the A/B is ``python -m mtp_jax.bench --pack-small-params``), packing
 those vectors cuts that cost. Inside the program each packed leaf is a static slice of its
 buffer, which XLA fuses into the elementwise kernel that reads it (norms), so no kernel is
 added. Leaves read directly by a Pallas kernel (the GDN ``A_log``, ``dt_bias`` and conv

@@ -98,7 +98,7 @@ def candidates(logits: jax.Array, r: int = RESCORE, size: int = BLOCK) -> jax.Ar
     repeat column N-1). They hold the ``r`` largest logits: each block holding one of those
     has a maximum at least the r-th largest, and at most ``r`` blocks do. (A block maximum
     and a top-k over N / size blocks: ``lax.top_k`` over all 248,320 columns took about 220 us
-    on the H200, this about 15-20: ``scripts/bench_draft_head.py --parts``.)"""
+    on the H200, this about 15-20: ``python -m mtp_jax.bench draft-head --parts``.)"""
     *lead, n = logits.shape
     nb = -(-n // size)
     padded = jnp.pad(logits, [(0, 0)] * len(lead) + [(0, nb * size - n)],
@@ -148,8 +148,8 @@ def with_draft_head(model, hot_ids: np.ndarray | None, head_dtype: str | None = 
                     layer_dtype: str | None = None):
     """A :class:`~mtp_jax.models.loaded.LoadedModel` whose MTP draft has weights of its own.
     With ``hot_ids`` or ``head_dtype``: its own head, the rows of ``hot_ids`` (``[N]`` ints in
-    ``[0, V)``, unique; from :func:`mtp_jax.speculative.draft_vocab.hot_token_ids`; ``None``: all V),
-    in the model dtype or, with ``head_dtype="int8"``, as int8 rows (see the module
+    ``[0, V)``, unique; from :func:`mtp_jax.speculative.draft_vocab.hot_token_ids`; ``None``:
+    all V), in the model dtype or, with ``head_dtype="int8"``, as int8 rows (see the module
     docstring). With ``layer_dtype="int8"``: draft projections (``mtp.fc`` and the MTP
     decoder layers' :class:`~mtp_jax.models.layers.basic.Linear` / ``MergedLinear``
     modules) that run from int8 rows

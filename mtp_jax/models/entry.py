@@ -81,7 +81,15 @@ class ModelEntry:
       ``text_config``'s) that the family reads;
     config_class: parses ``config.json``: ``config_class.from_dict(raw) -> config`` (frozen,
       hashable; raises ``ConfigError``);
-    build: ``(cfg, dtype, with_mtp) -> nnx.Module``, the model with (or without) its draft;
+    build: ``(cfg, dtype, with_mtp) -> nnx.Module``, the model with (or without) its draft.
+      For a family served by the batched engine (``serving="rounds"``) the module is what the
+      engine's programs (:mod:`mtp_jax.engine.programs`, :mod:`mtp_jax.speculative.mtp`) call:
+      ``module(ids [B, T], batch, kv, gdn, mode, slots=) -> (hidden, kv, gdn or verify rows)``
+      with ``mode`` in ``module.gdn_modes`` (``"prefill"``, ``"verify"``, ``"decode"``),
+      ``module.logits(hidden) -> [..., V] float32``, ``module.commit(gdn, rows, length,
+      slots=)`` (the slot states' replay of the accepted rows), and for MTP drafts
+      ``module.mtp(embed, hidden, next_ids, batch, draft_kv, step=)``,
+      ``module.embed_tokens``, ``module.draft_logits(z)`` and ``module.draft_greedy(z)``;
     load: ``(path, cfg, request: LoadRequest) -> loaded model`` (a
       :class:`~mtp_jax.models.loaded.LoadedModel`, or the family's own loaded form);
     tensor_shapes: ``(cfg, with_mtp) -> {canonical tensor name: shape}``, the checkpoint's
@@ -97,6 +105,9 @@ class ModelEntry:
       supply its ``mtp.*`` draft;
     load_options: the family-specific options its loader takes, as ``((name, (allowed
       values...)), ...)``;
+    make_pools: for ``serving="rounds"``: ``(cfg, *, num_pages, page_size, slots, k, mtp,
+      dtype, num_snapshots) -> Pools``, the zeroed state pools its programs take
+      (:func:`mtp_jax.cache.pools.make_pools`); None for a sequential family;
     write_random: ``(raw, out_dir, *, dtype, experts, mtp_experts, include_mtp,
       shard_size_bytes, seed, zero_rows_from, workers) -> out_dir``, the family's writer of
       random-weight checkpoints (:mod:`mtp_jax.tools.random_checkpoint`), or None.
@@ -115,9 +126,13 @@ class ModelEntry:
     dummy_weight: bool = True
     draft_folder: bool = True
     load_options: tuple = ()  # ((name, (allowed values...)), ...)
+    make_pools: Callable | None = None
     write_random: Callable | None = None
 
     def __post_init__(self):
         if self.serving not in SERVING:
             raise ValueError(f"ModelEntry {self.model_type!r}: serving {self.serving!r} is not "
                              f"one of {SERVING}.")
+        if self.serving == "rounds" and self.make_pools is None:
+            raise ValueError(f"ModelEntry {self.model_type!r}: a family served by the batched "
+                             "engine needs make_pools (its state pools).")

@@ -80,7 +80,7 @@ def default_tiling(batch: int, heads: int, dv: int) -> tuple[int, int]:
     """``(block_v, num_warps)``: the widest ``block_v`` in (64, 32, 16) that still gives about
     two programs per SM; 4 warps (a ``[128, 64]`` f32 tile is 64 registers a thread).
     It does not depend on ``T``, so a verify and a commit of one batch share the tiling and
-    hence the reduction order (a guess until tuned: ``scripts/bench_gdn.py --sweep``)."""
+    hence the reduction order (a guess until tuned: ``python -m mtp_jax.bench gdn --sweep``)."""
     for bv in (64, 32):
         if dv % bv == 0 and batch * heads * (dv // bv) >= 2 * SM_COUNT:
             return bv, 4

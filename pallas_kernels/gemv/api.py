@@ -6,14 +6,14 @@ one row and wide outputs). Calls a backend does not cover take XLA's ``dot``.
 The Pallas kernel, measured on the H200 (bf16, one row, session 10; ``docs/benchmarks.md``;
 ``reduce`` was faster than it on every shape in session 11):
 
-* ``scripts/bench_gemv.py`` (profiler device time per call, best tiles): the kernel beat
+* ``python -m mtp_jax.bench gemv`` (profiler device time per call, best tiles): the kernel beat
   XLA on the 2B gate/up (14.1 against 16.1 us), GDN in-projection (10.3 against 12.9 us) and
   q/k/v (7.1 against 12.6 us; XLA times from the engine's profile), matched it on the 27B
   gate/up (85.8 against 87.1 us; 4.2 TB/s) and down projection (44.6 against 46.2 us; the
   engine does not route the down projection here: it is not merged), and lost at 2048 output
   columns (2B down 9.9 against 8.7 us, o_proj 4.5 against 3.7 us) and at four rows on every
   shape; so XLA keeps those.
-* In the 2B decode step (``scripts/profile_round.py``): gate/up 15.5 against 16.1 us, GDN
+* In the 2B decode step (``python -m mtp_jax.bench profile``): gate/up 15.5 against 16.1 us, GDN
   in-projection 11.4 against 12.9 us, attention q/k/v 7.2 against 12.6 us; device time per
   step 1.582 -> 1.542 ms.
 * The 27B decode step with this kernel (then with 16-column tiles, see :func:`default_tiles`)

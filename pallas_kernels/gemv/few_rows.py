@@ -14,7 +14,7 @@ owns ``bn`` output columns, i.e. ``bn`` contiguous rows of ``w``, and streams th
 Every output element is the float32 sum of its ``K`` products, rounded once to ``x.dtype``;
 each row is computed the same way whatever the number of rows (checked in interpret mode).
 
-On the H200 (``scripts/bench_gemv.py``, session 10) ``fma`` was the fastest form at one row;
+On the H200 (``python -m mtp_jax.bench gemv``, session 10) ``fma`` was the fastest form at one row;
 at four rows every form lost to XLA's GEMM, so :func:`pallas_kernels.gemv.gemv` runs the
 kernel for one row only.
 """

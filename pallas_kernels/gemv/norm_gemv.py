@@ -17,7 +17,7 @@ weights it streams are ``bn x K``), so no program waits for another; program 0 w
 The results equal :func:`norm_gemv_reference` up to the order of the float32 sums (the norm's
 and the projection's), i.e. the last bit of a rounded value.
 
-Measured on the H200 (bf16, session 15, ``scripts/bench_norm_gemv.py``: 16 chained layers,
+Measured on the H200 (bf16, session 15, ``bench gemv --parts norm``: 16 chained layers,
 device time per layer): the 2B MLP (gate/up 12288 x 2048 with SwiGLU) 17.1-17.2 us against
 17.15-17.18 for the three kernels it replaces (norm, XLA's multiply-reduce projection at about
 13.7, SwiGLU); the 2B GDN in-projection (8224 x 2048, no act) 12.3 against 12.2. The
@@ -59,7 +59,7 @@ class NormGemvTiles(NamedTuple):
 
 
 def default_tiles(out: int, k: int, act: str | None) -> NormGemvTiles:
-    """Tiles within 1% of the fastest measured on the H200 (``scripts/bench_norm_gemv.py``,
+    """Tiles within 1% of the fastest measured on the H200 (``bench gemv --parts norm``,
     2B shapes, one row; the sweep's spread was 17.2-20 us on the MLP): ``bn`` 16 with SwiGLU
     (two weight blocks per program), else 8, halved until it divides the output width; ``bk``
     the largest power of two up to 1024 dividing K; 4 warps; weights loaded after the norm;

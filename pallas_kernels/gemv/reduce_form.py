@@ -5,7 +5,7 @@ one-row projection into one row-reduction fusion that streams ``w [N, K]`` once;
 takes a Triton GEMM (split-K where K is long) above XLA's own size limit for this rewrite
 (``DotStrengthReduction``: 10M elements), which reads the weights more slowly at one row.
 
-Measured on the H200 (bf16, one row, ``scripts/bench_gemv.py``, session 11; device time per
+Measured on the H200 (bf16, one row, ``python -m mtp_jax.bench gemv``, session 11; device time per
 call, 16 distinct weights back to back):
 
 ============================  ==========  ==========  ==================

@@ -86,7 +86,7 @@ def default_few_tiles(num_pairs: int, down_rows: int, hidden: int, inter: int,
     """Output tiles as wide as :data:`TARGET_PROGRAMS` programs allow (more programs than SMs
     keep enough loads in flight; wider tiles write fewer, longer rows), steps of ~16 KB of
     weights per stage. ``down_rows``: programs' rows of the down grid (P per pair, N with the
-    weights fused). First guesses, to be retuned with ``scripts/bench_moe_few.py``."""
+    weights fused). First guesses, to be retuned with ``python -m mtp_jax.bench moe --sweep``."""
     gu_bn = _widest_tile(inter, num_pairs)
     dn_bh = _widest_tile(hidden, down_rows)
     return FewTiles(gu_bn, _step(hidden, gu_bn, itemsize, 2), dn_bh,

@@ -66,7 +66,7 @@ def default_tiles(num_pairs: int, num_experts: int, hidden: int, inter: int) -> 
     """Tiles by the mean rows per expert: few (decode/verify: weight-bandwidth bound, ``bm`` 16,
     narrow output tiles so that many programs stream weights; unsorted up to
     :data:`SORT_MIN_PAIRS` pairs) or many (prefill: compute bound, ``bm`` 64 or 128 with
-    MMA-sized tiles). First guesses, to be retuned with ``scripts/bench_moe.py``."""
+    MMA-sized tiles). First guesses, to be retuned with ``python -m mtp_jax.bench moe --sweep``."""
     rows_per_expert = num_pairs / num_experts
     if rows_per_expert <= 24:
         return MoeTiles(16, _pow2_divisor(inter, 32), _pow2_divisor(hidden, 256),

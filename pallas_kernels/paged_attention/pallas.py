@@ -59,7 +59,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, *,
         bounds the partial outputs written and merged relative to the K/V read. Default: 2,
         or 1 where the programs at 2 blocks each would leave SMs idle (``pairs * (max_blocks
         // 2) < num_sms``): there a program's 2 blocks, read one after the other, are the
-        kernel's critical path. Measured on the H200 (session 22, ``scripts/ab_backends.py``,
+        kernel's critical path. Measured on the H200 (session 22, ``python -m mtp_jax.bench ab``,
         Qwen3.5-2B decode, a 2,300-token table: 36 blocks of 64 keys, 1,036-2,060 tokens of
         context): batch 1 (2 pairs) 1.275-1.283 ms per step with 1 block per split (36
         splits) against 1.291-1.298 with 2 (18); batch 8 (16 pairs) 1.651-1.666 with 1 (32

@@ -142,8 +142,8 @@ def qk_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: 
         :func:`pallas_kernels.paged_attention.pallas.padded_query_rows`).
       split_heads: one program per (request, kv head, head row) (the default), or with
         False one per (request, kv head) doing its ``group + 1`` rows in turn; same results.
-        On the H200 (``scripts/bench_small_kernels.py``, 2B layout, batch 1) the default took
-        1.64 us at T = 1 and 3.80 at T = 4, the other 3.79 and 11.54.
+        On the H200 (the removed ``bench_small_kernels`` script, 2B layout, batch 1) the
+        default took 1.64 us at T = 1 and 3.80 at T = 4, the other 3.79 and 11.54.
       interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
     Returns:
       ``(q_rows [B, Hkv, rows, D] in qkv.dtype, k_pages, v_pages)``.

@@ -13,7 +13,7 @@ at least :data:`MIN_ROWS` rows. Measured on the H200 (the 27B head, 248,320 x 5,
 17, wall time per call in a loop less the loop's own ~25 us): about 320 us with 8 rows (4.0
 TB/s of int8), 420 us for the same ``dot`` at one row and for the one-row multiply-reduce form
 (the int8-to-float conversions bound that form), against about 565 us for the bf16 head's
-one-row reduce form (``scripts/bench_draft_head.py --parts``).
+one-row reduce form (``python -m mtp_jax.bench draft-head --parts``).
 """
 
 from __future__ import annotations

@@ -7,6 +7,7 @@ rows).
 
 from __future__ import annotations
 
+from mtp_jax.cache.pools import make_pools
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.entry import ModelEntry, SlotState
 from mtp_jax.models.qwen3_5.loader import build, load
@@ -36,7 +37,8 @@ def _entry(model_type: str) -> ModelEntry:
     return ModelEntry(model_type=model_type, hf_model_types=(model_type, f"{model_type}_text"),
                       config_class=ModelConfig, build=build, load=load,
                       tensor_shapes=tensor_shapes, drafts=("mtp", "external"),
-                      slot_states=SLOT_STATES, serving="rounds", write_random=write_random)
+                      slot_states=SLOT_STATES, serving="rounds", make_pools=make_pools,
+                      write_random=write_random)
 
 
 ENTRIES = (_entry("qwen3_5"), _entry("qwen3_5_moe"))
