@@ -2,13 +2,6 @@ import os
 
 import pytest
 
-FIXTURES = os.path.join(os.path.dirname(__file__), "fixtures")
-
-
-def fixture_path(name: str) -> str:
-    return os.path.join(FIXTURES, name)
-
-
 def pytest_collection_modifyitems(config, items):
     import jax
 

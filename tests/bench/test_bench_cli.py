@@ -1,0 +1,196 @@
+"""``python -m mtp_jax.bench``'s subcommands: the dispatch and its help, each subcommand's
+refusal of bad values (exit status 2), one op benchmark end to end on the CPU (``sampling``,
+all XLA) with its JSON, the GPU-only paths refused without a GPU, and the shared helpers
+(timing, profiler-trace reading, op rows, the registry-parsed configs). No timing is
+asserted."""
+
+import gzip
+import json
+import os
+import subprocess
+import sys
+
+import jax
+import pytest
+
+from mtp_jax.bench import main, report, timing
+from mtp_jax.bench.commands import SUBCOMMANDS
+from tests.helpers.paths import REPO
+
+ROOT = REPO
+CONFIG_2B = os.path.join(ROOT, "configs", "Qwen3.5-2B.json")
+ON_GPU = jax.default_backend() == "gpu"
+
+
+def test_help_lists_every_subcommand_and_the_engine_flags(capsys):
+    for argv in (["--help"], ["engine", "--help"]):
+        with pytest.raises(SystemExit) as e:
+            main(argv)
+        assert e.value.code == 0
+        out = capsys.readouterr().out
+        for name, module in SUBCOMMANDS.items():
+            assert f"  {name} " in out and module.SUMMARY[:30] in out
+        assert "--prefill-reps" in out and "--num-scheduler-steps" in out  # the engine's
+
+
+def test_python_m_help_lists_the_subcommands():
+    env = dict(os.environ, JAX_PLATFORMS="cpu")
+    done = subprocess.run([sys.executable, "-m", "mtp_jax.bench", "--help"], cwd=ROOT, env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert all(f"  {name} " in done.stdout for name in SUBCOMMANDS)
+
+
+def test_unknown_subcommand_is_refused(capsys):
+    assert main(["atention", "--quick"]) == 2
+    err = capsys.readouterr().err
+    assert "unknown subcommand 'atention'" in err and "attention" in err
+
+
+@pytest.mark.parametrize("name", [n for n in SUBCOMMANDS if n != "engine"])
+def test_each_subcommand_documents_its_flags(name, capsys):
+    with pytest.raises(SystemExit) as e:
+        main([name, "--help"])
+    assert e.value.code == 0
+    out = capsys.readouterr().out
+    assert f"python -m mtp_jax.bench {name}" in out and "--out" in out and "--hbm-tbps" in out
+    assert "``" not in out and ":func:" not in out  # plain text
+
+
+@pytest.mark.parametrize("argv,message", [
+    (["attention", "--batch", "0"], "--batch"),
+    (["gdn", "--parts", "step,bogus"], "--parts"),
+    (["moe", "--shapes", "8:9:64:32"], "TOPK <= E"),
+    (["gemv", "--norm-shapes", "256:512:silu"], "at least K"),
+    (["sampling", "--vocab", "100"], "pass --vocab 4096 or more"),
+    (["draft-head", "--heads", "full,bogus"], "choose from full, hot, int8"),
+    (["ab", "--config", "x.json", "--variant", "b=norm=xla"], "a name, then a colon"),
+    (["profile", "--config", "x.json", "--rounds", "0"], "--rounds"),
+])
+def test_bad_values_exit_with_status_2(argv, message, capsys):
+    with pytest.raises(SystemExit) as e:
+        main(argv)
+    assert e.value.code == 2
+    assert message in capsys.readouterr().err
+
+
+def test_sampling_runs_on_cpu_and_writes_op_rows(tmp_path, capsys):
+    out = tmp_path / "sampling.json"
+    rc = main(["sampling", "--vocab", "4096", "--rows", "2", "--reps", "2", "--kinds", "peaked",
+               "--filters", "top_p", "--out", str(out)])
+    assert rc == 0
+    data = json.loads(out.read_text())
+    assert data["meta"]["subcommand"] == "sampling"
+    assert data["meta"]["args"]["vocab"] == 4096 and data["meta"]["jax_version"]
+    rows = data["results"]
+    assert [r["variant"] for r in rows] == ["sort", "candidates"]
+    for r in rows:
+        assert set(report.OP_FIELDS) <= set(r)
+        assert r["op"] == "sampling" and r["case"] == "peaked rows=2 V=4096 top_p"
+        assert r["timing"] == "wall" and r["bytes"] == 2 * 4096 * 6
+        floor = r["bytes"] / 4.2e12
+        assert r["fraction_of_floor"] == pytest.approx(floor / (r["time_us"] / 1e6))
+        assert r["reference"] == "sort" and r["error"] < 1e-6  # the same kept set, same probs
+        assert r["notes"]["same"] is True and r["notes"]["valid"] == "2/2"
+    stdout = capsys.readouterr().out
+    assert stdout.startswith("| op | case | variant | time us |")
+    assert "| sampling | peaked rows=2 V=4096 top_p | candidates |" in stdout
+
+
+@pytest.mark.skipif(ON_GPU, reason="checks the refusals without a GPU")
+@pytest.mark.parametrize("argv,message", [
+    (["attention", "--variants", "pallas"],
+     "attention --variants pallas needs a CUDA GPU (the Pallas kernels use the Triton "
+     "lowering) but JAX runs on 'cpu'; pass --variants xla to time the XLA variants only"),
+    (["gemv", "--sweep"], "gemv --sweep needs a CUDA GPU"),
+    (["profile", "--config", CONFIG_2B, "--op-by-op"], "profile needs a CUDA GPU"),
+    (["ab", "--config", CONFIG_2B, "--variant", "a:", "--variant", "b:norm=pallas"],
+     "--variant b: norm_backend 'pallas' needs a CUDA GPU"),
+])
+def test_gpu_only_paths_are_refused_on_cpu(argv, message, tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main([*argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert err[-1].startswith("error: ") and message in err[-1]
+    assert not out.exists()  # refused before any row
+
+
+def test_wall_seconds_calls_warmup_then_reps_of_calls():
+    made = []
+
+    def call():
+        made.append(1)
+        return jax.numpy.ones(2)
+
+    assert timing.wall_seconds(call, reps=3, calls=4, warmup=2) > 0
+    assert len(made) == 2 + 3 * 4
+    with pytest.raises(ValueError, match="reps 0"):
+        timing.wall_seconds(call, reps=0)
+
+
+def _write_trace(folder) -> None:
+    """A profiler trace: a GPU kernel line, XLA's annotation line on the GPU, a host line."""
+    meta = [{"ph": "M", "name": "process_name", "pid": 1, "args": {"name": "/device:GPU:0"}},
+            {"ph": "M", "name": "process_name", "pid": 2, "args": {"name": "/host:CPU"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 7, "args": {"name": "stream 7"}},
+            {"ph": "M", "name": "thread_name", "pid": 1, "tid": 8, "args": {"name": "XLA Ops"}},
+            {"ph": "M", "name": "thread_name", "pid": 2, "tid": 1, "args": {"name": "tf"}}]
+    x = lambda pid, tid, name, ts, dur: {"ph": "X", "pid": pid, "tid": tid, "name": name,
+                                         "ts": ts, "dur": dur}
+    events = [x(1, 7, "gemv_fma", 0, 10), x(1, 7, "loop_fusion", 5, 10),
+              x(1, 7, "gemv_fma", 40, 10), x(1, 8, "the op", 0, 50),
+              x(2, 1, "ExecuteThunks", 0, 3)]
+    os.makedirs(folder / "plugins" / "x")
+    with gzip.open(folder / "plugins" / "x" / "h.trace.json.gz", "wt") as f:
+        json.dump({"traceEvents": meta + events}, f)
+
+
+def test_trace_reading_and_the_profile_analysis(tmp_path):
+    from mtp_jax.bench.profile_round import analyse
+
+    _write_trace(tmp_path)
+    trace = timing.load_trace(str(tmp_path))
+    assert timing.kernel_durations(trace) == {"gemv_fma": [10.0, 10.0], "loop_fusion": [10.0]}
+    s = analyse(trace, rounds=2, sequence=2)
+    assert s["kernels"] == 1.5 and s["busy_us"] == 12.5 and s["span_us"] == 25.0
+    assert s["idle_us"] == 12.5
+    assert s["by_category"] == [["gemm", 1.0, 10.0], ["xla fusion", 0.5, 5.0]]
+    assert s["executable"] == [["ExecuteThunks", 0.5, 1.5]]
+    assert s["sequence"] == [[0, 0, 10, "gemv_fma"], [5, -5, 10, "loop_fusion"]]
+    with pytest.raises(FileNotFoundError, match="no \\*.trace.json.gz"):
+        timing.load_trace(str(tmp_path / "plugins" / "none"))
+
+
+def test_op_row_fields_and_table():
+    r = report.op_row("gemv", "2B N=8 K=4", "reduce", 2e-6, 4.2e6, error=1e-3,
+                      reference="xla", wall_us=3.0, turns=[1, 2])
+    assert r["time_us"] == pytest.approx(2.0) and r["floor_us"] == pytest.approx(1.0)
+    assert r["fraction_of_floor"] == pytest.approx(0.5) and r["tb_per_s"] == pytest.approx(2.1)
+    table = report.op_table([r, report.op_row("x", "c", "v", 1.0, None)])
+    assert "| gemv | 2B N=8 K=4 | reduce | 2.00 | wall | 4.20 | 2.10 | 50.0% | 1.0e-03 (xla) " \
+           "| wall_us=3 |" in table
+    assert "| x | c | v | 1000000.00 | wall | - | - | - | - |  |" in table
+    with pytest.raises(ValueError, match="time 0.0 s must be positive"):
+        report.op_row("x", "c", "v", 0.0, 1)
+
+
+def test_configs_are_parsed_by_their_family_in_the_registry(tmp_path):
+    from mtp_jax.bench.floor import load_config
+    from mtp_jax.config import ConfigError, config_dict
+    from mtp_jax.models import registry
+
+    for name in ("Qwen3.5-2B", "Qwen3.8-Flash-Next"):  # qwen3_5, qwen4_exp
+        path = os.path.join(ROOT, "configs", f"{name}.json")
+        want = registry.entry_for_raw(config_dict(path)).config_class
+        assert type(load_config(path)) is want
+    raw = json.loads(open(CONFIG_2B).read())
+    raw["_note"] = {"nested": 1}
+    raw["text_config"]["_derived"] = 3
+    (tmp_path / "noted.json").write_text(json.dumps(raw))
+    assert load_config(str(tmp_path / "noted.json")) == load_config(CONFIG_2B)
+    (tmp_path / "other.json").write_text(json.dumps({"model_type": "llama"}))
+    with pytest.raises(ConfigError, match="model_type 'llama' is not supported"):
+        load_config(str(tmp_path / "other.json"))
+    (tmp_path / "list.json").write_text("[1]")
+    with pytest.raises(ConfigError, match="holds no JSON object"):
+        load_config(str(tmp_path / "list.json"))

@@ -1,0 +1,138 @@
+"""Prefix cache: a request sharing a prefix with an earlier one gives the same output with the
+cache on and off, with speculation on and off; reuse happens exactly where a GDN snapshot and
+the draft lookahead allow it; eviction and flush return every page."""
+
+import numpy as np
+import pytest
+
+from mtp_jax.cache.radix import RadixCache
+from mtp_jax.config import EngineConfig, SpeculativeConfig
+from mtp_jax.engine.engine import Engine
+from mtp_jax.engine.requests import Request, SamplingParams
+from mtp_jax.models.loader import load_model
+from tests.helpers.paths import fixture_path
+
+PAGE, INTERVAL = 4, 2  # snapshots every 8 tokens
+
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(fixture_path("tiny_dense"), "float32", with_mtp=True)
+
+
+def _req(tag, prompt, max_tokens=6):
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    return Request(request_id=tag, index=0, prompt=None, prompt_ids=list(prompt), params=params,
+                   seed=0)
+
+
+def _engine(model, algo, cache, num_pages=None):
+    return Engine(model, EngineConfig(max_running_requests=2, dtype="float32", page_size=PAGE,
+                                      max_model_len=64, enable_prefix_cache=cache,
+                                      snapshot_interval_pages=INTERVAL, num_pages=num_pages),
+                  SpeculativeConfig(algorithm=algo, num_steps=2))
+
+
+def _pair(share):
+    rng = np.random.default_rng(share)
+    a = rng.integers(2, 300, 30).tolist()
+    b = a[:share] + [(t + 7) % 298 + 2 for t in rng.integers(2, 300, 25 - share)]
+    assert len(share and b[:share] or []) == share and (share >= 25 or b[share] != a[share])
+    return a, b
+
+
+@pytest.mark.parametrize("algo", ["none", "mtp"])
+def test_shared_prefix_same_output_cache_on_and_off(model, algo):
+    # shares: 1 token, below / at / above a page boundary (12) and a snapshot boundary (8, 16)
+    for share, reuse in [(1, 0), (7, 0), (8, 0), (9, 8), (11, 8), (12, 8), (13, 8), (16, 8),
+                         (17, 16)]:
+        a, b = _pair(share)
+        outs = {}
+        for cache in (False, True):
+            eng = _engine(model, algo, cache)
+            ra, rb = _req("a", a), _req("b", b)
+            eng.run([ra])
+            eng.run([rb])
+            outs[cache] = (ra.output_ids, rb.output_ids, rb.cached_tokens)
+            if cache:
+                eng.flush_cache()
+                assert eng.book.pages.num_free == eng.book.pages.size - 1
+                ids = eng.prefix.snapshot_ids
+                assert ids.num_free == ids.size - 1
+        assert outs[True][:2] == outs[False][:2], share
+        assert outs[True][2] == reuse, (share, outs[True][2])
+
+
+def test_radix_lookahead_and_lru_eviction():
+    rc = RadixCache(page_size=2, snapshot_interval_pages=1)
+    held, owned, unused = rc.insert([1, 2, 3, 4, 5], 4, [10, 11], {2: 100, 4: 101})
+    assert owned == [10, 11] and unused == []
+    rc.release(held)
+    assert [n.page for n in rc.match([1, 2, 3, 4, 5, 6])] == [10, 11]
+    assert [n.page for n in rc.match([1, 2, 3, 4, 9, 6])] == [10]  # lookahead 5 != 9
+    assert rc.match([1, 2, 7, 4, 5]) == []  # page 0's lookahead is 3
+    assert rc.match([1, 2, 3, 4]) == [rc.match([1, 2, 3])[0]]  # one token left to prefill
+    held2, owned2, _ = rc.insert([1, 2, 8, 8, 8], 4, [13, 12], {})  # same page, other lookahead
+    assert owned2 == [13, 12]
+    rc.release(held2)
+    pages, snaps = rc.evict(1)
+    assert pages == [11] and snaps == [101]  # the older leaf goes first
+    pages, snaps = rc.flush()
+    assert sorted(pages) == [10, 12, 13] and snaps == [100]
+
+
+def test_eviction_under_page_pressure(model):
+    # The default pool (37 pages: 2 requests of max_model_len 64 + the trash page) holds the
+    # cached pages of about three of these requests (10 pages each): later ones must evict.
+    # (It is the pool of the other cache-on engines here, so no program is compiled again.)
+    eng = _engine(model, "mtp", True)
+    rng = np.random.default_rng(5)
+    reqs = [_req(f"r{i}", rng.integers(2, 300, 30).tolist(), max_tokens=8) for i in range(8)]
+    for r in reqs:
+        eng.run([r])
+    assert all(r.finish_reason == "length" for r in reqs)
+    assert sum(-(-(len(r.prompt_ids) + 8) // PAGE) for r in reqs) > eng.book.pages.size
+    ref = _engine(model, "mtp", False)
+    again = [_req(f"x{i}", r.prompt_ids, max_tokens=8) for i, r in enumerate(reqs)]
+    ref.run(again)
+    assert [r.output_ids for r in reqs] == [r.output_ids for r in again]
+    eng.flush_cache()
+    assert eng.book.pages.num_free == eng.book.pages.size - 1
+
+
+@pytest.mark.parametrize("algo", ["none", "mtp"])
+def test_second_turn_reuses_the_first_turns_output(model, algo):
+    """A follow-up whose prompt holds an earlier request's prompt and output (a chat's second
+    turn) reuses pages and GDN snapshots taken while that output was decoded."""
+    rng = np.random.default_rng(11)
+    first = rng.integers(2, 300, 10).tolist()
+    extra = rng.integers(2, 300, 5).tolist()
+    outs = {}
+    for cache in (False, True):
+        eng = _engine(model, algo, cache)
+        a = _req("a", first, max_tokens=20)
+        eng.run([a])
+        follow = first + a.output_ids + extra
+        b = _req("b", follow, max_tokens=6)
+        eng.run([b])
+        outs[cache] = (a.output_ids, b.output_ids, b.cached_tokens, len(follow))
+    assert outs[True][:2] == outs[False][:2]
+    # the reuse reaches past the first prompt (10 tokens) into its output: snapshot boundaries
+    # every 8 tokens; the follow-up has 35 tokens, the first request committed 29.
+    assert outs[True][2] == 24, outs[True][2]
+
+
+def test_snapshot_pool_exists_only_with_the_prefix_cache(model):
+    """Without the prefix cache the pools hold no snapshot arrays at all (each pool array is an
+    argument buffer of every program call); with it, ``num_snapshots + 1`` states per GDN
+    layer (id 0 the trash snapshot)."""
+    import jax
+
+    off = _engine(model, "none", cache=False).pools
+    assert off.snapshots.recurrent == () and off.snapshots.conv == ()
+    on = _engine(model, "none", cache=True).pools
+    layers = len(model.cfg.linear_layer_ids)
+    assert len(on.snapshots.recurrent) == len(on.snapshots.conv) == layers > 0
+    assert on.snapshots.recurrent[0].shape[0] == 4 * 2 + 1  # 4 per running request, + trash
+    assert (len(jax.tree_util.tree_leaves(on)) - len(jax.tree_util.tree_leaves(off))
+            == 2 * layers)

@@ -1,0 +1,117 @@
+"""Merged projections (``MergedLinear``, ``load_model(merge_projections=...)``).
+
+The merged model's forward against HF golden logits is in ``test_golden.py`` (the loader merges
+by default); here: the merged module against float64 numpy, the parameter layout before and
+after merging, and that merging is idempotent.
+"""
+
+from __future__ import annotations
+
+import os
+
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mtp_jax
+from mtp_jax.models.layers.basic import Linear, MergedLinear, merge_linears, project
+from mtp_jax.models.params import param_name
+from tests.helpers.paths import FIXTURES
+
+MERGED = {  # merged parameter -> the checkpoint tensors stacked in it, in order
+    "linear_attn.in_proj.weight": ["linear_attn.in_proj_qkv.weight",
+                                   "linear_attn.in_proj_z.weight",
+                                   "linear_attn.in_proj_b.weight",
+                                   "linear_attn.in_proj_a.weight"],
+    "self_attn.qkv_proj.weight": ["self_attn.q_proj.weight", "self_attn.k_proj.weight",
+                                  "self_attn.v_proj.weight"],
+    "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+    "mlp.in_proj.weight": ["mlp.gate.weight", "mlp.shared_expert_gate.weight",
+                           "mlp.shared_expert.gate_proj.weight",
+                           "mlp.shared_expert.up_proj.weight"],
+}
+
+
+def test_merged_linear_matches_numpy():
+    rng = np.random.default_rng(3)
+    ws = [rng.standard_normal((n, 24)).astype(np.float32) for n in (40, 8, 1, 5)]
+    x = rng.standard_normal((2, 3, 24)).astype(np.float32)
+    merged = MergedLinear([jnp.asarray(w) for w in ws])
+    assert merged.sizes == (40, 8, 1, 5) and merged.weight.shape == (54, 24)
+    outs = merged(jnp.asarray(x))
+    assert len(outs) == 4
+    for out, w in zip(outs, ws):
+        ref = x.astype(np.float64) @ w.astype(np.float64).T
+        np.testing.assert_allclose(np.asarray(out), ref, rtol=1e-5, atol=1e-5)
+
+
+def test_project_uses_merged_or_separate():
+    rng = np.random.default_rng(4)
+    lins = []
+    for n in (6, 3):
+        lin = Linear(5, n, jnp.float32)
+        lin.weight[...] = jnp.asarray(rng.standard_normal((n, 5)), jnp.float32)
+        lins.append(lin)
+    x = jnp.asarray(rng.standard_normal((4, 5)), jnp.float32)
+    separate = project(x, None, lins)
+    merged = project(x, merge_linears(lins), lins)
+    for a, b, lin in zip(separate, merged, lins):
+        ref = np.asarray(x, np.float64) @ np.asarray(lin.weight[...], np.float64).T
+        np.testing.assert_allclose(np.asarray(a), ref, rtol=1e-5, atol=1e-5)
+        np.testing.assert_allclose(np.asarray(b), ref, rtol=1e-5, atol=1e-5)
+
+
+def _flat(model) -> dict[str, np.ndarray]:
+    return {param_name(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(model.params)}
+
+
+@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe_fused"])
+def test_loader_merges_the_checkpoint_tensors(name):
+    path = os.path.join(FIXTURES, name)
+    plain = _flat(mtp_jax.load_model(path, dtype="float32", merge_projections=False))
+    merged = _flat(mtp_jax.load_model(path, dtype="float32"))
+    found = 0
+    for pname, value in merged.items():
+        suffix = next((s for s in MERGED if pname.endswith(s)), None)
+        if suffix is None:
+            np.testing.assert_array_equal(value, plain[pname])  # untouched parameters
+            continue
+        prefix = pname[: -len(suffix)]
+        parts = [plain.pop(prefix + t) for t in MERGED[suffix]]
+        np.testing.assert_array_equal(value, np.concatenate(parts, axis=0))
+        found += 1
+    # every separate projection went into a merged one: nothing left over on either side
+    assert set(plain) == {n for n in merged if not any(n.endswith(s) for s in MERGED)}
+    kinds = {s for n in merged for s in MERGED if n.endswith(s)}
+    assert "linear_attn.in_proj.weight" in kinds and "self_attn.qkv_proj.weight" in kinds
+    assert ("mlp.in_proj.weight" if "moe" in name else "mlp.gate_up_proj.weight") in kinds
+    assert found >= 4
+
+
+def test_merging_twice_changes_nothing():
+    m = mtp_jax.load_model(os.path.join(FIXTURES, "tiny_moe_fused"), dtype="float32")
+    before = _flat(m)
+    module = m.module()
+    module.merge_projections()
+    after = {param_name(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(nnx.state(module))}
+    assert set(after) == set(before)
+    for k in before:
+        np.testing.assert_array_equal(after[k], before[k])
+
+
+def test_merged_moe_block_with_pallas_router_matches_unmerged():
+    """The merged MoE block feeds the Pallas router (interpret mode) the merged output whole
+    (its first E columns read in place): same output as the unmerged block with XLA routing."""
+    import copy
+
+    m = mtp_jax.load_model(os.path.join(FIXTURES, "tiny_moe_fused"), dtype="float32",
+                           merge_projections=False)
+    moe = next(layer.mlp for layer in m.module().layers if hasattr(layer.mlp, "experts"))
+    x = jnp.asarray(np.random.default_rng(4).standard_normal((2, 3, moe.experts.gate_up_proj
+                                                                 .shape[-1])), jnp.float32)
+    want = np.asarray(moe(x))
+    merged = copy.deepcopy(moe)
+    merged.merge_projections()
+    merged._router_backend = lambda: "pallas"
+    np.testing.assert_allclose(np.asarray(merged(x)), want, rtol=1e-5, atol=1e-5)
