@@ -31,6 +31,7 @@ from mtp_jax.config import ConfigError, EngineConfig, SpeculativeConfig, check_s
 from mtp_jax.models.checks import (check_draft_folder, check_draft_source, check_family,
                                    check_request, read_model_config)
 from mtp_jax.models.entry import LoadRequest
+from mtp_jax.models.registry import entry_of
 from mtp_jax.speculative.draft_vocab import hot_token_ids
 
 __all__ = ["check_before_load", "check_settings", "check_draft_folder", "check_draft_source",
@@ -90,12 +91,12 @@ def check_before_load(model: str | None, *, speculative: SpeculativeConfig,
                    dummy_draft_ok=dummy_draft_ok, has_proposer=has_proposer)
     if cfg is None:
         cfg = read_model_config(model, mtp=speculative.algorithm == "mtp")
-    family = check_family(cfg, speculative.algorithm)
+    if entry_of(cfg).serving == "sequential":
+        _check_sequential(cfg, speculative, engine)
+    check_family(cfg, speculative.algorithm)
     speculative.validate(cfg)
     hot_token_ids(speculative.algorithm, speculative.draft_vocab_size,
                   speculative.token_map_path, cfg.vocab_size)
-    if family.serving == "sequential":
-        _check_sequential(cfg, speculative, engine)
     if request is not None:
         check_request(cfg, request)
     if speculative.algorithm == "mtp" and speculative.draft_model_path:

@@ -334,7 +334,8 @@ class SpeculativeConfig:
                 or not low <= self.num_steps <= MAX_SPECULATIVE_NUM_STEPS):
             fix = ("leave it at the default 3 or 0 (it is unused with speculation off)"
                    if self.algorithm == "none" else "pick k in that range (3 is a good default), "
-                   "or turn speculation off with --speculative-algorithm none")
+                   "or turn speculation off with speculative_algorithm='none' "
+                   "(--speculative-algorithm none)")
             raise ConfigError(f"speculative_num_steps (--speculative-num-steps) {self.num_steps!r} "
                               f"is outside {low}..{MAX_SPECULATIVE_NUM_STEPS}; {fix}.")
         if self.draft_model_path and self.algorithm != "mtp":

@@ -231,9 +231,17 @@ def _main(argv) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     prompts = file_prompts if args.prompts_file else (args.prompt or [DEFAULT_PROMPT])
+    if llm.tokenizer is None and not (args.prompt or args.prompts_file):
+        print(f"error: no --prompt was given, and the demo prompt {DEFAULT_PROMPT!r} is text, "
+              f"which {args.model!r} cannot encode: it has no tokenizer files. Pass token ids "
+              "with --prompts-file FILE (lines like {\"prompt\": [1, 2, 3]}).",
+              file=sys.stderr)
+        return 2
     if args.chat:
         if llm.tokenizer is None:
-            print("error: --chat needs a tokenizer in the checkpoint folder", file=sys.stderr)
+            print("error: --chat needs a tokenizer (its chat template) in the checkpoint "
+                  "folder, which has none; drop --chat and pass token ids with --prompts-file.",
+                  file=sys.stderr)
             return 2
         prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    if isinstance(p, str) else p for p in prompts]

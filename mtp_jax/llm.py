@@ -22,7 +22,7 @@ from mtp_jax.engine.serving import check_memory_before_load, make_engine
 from mtp_jax.models.checks import check_backends
 from mtp_jax.models.loaded import resolve_dtype
 from mtp_jax.models.loader import load_model, load_request
-from mtp_jax.prompts import (check_stop_ids, error_output, params_list, prompt_ids,
+from mtp_jax.prompts import (check_stops, error_output, params_list, prompt_ids,
                              prompt_list, request_output)
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.speculative.external import Proposer
@@ -173,7 +173,7 @@ class LLM:
     def _request(self, prompt, params: SamplingParams) -> Request:
         vocab = self.model.cfg.vocab_size
         text, ids = prompt_ids(prompt, self.tokenizer, vocab, self.engine.max_model_len)
-        check_stop_ids(params, vocab)
+        check_stops(params, vocab, self.tokenizer)
         index = self._next_id
         self._next_id += 1
         seed = params.seed if params.seed is not None else (self.seed * 1000003 + index) % 2**32

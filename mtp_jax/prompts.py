@@ -14,7 +14,7 @@ from collections.abc import Iterable
 from mtp_jax.engine.requests import Request, RequestOutput
 from mtp_jax.sampling import SamplingParams
 
-__all__ = ["prompt_ids", "check_stop_ids", "prompt_list", "params_list", "request_output",
+__all__ = ["prompt_ids", "check_stops", "prompt_list", "params_list", "request_output",
            "error_output"]
 
 
@@ -54,13 +54,17 @@ def prompt_ids(prompt, tokenizer, vocab_size: int,
     return text, ids
 
 
-def check_stop_ids(params: SamplingParams, vocab_size: int) -> None:
-    """Refuse stop token ids outside the vocabulary: such an id could never be generated, so
-    the stop would never fire."""
+def check_stops(params: SamplingParams, vocab_size: int, tokenizer) -> None:
+    """Refuse stops that could never fire: token ids outside the vocabulary, and stop strings
+    without a tokenizer to decode the output into text."""
     bad = [t for t in params.stop_token_ids if t >= vocab_size]
     if bad:
         raise ValueError(f"stop_token_ids {bad[:5]} are outside the vocabulary [0, "
                          f"{vocab_size}); use ids from this checkpoint's tokenizer.")
+    if params.stop and tokenizer is None:
+        raise ValueError(f"stop strings {params.stop!r} need a tokenizer to match the text, and "
+                         "this checkpoint folder has no tokenizer files; use stop_token_ids "
+                         "instead, or a checkpoint with its tokenizer.")
 
 
 def prompt_list(prompts) -> list:

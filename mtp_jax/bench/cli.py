@@ -20,6 +20,7 @@ from mtp_jax.bench.subcommand import plain_text
 from mtp_jax.config import ConfigError
 from mtp_jax.kernels import OPS, KernelBackends, add_backend_flags
 from mtp_jax.models.loader import load_model
+from mtp_jax.models.registry import entry_of
 
 
 SUMMARY = ("(the default) prefill, decode-step and speculative-round times of the engine on a "
@@ -179,6 +180,17 @@ def _progress(r: dict) -> str:
             f"timed_compiles={r['compiles_timed']}")
 
 
+def check_benchable(path: str, cfg) -> None:
+    """The engine bench draws random weights and runs the batched engine: refuse a family
+    whose registry entry has neither (``ConfigError`` naming the config and model_type)."""
+    entry = entry_of(cfg)
+    if entry.serving != "rounds" or not entry.dummy_weight:
+        raise ConfigError(f"{path}: model_type {cfg.model_type!r} cannot be benchmarked yet: the "
+                          "engine bench draws random weights and runs the batched engine, and "
+                          f"{cfg.model_type} has neither for now (its registry entry); bench a "
+                          "config of a family the batched engine serves (qwen3_5, qwen3_5_moe).")
+
+
 def main(argv=None, description: str | None = None) -> int:
     """Run the benchmark; returns 0, 1 (float32: a forced run or the rejected-drafts rounds
     differed from their reference; any dtype: a compile happened in a timed phase; the JSON is
@@ -223,6 +235,7 @@ def main(argv=None, description: str | None = None) -> int:
         backends = backend_kwargs(args)
         configs = [(path, load_config(path)) for path in args.config]
         for path, cfg in configs:  # kernel choices checked before any weight is drawn
+            check_benchable(path, cfg)
             KernelBackends.for_model(
                 cfg, args.dtype, **{n: v for n, v in backends.items() if n.endswith("_backend")})
             if s.draft_vocab_size is not None and s.draft_vocab_size > cfg.vocab_size:

@@ -68,7 +68,8 @@ def _warn_multistep_near_snapshots(n: int, k: int, prefix: PrefixStore | None) -
 
 
 class Engine:
-    """Serve requests on ``model`` (a :class:`~mtp_jax.models.loader.LoadedModel`).
+    """Serve requests on ``model`` (a :class:`~mtp_jax.models.loaded.LoadedModel` of a family
+    the batched engine serves).
 
     Args: ``engine_cfg`` (sizes, scheduling), ``speculative`` (algorithm, k, draft options),
     ``proposer`` (the host drafter of ``algorithm="external"``), ``tokenizer`` (for stop
@@ -137,7 +138,8 @@ class Engine:
                          chunk_size=engine_cfg.chunked_prefill_size,
                          max_model_len=self.max_model_len,
                          # Host drafts come with each round's batch: no round runs ahead.
-                         overlap=engine_cfg.overlap_schedule and speculative.algorithm != "external",
+                         overlap=(engine_cfg.overlap_schedule
+                                  and speculative.algorithm != "external"),
                          vocab_size=mc.vocab_size),
             self.book, self.prefix, self.device, stops, proposer)
 

@@ -163,14 +163,16 @@ class Scheduler:
 
     # ---- admission and prefill ---------------------------------------------------------------
     def admit(self, req: Request) -> None:
-        """Move the head of ``waiting`` (``req``) to ``prefilling``: a slot, its guarantee and,
-        with the prefix cache, the cached prefix (its GDN snapshot loaded into the slot)."""
+        """Move ``req`` (a waiting request; the step loop admits the head of ``waiting``) to
+        ``prefilling``: a slot, its guarantee and, with the prefix cache, the cached prefix
+        (its GDN snapshot loaded into the slot)."""
         self.book.admit(req)
         if self.prefix is not None:
             sid = self.prefix.admit(req)
             if sid is not None:
                 self.device.load_snapshot(sid, req.slot)
-        self.prefilling.append(self.waiting.popleft())
+        self.prefilling.append(req)  # in one queue or both at every moment, never in none
+        self.waiting.remove(req)
 
     def prefill_chunk(self, req: Request, budget: int) -> int:
         """Prefill the next chunk (at most ``budget`` tokens, ending on a snapshot boundary with

@@ -38,6 +38,7 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.config import ConfigError
 from mtp_jax.engine.requests import ABORT, Request
 from mtp_jax.engine.stops import append_tokens
 from mtp_jax.sampling import SALT_SAMPLE, SamplingParams, SamplingTensors, sample
@@ -106,6 +107,14 @@ class SequentialEngine:
 
     def flush_cache(self) -> None:
         """No prefix cache: nothing to drop."""
+
+    def resize_cache(self, *, num_pages: int | None = None,
+                     max_running_requests: int | None = None) -> None:
+        """Refused: this engine sizes a cache per request and holds no pools
+        (``ConfigError``)."""
+        raise ConfigError(f"resize_cache: {self.model.cfg.model_type} runs on the sequential "
+                          "engine (plain decoding, one request at a time), which makes a cache per "
+                          "request and has no pools to resize; drop the call.")
 
     def warmup_for(self, requests: list[Request]) -> float:
         """Compile what generating ``requests`` calls: one greedy two-token request of the

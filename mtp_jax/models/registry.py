@@ -51,8 +51,8 @@ def entry_for_raw(raw: Any) -> ModelEntry:
                 return entry
     known = ", ".join(REGISTRY)
     raise ConfigError(f"model_type {model_type_of(raw)!r} is not supported; mtp_jax reads {known} "
-                      "(and their *_text variants). Check that --model points at a checkpoint of "
-                      "one of those families, or register a new family in "
+                      "(and their *_text variants). Check that the checkpoint (--model) or config "
+                      "(--config) is of one of those families, or register a new family in "
                       "mtp_jax/models/registry.py.")
 
 

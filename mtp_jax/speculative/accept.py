@@ -9,7 +9,7 @@ Shapes (B rows, k drafts per row, V vocab; k is static, taken from the array sha
 * ``draft_probs [B, k, V] float`` or ``None``: the proposer's distribution ``q_j`` that ``d_{j+1}``
   was drawn from (normally ``sampling.filtered_probs`` of the draft logits with the row's
   parameters). ``None`` means the proposer is deterministic (``q_j`` is one-hot at ``d_{j+1}``).
-* ``num_draft [B] int32`` (optional, default k): per-row draft count after clamping (DESIGN §4:
+* ``num_draft [B] int32`` (optional, default k): per-row draft count after clamping (docs/design.md; the house plan:
   "k is clamped for that row"); drafts at positions ``>= num_draft[b]`` are ignored and row b
   behaves exactly like a round with ``num_draft[b]`` drafts (0 == a plain decode step).
 

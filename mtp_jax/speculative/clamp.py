@@ -1,5 +1,5 @@
 """How many drafts a row may verify in a round: k, clamped where pages or the request's token
-budget run out (DESIGN §4: "k is clamped for that row; k = 0 is a plain decode step inside the
+budget run out (the house plan: "k is clamped for that row; k = 0 is a plain decode step inside the
 same program"). :func:`clamp_drafts` runs inside the round program; :func:`clamp_num_draft` is
 its host reference, which the scheduler uses to foresee a round's reach."""
 

@@ -55,8 +55,9 @@ def write_random_checkpoint(config: dict | str, out_dir: str, dtype: str = "bflo
         n_tok = len(qwen_vocab.load_ranks()) + len(qwen_vocab.special_tokens())
         vocab = entry.config_class.from_dict(raw).vocab_size
         if vocab < n_tok:
-            raise ValueError(f"tokenizer=True writes the real Qwen vocabulary ({n_tok} ids) but "
-                             f"the config's vocab_size is {vocab}; use vocab_size 248320.")
+            raise ValueError(f"tokenizer=True (--tokenizer) writes the real Qwen vocabulary "
+                             f"({n_tok} ids) but the config's vocab_size is {vocab}; use a "
+                             "config with vocab_size 248320 (the released ones), or drop it.")
         zero_from = n_tok  # logit rows past the tokenizer's ids (none when vocab == n_tok)
     entry.write_random(raw, out_dir, dtype=dtype, experts=experts, mtp_experts=mtp_experts,
                        include_mtp=include_mtp, shard_size_bytes=shard_size_bytes, seed=seed,
@@ -70,21 +71,32 @@ def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mtp_jax.tools.random_checkpoint",
                                  description="Write a random-weight checkpoint of a "
                                              "registered family.")
-    ap.add_argument("--config", required=True, help="config.json (or a folder holding one)")
+    ap.add_argument("--config", required=True,
+                    help="config.json, or a folder holding one (a checkpoint's, e.g. a test "
+                         "fixture under tests/fixtures/ for a small model; configs/*.json are "
+                         "the released shapes, gigabytes each)")
     ap.add_argument("--out", required=True, help="output folder")
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES))
-    ap.add_argument("--experts", default="fused", choices=EXPERT_LAYOUTS)
+    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
+                    help="stored dtype (default %(default)s)")
+    ap.add_argument("--experts", default="fused", choices=EXPERT_LAYOUTS,
+                    help="MoE experts stored fused ([E, 2I, H] / [E, H, I]) or one tensor per "
+                         "expert (default %(default)s)")
     ap.add_argument("--mtp-experts", default=None, choices=EXPERT_LAYOUTS,
                     help="layout of the mtp.* experts (default: --experts)")
     ap.add_argument("--no-mtp", action="store_true",
                     help="leave out the mtp.* tensors (config.json still declares the MTP "
                          "layer, as some re-exports do: run the checkpoint with "
                          "--speculative-algorithm none)")
-    ap.add_argument("--shard-size-gb", type=float, default=2.0, help="GiB per shard")
-    ap.add_argument("--seed", type=int, default=0)
+    ap.add_argument("--shard-size-gb", type=float, default=2.0,
+                    help="GiB per safetensors shard (default %(default)s)")
+    ap.add_argument("--seed", type=int, default=0,
+                    help="values are a function of the seed and the tensor name (default "
+                         "%(default)s)")
     ap.add_argument("--tokenizer", action="store_true",
-                    help="also write the real Qwen tokenizer and chat template")
-    ap.add_argument("--workers", type=int, default=None, help="generator threads")
+                    help="also write the real Qwen tokenizer and chat template (needs the "
+                         "config's vocab_size >= 248077, as the released configs have)")
+    ap.add_argument("--workers", type=int, default=None,
+                    help="generator threads (default: the CPUs, at most 8)")
     args = ap.parse_args(argv)
     try:
         out = write_random_checkpoint(args.config, args.out, dtype=args.dtype,

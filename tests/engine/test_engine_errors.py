@@ -13,7 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from mtp_jax import LLM
+from mtp_jax import LLM, ConfigError
 from mtp_jax.engine.sequential import SequentialEngine
 from tests.helpers.engine_runs import greedy, make_requests
 from tests.helpers.paths import fixture_path
@@ -267,8 +267,11 @@ def test_sequential_engine_abort():
     being decoded leave it."""
     from types import SimpleNamespace
 
-    model = SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=64, eos_token_ids=[1]))
+    model = SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=64, eos_token_ids=[1],
+                                                model_type="qwen4_exp"))
     eng = SequentialEngine(model, 64)
+    with pytest.raises(ConfigError, match="resize_cache: qwen4_exp runs on the sequential"):
+        eng.resize_cache(num_pages=64)  # no pools to resize: a clear refusal
     a, b = make_requests([([3, 4], greedy(4)), ([5], greedy(4))])
     eng.add_request(a)
     eng.add_request(b)

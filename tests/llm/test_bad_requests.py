@@ -142,6 +142,15 @@ def test_params_changed_after_construction_refused_before_work(llm, run_spy, kwa
     assert run_spy == []
 
 
+def test_stop_strings_without_a_tokenizer_are_refused(llm, run_spy):
+    """This checkpoint has no tokenizer, so a stop string could never match: refused, not
+    ignored."""
+    with pytest.raises(ValueError, match=r"stop strings \['a'\] need a tokenizer.*"
+                                         r"use stop_token_ids"):
+        llm.generate([[5, 6]], SamplingParams(stop=["a"], max_tokens=4))
+    assert run_spy == []
+
+
 def test_sampling_params_count_and_type(llm, run_spy):
     with pytest.raises(ValueError, match="2 sampling params for 3 prompts"):
         llm.generate(_good(3), [SamplingParams()] * 2)

@@ -18,20 +18,21 @@ Time: the median wall time of one jitted call, each waited for, over ``--reps`` 
 excluded). Bytes: the logits read (bf16) and the probabilities written (float32). Error: the
 largest |p - p_sort| (reference ``sort``). Notes: ``valid``, the rows the candidates decided;
 ``kept_row0``, the ids row 0 keeps; ``same``, whether both variants keep the same ids.
-``--quick``: rows 1, 7 and 224 of peaked logits. All XLA: runs on a CPU too (``--vocab 4096
---rows 2`` for a quick check).
+``--quick``: rows 1, 7 and 224 of peaked logits (without a GPU at most 8,192 ids and 5 timed
+calls). All XLA: runs on a CPU too (``--vocab 4096 --rows 2`` for a quick check).
 """
 
 from __future__ import annotations
 
 import argparse
+import sys
 
 import jax
 import jax.numpy as jnp
 
 from mtp_jax.bench.report import op_row
-from mtp_jax.bench.subcommand import (Results, int_list, name_list, parser, pick_variants,
-                                      positive, run)
+from mtp_jax.bench.subcommand import (Results, int_list, name_list, on_gpu, parser,
+                                      pick_variants, positive, run)
 from mtp_jax.bench.timing import wall_seconds
 from mtp_jax.sampling import filtered_probs, keep_set
 
@@ -42,6 +43,7 @@ FILTERS = {"top_p": (0, 0.9), "top_k": (50, 1.0), "both": (50, 0.95), "none": (0
 KINDS = ("peaked", "flat")
 VARIANTS = ("sort", "candidates")
 MIN_IDS = keep_set.NUM_CHUNKS * keep_set.PER_CHUNK  # the candidates need this many ids
+QUICK_CPU_VOCAB = 8192  # --quick without a GPU
 
 
 def vocab_size(text: str) -> int:
@@ -65,7 +67,8 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--vocab", type=vocab_size, default=VOCAB,
                    help=f"ids per row (default {VOCAB}; at least {MIN_IDS})")
     p.add_argument("--quick", action="store_true",
-                   help="rows 1, 7 and 224 of peaked logits only (overrides --rows, --kinds)")
+                   help="rows 1, 7 and 224 of peaked logits only (overrides --rows, --kinds; "
+                        f"without a GPU also at most {QUICK_CPU_VOCAB} ids and 5 timed calls)")
     p.add_argument("--kinds", type=name_list(KINDS), default=list(KINDS),
                    help="logits: peaked, flat (default both)")
     p.add_argument("--filters", type=name_list(FILTERS), default=list(FILTERS),
@@ -117,6 +120,10 @@ def bench(args, results: Results) -> None:
     variants = pick_variants("sampling", args.variants, list(VARIANTS), ())
     if args.quick:
         args.rows, args.kinds = [1, 7, 224], ["peaked"]
+        if not on_gpu():  # the whole vocabulary's sort of 224 rows takes minutes on a CPU
+            args.vocab, args.reps = min(args.vocab, QUICK_CPU_VOCAB), min(args.reps, 5)
+            print(f"note: sampling --quick without a GPU: {args.vocab} ids per row, "
+                  f"{args.reps} timed calls", file=sys.stderr)
     for kind in args.kinds:
         for rows in args.rows:
             x = logits(kind, rows, args.vocab)

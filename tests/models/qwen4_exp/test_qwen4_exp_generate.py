@@ -28,6 +28,11 @@ def test_llm_greedy_matches_hf_with_both_ple_backends():
 def test_qwen4_exp_refuses_speculation_before_loading():
     with pytest.raises(ConfigError, match="not supported for qwen4_exp yet"):
         LLM(CKPT, dtype="float32")
+    # external drafts: the same refusal (the engine that serves it runs plain decoding), not a
+    # list of drafts it cannot run either
+    with pytest.raises(ConfigError, match="'external' is not supported for qwen4_exp yet"):
+        LLM(CKPT, dtype="float32", speculative_algorithm="external",
+            proposer=lambda rid, ids, k: [0] * k)
 
 
 def test_cli_on_qwen4_exp(capsys, tmp_path):
