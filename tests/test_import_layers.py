@@ -25,6 +25,7 @@ LAYERS = {
     "mtp_jax.engine": 5,
     "mtp_jax": 6, "mtp_jax.llm": 6, "mtp_jax.prompts": 6, "mtp_jax.generate": 6,
     "mtp_jax.bench": 6, "mtp_jax.tools": 6, "mtp_jax.default_model": 6,
+    "mtp_jax.train": 6, "mtp_jax.train_mtp": 6,
 }
 NAMES = ["leaf modules", "weights", "models", "speculative", "checks", "engine", "faces"]
 

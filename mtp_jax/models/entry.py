@@ -110,7 +110,10 @@ class ModelEntry:
       (:func:`mtp_jax.cache.pools.make_pools`); None for a sequential family;
     write_random: ``(raw, out_dir, *, dtype, experts, mtp_experts, include_mtp,
       shard_size_bytes, seed, zero_rows_from, workers) -> out_dir``, the family's writer of
-      random-weight checkpoints (:mod:`mtp_jax.tools.random_checkpoint`), or None.
+      random-weight checkpoints (:mod:`mtp_jax.tools.random_checkpoint`), or None;
+    draft_chain: ``(module, hidden [B, T, H], ids [B, T], k) -> [z_j [B, T, H]] * k``, the
+      family's MTP chain teacher-forced as its round runs it (:mod:`mtp_jax.train.chain`), for
+      training the draft (``python -m mtp_jax.train_mtp``); None: its draft cannot be trained.
     """
 
     model_type: str
@@ -128,6 +131,7 @@ class ModelEntry:
     load_options: tuple = ()  # ((name, (allowed values...)), ...)
     make_pools: Callable | None = None
     write_random: Callable | None = None
+    draft_chain: Callable | None = None
 
     def __post_init__(self):
         if self.serving not in SERVING:

@@ -11,6 +11,7 @@ from mtp_jax.cache.pools import make_pools
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.entry import ModelEntry, SlotState
 from mtp_jax.models.qwen3_5.loader import build, load
+from mtp_jax.models.qwen3_5.mtp_chain import draft_chain
 from mtp_jax.models.qwen3_5.random_checkpoint import write_random
 from mtp_jax.weights import names
 
@@ -38,7 +39,7 @@ def _entry(model_type: str) -> ModelEntry:
                       config_class=ModelConfig, build=build, load=load,
                       tensor_shapes=tensor_shapes, drafts=("mtp", "external"),
                       slot_states=SLOT_STATES, serving="rounds", make_pools=make_pools,
-                      write_random=write_random)
+                      write_random=write_random, draft_chain=draft_chain)
 
 
 ENTRIES = (_entry("qwen3_5"), _entry("qwen3_5_moe"))

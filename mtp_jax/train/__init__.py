@@ -1,0 +1,1 @@
+"""Training tools for test fixtures: trained targets, synthetic data, the MTP head."""
