@@ -1,12 +1,21 @@
-"""A small random-weight Qwen3.5-MoE checkpoint to run without downloading anything.
+"""A small Qwen3.5-MoE checkpoint to run without downloading anything.
 
 :func:`default_model_path` builds it once (a few seconds) under
-``$MTP_JAX_CACHE/default-qwen3_5_moe-v1`` (default cache ``~/.cache/mtp_jax``) and returns the
+``$MTP_JAX_CACHE/default-qwen3_5_moe-v2`` (default cache ``~/.cache/mtp_jax``) and returns the
 folder. It is a real released-layout checkpoint: composite config (``text_config``), tensors under
 ``model.language_model.*``, ``lm_head.weight``, ``mtp.*`` (fused experts), bf16, sharded with an
-index, plus the real Qwen3.5 tokenizer, chat template and generation config. Weights are random
-(:mod:`mtp_jax.tools.random_checkpoint`), so its text is gibberish; it exercises every code path
-of the engine, GDN and full attention, GQA, partial RoPE, MoE with a shared expert and MTP.
+index, plus the real Qwen3.5 tokenizer, chat template and generation config. It exercises every
+code path of the engine: GDN and full attention, GQA, partial RoPE, MoE with a shared expert and
+MTP.
+
+Weights: ``embed_tokens`` and ``lm_head`` are random (seed 0,
+:mod:`mtp_jax.tools.random_checkpoint`); the decoder layers and final norm were trained briefly
+on the project's own docs with those two frozen, and the MTP head by ``python -m
+mtp_jax.train_mtp`` on the model's own continuations (:mod:`mtp_jax.tools.train_default_model`).
+Those trained tensors ship with the package (:data:`TRAINED_WEIGHTS`, about 1 MB), so the build
+regenerates the random tables and overwrites the rest. The model recites fragments of the docs,
+not language; its MTP head drafts those fragments, so ``python -m mtp_jax.generate`` shows MTP
+drafts being accepted (the README says what its accept length means).
 
 Shape (:data:`DEFAULT_CONFIG`): vocab 248320 (the real one), hidden 64, 4 layers
 [linear, linear, linear, full], 4 query / 2 KV heads x 32, partial rotary 0.25 (8 dims),
@@ -25,7 +34,12 @@ import tempfile
 
 from mtp_jax.home import cache_root
 
-DEFAULT_MODEL_NAME = "default-qwen3_5_moe-v1"
+DEFAULT_MODEL_NAME = "default-qwen3_5_moe-v2"
+# The trained tensors (bfloat16, on-disk names): the decoder layers and final norm trained on the
+# project's docs, and the MTP head trained by ``python -m mtp_jax.train_mtp`` on the model's own
+# continuations (mtp_jax/tools/train_default_model.py made it).
+TRAINED_WEIGHTS = os.path.join(os.path.dirname(os.path.abspath(__file__)),
+                               "default_model_weights.safetensors")
 
 _TEXT_CONFIG = {
     "model_type": "qwen3_5_moe_text",
@@ -83,6 +97,36 @@ DEFAULT_CONFIG = {
 }
 
 
+def apply_trained_weights(folder: str, path: str = TRAINED_WEIGHTS) -> None:
+    """Overwrite the random checkpoint in ``folder`` with the shipped trained tensors (every
+    tensor but ``embed_tokens`` and ``lm_head``, under their on-disk names), shard by shard.
+    Raises ``RuntimeError`` naming a shipped tensor the checkpoint lacks or stores otherwise."""
+    import json
+
+    import ml_dtypes  # noqa: F401  (registers numpy's bfloat16, which the files use)
+    from safetensors.numpy import load_file, save_file
+
+    trained = load_file(path)
+    with open(os.path.join(folder, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    by_file: dict[str, list[str]] = {}
+    for name in trained:
+        if name not in weight_map:
+            raise RuntimeError(f"{path} holds {name!r}, which the default model does not have; "
+                               "rebuild the file with mtp_jax.tools.train_default_model.")
+        by_file.setdefault(weight_map[name], []).append(name)
+    for fn, names in by_file.items():
+        shard = os.path.join(folder, fn)
+        tensors = load_file(shard)
+        for name in names:
+            a, b = tensors[name], trained[name]
+            if a.shape != b.shape or a.dtype != b.dtype:
+                raise RuntimeError(f"{path}: {name!r} is {b.dtype} {b.shape}, the default model "
+                                   f"stores {a.dtype} {a.shape}.")
+            tensors[name] = b
+        save_file(tensors, shard, metadata={"format": "pt"})
+
+
 def default_config() -> dict:
     """A fresh copy of the default model's ``config.json``."""
     return copy.deepcopy(DEFAULT_CONFIG)
@@ -111,6 +155,7 @@ def default_model_path(cache_dir: str | None = None) -> str:
     try:
         write_random_checkpoint(default_config(), tmp, dtype="bfloat16", experts="fused",
                                 include_mtp=True, seed=0, tokenizer=True, cache_dir=root)
+        apply_trained_weights(tmp)
         os.chmod(tmp, 0o755)  # mkdtemp makes it private
         try:
             os.rename(tmp, final)

@@ -18,7 +18,7 @@ def build_parser() -> argparse.ArgumentParser:
 
     p = argparse.ArgumentParser(prog="python -m mtp_jax.generate", description=__doc__)
     p.add_argument("--model", default=None,
-                   help="checkpoint folder (HF layout); default: a small built-in random-weight "
+                   help="checkpoint folder (HF layout); default: a small built-in "
                         "qwen3_5_moe with the real Qwen3.5 tokenizer, made once in a cache folder")
     prompts = p.add_mutually_exclusive_group()  # one source of prompts, never one ignored
     prompts.add_argument("--prompt", action="append", default=None,

@@ -121,7 +121,9 @@ def test_external_drafts_reproduce_plain_decoding(model, reference, k):
         _assert_states_match(states, ref_states, r.request_id, f"p{pi}")
 
 
-@pytest.mark.parametrize("k", [1, 3])
+# With this random head nothing is accepted; accepted MTP drafts (k = 1..5) are
+# tests/speculative/test_mtp_accepts.py's, with the trained fixture.
+@pytest.mark.parametrize("k", [3])
 def test_mtp_reproduces_plain_decoding(model, reference, k):
     prompts, ref_out, ref_states = reference
     eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", overlap_schedule=False),

@@ -228,3 +228,30 @@ def test_default_model(vocab_cache, tmp_path):
     assert tok.vocab_size == 248077 and tok.eos_token_ids == (248046, 248044)
     assert tok.apply_chat_template([{"role": "user", "content": "hi"}]) == (
         "<|im_start|>user\nhi<|im_end|>\n<|im_start|>assistant\n")
+
+
+def test_default_model_ships_its_trained_tensors(vocab_cache, tmp_path):
+    """The built default model holds the shipped trained tensors (layers and MTP head, read
+    back with safetensors) and the seed's random embedding and LM head; its head drafts tokens
+    the target accepts on a prompt that opens a doc paragraph (what it trained on)."""
+    import ml_dtypes  # noqa: F401  (numpy's bfloat16)
+    from safetensors import safe_open
+
+    import mtp_jax
+
+    root = str(tmp_path)
+    shutil.copy(qwen_vocab.converted_tokenizer_json(vocab_cache), root)
+    path = default_model.default_model_path(cache_dir=root)
+    with open(os.path.join(path, "model.safetensors.index.json")) as f:
+        weight_map = json.load(f)["weight_map"]
+    with safe_open(default_model.TRAINED_WEIGHTS, "np") as shipped:
+        names_ = list(shipped.keys())
+        assert any(n.startswith("mtp.") for n in names_) and len(names_) > 60
+        assert not {"lm_head.weight", "model.language_model.embed_tokens.weight"} & set(names_)
+        for n in names_:
+            with safe_open(os.path.join(path, weight_map[n]), "np") as f:
+                np.testing.assert_array_equal(f.get_tensor(n), shipped.get_tensor(n), n)
+    llm = mtp_jax.LLM(path, dtype="float32", speculative_num_steps=3)
+    prompt = "A JAX/Flax/Pallas inference engine for the Qwen3.5 family"
+    out = llm.generate([prompt], mtp_jax.SamplingParams(temperature=0, max_tokens=48))[0]
+    assert out.num_accepted_tokens > 0, out

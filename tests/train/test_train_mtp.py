@@ -3,7 +3,6 @@
 run learns and resumes, and bad settings are refused before any weight loads."""
 
 import json
-import os
 
 import jax
 import jax.numpy as jnp
@@ -12,7 +11,6 @@ import pytest
 from flax import nnx
 
 import mtp_jax
-from mtp_jax.config import ConfigError
 from mtp_jax.models.registry import entry_of
 from mtp_jax.train.loss import head_loss
 from mtp_jax.train.prepare import XLA
@@ -140,3 +138,29 @@ def test_refusals_before_weights_load(tmp_path, capsys, monkeypatch):
     assert "qwen4_exp" in capsys.readouterr().err
     assert main(["--model", TRAINED, "--out", str(tmp_path / "o")]) == 2
     assert "no training data" in capsys.readouterr().err
+
+
+def test_a_moe_checkpoint_trains_on_its_own_continuations(tmp_path, capsys):
+    """qwen3_5_moe with per-expert mtp experts, --self-generate: the head trains on the
+    target's continuations and is written back per expert, as the source stores it."""
+    from safetensors import safe_open
+
+    src = fixture_path("tiny_moe_mtp_per_expert")
+    data = tmp_path / "p.jsonl"
+    rng = np.random.default_rng(3)
+    data.write_text("".join(json.dumps({"token_ids": rng.integers(2, 200, n).tolist()}) + "\n"
+                            for n in (5, 9, 14, 20)))
+    out = tmp_path / "draft"
+    assert main(["--model", src, "--data", str(data), "--self-generate", "4",
+                 "--generate-tokens", "12", "--out", str(out), "--draft-only", "--steps", "3",
+                 "--batch-size", "4", "--seq-len", "32", "--eval-fraction", "0",
+                 "--checkpoint-every", "3", "--chunk", "64", "--dtype", "float32"]) == 0
+    summary = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    # 4 prompts of 48 tokens in all, each continued by up to 12 (EOS may end one early), all
+    # four texts in each batch of 4; two steps counted (the first compiles).
+    assert 2 * 48 < summary["train"]["tokens"] <= 2 * (48 + 48)
+    with safe_open(str(out / "mtp.safetensors"), "numpy") as f:
+        names = set(f.keys())
+    assert "mtp.layers.0.mlp.experts.0.gate_proj.weight" in names
+    m = mtp_jax.load_model(src, "float32", draft_path=str(out))
+    assert m.has_mtp
