@@ -73,11 +73,26 @@ def settings_from_args(a: argparse.Namespace) -> TrainSettings:
     return TrainSettings(**{k: v for k, v in vars(a).items() if k in fields})
 
 
+def _importable(module: str) -> bool:
+    import importlib.util
+
+    try:
+        return importlib.util.find_spec(module) is not None
+    except ModuleNotFoundError:  # a missing parent package
+        return False
+
+
 def main(argv=None) -> int:
     from mtp_jax.config import ConfigError
-    from mtp_jax.train.run import run
 
     args = build_parser().parse_args(argv)
+    missing = [m for m in ("optax", "orbax.checkpoint") if not _importable(m)]
+    if missing:
+        print(f"error: train_mtp needs the 'train' extra ({', '.join(missing)} not installed): "
+              "scripts/setup_venv.sh train, or pip install -e '.[train]'.", file=sys.stderr)
+        return 2
+    from mtp_jax.train.run import run
+
     try:
         summary = run(settings_from_args(args))
     except ConfigError as e:

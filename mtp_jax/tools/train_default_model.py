@@ -90,7 +90,8 @@ def window_batches(docs: list[np.ndarray], batch: int, seq_len: int, steps: int,
         yield ids, lengths
 
 
-def doc_softmax_loss(model: LoadedModel, candidates: np.ndarray, margin: float = 1.0):
+def doc_softmax_loss(model: LoadedModel, candidates: np.ndarray, margin: float = 0.0,
+                     hinge_weight: float = 0.5):
     """A ``loss(params, ids, lengths, key)`` for :func:`mtp_jax.train.target.train_target`
     that scores only the LM head's ``candidates`` rows (``[C]`` ids, the docs' tokens; every
     label must be one) and stands in for the other ``N`` rows by their moments, taking them as
@@ -140,10 +141,10 @@ def doc_softmax_loss(model: LoadedModel, candidates: np.ndarray, margin: float =
             jnp.concatenate([doc, rest[..., None]], axis=-1), labels)
         top = doc.max(axis=-1)
         label_logit = jnp.take_along_axis(doc, labels[..., None], axis=-1)[..., 0]
-        hinge = jax.nn.relu(rest_max + margin - label_logit)
+        hinge = jax.nn.relu(rest_max + margin - top)
         hit = ((label_logit >= top) & (label_logit > rest_max)).astype(jnp.float32)
         n = jnp.maximum(mask.sum(), 1.0)
-        return ((ce + hinge) * mask).sum() / n, (hit * mask).sum() / n
+        return ((ce + hinge_weight * hinge) * mask).sum() / n, (hit * mask).sum() / n
 
     return loss
 

@@ -11,7 +11,8 @@ from mtp_jax.config import ConfigError
 from mtp_jax.models.checks import read_model_config
 from mtp_jax.models.registry import entry_of
 
-__all__ = ["TrainSettings", "check_settings", "check_model", "load_for_training"]
+__all__ = ["TrainSettings", "checkpoint_dir", "check_settings", "check_model",
+           "load_for_training"]
 
 XLA = dict(attention_backend="xla", gdn_backend="xla", moe_backend="xla", norm_backend="xla",
            gemv_backend="xla")
@@ -62,6 +63,11 @@ def _positive(name: str, flag: str, value, minimum=1) -> None:
         raise ConfigError(f"{name} ({flag}) is {value!r}; it must be >= {minimum}.")
 
 
+def checkpoint_dir(s: TrainSettings) -> str:
+    """Where the run's train states go: ``--checkpoint-dir``, default ``OUT.train``."""
+    return os.path.abspath(s.checkpoint_dir or s.out.rstrip("/") + ".train")
+
+
 def check_settings(s: TrainSettings) -> None:
     """Every setting that can be checked without the model; raises :class:`ConfigError`
     naming the value and the fix."""
@@ -100,8 +106,11 @@ def check_settings(s: TrainSettings) -> None:
     if s.generate_temperature < 0:
         raise ConfigError(f"--generate-temperature {s.generate_temperature!r} must be >= 0.")
     if os.path.exists(s.out) and (not os.path.isdir(s.out) or os.listdir(s.out)):
-        raise ConfigError(f"--out {s.out!r} exists and is not an empty folder; pass a new path "
-                          "(the trained checkpoint is written there).")
+        raise ConfigError(
+            f"--out {s.out!r} exists and is not an empty folder; pass a new path (the trained "
+            "checkpoint is written there). To continue a finished run's saved train state, pass "
+            f"a new --out with --resume --checkpoint-dir {checkpoint_dir(s)!r} (and more --steps "
+            "only if the saved run had them: other settings are refused).")
 
 
 def check_model(s: TrainSettings):
@@ -129,7 +138,7 @@ def load_for_training(s: TrainSettings, cfg):
     and read from there. Returns ``(model, fresh)``."""
     import mtp_jax
     from mtp_jax.train.export import write_draft_checkpoint
-    from mtp_jax.train.fresh import fresh_draft_tensors
+    from mtp_jax.train.fresh import fresh_draft_tensors, read_initializer_range
 
     fresh = s.fresh_head or not cfg.has_mtp
     if not fresh:
@@ -137,7 +146,8 @@ def load_for_training(s: TrainSettings, cfg):
                                   **XLA), False
     with tempfile.TemporaryDirectory(prefix="mtp_jax-fresh-head-") as tmp:
         folder = os.path.join(tmp, "draft")
-        write_draft_checkpoint(s.model, cfg, fresh_draft_tensors(cfg, s.seed), folder,
-                               draft_only=True)
+        tensors = fresh_draft_tensors(cfg, s.seed,
+                                      initializer_range=read_initializer_range(s.model))
+        write_draft_checkpoint(s.model, cfg, tensors, folder, draft_only=True)
         return mtp_jax.load_model(s.model, s.dtype, with_mtp=True, draft_path=folder,
                                   merge_projections=False, **XLA), True

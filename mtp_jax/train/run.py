@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import gc
-import os
 import sys
 import time
 
@@ -15,7 +14,8 @@ from mtp_jax.train import data as train_data
 from mtp_jax.train.export import write_draft_checkpoint
 from mtp_jax.train.loop import Metrics, evaluate, train
 from mtp_jax.train.params import split_draft, to_numpy
-from mtp_jax.train.prepare import (TrainSettings, check_model, check_settings,
+from mtp_jax.config import ConfigError
+from mtp_jax.train.prepare import (TrainSettings, check_model, check_settings, checkpoint_dir,
                                    load_for_training)
 from mtp_jax.train.step import StepSettings, init_state, make_optimizer, make_steps
 
@@ -56,23 +56,29 @@ def run(s: TrainSettings) -> dict:
     weights load where the settings alone show it)."""
     check_settings(s)
     cfg, entry = check_model(s)
-    ckpt_dir = os.path.abspath(s.checkpoint_dir or s.out.rstrip("/") + ".train")
-    if not s.resume and ckpt.latest(ckpt_dir) is not None:
-        from mtp_jax.config import ConfigError
-        raise ConfigError(f"{ckpt_dir} already holds a train state; pass --resume to continue "
-                          "it, or another --checkpoint-dir (or delete it) to start afresh.")
+    ckpt_dir = checkpoint_dir(s)
+    saved = ckpt.latest(ckpt_dir)
+    if not s.resume and saved is not None:
+        raise ConfigError(f"{ckpt_dir} already holds a train state (step {saved}); pass --resume "
+                          "to continue it, or another --checkpoint-dir (or delete it) to start "
+                          "afresh.")
+    if s.resume and saved is None:
+        raise ConfigError(f"--resume: {ckpt_dir} holds no train state; pass the "
+                          "--checkpoint-dir the run saved into (default: its --out + '.train'), "
+                          "or drop --resume to start afresh.")
     seqs = read_sequences(s, cfg)
     train_seqs, eval_seqs = train_data.split_eval(seqs, s.eval_fraction, s.seed)
     batches = train_data.Batches(train_seqs, s.batch_size, s.seq_len, seed=s.seed)
     model, fresh = load_for_training(s, cfg)
+    draft_text = "a fresh head" if fresh else "the checkpoint's own"
     _log(f"{len(train_seqs)} train / {len(eval_seqs)} eval texts, {batches.num_windows} rows "
-         f"of <= {s.seq_len} tokens; draft: {'fresh head' if fresh else 'the checkpoint own'}")
+         f"of <= {s.seq_len} tokens; draft: {draft_text}")
     frozen, flat, draft = split_draft(model)
     optimizer = make_optimizer(s.lr, s.steps, s.warmup_steps, s.weight_decay, s.clip_norm)
     settings = StepSettings(k=s.k, loss=s.loss, step_decay=s.step_decay, chunk=s.chunk)
     train_step, eval_step = make_steps(model, entry, draft, settings, optimizer)
     state = init_state(flat, optimizer)
-    if s.resume and ckpt.latest(ckpt_dir) is not None:
+    if s.resume:
         state, meta = ckpt.restore(ckpt_dir, state, run=s.run_key())
         batches.restore(meta["data"])
         _log(f"resumed from step {int(state.step)} in {ckpt_dir}")

@@ -138,6 +138,8 @@ def test_refusals_before_weights_load(tmp_path, capsys, monkeypatch):
     assert "qwen4_exp" in capsys.readouterr().err
     assert main(["--model", TRAINED, "--out", str(tmp_path / "o")]) == 2
     assert "no training data" in capsys.readouterr().err
+    assert main(_args(tmp_path, data, tmp_path / "out", "--resume")) == 2
+    assert "holds no train state" in capsys.readouterr().err
 
 
 def test_a_moe_checkpoint_trains_on_its_own_continuations(tmp_path, capsys):
