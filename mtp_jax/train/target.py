@@ -55,7 +55,7 @@ def split_trainable(params: nnx.State, trainable: Callable[[str], bool]):
     """``(train, frozen)`` nnx States of ``params`` by canonical name
     (``trainable("layers.3.self_attn.q_proj.weight") -> bool``); ``nnx.merge_state(train,
     frozen)`` gives ``params`` back. Raises ``ValueError`` when nothing is trainable."""
-    train, frozen = params.split(lambda path, _: bool(trainable(param_name(path))), ...)
+    train, frozen = nnx.split_state(params, lambda path, _: bool(trainable(param_name(path))), ...)
     if not jax.tree.leaves(train):
         raise ValueError("trainable() selected no parameter; names look like "
                          "'layers.3.self_attn.q_proj.weight', 'norm.weight', 'lm_head.weight'.")
