@@ -31,7 +31,6 @@ from mtp_jax.config import ConfigError, EngineConfig, SpeculativeConfig, check_s
 from mtp_jax.models.checks import (check_draft_folder, check_draft_source, check_family,
                                    check_request, read_model_config)
 from mtp_jax.models.entry import LoadRequest
-from mtp_jax.models.registry import entry_of
 from mtp_jax.speculative.draft_vocab import hot_token_ids
 
 __all__ = ["check_before_load", "check_settings", "check_draft_folder", "check_draft_source",
@@ -91,9 +90,9 @@ def check_before_load(model: str | None, *, speculative: SpeculativeConfig,
                    dummy_draft_ok=dummy_draft_ok, has_proposer=has_proposer)
     if cfg is None:
         cfg = read_model_config(model, mtp=speculative.algorithm == "mtp")
-    if entry_of(cfg).serving == "sequential":
-        _check_sequential(cfg, speculative, engine)
-    check_family(cfg, speculative.algorithm)
+    family = check_family(cfg, speculative.algorithm)
+    if engine is not None and family.check_engine is not None:
+        family.check_engine(cfg, engine, speculative)
     speculative.validate(cfg)
     hot_token_ids(speculative.algorithm, speculative.draft_vocab_size,
                   speculative.token_map_path, cfg.vocab_size)
@@ -102,16 +101,3 @@ def check_before_load(model: str | None, *, speculative: SpeculativeConfig,
     if speculative.algorithm == "mtp" and speculative.draft_model_path:
         check_draft_source(cfg, speculative.draft_model_path)
     return cfg
-
-
-def _check_sequential(cfg, speculative: SpeculativeConfig, engine: EngineConfig | None) -> None:
-    """What the sequential engine (plain decoding, one request at a time, one step per call)
-    cannot run."""
-    if speculative.enabled:
-        raise ConfigError(f"speculative_algorithm {speculative.algorithm!r} is not supported for "
-                          f"{cfg.model_type} yet (its verify/commit programs are not built); use "
-                          "speculative_algorithm='none' (--speculative-algorithm none).")
-    if engine is not None and engine.num_scheduler_steps != 1:
-        raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) "
-                          f"{engine.num_scheduler_steps}: {cfg.model_type} runs one decode step "
-                          "per call for now; use 1 (the default).")

@@ -67,7 +67,8 @@ class DeviceState:
 
     # ---- programs -----------------------------------------------------------------------------
     def prefill(self, batch: PrefillBatch, variant: PrefillVariant) -> jax.Array:
-        """Run a prefill call; returns its first tokens ``[B]`` int32 (on the device)."""
+        """Run a prefill call; returns its first tokens and drafts ``[B, k+1]`` int32 (on the
+        device)."""
         first, self.pools = self.programs.prefill(self.leaves, self.pools, batch, variant)
         return first
 

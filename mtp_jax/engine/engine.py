@@ -39,6 +39,7 @@ from mtp_jax.engine.scheduler import LoopSettings, Scheduler
 from mtp_jax.engine.stops import append_tokens
 from mtp_jax.models.draft_head import with_draft_head
 from mtp_jax.models.loaded import DTYPES, LoadedModel
+from mtp_jax.models.registry import entry_of
 from mtp_jax.speculative.draft_vocab import hot_token_ids
 from mtp_jax.speculative.external import Proposer
 
@@ -89,6 +90,9 @@ class Engine:
             raise ConfigError("speculative_algorithm='external' needs a proposer callable "
                               "(request_id, token_ids_so_far, k) -> k token ids.")
         check_scheduler_steps(speculative, engine_cfg)
+        family = entry_of(model.cfg)
+        if family.check_engine is not None:
+            family.check_engine(model.cfg, engine_cfg, speculative)
         hot = hot_token_ids(speculative.algorithm, speculative.draft_vocab_size,
                             speculative.token_map_path, model.cfg.vocab_size)
         # The draft's own LM head (hot ids and/or int8 rows) and int8 layer, made once.
@@ -137,10 +141,12 @@ class Engine:
                          rounds_per_call=engine_cfg.num_scheduler_steps,
                          chunk_size=engine_cfg.chunked_prefill_size,
                          max_model_len=self.max_model_len,
-                         # Host drafts come with each round's batch: no round runs ahead.
+                         # Host drafts (or inputs looked up on the host from the drafts)
+                         # come with each round's batch: no round runs ahead.
                          overlap=(engine_cfg.overlap_schedule
-                                  and speculative.algorithm != "external"),
-                         vocab_size=mc.vocab_size),
+                                  and speculative.algorithm != "external"
+                                  and model.host_inputs is None),
+                         vocab_size=mc.vocab_size, host=model.host_inputs),
             self.book, self.prefix, self.device, stops, proposer)
 
     # ---- views -------------------------------------------------------------------------------

@@ -12,15 +12,19 @@ from __future__ import annotations
 
 import dataclasses
 
+import jax
 import numpy as np
 
 from mtp_jax.cache.allocator import pages_needed
 from mtp_jax.config import ConfigError, ModelConfig, SpeculativeConfig
 from mtp_jax.models.draft_head import draft_head_bytes, draft_layer_bytes
+from mtp_jax.models.loaded import DTYPES
 from mtp_jax.models.registry import entry_of
 from mtp_jax.speculative.draft_vocab import hot_token_ids
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
+# Page and slot bytes are measured on the shapes of the family's own pools
+# (ModelEntry.make_pools), so the plan counts every state a family keeps.
 
 
 @dataclasses.dataclass(frozen=True)
@@ -60,23 +64,40 @@ class MemoryPlan:
                 + (f", budget {gib(self.budget_bytes)}" if self.budget_bytes else ""))
 
 
+def _pool_bytes(cfg, page_size: int, dtype: str, k: int, mtp: bool, *, num_pages: int,
+                slots: int, num_snapshots: int) -> int:
+    """Bytes of the pools the family's ``make_pools`` would allocate (shapes only, nothing is
+    allocated)."""
+    make = entry_of(cfg).make_pools
+    tree = jax.eval_shape(lambda: make(cfg, num_pages=num_pages, page_size=page_size,
+                                       slots=slots, k=k, mtp=mtp, dtype=DTYPES[dtype],
+                                       num_snapshots=num_snapshots))
+    return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree))
+
+
+def _unit_bytes(cfg, page_size: int, dtype: str, k: int, mtp: bool, what: str) -> int:
+    sizes = {"num_pages": 1, "slots": 1, "num_snapshots": 1}
+    base = _pool_bytes(cfg, page_size, dtype, k, mtp, **sizes)
+    sizes[what] = 2
+    return _pool_bytes(cfg, page_size, dtype, k, mtp, **sizes) - base
+
+
 def page_bytes(cfg: ModelConfig, page_size: int, dtype: str, mtp: bool) -> int:
-    layers = len(cfg.full_layer_ids) + (cfg.mtp_num_hidden_layers if mtp else 0)
-    return 2 * layers * page_size * cfg.num_key_value_heads * cfg.head_dim * _ITEMSIZE[dtype]
+    """One KV page of every paged state (target and draft attention layers; the family's
+    other paged states, e.g. qwen4_exp's raw index keys)."""
+    return _unit_bytes(cfg, page_size, dtype, 0, mtp, "num_pages")
 
 
 def gdn_bytes(cfg: ModelConfig, dtype: str) -> int:
-    """One request's GDN state: recurrent (float32) and conv window, all GDN layers."""
-    rec = cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
-    # A ring of K columns (qwen4_exp's shift register keeps K-1: one column over).
-    conv = cfg.linear_conv_dim * cfg.linear_conv_kernel_dim * _ITEMSIZE[dtype]
-    return len(cfg.linear_layer_ids) * (rec + conv)
+    """One request's slot states (GDN recurrent f32 and conv window; the family's other
+    per-slot states), as one prefix-cache snapshot holds them."""
+    return _unit_bytes(cfg, 16, dtype, 0, False, "num_snapshots")
 
 
 def slot_bytes(cfg: ModelConfig, k: int, dtype: str, mtp: bool) -> int:
-    probs = k * cfg.vocab_size * 4 if mtp else 0
-    # next_tokens (k + 1 int32) and the slot's position and step (int32 each)
-    return gdn_bytes(cfg, dtype) + (k + 1) * 4 + 2 * 4 + probs
+    """One slot: its states, next_tokens (k + 1 int32), position and step, and with MTP its
+    draft distributions ``[k, V]`` f32."""
+    return _unit_bytes(cfg, 16, dtype, k, mtp, "slots")
 
 
 def plan_memory(cfg: ModelConfig, *, dtype: str, page_size: int, max_running_requests: int,

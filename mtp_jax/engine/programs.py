@@ -45,27 +45,38 @@ from mtp_jax.speculative.mtp import mtp_drafts, row_at, store_next_tokens
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RoundOutput:
-    """A call's result as one ``readback [R, B, k+3]`` int32 array (``R`` rounds of the call,
+    """A call's result as one ``readback [R, B, 2k+4]`` int32 array (``R`` rounds of the call,
     in order), so that the host reads it with one device-to-host copy
     (``RoundOutput(np.asarray(out.readback))`` is its host copy). Per round and row:
     ``emitted [.., k+1]`` (``d_1..d_n, bonus, -1...``) | ``num_accepted`` | ``num_draft``
     (drafts the row verified, k clamped by
-    :func:`~mtp_jax.speculative.clamp.clamp_drafts`). :func:`one_round` returns one round
-    without the leading axis (``[B, k+3]``); the properties index the last axis."""
+    :func:`~mtp_jax.speculative.clamp.clamp_drafts`) | ``next_tokens [.., k+1]`` (the slot's
+    pending token and drafts for its next round, as the round left them: what a family whose
+    inputs are looked up on the host needs before it can dispatch that round).
+    :func:`one_round` returns one round without the leading axis (``[B, 2k+4]``); the
+    properties index the last axis."""
 
     readback: jax.Array
 
     @property
+    def _k1(self) -> int:
+        return (self.readback.shape[-1] - 2) // 2
+
+    @property
     def emitted(self):
-        return self.readback[..., :-2]
+        return self.readback[..., :self._k1]
 
     @property
     def num_accepted(self):
-        return self.readback[..., -2]
+        return self.readback[..., self._k1]
 
     @property
     def num_draft(self):
-        return self.readback[..., -1]
+        return self.readback[..., self._k1 + 1]
+
+    @property
+    def next_tokens(self):
+        return self.readback[..., self._k1 + 2:]
 
 
 def _save_round_snapshots(model, pools: Pools, rows, batch: RoundBatch) -> Pools:
@@ -73,12 +84,19 @@ def _save_round_snapshots(model, pools: Pools, rows, batch: RoundBatch) -> Pools
     ``snap_row < 0`` write the trash snapshot 0). A second replay: the host traces this only
     into the round variant it calls when some row crosses a prefix-cache boundary, so other
     rounds carry neither its cost nor a conditional."""
-    if not pools.snapshots.recurrent or pools.snapshots.recurrent[0].shape[0] == 0:
+    leaves = jax.tree_util.tree_leaves(pools.snapshots)
+    if not leaves or leaves[0].shape[0] == 0:
         return pools
     view = pools.gdn.gather(batch.slot)
     state = model.commit(view, rows, jnp.maximum(batch.snap_row + 1, 0))
     snapshots = pools.snapshots.scatter(jnp.where(batch.snap_row >= 0, batch.snap_id, 0), state)
     return dataclasses.replace(pools, snapshots=snapshots)
+
+
+def _host_inputs(batch) -> dict:
+    """The model's host-looked-up inputs (``host_rows``), for a family that has them (a static
+    choice: the rows' width is part of the batch's shape)."""
+    return {"host_rows": batch.host_rows} if batch.host_rows.shape[-1] else {}
 
 
 def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: PrefillVariant):
@@ -88,7 +106,7 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
     chunk only matters). ``variant.greedy_only``: every row is greedy, so no sampling path is
     traced.
 
-    Returns ``(first_token [B] int32, pools)``.
+    Returns ``(next_tokens [B, k+1] int32: the first token and the drafts, pools)``.
     """
     k, greedy_only = variant.k, variant.greedy_only
     model = nnx.merge(graphdef, params)
@@ -100,7 +118,8 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
     view = pools.gdn.gather(batch.slot)
     fresh = batch.start == 0
     view = jax.tree.map(lambda a: jnp.where(fresh.reshape(-1, *([1] * (a.ndim - 1))), 0, a), view)
-    hidden, kv, view = model(batch.input_ids, abatch, pools.kv, view, "prefill")
+    hidden, kv, view = model(batch.input_ids, abatch, pools.kv, view, "prefill",
+                             **_host_inputs(batch))
     last = jnp.maximum(batch.length - 1, 0)
     h_last = row_at(hidden, last)
     first = sample(model.logits(h_last), batch.sampling, batch.step, salt=SALT_SAMPLE,
@@ -118,7 +137,7 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
     pools = dataclasses.replace(
         pools, position=pools.position.at[batch.slot].set(batch.start + batch.length),
         step=pools.step.at[batch.slot].set(jnp.ones_like(batch.slot)))
-    return first, pools
+    return pools.next_tokens[batch.slot], pools
 
 
 def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundVariant):
@@ -162,7 +181,8 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
     # path gathers and scatters per layer).
     decode = k == 0 and not snapshot and "decode" in getattr(model, "gdn_modes", ())
     hidden, kv, rows = model(tokens, abatch, pools.kv, pools.gdn,
-                             "decode" if decode else "verify", slots=batch.slot)
+                             "decode" if decode else "verify", slots=batch.slot,
+                             **_host_inputs(batch))
     logits = model.logits(hidden)  # [B, k+1, V]
     if k:
         q = pools.draft_probs[batch.slot] if proposer == "mtp" else None
@@ -189,7 +209,8 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
     advance = jnp.where(batch.live, n + 1, 0)
     pools = dataclasses.replace(pools, position=pools.position.at[batch.slot].add(advance),
                                 step=pools.step.at[batch.slot].add(advance))
-    return RoundOutput(jnp.concatenate([emitted, n[:, None], num_draft[:, None]], 1)), pools
+    return RoundOutput(jnp.concatenate([emitted, n[:, None], num_draft[:, None],
+                                        pools.next_tokens[batch.slot]], 1)), pools
 
 
 def rounds(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundVariant):

@@ -87,6 +87,9 @@ class Request:
     num_rounds: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    # [pending, d_1..d_k] of the next round as the device left them (families whose inputs are
+    # looked up on the host read them before dispatching it)
+    next_tokens: list[int] = dataclasses.field(default_factory=list)
 
     @property
     def finished(self) -> bool:

@@ -12,8 +12,6 @@ import jax
 from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.memory import plan_memory, planned_weights_bytes
-from mtp_jax.engine.sequential import SequentialEngine
-from mtp_jax.models.registry import entry_of
 from mtp_jax.speculative.external import Proposer
 
 __all__ = ["make_engine", "check_memory_before_load"]
@@ -22,11 +20,7 @@ __all__ = ["make_engine", "check_memory_before_load"]
 def make_engine(model, engine_cfg: EngineConfig, speculative: SpeculativeConfig,
                 proposer: Proposer | None = None, tokenizer=None):
     """The engine of ``model``'s family: the batched :class:`~mtp_jax.engine.engine.Engine`
-    (``serving="rounds"``) or the :class:`~mtp_jax.engine.sequential.SequentialEngine`
-    (``serving="sequential"``, plain decoding; speculation was refused at config time)."""
-    if entry_of(model.cfg).serving == "sequential":
-        engine_cfg.validate()
-        return SequentialEngine(model, engine_cfg.max_model_len, tokenizer)
+    (``serving="rounds"``, every family)."""
     return Engine(model, engine_cfg, speculative, proposer=proposer, tokenizer=tokenizer)
 
 
@@ -34,8 +28,8 @@ def check_memory_before_load(cfg, engine_cfg: EngineConfig,
                              speculative: SpeculativeConfig) -> None:
     """For a family the batched engine serves, :func:`~mtp_jax.engine.memory.plan_memory` with
     the planned weights: a ``ConfigError`` when the budget cannot hold one full-length request
-    (nothing to plan with ``num_pages`` given, or for a sequential family)."""
-    if engine_cfg.num_pages is not None or entry_of(cfg).serving != "rounds":
+    (nothing to plan with ``num_pages`` given)."""
+    if engine_cfg.num_pages is not None:
         return
     mtp = speculative.algorithm == "mtp"
     stats = jax.devices()[0].memory_stats() or {}

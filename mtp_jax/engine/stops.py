@@ -1,6 +1,6 @@
 """Per-token stops on the host: EOS (unless ``ignore_eos``), stop token ids, stop strings,
 ``max_tokens`` and ``max_model_len``, applied token by token inside a committed chunk so that
-nothing after a stop is kept (used by the serving loop and the sequential engine)."""
+nothing after a stop is kept (used by the scheduler)."""
 
 from __future__ import annotations
 

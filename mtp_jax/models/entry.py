@@ -22,10 +22,8 @@ __all__ = ["VERIFY_HANDLERS", "SERVING", "SlotState", "LoadRequest", "ModelEntry
 VERIFY_HANDLERS = ("replay", "checkpoint")
 
 # Which engine serves a family: "rounds" — the batched engine (mtp_jax.engine.engine.Engine:
-# continuous batching, prefix cache, speculative rounds); "sequential" — one request at a time,
-# plain decoding only (mtp_jax.engine.sequential.SequentialEngine), for a family whose round
-# programs are not built yet (speculation is refused at config time, whatever its drafts).
-SERVING = ("rounds", "sequential")
+# continuous batching, prefix cache, speculative rounds), the one engine of every family.
+SERVING = ("rounds",)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -107,13 +105,16 @@ class ModelEntry:
       values...)), ...)``;
     make_pools: for ``serving="rounds"``: ``(cfg, *, num_pages, page_size, slots, k, mtp,
       dtype, num_snapshots) -> Pools``, the zeroed state pools its programs take
-      (:func:`mtp_jax.cache.pools.make_pools`); None for a sequential family;
+      (:func:`mtp_jax.cache.pools.make_pools`, or the family's own);
     write_random: ``(raw, out_dir, *, dtype, experts, mtp_experts, include_mtp,
       shard_size_bytes, seed, zero_rows_from, workers) -> out_dir``, the family's writer of
       random-weight checkpoints (:mod:`mtp_jax.tools.random_checkpoint`), or None;
     draft_chain: ``(module, hidden [B, T, H], ids [B, T], k) -> [z_j [B, T, H]] * k``, the
       family's MTP chain teacher-forced as its round runs it (:mod:`mtp_jax.train.chain`), for
-      training the draft (``python -m mtp_jax.train_mtp``); None: its draft cannot be trained.
+      training the draft (``python -m mtp_jax.train_mtp``); None: its draft cannot be trained;
+    check_engine: ``(cfg, engine_cfg, speculative) -> None``, the family's own config-time
+      checks of the engine settings (raises ``ConfigError``; run before any weight loads and
+      again by the engine); None: none.
     """
 
     model_type: str
@@ -132,6 +133,7 @@ class ModelEntry:
     make_pools: Callable | None = None
     write_random: Callable | None = None
     draft_chain: Callable | None = None
+    check_engine: Callable | None = None
 
     def __post_init__(self):
         if self.serving not in SERVING:

@@ -13,8 +13,7 @@ import jax
 import numpy as np
 import pytest
 
-from mtp_jax import LLM, ConfigError
-from mtp_jax.engine.sequential import SequentialEngine
+from mtp_jax import LLM
 from tests.helpers.engine_runs import greedy, make_requests
 from tests.helpers.paths import fixture_path
 
@@ -260,25 +259,6 @@ def test_engine_abort_with_a_round_in_flight(llm, fresh):
     assert b.finish_reason == "abort"
     assert_clean(eng, counts, [a, b])
     assert [o.token_ids for o in llm.generate(*SHORT)] == want["short"]
-
-
-def test_sequential_engine_abort():
-    """qwen4_exp's engine (LLM aborts through the same method): queued requests and the one
-    being decoded leave it."""
-    from types import SimpleNamespace
-
-    model = SimpleNamespace(cfg=SimpleNamespace(max_position_embeddings=64, eos_token_ids=[1],
-                                                model_type="qwen4_exp"))
-    eng = SequentialEngine(model, 64)
-    with pytest.raises(ConfigError, match="resize_cache: qwen4_exp runs on the sequential"):
-        eng.resize_cache(num_pages=64)  # no pools to resize: a clear refusal
-    a, b = make_requests([([3, 4], greedy(4)), ([5], greedy(4))])
-    eng.add_request(a)
-    eng.add_request(b)
-    eng._run = SimpleNamespace(req=a)
-    assert eng.abort([b]) == [b] and list(eng.waiting) == [a] and eng._run is not None
-    assert eng.abort() == [a] and not eng.has_work() and eng._run is None
-    assert a.finish_reason == b.finish_reason == "abort"
 
 
 def test_resize_cache_failure_keeps_the_old_pools(llm, fresh, monkeypatch):

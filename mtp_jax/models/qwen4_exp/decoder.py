@@ -61,18 +61,22 @@ class DecoderLayer(nnx.Module):
         self.ple = PLE(cfg, dtype) if ple_index is not None else None
 
     def __call__(self, h, batch: AttentionBatch, *, qsa=None, gdn=None, ple_emb=None,
-                 ple_conv=None):
-        """``qsa = (k_pages, v_pages, idx_pages, open_group)`` for a QSA layer, ``gdn =
-        (recurrent, conv)`` for a GDN layer. Returns ``(h, qsa, gdn, ple_conv)`` (the states this
-        layer does not own pass through as given)."""
+                 ple_conv=None, verify: bool = False):
+        """``qsa = (k_pages, v_pages, idx_pages, open_group or None)`` for a QSA layer, ``gdn =
+        (recurrent, conv)`` (a batch view) for a GDN layer. Returns ``(h, qsa, gdn, ple_conv)``
+        (the states this layer does not own pass through as given). ``verify``: the slot states
+        are not advanced; in their place come what their commit takes (the QSA ring, the GDN
+        verify rows, the PLE conv inputs; :mod:`~mtp_jax.models.qwen4_exp.slot_states`)."""
         if self.ple is not None:
-            p, ple_conv = self.ple(h, ple_emb, ple_conv, batch.valid)
+            p, ple_conv = self.ple(h, ple_emb, ple_conv, batch.valid, verify=verify)
             h = h + p
         x, inj = self.attn_hyper_connection(h)
         if self.layer_type == "full_attention":
             k, v, idx, group = qsa
-            y, (k, v), idx, group = self.self_attn(x, batch, (k, v), idx, group)
+            y, (k, v), idx, group = self.self_attn(x, batch, (k, v), idx, group, verify=verify)
             qsa = (k, v, idx, group)
+        elif verify:
+            y, gdn = self.linear_attn.verify(x, gdn, batch.valid)
         else:
             gdn_form = (self.linear_attn.decode if x.shape[1] <= STEP_FORM_ROWS
                         else self.linear_attn.prefill)

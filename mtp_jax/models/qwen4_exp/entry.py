@@ -7,11 +7,13 @@ Plain decoding runs the same hooks with every row accepted. QSA raw index keys a
 (same page ids) and roll back by position, so they need no slot state. A declaration without a
 handler is a :class:`~mtp_jax.config.ConfigError` when the registry is built.
 
-Served sequentially for now (one request at a time, plain decoding,
-:mod:`mtp_jax.engine.sequential`), so speculation is refused at config time; its MTP draft
-layer is registered (``load_model`` reads it, ``mtp_forward`` runs it for research use). The PLE
-tables stay on the host (``ple_backend`` ``disk``, memory-mapped, or ``memory``); the kernels
-are XLA's.
+Served by the batched engine like every family: continuous batching, chunked prefill, the
+prefix cache, MTP and external drafts. Its state pools are
+:func:`~mtp_jax.models.qwen4_exp.pools.make_qwen4_pools`. The PLE tables stay on the host
+(``ple_backend`` ``disk``, memory-mapped, or ``memory``): the rows of a round's tokens are
+looked up there (:attr:`~mtp_jax.models.qwen4_exp.loaded.LoadedQwen4Exp.host_inputs`), so its
+rounds run one per call, each after the previous one's result is read
+(:func:`check_engine`). The kernels are XLA's.
 """
 
 from __future__ import annotations
@@ -22,6 +24,7 @@ from mtp_jax.models.qwen4_exp import names
 from mtp_jax.models.qwen4_exp.config import MODEL_TYPES, Qwen4ExpConfig
 from mtp_jax.models.qwen4_exp.loader import LoadedQwen4Exp, load_qwen4_exp
 from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
+from mtp_jax.models.qwen4_exp.pools import make_qwen4_pools
 from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
 from mtp_jax.models.qwen4_exp.slot_states import check_slot_states
 
@@ -38,8 +41,8 @@ def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp
     """:func:`~mtp_jax.models.qwen4_exp.loader.load_qwen4_exp` for ``load_model`` (the entry's
     capabilities were checked before: no dummy weights, no draft folder, XLA kernels)."""
     if request.pack_small_params:
-        raise ConfigError("pack_small_params applies to the batched engine's programs, which "
-                          "qwen4_exp does not run yet; drop it.")
+        raise ConfigError("pack_small_params (--pack-small-params) is not supported for "
+                          "qwen4_exp yet; drop it.")
     return load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,
                           ple_backend=request.option_values.get("ple_backend", "disk"), cfg=cfg)
 
@@ -57,13 +60,36 @@ def write_random(raw: dict, out_dir: str, *, dtype: str = "bfloat16", experts: s
                  shard_size_bytes: int = 2 << 30, seed: int = 0,
                  zero_rows_from: int | None = None, workers: int | None = None) -> str:
     """The family's random checkpoint (n-gram tables sharded as released), held in host memory
-    while written: small shapes only, fused experts, no tokenizer yet."""
-    del shard_size_bytes, workers  # one file, written from memory
-    if experts != "fused" or mtp_experts not in (None, "fused") or zero_rows_from is not None:
-        raise ValueError("for qwen4_exp configs random_checkpoint writes fused experts and no "
-                         "tokenizer for now; drop --experts per-expert / --tokenizer.")
-    write_random_qwen4_exp(raw, out_dir, dtype=dtype, seed=seed, with_mtp=include_mtp)
+    and written as one ``model.safetensors``: small shapes only. Experts fused or per expert
+    (``experts`` / ``mtp_experts``); ``zero_rows_from``: the tool's ``--tokenizer`` zeroes the
+    logit rows past the tokenizer's ids (the tokenizer files are written by the tool)."""
+    del workers  # one file, written from memory
+    write_random_qwen4_exp(raw, out_dir, dtype=dtype, seed=seed, with_mtp=include_mtp,
+                           experts=experts, mtp_experts=mtp_experts,
+                           zero_rows_from=zero_rows_from, max_file_bytes=shard_size_bytes)
     return out_dir
+
+
+def check_engine(cfg: Qwen4ExpConfig, engine, speculative) -> None:
+    """The engine settings qwen4_exp cannot run (ConfigError, before any weight loads):
+    ``num_scheduler_steps > 1`` (each round's PLE rows are looked up on the host from the
+    tokens the previous round drafted, so rounds cannot run back to back on the device) and
+    the draft-head options
+    (a reduced draft vocabulary, int8 draft head or layer), not built for this family yet."""
+    if engine.num_scheduler_steps != 1:
+        raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) "
+                          f"{engine.num_scheduler_steps} cannot run on {cfg.model_type}: the PLE "
+                          "rows of each round's tokens are looked up on the host after the "
+                          "previous round, so every round is its own call; use 1 (the default).")
+    options = {"draft_vocab_size (--speculative-draft-vocab-size)": speculative.draft_vocab_size,
+               "token_map_path (--speculative-token-map)": speculative.token_map_path,
+               "draft_head_dtype (--speculative-draft-head-dtype)": speculative.draft_head_dtype,
+               "draft_layer_dtype (--speculative-draft-layer-dtype)":
+                   speculative.draft_layer_dtype}
+    for name, value in options.items():
+        if value is not None:
+            raise ConfigError(f"{name} {value!r} is not supported for {cfg.model_type} yet (its "
+                              "MTP draft uses the full LM head in the model dtype); drop it.")
 
 
 def make_entry() -> ModelEntry:
@@ -71,11 +97,12 @@ def make_entry() -> ModelEntry:
     checked (``ConfigError`` for one without a usable verify handler)."""
     return ModelEntry(
         model_type="qwen4_exp", hf_model_types=MODEL_TYPES, config_class=Qwen4ExpConfig,
-        build=build, load=load, tensor_shapes=tensor_shapes, drafts=("mtp",),
+        build=build, load=load, tensor_shapes=tensor_shapes, drafts=("mtp", "external"),
         slot_states=tuple(SlotState(s.name, s.description, s.handler)
                           for s in check_slot_states()),
-        serving="sequential", kernel_ops=(), dummy_weight=False, draft_folder=False,
-        load_options=(("ple_backend", PLE_BACKENDS),), write_random=write_random)
+        serving="rounds", kernel_ops=(), dummy_weight=False, draft_folder=False,
+        load_options=(("ple_backend", PLE_BACKENDS),), make_pools=make_qwen4_pools,
+        write_random=write_random, check_engine=check_engine)
 
 
 ENTRY = make_entry()

@@ -1,9 +1,10 @@
 """The qwen4_exp target model (Flax nnx), pure over explicit state.
 
 Parameter paths equal the canonical names of :mod:`mtp_jax.models.qwen4_exp.names`. A forward
-takes the token ids, the host-looked-up PLE n-gram rows and a :class:`Qwen4State` batch view, and
-returns the pre-mixer residual streams ``[B, T, hc*H]`` (the hidden states of this family; the MTP
-head reads them) with the new state. ``logits(streams)`` applies ``hyper_connection_mixer`` and
+takes the token ids, the host-looked-up PLE n-gram rows, the paged QSA states and the slot states
+(:mod:`mtp_jax.models.qwen4_exp.pools`), and returns the pre-mixer residual streams
+``[B, T, hc*H]`` (the hidden states of this family; the MTP head reads them) with the new states,
+or in verify mode what the commit of the accepted rows takes. ``logits(streams)`` applies ``hyper_connection_mixer`` and
 ``lm_head``. Decoder layer::
 
     h = h + PLE(h)                          (PLE layers only)
@@ -26,74 +27,8 @@ from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig
 from mtp_jax.models.qwen4_exp.decoder import DecoderLayer
 from mtp_jax.models.qwen4_exp.hyper_connection import GatedResidual
 from mtp_jax.models.qwen4_exp.mtp import MTPDraft
-
-
-@jax.tree_util.register_dataclass
-@dataclasses.dataclass
-class Qwen4State:
-    """Batch view (or pool) of the decode state.
-
-    kv: paged K/V per QSA layer ``[P, ps, Hkv, D]``; idx: raw index keys of complete blocks per
-    QSA layer ``[P, ps, 1, d_idx]`` (same page ids); open_idx: open index group per QSA layer
-    ``[B, r, d_idx]`` (raw index keys of the incomplete block, slot state, group ring); gdn: GDN
-    recurrent/conv per GDN layer ``[B, ...]``; ple_conv: PLE conv window per PLE layer
-    ``[B, hc*H, (K-1)*ngram_size]``.
-    """
-
-    kv: PagedKV
-    idx: tuple[jax.Array, ...]
-    open_idx: tuple[jax.Array, ...]
-    gdn: LinearState
-    ple_conv: tuple[jax.Array, ...]
-
-    @classmethod
-    def zeros(cls, cfg: Qwen4ExpConfig, *, num_pages: int, page_size: int, slots: int,
-              dtype, num_qsa: int | None = None) -> "Qwen4State":
-        n_qsa = len(cfg.full_layer_ids) if num_qsa is None else num_qsa
-        kv = PagedKV.zeros(n_qsa, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim,
-                           dtype)
-        idx = tuple(jnp.zeros((num_pages, page_size, 1, cfg.indexer_head_dim), dtype)
-                    for _ in range(n_qsa))
-        open_idx = tuple(jnp.zeros((slots, cfg.indexer_compress_ratio, cfg.indexer_head_dim),
-                                   dtype) for _ in range(n_qsa))
-        gdn = LinearState.zeros(len(cfg.linear_layer_ids), slots, cfg.linear_num_value_heads,
-                                cfg.linear_key_head_dim, cfg.linear_value_head_dim,
-                                cfg.linear_conv_dim, cfg.linear_conv_kernel_dim, dtype, ring=False)
-        ple = tuple(jnp.zeros((slots, cfg.hc_hidden, cfg.ple_conv_state_len), dtype)
-                    for _ in cfg.ple_layers)
-        return cls(kv, idx, open_idx, gdn, ple)
-
-
-def _state_slices(cfg: Qwen4ExpConfig, start: int, stop: int):
-    """Index ranges (QSA, GDN, PLE) of the states owned by layers ``[start, stop)``."""
-    count = lambda ids, a: sum(1 for i in ids if i < a)
-    return tuple(slice(count(ids, start), count(ids, stop)) for ids in
-                 (cfg.full_layer_ids, cfg.linear_layer_ids, cfg.ple_layers))
-
-
-def state_part(state: Qwen4State, cfg: Qwen4ExpConfig, start: int, stop: int) -> Qwen4State:
-    """The states of layers ``[start, stop)`` only (a program over those layers takes and
-    donates just these arrays)."""
-    q, g, p = _state_slices(cfg, start, stop)
-    return Qwen4State(PagedKV(state.kv.k[q], state.kv.v[q]), state.idx[q], state.open_idx[q],
-                      LinearState(state.gdn.recurrent[g], state.gdn.conv[g]), state.ple_conv[p])
-
-
-def state_merge(state: Qwen4State, part: Qwen4State, cfg: Qwen4ExpConfig, start: int,
-                stop: int) -> Qwen4State:
-    """``state`` with the states of layers ``[start, stop)`` replaced by ``part``."""
-    q, g, p = _state_slices(cfg, start, stop)
-
-    def put(whole, sl, new):
-        out = list(whole)
-        out[sl] = new
-        return tuple(out)
-
-    return Qwen4State(PagedKV(put(state.kv.k, q, part.kv.k), put(state.kv.v, q, part.kv.v)),
-                      put(state.idx, q, part.idx), put(state.open_idx, q, part.open_idx),
-                      LinearState(put(state.gdn.recurrent, g, part.gdn.recurrent),
-                                  put(state.gdn.conv, g, part.gdn.conv)),
-                      put(state.ple_conv, p, part.ple_conv))
+from mtp_jax.models.qwen4_exp.pools import QSAPaged, Qwen4Slots
+from mtp_jax.models.qwen4_exp.slot_states import by_name
 
 
 class Qwen4ExpModel(nnx.Module):
@@ -130,39 +65,101 @@ class Qwen4ExpModel(nnx.Module):
         repeated on every stream)."""
         return jnp.tile(self.embed_tokens(input_ids), (1, 1, self.cfg.hc_count))
 
-    def run_layers(self, h, ple_emb: tuple, batch: AttentionBatch, part: Qwen4State,
-                   start: int, stop: int):
-        """Decoder layers ``[start, stop)`` (static) on streams ``h [B, T, hc*H]``.
+    gdn_modes = ("prefill", "verify")  # no fused decode form: a k = 0 round verifies + commits
 
-        ``part``: the states of those layers (:func:`state_part`); ``ple_emb``: per PLE layer of
-        the model ``[B, T, ple_embed_dim]`` (may be empty when the range has no PLE layer).
-        Returns ``(h, new part)``.
+    def draft_logits(self, y: jax.Array):
+        """MTP streams ``y [..., hc*H]`` -> ``(logits [..., V] float32, None)``: the draft's
+        own mixer, then the target's LM head (every id; no reduced draft vocabulary)."""
+        z, _ = self.mtp.hyper_connection_mixer(y)
+        return self.head(z), None
+
+    def draft_greedy(self, y: jax.Array) -> jax.Array:
+        """``y [B, hc*H]`` -> the draft's argmax token ``[B]`` int32."""
+        return jnp.argmax(self.draft_logits(y)[0], axis=-1).astype(jnp.int32)
+
+    def __call__(self, input_ids, batch: AttentionBatch, paged: QSAPaged, state: Qwen4Slots,
+                 gdn_mode: str = "prefill", slots: jax.Array | None = None, host_rows=None):
+        """Target forward (the engine's model protocol, :class:`~mtp_jax.models.entry.ModelEntry`).
+
+        Args:
+          input_ids: ``[B, T]`` int32.
+          batch: row positions / validity / page tables.
+          paged: the target's :class:`~mtp_jax.models.qwen4_exp.pools.QSAPaged` (K/V and raw
+            index keys of every QSA layer).
+          state: the :class:`~mtp_jax.models.qwen4_exp.pools.Qwen4Slots` batch view, or (with
+            ``slots [B]``) the pool, gathered here.
+          gdn_mode: ``"prefill"`` (the slot states advance by the valid rows; returns the new
+            batch view) or ``"verify"`` (they do not; returns what :meth:`commit` takes).
+          host_rows: ``[B, T, n_ple * ple_embed_dim]`` float, the looked-up PLE n-gram rows of
+            every PLE layer, concatenated (:meth:`LoadedQwen4Exp.host_rows`).
+        Returns:
+          ``(streams [B, T, hc*H] before the final mixer, new paged, new view | verify rows)``.
+        Raises:
+          ValueError: an unknown ``gdn_mode``.
         """
-        q0, g0, p0 = (s.start for s in _state_slices(self.cfg, start, stop))
-        ks, vs, ix, op = (list(part.kv.k), list(part.kv.v), list(part.idx),
-                          list(part.open_idx))
-        rec, conv, pc = list(part.gdn.recurrent), list(part.gdn.conv), list(part.ple_conv)
-        for li in range(start, stop):
-            layer = self.layers[li]
+        if gdn_mode not in self.gdn_modes:
+            raise ValueError(f"gdn_mode {gdn_mode!r} is unknown; use one of {self.gdn_modes}.")
+        verify = gdn_mode == "verify"
+        view = state if slots is None else state.gather(slots)
+        d = self.cfg.ple_embed_dim
+        ple = () if host_rows is None else tuple(
+            host_rows[..., j * d:(j + 1) * d] for j in range(len(self.cfg.ple_layers)))
+        h = self.embed(input_ids)
+        ks, vs, ix = list(paged.kv.k), list(paged.kv.v), list(paged.idx)
+        op, pc = list(view.open_idx), list(view.ple_conv)
+        rec, conv = list(view.gdn.recurrent), list(view.gdn.conv)
+        gdn_out = [None] * len(rec)
+        for layer in self.layers:
             j = layer.ple_index
-            pe = ple_emb[j] if j is not None else None
-            pcs = pc[j - p0] if j is not None else None
+            pe, pcs = (ple[j], pc[j]) if j is not None else (None, None)
+            i = layer.cache_index
             if layer.layer_type == "full_attention":
-                i = layer.cache_index - q0
                 h, (ks[i], vs[i], ix[i], op[i]), _, pcs = layer(
-                    h, batch, qsa=(ks[i], vs[i], ix[i], op[i]), ple_emb=pe, ple_conv=pcs)
+                    h, batch, qsa=(ks[i], vs[i], ix[i], op[i]), ple_emb=pe, ple_conv=pcs,
+                    verify=verify)
             else:
-                i = layer.cache_index - g0
-                h, _, (rec[i], conv[i]), pcs = layer(h, batch, gdn=(rec[i], conv[i]),
-                                                     ple_emb=pe, ple_conv=pcs)
+                h, _, gdn_out[i], pcs = layer(h, batch, gdn=(rec[i], conv[i]), ple_emb=pe,
+                                              ple_conv=pcs, verify=verify)
             if j is not None:
-                pc[j - p0] = pcs
-        new = Qwen4State(PagedKV(tuple(ks), tuple(vs)), tuple(ix), tuple(op),
-                         LinearState(tuple(rec), tuple(conv)), tuple(pc))
-        return h, new
+                pc[j] = pcs
+        new_paged = QSAPaged(PagedKV(tuple(ks), tuple(vs)), tuple(ix))
+        if verify:
+            return h, new_paged, Qwen4Rows(tuple(gdn_out), tuple(op), tuple(pc),
+                                           batch.positions[:, 0])
+        new_view = Qwen4Slots(LinearState(tuple(g[0] for g in gdn_out),
+                                          tuple(g[1] for g in gdn_out)), tuple(op), tuple(pc))
+        return h, new_paged, new_view
 
-    def __call__(self, input_ids, ple_emb: tuple, batch: AttentionBatch, state: Qwen4State):
-        """``input_ids [B, T]``; ``ple_emb``: per PLE layer ``[B, T, ple_embed_dim]``.
-        Returns ``(streams [B, T, hc*H] before the mixer, new state)``."""
-        return self.run_layers(self.embed(input_ids), ple_emb, batch, state, 0,
-                               self.cfg.num_hidden_layers)
+    def commit(self, state: Qwen4Slots, rows: "Qwen4Rows", length: jax.Array,
+               slots: jax.Array | None = None) -> Qwen4Slots:
+        """The slot states after the first ``length [B]`` verify rows (every slot state's
+        verify handler, :mod:`~mtp_jax.models.qwen4_exp.slot_states`): on the batch view, or
+        (with ``slots [B]``) on the pool at those slots."""
+        view = state if slots is None else state.gather(slots)
+        length = jnp.asarray(length, jnp.int32)
+        before = None
+        gdn_hook, ring_hook = by_name("gdn_recurrent"), by_name("qsa_open_group")
+        ple_hook = by_name("ple_conv")
+        gdn = [gdn_hook.commit((r, c), w, before, length)
+               for r, c, w in zip(view.gdn.recurrent, view.gdn.conv, rows.gdn)]
+        # The ring was built at the rows' first position: the slot's length before them.
+        groups = tuple(ring_hook.commit(g, ring, rows.start, length)
+                       for g, ring in zip(view.open_idx, rows.rings))
+        ple = tuple(ple_hook.commit(c, w, before, length)
+                    for c, w in zip(view.ple_conv, rows.ple))
+        new = Qwen4Slots(LinearState(tuple(g[0] for g in gdn), tuple(g[1] for g in gdn)),
+                         groups, ple)
+        return new if slots is None else state.scatter(slots, new)
+
+
+@jax.tree_util.register_dataclass
+@dataclasses.dataclass
+class Qwen4Rows:
+    """What a verify keeps for the commit: per GDN layer its verify rows, per QSA layer the
+    index-key ring ``[B, r + T, d_idx]``, per PLE layer the conv inputs ``[B, T, hc*H]``;
+    ``start [B]`` int32, the slots' length before the rows."""
+
+    gdn: tuple
+    rings: tuple
+    ple: tuple
+    start: jax.Array

@@ -22,6 +22,7 @@ from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.models.layers.basic import Embed, Linear, RMSNorm
 from mtp_jax.models.qwen4_exp.decoder import DecoderLayer
 from mtp_jax.models.qwen4_exp.hyper_connection import GatedResidual
+from mtp_jax.models.qwen4_exp.pools import QSAPaged
 
 
 class MTPDraft(nnx.Module):
@@ -39,11 +40,13 @@ class MTPDraft(nnx.Module):
                                                     cfg.rms_norm_eps, dtype, inject=False)
 
     def __call__(self, embed: Embed, streams: jax.Array, next_ids: jax.Array,
-                 batch: AttentionBatch, kv: PagedKV, idx: tuple, open_idx: tuple,
-                 step: int = 0):
-        """``idx`` / ``open_idx``: the draft layers' paged raw index keys and open index groups
-        (as the target's QSA layers). Returns ``(z [B, T, H] mixed, y [B, T, hc*H] streams, new
-        kv, new idx, new open_idx)``."""
+                 batch: AttentionBatch, draft: QSAPaged, step: int = 0):
+        """Draft rows ``streams [B, T, hc*H]`` paired with ``next_ids [B, T]`` at ``batch``'s
+        positions over the draft's paged K/V and raw index keys (``draft``, keyed by the
+        target's pages; every valid row's index key is written by position, so the draft keeps
+        no open group: :mod:`~mtp_jax.models.qwen4_exp.pools`). Returns ``(y [B, T, hc*H]``
+        the draft's pre-mixer streams (relayed by a chained step; ``draft_logits`` mixes them),
+        new draft)``."""
         b, t, _ = streams.shape
         e = self.pre_fc_norm_embedding(embed(next_ids))
         hn = self.pre_fc_norm_hidden(streams.astype(e.dtype))
@@ -51,9 +54,8 @@ class MTPDraft(nnx.Module):
              + self.fc_hidden(hn.reshape(b, t, self.hc, self.hidden)))
         u = u.reshape(b, t, self.hc * self.hidden)
         i = step % len(self.layers)
-        y, (k, v, ix, og), _, _ = self.layers[i](u, batch,
-                                                 qsa=(kv.k[i], kv.v[i], idx[i], open_idx[i]))
-        ks, vs, ixs, ogs = list(kv.k), list(kv.v), list(idx), list(open_idx)
-        ks[i], vs[i], ixs[i], ogs[i] = k, v, ix, og
-        z, _ = self.hyper_connection_mixer(y)
-        return z, y, PagedKV(tuple(ks), tuple(vs)), tuple(ixs), tuple(ogs)
+        y, (k, v, ix, _), _, _ = self.layers[i](
+            u, batch, qsa=(draft.kv.k[i], draft.kv.v[i], draft.idx[i], None))
+        ks, vs, ixs = list(draft.kv.k), list(draft.kv.v), list(draft.idx)
+        ks[i], vs[i], ixs[i] = k, v, ix
+        return y, QSAPaged(PagedKV(tuple(ks), tuple(vs)), tuple(ixs))

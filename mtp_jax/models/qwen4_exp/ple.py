@@ -85,10 +85,14 @@ class PLE(nnx.Module):
         self.norm_conv = GroupedRMSNorm(w, h, eps, dtype)
         self.conv1d = _ConvWeight(w, self.kernel, dtype)
 
-    def __call__(self, h: jax.Array, emb: jax.Array, conv_state: jax.Array, valid: jax.Array):
+    def __call__(self, h: jax.Array, emb: jax.Array, conv_state: jax.Array, valid: jax.Array,
+                 verify: bool = False):
         """``h [B, T, hc*H]``, ``emb [B, T, D]`` (the looked-up n-gram rows), ``conv_state
         [B, hc*H, (K-1)*N]``, ``valid [B, T]``. Returns ``(out [B, T, hc*H], new conv_state)``;
-        rows where ``valid`` is False do not enter the new state."""
+        rows where ``valid`` is False do not enter the new state. ``verify``: the live state is
+        not advanced; the conv inputs of the rows ``[B, T, hc*H]`` (zero where not valid) are
+        returned in its place, for the commit of the accepted rows
+        (:func:`~mtp_jax.models.qwen4_exp.slot_states.shift_register_commit`)."""
         b, t, w = h.shape
         emb = emb.astype(h.dtype)
         key = self.norm_key(self.key_proj(emb)).reshape(b, t, self.hc, self.hidden)
@@ -110,6 +114,8 @@ class PLE(nnx.Module):
         out = gv + jax.nn.silu(conv).astype(h.dtype)
         length = jnp.sum(valid, axis=1).astype(jnp.int32)
         assert L == (self.kernel - 1) * self.dilation
+        if verify:
+            return out, gn.astype(conv_state.dtype)
         return out, shift_register_commit(conv_state, gn, None, length)
 
 

@@ -95,15 +95,18 @@ class QSAAttention(GatedAttention):
         self.indexer = Indexer(cfg, dtype)
 
     def __call__(self, x: jax.Array, batch: AttentionBatch, kv, idx_pages: jax.Array,
-                 open_group: jax.Array):
+                 open_group: jax.Array | None, verify: bool = False):
         """``x [B, T, H]``; ``kv = (k_pages, v_pages)``; ``idx_pages [P, ps, 1, d_idx]``;
-        ``open_group [B, r, d_idx]`` (raw index keys of the request's incomplete block).
+        ``open_group [B, r, d_idx]`` (raw index keys of the request's incomplete block) or None.
 
         The rows of a request must be its next positions: ``batch.positions[:, 0]`` is its
         length before the call and the valid rows come first. Writes K and V at the rows'
-        positions and the raw index keys of blocks that complete (group ring, all valid rows
-        accepted), then attends.
-        Returns ``(out [B, T, H], (k_pages, v_pages), idx_pages, open_group)``.
+        positions and the raw index keys of blocks that complete after all valid rows (group
+        ring), then attends. ``verify``: the open group is not committed; the ring
+        ``[B, r + T, d_idx]`` (:func:`~mtp_jax.models.qwen4_exp.slot_states.ring_verify`) is
+        returned in its place for the commit of the accepted rows. ``open_group=None`` (the MTP
+        draft): every valid row's raw index key is written to the pages by position, as K/V.
+        Returns ``(out [B, T, H], (k_pages, v_pages), idx_pages, open group | ring | None)``.
         """
         b, t, _ = x.shape
         d, ix = self.head_dim, self.indexer
@@ -115,13 +118,16 @@ class QSAAttention(GatedAttention):
         qi = apply_rotary(qi, pos, self.rotary_dim, self.rope_theta)
         rk = qk[..., ix.n_heads * di:].reshape(b, t, 1, di)
         k_pages, v_pages = write_kv(kv[0], k, batch), write_kv(kv[1], v, batch)
-        length = batch.positions[:, 0]
-        accepted = jnp.sum(batch.valid, axis=1).astype(jnp.int32)
-        ring = ring_verify(open_group, rk[:, :, 0])
-        flush = AttentionBatch(ring_positions(length, ix.ratio, t),
-                               ring_flush(length, accepted, ix.ratio, t), batch.page_table)
-        idx_pages = write_kv(idx_pages, ring[:, :, None, :], flush)
-        open_group = ring_commit(ring, length, accepted, ix.ratio)
+        if open_group is None:
+            idx_pages = write_kv(idx_pages, rk.astype(idx_pages.dtype), batch)
+        else:
+            length = batch.positions[:, 0]
+            accepted = jnp.sum(batch.valid, axis=1).astype(jnp.int32)
+            ring = ring_verify(open_group, rk[:, :, 0])
+            flush = AttentionBatch(ring_positions(length, ix.ratio, t),
+                                   ring_flush(length, accepted, ix.ratio, t), batch.page_table)
+            idx_pages = write_kv(idx_pages, ring[:, :, None, :], flush)
+            open_group = ring if verify else ring_commit(ring, length, accepted, ix.ratio)
 
         hkv = self.num_kv_heads
         keys = k_pages[batch.page_table].reshape(b, -1, hkv, d)

@@ -82,7 +82,7 @@ def test_ngram_ids_equal_hf_lookup():
     m = load_qwen4_exp(FIX, "float32", with_mtp=False)
     p, cfg = m.ple[0], m.cfg
     ids = g["input_ids"].astype(np.int64)
-    hist = np.concatenate([m.ngram_context(2), ids], 1)
+    hist = np.concatenate([np.stack([m.ngram_context([])] * 2), ids], 1)
     got = ngram_ids(hist, ids.shape[1], p.multipliers, p.vocab_sizes, p.offsets, cfg.ngram_size,
                     cfg.heads_per_ngram, cfg.eos_token_id)
     np.testing.assert_array_equal(got, g["ngram_ids"])

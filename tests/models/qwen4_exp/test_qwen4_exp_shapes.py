@@ -2,8 +2,8 @@
 patterns, PLE layers, compress ratios, prompt lengths that leave the QSA open group part full):
 random tiny checkpoints written in the released layout; for each one
 
-* greedy generation through ``LLM`` (the sequential engine with its overlapped PLE lookup)
-  equals the argmax of the cache-free full forward over prompt + generated tokens, and
+* greedy generation through ``LLM`` (the batched engine, PLE rows looked up on the host per
+  round) equals the argmax of the cache-free full forward over prompt + generated tokens, and
 * cached decoding (prefill of the prompt, optionally a multi-row chunk that starts inside a
   block, then one token per step across a page boundary) gives the full forward's logits.
 
@@ -17,7 +17,6 @@ import pytest
 
 from mtp_jax import LLM, SamplingParams
 from mtp_jax.config import ConfigError
-from mtp_jax.engine.sequential import cache_len
 from mtp_jax.models.qwen4_exp import Qwen4ExpConfig
 from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
 
@@ -72,13 +71,8 @@ def test_cached_decode_and_generation_equal_full_forward(tmp_path, name, changes
     full = np.asarray(m.forward(np.asarray([seq]))[0])[0]  # [S, V], no cache
     assert toks == full[len(prompt) - 1:-1].argmax(-1).tolist(), name
 
-    # Same cache shape as the engine's, so the compiled programs are shared with generate().
-    cache = m.new_cache(1, cache_len(len(prompt), GEN, llm.engine.max_model_len))
-    ids = np.asarray([prompt])
-    pending = m.start_step(cache, ids)
-    rows, ctx = m.lookup(cache.ngram_context, ids)
-    got = {len(prompt) - 1: np.asarray(m.finish_step(cache, pending, rows, ctx,
-                                                     last_only=True))[0, -1]}
+    cache = m.new_cache(1, len(seq) + 1)
+    got = {len(prompt) - 1: np.asarray(m.extend(cache, np.asarray([prompt])))[0, -1]}
     n = len(prompt)
     if chunk:
         out = np.asarray(m.extend(cache, np.asarray([seq[n:n + chunk]])))[0]

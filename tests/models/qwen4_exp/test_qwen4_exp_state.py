@@ -121,8 +121,8 @@ def test_open_group_is_the_decode_state():
     cache = prefill()
     table = np.asarray(cache.page_table)
     for q in range(len(cfg.full_layer_ids)):
-        pages = np.asarray(cache.state.idx[q])
-        group = np.asarray(cache.state.open_idx[q])
+        pages = np.asarray(cache.paged.idx[q])
+        group = np.asarray(cache.slots.open_idx[q])
         for b in range(ids.shape[0]):
             rows = pages[table[b]].reshape(-1, pages.shape[-1])
             assert np.abs(rows[:t - 1]).min() > 0  # complete blocks written
@@ -134,9 +134,9 @@ def test_open_group_is_the_decode_state():
         np.testing.assert_allclose(step, g["decode_logits"][:, n], atol=1e-4, rtol=1e-4)
     # The completed block's first row came from the open group, not from a re-derivation.
     bad = prefill()
-    st = bad.state
+    st = bad.slots
     noise = np.random.default_rng(0).standard_normal(st.open_idx[0].shape).astype(np.float32)
-    bad.state = dataclasses.replace(st, open_idx=tuple(o + noise for o in st.open_idx))
+    bad.slots = dataclasses.replace(st, open_idx=tuple(o + noise for o in st.open_idx))
     diff = 0.0
     for n in range(3):
         step = np.asarray(m.extend(bad, greedy[:, n:n + 1]))[:, 0]
