@@ -1,0 +1,116 @@
+"""``python -m mtp_jax.bench.qwen4_smoke``: qwen4_exp through the batched engine on a cut-down
+Qwen3.8-Flash-Next shape (docs/benchmarks.md, session 25).
+
+Writes a random bf16 checkpoint of ``configs/Qwen3.8-Flash-Next.json`` cut to ``--layers``
+layers and ``--experts`` routed experts with a small n-gram table (``--ngram-base``), then runs
+``LLM`` (disk PLE backend, prefix cache on) at batch 1 and 8, k = 0 and 3 (the random MTP head
+accepts nothing: the k = 3 rows are the cost of a round). Prints one dict per row: end-to-end
+tokens/s, ms per round (host + device; rounds wait for the host between them) and the host PLE
+lookup's ms per round. Writes ``$OUT/q4_smoke.json`` (or ``--out``).
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import time
+
+import numpy as np
+
+from mtp_jax.engine.memory import weights_bytes
+from mtp_jax.llm import LLM
+from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
+from mtp_jax.sampling import SamplingParams
+
+
+def cut_config(path: str, layers: int, experts: int, ngram_base: int) -> dict:
+    """The released config at ``path`` (keys starting with ``_`` dropped) cut down."""
+    raw = {k: v for k, v in json.load(open(path)).items() if not k.startswith("_")}
+    text = {k: v for k, v in raw["text_config"].items() if not k.startswith("_")}
+    text.update(num_hidden_layers=layers, num_experts=experts, ngram_vocab_size_base=ngram_base,
+                layer_types=text["layer_types"][:layers])
+    raw["text_config"] = text
+    return raw
+
+
+def lookup_ms(model, prompts, k: int, repeats: int = 50) -> float:
+    """Mean ms of one round's host PLE lookup (``k + 1`` tokens per request)."""
+    host = model.host_inputs
+    befores, ids = [p[-2:] for p in prompts], np.asarray([p[:k + 1] for p in prompts])
+    host.lookup(befores, ids)
+    t0 = time.perf_counter()
+    for _ in range(repeats):
+        host.lookup(befores, ids)
+    return 1e3 * (time.perf_counter() - t0) / repeats
+
+
+def run_row(llm, prompts, k: int, max_tokens: int, rng) -> dict:
+    """Warm up on other prompts of the same lengths and ``max_tokens`` (the same buckets and
+    prefix-cache snapshot crossings: nothing compiles in the timed run), then time."""
+    other = [rng.integers(100, 200_000, len(p)).tolist() for p in prompts]
+    llm.generate(other, SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True))
+    eng = llm.engine
+    r0, s0 = eng.stats.rounds, eng.stats.round_seconds
+    t0 = time.perf_counter()
+    outs = llm.generate(prompts, SamplingParams(temperature=0, max_tokens=max_tokens,
+                                                ignore_eos=True))
+    wall = time.perf_counter() - t0
+    rounds = max(eng.stats.rounds - r0, 1)
+    toks = sum(len(o.token_ids) for o in outs)
+    return dict(k=k, batch=len(prompts), tokens=toks, tok_s=round(toks / wall, 1),
+                ms_per_round=round(1e3 * (eng.stats.round_seconds - s0) / rounds, 3),
+                lookup_ms=round(lookup_ms(llm.model, prompts, k), 3),
+                accept_length=outs[0].accept_length)
+
+
+def device_profile(model, k: int, prompt_len: int, out: str) -> str:
+    """The head of :func:`mtp_jax.bench.profile_round.text_of` for 10 traced rounds at batch 1."""
+    from mtp_jax.bench.profile_round import profile, text_of
+
+    a = argparse.Namespace(prompt_len=prompt_len, rounds=10, batch=1, sequence=0,
+                           trace_dir=os.path.join(out, "traces"))
+    wall, summary, _ = profile(a, model, model.cfg, k)
+    text = text_of(f"k={k} batch 1: untraced wall {wall * 1e3:.2f} ms/round", summary)
+    head = "\n".join(text.splitlines()[:12])
+    print(head, flush=True)
+    return head
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(prog="python -m mtp_jax.bench.qwen4_smoke",
+                                description=__doc__.split("\n\n")[0])
+    p.add_argument("--config", default="configs/Qwen3.8-Flash-Next.json")
+    p.add_argument("--layers", type=int, default=8)
+    p.add_argument("--experts", type=int, default=64)
+    p.add_argument("--ngram-base", type=int, default=200_000)
+    p.add_argument("--prompt-len", type=int, default=100)
+    p.add_argument("--max-tokens", type=int, default=128)
+    p.add_argument("--checkpoint-dir", default="/tmp/q4_smoke_ckpt")
+    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--profile", action="store_true",
+                   help="also trace 10 rounds at batch 1 (python -m mtp_jax.bench profile's "
+                        "analysis: device busy time per round, top kernels; GPU only)")
+    a = p.parse_args(argv)
+    write_random_qwen4_exp(cut_config(a.config, a.layers, a.experts, a.ngram_base),
+                           a.checkpoint_dir, dtype="bfloat16", seed=0, with_mtp=True)
+    rng = np.random.default_rng(0)
+    rows = []
+    for k in (0, 3):
+        llm = LLM(a.checkpoint_dir, dtype="bfloat16", max_running_requests=8, max_model_len=512,
+                  speculative_algorithm="mtp" if k else "none",
+                  speculative_num_steps=k if k else 3)
+        for b in (1, 8):
+            prompts = [rng.integers(100, 200_000, a.prompt_len).tolist() for _ in range(b)]
+            rows.append(run_row(llm, prompts, k, a.max_tokens, rng))
+            print(rows[-1], flush=True)
+        print("weights GB:", weights_bytes(llm.model.cfg, "bfloat16", True) / 1e9)
+        if a.profile:
+            rows[-1]["profile"] = device_profile(llm.model, k, a.prompt_len, a.out)
+        del llm
+    json.dump(rows, open(os.path.join(a.out, "q4_smoke.json"), "w"), indent=1)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
