@@ -336,7 +336,8 @@ _BY_MODEL: "weakref.WeakKeyDictionary" = weakref.WeakKeyDictionary()
 def programs_for(model) -> ModelPrograms:
     """The programs of ``model`` (a loaded model: ``graphdef``, ``params``,
     ``pack_small_params``), made on the first call and shared by every engine on it and on
-    any live model of the same structure (graphdef, parameter tree, packing)."""
+    any live model of the same structure (graphdef, parameter tree, packing, parameter shapes
+    and dtypes: e.g. draft heads of two sizes get programs of their own)."""
     got = _BY_MODEL.get(model)
     if got is not None:
         return got
@@ -344,10 +345,12 @@ def programs_for(model) -> ModelPrograms:
     leaves = tuple(jax.tree_util.tree_leaves(model.params))
     leaves = leaves if packing is None else packing.pack(leaves)
     treedef = jax.tree_util.tree_structure(model.params)
+    shapes = [(a.shape, a.dtype) for a in leaves]  # the executables are keyed without them
     programs = None
     for other, mp in list(_BY_MODEL.items()):
         if (other.pack_small_params == model.pack_small_params and mp.programs.treedef == treedef
-                and other.graphdef == model.graphdef):
+                and other.graphdef == model.graphdef
+                and [(a.shape, a.dtype) for a in mp.leaves] == shapes):
             programs = mp.programs
             break
     if programs is None:

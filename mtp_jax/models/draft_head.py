@@ -44,7 +44,8 @@ from mtp_jax.weights import names
 from pallas_kernels.gemv import gemv
 
 __all__ = ["DraftHead", "HEAD_DTYPES", "LAYER_DTYPES", "RESCORE", "BLOCK", "candidates",
-           "rescore", "with_draft_head", "draft_head_bytes", "draft_layer_bytes"]
+           "rescore", "with_draft_head", "draft_head_bytes", "draft_layer_bytes",
+           "head_logits", "head_greedy"]
 
 RESCORE = 8  # int8 head: blocks of BLOCK rows, those with the best logits, re-scored
 BLOCK = 32
@@ -90,6 +91,28 @@ class DraftHead(nnx.Module):
         best = exact == jnp.max(exact, axis=-1, keepdims=True)
         col = jnp.min(jnp.where(best, cand, logits.shape[-1]), axis=-1)
         return (col if ids is None else jnp.take(ids, col)).astype(jnp.int32)
+
+
+def head_logits(head: "DraftHead | None", table: jax.Array, z: jax.Array, full_logits):
+    """A family's ``draft_logits``: ``z [..., H]`` (what its LM head reads) -> ``(logits
+    [..., N] float32, ids [N] int32)`` over the hot ids of ``head``, or ``(full_logits(z)
+    [..., V], None)`` without a draft head of its own (column i is token id i). ``table``: the
+    model-dtype LM head ``[V, H]`` (the int8 head re-scores from it)."""
+    if head is None:
+        return full_logits(z), None
+    return head(z, table), None if head.ids is None else head.ids[...]
+
+
+def head_greedy(head: "DraftHead | None", table: jax.Array, z: jax.Array,
+                full_logits) -> jax.Array:
+    """A family's ``draft_greedy``: the argmax of :func:`head_logits` mapped to token ids
+    ``[...]`` int32 (an int8 head takes it over its re-scored candidates only:
+    :meth:`DraftHead.greedy`)."""
+    if head is not None and head.scale is not None:
+        return head.greedy(z, table)
+    logits, hot = head_logits(head, table, z, full_logits)
+    tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    return tok if hot is None else jnp.take(hot, tok)
 
 
 def candidates(logits: jax.Array, r: int = RESCORE, size: int = BLOCK) -> jax.Array:

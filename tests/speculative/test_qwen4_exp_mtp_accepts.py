@@ -22,7 +22,7 @@ from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
 from tests.fixtures.make_qwen4_trained_fixture import MAX_NEW, fixture_prompts
-from tests.helpers.mtp_oracle import expected_rounds, greedy_drafts
+from tests.helpers.mtp_oracle import chain_outputs, expected_rounds, greedy_drafts
 from tests.helpers.paths import fixture_path
 
 CKPT = fixture_path("tiny_qwen4_trained")
@@ -153,3 +153,29 @@ def test_accept_counts_with_a_batch_of_mixed_lengths(engine_k3, prompts, plain, 
     _check(reqs, plain, _expected(prompts, plain, drafts, 3), seen)
     assert sum(r.num_accepted_tokens for r in reqs) > 0
     assert max(r.num_rounds for r in reqs) > 1
+
+
+def test_reduced_draft_vocabulary_drafts_its_hot_ids(model, prompts, plain, drafts):
+    """``draft_vocab_size=128`` (the 128 lowest ids): the draft's argmax over those ids only,
+    so the accept counts equal the oracle's with its argmax restricted to them (fewer than the
+    full head's), and the tokens stay plain decoding's."""
+    n = 128
+    seqs = [p + o for p, o in zip(prompts, plain)]
+    length = max(map(len, seqs))
+    expected = []
+    for p, o, seq in zip(prompts, plain, seqs):
+        padded = np.zeros(length, np.int32)
+        padded[:len(seq)] = seq
+        _, hidden = model.forward(padded[None])
+        logits, _ = chain_outputs(model, np.asarray(hidden)[0], padded, 3)
+        hot = np.argmax(logits[..., :n], -1).T.astype(np.int32)
+        expected.append(expected_rounds(hot, seq, len(p), 3, MAX_NEW))
+    engine = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", page_size=PAGE,
+                                        max_model_len=96, enable_prefix_cache=False,
+                                        chunked_prefill_size=16, overlap_schedule=False),
+                    SpeculativeConfig(algorithm="mtp", num_steps=3, draft_vocab_size=n))
+    reqs = _requests(prompts)
+    _check(reqs, plain, expected, _run(engine, reqs))
+    accepted = sum(r.num_accepted_tokens for r in reqs)
+    full = sum(n for e in _expected(prompts, plain, drafts, 3) for _, _, n in e)
+    assert 0 < accepted < full

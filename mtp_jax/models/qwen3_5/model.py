@@ -17,6 +17,7 @@ from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
+from mtp_jax.models.draft_head import head_greedy, head_logits
 from mtp_jax.models.layers.basic import Embed, Linear, RMSNorm
 from mtp_jax.models.qwen3_5.decoder import DecoderLayer
 from mtp_jax.models.qwen3_5.mtp import MTPDraft
@@ -70,21 +71,13 @@ class Qwen35Model(nnx.Module):
         ``(logits [..., V], None)`` over the whole vocabulary (column i is token id i): the
         target's head without a draft head, else the draft head's (int8 rows,
         :mod:`mtp_jax.models.draft_head`)."""
-        head = self.draft_head
-        if head is None:
-            return self.logits(z), None
-        return head(z, self._head_table()), None if head.ids is None else head.ids[...]
+        return head_logits(self.draft_head, self._head_table(), z, self.logits)
 
     def draft_greedy(self, z: jax.Array) -> jax.Array:
         """The MTP draft's greedy tokens: ``z [..., H]`` -> ``[...]`` int32 token ids, the
         argmax of :meth:`draft_logits` mapped to token ids (an int8 draft head takes it over
         its re-scored candidates only: :meth:`~mtp_jax.models.draft_head.DraftHead.greedy`)."""
-        head = self.draft_head
-        if head is not None and head.scale is not None:
-            return head.greedy(z, self._head_table())
-        logits, hot = self.draft_logits(z)
-        tok = jnp.argmax(logits, -1).astype(jnp.int32)
-        return tok if hot is None else jnp.take(hot, tok)
+        return head_greedy(self.draft_head, self._head_table(), z, self.logits)
 
     def _head_table(self) -> jax.Array:
         """The LM head's ``[V, H]`` rows (the embedding when tied)."""

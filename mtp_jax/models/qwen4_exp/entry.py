@@ -74,22 +74,18 @@ def check_engine(cfg: Qwen4ExpConfig, engine, speculative) -> None:
     """The engine settings qwen4_exp cannot run (ConfigError, before any weight loads):
     ``num_scheduler_steps > 1`` (each round's PLE rows are looked up on the host from the
     tokens the previous round drafted, so rounds cannot run back to back on the device) and
-    the draft-head options
-    (a reduced draft vocabulary, int8 draft head or layer), not built for this family yet."""
+    an int8 draft layer (not built for this family yet)."""
     if engine.num_scheduler_steps != 1:
         raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) "
                           f"{engine.num_scheduler_steps} cannot run on {cfg.model_type}: the PLE "
                           "rows of each round's tokens are looked up on the host after the "
                           "previous round, so every round is its own call; use 1 (the default).")
-    options = {"draft_vocab_size (--speculative-draft-vocab-size)": speculative.draft_vocab_size,
-               "token_map_path (--speculative-token-map)": speculative.token_map_path,
-               "draft_head_dtype (--speculative-draft-head-dtype)": speculative.draft_head_dtype,
-               "draft_layer_dtype (--speculative-draft-layer-dtype)":
-                   speculative.draft_layer_dtype}
-    for name, value in options.items():
-        if value is not None:
-            raise ConfigError(f"{name} {value!r} is not supported for {cfg.model_type} yet (its "
-                              "MTP draft uses the full LM head in the model dtype); drop it.")
+    if speculative.draft_layer_dtype is not None:
+        raise ConfigError(f"draft_layer_dtype (--speculative-draft-layer-dtype) "
+                          f"{speculative.draft_layer_dtype!r} is not supported for "
+                          f"{cfg.model_type} yet (its draft layer runs in the model dtype); drop "
+                          "it. The draft head options (--speculative-draft-vocab-size, "
+                          "--speculative-draft-head-dtype int8) apply.")
 
 
 def make_entry() -> ModelEntry:

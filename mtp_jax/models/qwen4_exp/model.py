@@ -22,6 +22,7 @@ from flax import nnx
 
 from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
+from mtp_jax.models.draft_head import head_greedy, head_logits
 from mtp_jax.models.layers.basic import Embed, Linear
 from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig
 from mtp_jax.models.qwen4_exp.decoder import DecoderLayer
@@ -48,6 +49,9 @@ class Qwen4ExpModel(nnx.Module):
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size,
                                                                     cfg.vocab_size, dtype)
         self.mtp = MTPDraft(cfg, dtype) if with_mtp else None
+        # The draft's own LM head (reduced vocabulary / int8 rows), set by
+        # mtp_jax.models.draft_head.with_draft_head; None: the draft uses the target's head.
+        self.draft_head = None
 
     def head(self, x: jax.Array) -> jax.Array:
         """``x [..., H]`` (mixed) -> logits float32."""
@@ -68,14 +72,22 @@ class Qwen4ExpModel(nnx.Module):
     gdn_modes = ("prefill", "verify")  # no fused decode form: a k = 0 round verifies + commits
 
     def draft_logits(self, y: jax.Array):
-        """MTP streams ``y [..., hc*H]`` -> ``(logits [..., V] float32, None)``: the draft's
-        own mixer, then the target's LM head (every id; no reduced draft vocabulary)."""
+        """MTP streams ``y [..., hc*H]`` -> the draft's own mixer, then ``(logits [..., N]
+        float32, hot ids [N] int32)`` over its own head (a reduced vocabulary and/or int8
+        rows: :mod:`mtp_jax.models.draft_head`), or ``(logits [..., V], None)`` from the
+        target's LM head."""
         z, _ = self.mtp.hyper_connection_mixer(y)
-        return self.head(z), None
+        return head_logits(self.draft_head, self._head_table(), z, self.head)
 
     def draft_greedy(self, y: jax.Array) -> jax.Array:
-        """``y [B, hc*H]`` -> the draft's argmax token ``[B]`` int32."""
-        return jnp.argmax(self.draft_logits(y)[0], axis=-1).astype(jnp.int32)
+        """``y [..., hc*H]`` -> the draft's greedy token ids ``[...]`` int32
+        (:func:`~mtp_jax.models.draft_head.head_greedy`)."""
+        z, _ = self.mtp.hyper_connection_mixer(y)
+        return head_greedy(self.draft_head, self._head_table(), z, self.head)
+
+    def _head_table(self) -> jax.Array:
+        """The LM head's ``[V, H]`` rows (the embedding when tied)."""
+        return (self.lm_head if self.lm_head is not None else self.embed_tokens).weight[...]
 
     def __call__(self, input_ids, batch: AttentionBatch, paged: QSAPaged, state: Qwen4Slots,
                  gdn_mode: str = "prefill", slots: jax.Array | None = None, host_rows=None):
