@@ -2,8 +2,9 @@
 patterns, PLE layers, compress ratios, prompt lengths that leave the QSA open group part full):
 random tiny checkpoints written in the released layout; for each one
 
-* greedy generation through ``LLM`` (the batched engine, PLE rows looked up on the host per
-  round) equals the argmax of the cache-free full forward over prompt + generated tokens, and
+* greedy generation through ``LLM`` with its defaults (the batched engine, MTP at k = 3, the
+  prefix cache on, PLE rows looked up on the host per round) equals the argmax of the
+  cache-free full forward over prompt + generated tokens, and
 * cached decoding (prefill of the prompt, optionally a multi-row chunk that starts inside a
   block, then one token per step across a page boundary) gives the full forward's logits.
 
@@ -27,7 +28,7 @@ BASE = dict(
     rms_norm_eps=1e-6, linear_num_key_heads=1, linear_num_value_heads=2, linear_key_head_dim=8,
     linear_value_head_dim=8, linear_conv_kernel_dim=4, output_gate_type="sigmoid", num_experts=4,
     num_experts_per_tok=2, moe_intermediate_size=8, shared_expert_intermediate_size=8,
-    norm_topk_prob=True, tie_word_embeddings=False, mtp_num_hidden_layers=0,
+    norm_topk_prob=True, tie_word_embeddings=False, mtp_num_hidden_layers=1,
     max_position_embeddings=4096, eos_token_id=1, hc_lowrank=4, indexer_n_heads=2,
     indexer_kv_heads=1, indexer_head_dim=8, ple_embed_dim=16, ple_conv_kernel_size=3,
     ngram_size=3, heads_per_ngram=2, ngram_vocab_size_base=20,
@@ -63,7 +64,9 @@ def test_cached_decode_and_generation_equal_full_forward(tmp_path, name, changes
     cfg = write_random_qwen4_exp(_config(changes, "composite" in name), str(tmp_path),
                                  dtype="float32", seed=len(name))
     assert len(prompt) % cfg.indexer_compress_ratio  # the prefill leaves an open group
-    llm = LLM(str(tmp_path), dtype="float32", speculative_algorithm="none", ple_backend=backend)
+    # LLM's defaults (MTP, k = 3; its random head rarely drafts right) with pages of 4 tokens:
+    # compress ratio 3 blocks straddle pages, prefix-cache snapshots every 16 tokens
+    llm = LLM(str(tmp_path), dtype="float32", ple_backend=backend, page_size=4)
     toks = llm.generate([prompt], SamplingParams(temperature=0, max_tokens=GEN,
                                                  ignore_eos=True))[0].token_ids
     m = llm.model
