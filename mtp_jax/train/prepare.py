@@ -120,8 +120,8 @@ def check_model(s: TrainSettings):
     entry = entry_of(cfg)
     if entry.draft_chain is None:
         raise ConfigError(f"{s.model!r} is a {cfg.model_type} checkpoint; training its MTP draft "
-                          f"is not supported yet (its draft does not run in the engine's "
-                          "rounds). Train a qwen3_5 or qwen3_5_moe checkpoint.")
+                          f"is not supported yet (the trainer has no teacher-forced chain for "
+                          "this family). Train a qwen3_5 or qwen3_5_moe checkpoint.")
     n = cfg.mtp_num_hidden_layers
     if n > 1:
         raise ConfigError(f"{s.model!r} has mtp_num_hidden_layers={n}; the trainer trains one "

@@ -81,7 +81,7 @@ def check_engine(cfg: Qwen4ExpConfig, engine, speculative) -> None:
                           "rows of each round's tokens are looked up on the host after the "
                           "previous round, so every round is its own call; use 1 (the default).")
     if speculative.draft_layer_dtype is not None:
-        raise ConfigError(f"draft_layer_dtype (--speculative-draft-layer-dtype) "
+        raise ConfigError(f"speculative_draft_layer_dtype (--speculative-draft-layer-dtype) "
                           f"{speculative.draft_layer_dtype!r} is not supported for "
                           f"{cfg.model_type} yet (its draft layer runs in the model dtype); drop "
                           "it. The draft head options (--speculative-draft-vocab-size, "

@@ -41,7 +41,7 @@ def test_llm_defaults_run_mtp_and_match_hf():
 @pytest.mark.parametrize("kwargs,match", [
     (dict(num_scheduler_steps=2), "num_scheduler_steps .* 2 cannot run on qwen4_exp: the PLE"),
     (dict(speculative_draft_layer_dtype="int8"),
-     "draft_layer_dtype .* 'int8' is not supported for qwen4_exp"),
+     "speculative_draft_layer_dtype .* 'int8' is not supported for qwen4_exp"),
 ])
 def test_qwen4_exp_refusals_before_loading(kwargs, match, monkeypatch):
     from mtp_jax.models.qwen4_exp import loader
