@@ -22,17 +22,18 @@ def pack(tree) -> tuple[np.ndarray, tuple]:
 
     Raises ValueError for a leaf dtype other than int32, float32, uint32 or bool.
     """
-    paths, treedef = jax.tree_util.tree_flatten_with_path(tree)
+    leaves, treedef = jax.tree_util.tree_flatten(tree)
     parts, shapes = [], []
-    for path, leaf in paths:
+    for i, leaf in enumerate(leaves):
         a = np.asarray(leaf)
         if a.dtype == np.bool_:
             parts.append(a.astype(np.int32).ravel())
         elif a.dtype in _WORD:
             parts.append(np.ascontiguousarray(a).view(np.int32).ravel())
         else:
-            raise ValueError(f"pack: leaf {jax.tree_util.keystr(path)} dtype {a.dtype} is not one of int32, float32, uint32, "
-                             "bool; convert it on the host first.")
+            path = jax.tree_util.keystr(jax.tree_util.tree_flatten_with_path(tree)[0][i][0])
+            raise ValueError(f"pack: leaf {path} dtype {a.dtype} is not one of int32, float32, "
+                             "uint32, bool; convert it on the host first.")
         shapes.append((a.shape, a.dtype.str))
     buf = np.concatenate(parts) if parts else np.zeros((0,), np.int32)
     return buf, (treedef, tuple(shapes))
