@@ -315,7 +315,8 @@ class Scheduler:
                 r.num_draft_tokens += int(num_draft[j, i])
                 r.num_accepted_tokens += min(n, kept)
                 r.position += n + 1
-                r.next_tokens = host.next_tokens[j, i].tolist()
+                if self.settings.host is not None:  # read before its next dispatch
+                    r.next_tokens = host.next_tokens[j, i].tolist()
         in_later = set(later.rows) if later is not None else set()
         for r in active:
             extra = span(self.settings.k, later.rounds) if r in in_later else 0

@@ -36,3 +36,26 @@ def random_prompts(n, seed, lo=3, hi=40):
 
 def greedy(max_tokens, **kw):
     return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+def greedy_requests(prompts, tags, max_tokens):
+    """Greedy requests (EOS ignored, seed 0) of ``prompts`` with request ids ``tags``."""
+    params = greedy(max_tokens)
+    return [Request(request_id=tag, index=i, prompt=None, prompt_ids=list(p), params=params,
+                    seed=0) for i, (tag, p) in enumerate(zip(tags, prompts))]
+
+
+def run_per_round(engine, reqs):
+    """Run ``reqs`` on ``engine`` (one round per call, overlap off, so that every round is
+    seen); returns per request id the ``(num_draft_tokens, num_accepted_tokens)`` totals after
+    each of its rounds."""
+    seen = {r.request_id: [] for r in reqs}
+
+    def on_round(rs):
+        for r in rs:
+            if r.num_rounds > len(seen[r.request_id]):
+                assert r.num_rounds == len(seen[r.request_id]) + 1, "a round went unseen"
+                seen[r.request_id].append((r.num_draft_tokens, r.num_accepted_tokens))
+
+    engine.run(reqs, on_round=on_round)
+    return seen

@@ -15,6 +15,7 @@ from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
 from mtp_jax.train.synthetic import motif_prompts
+from tests.helpers.engine_runs import run_per_round
 from tests.helpers.mtp_oracle import expected_rounds, greedy_drafts
 from tests.helpers.paths import fixture_path
 
@@ -57,19 +58,10 @@ def _engine(model, algo, k=0, tokenizer=None, **cfg):
 def _run(engine, reqs, per_round: bool):
     """Run; with ``per_round`` (one round per call, overlap off) returns per request the
     (num_draft_tokens, num_accepted_tokens) after each round."""
-    seen = {r.request_id: [] for r in reqs}
     if not per_round:
         engine.run(reqs)
         return None
-
-    def on_round(rs):
-        for r in rs:
-            if r.num_rounds > len(seen[r.request_id]):
-                assert r.num_rounds == len(seen[r.request_id]) + 1, "a round went unseen"
-                seen[r.request_id].append((r.num_draft_tokens, r.num_accepted_tokens))
-
-    engine.run(reqs, on_round=on_round)
-    return seen
+    return run_per_round(engine, reqs)
 
 
 @pytest.fixture(scope="module")

@@ -16,8 +16,8 @@ import pytest
 
 from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
-from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
+from tests.helpers.engine_runs import greedy_requests
 from tests.helpers.paths import fixture_path
 
 CKPT = fixture_path("tiny_qwen4_exp")
@@ -28,12 +28,6 @@ MAX_TOKENS = 9
 def _prompts(vocab):
     rng = np.random.default_rng(11)
     return [rng.integers(2, vocab, n).tolist() for n in PROMPT_LENS]
-
-
-def _requests(prompts, tags, max_tokens):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [Request(request_id=tag, index=i, prompt=None, prompt_ids=list(p), params=params,
-                    seed=0) for i, (tag, p) in enumerate(zip(tags, prompts))]
 
 
 def _engine(model, spec, proposer=None, **cfg):
@@ -75,7 +69,7 @@ def model():
 def reference(model):
     prompts = _prompts(model.cfg.vocab_size)
     eng = _engine(model, SpeculativeConfig(algorithm="none"))
-    reqs = _requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS + 6)
+    reqs = greedy_requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS + 6)
     states = _run_recording(eng, reqs)
     return prompts, [r.output_ids for r in reqs], states
 
@@ -107,7 +101,7 @@ def test_external_drafts_reproduce_plain_decoding(model, reference, k):
 
     eng = _engine(model, SpeculativeConfig(algorithm="external", num_steps=k), proposer,
                   max_running_requests=8)
-    reqs = _requests(req_prompts, tags, MAX_TOKENS)
+    reqs = greedy_requests(req_prompts, tags, MAX_TOKENS)
     states = _run_recording(eng, reqs)
     for r in reqs:
         pi, j = right[r.request_id]
@@ -121,7 +115,7 @@ def test_external_drafts_reproduce_plain_decoding(model, reference, k):
 def test_mtp_reproduces_plain_decoding(model, reference):
     prompts, ref_out, ref_states = reference
     eng = _engine(model, SpeculativeConfig(algorithm="mtp", num_steps=3))
-    reqs = _requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS)
+    reqs = greedy_requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS)
     states = _run_recording(eng, reqs)
     for i, r in enumerate(reqs):
         assert r.output_ids == ref_out[i][:MAX_TOKENS]
@@ -140,7 +134,7 @@ def test_chunked_prefill_prefix_hits_and_memory_backend(reference):
     shared = rng.integers(2, model.cfg.vocab_size, 18).tolist()
     pair = [shared + [7, 9, 11], shared + [5, 3]]
     plain = _engine(model, SpeculativeConfig(algorithm="none"), chunked_prefill_size=4)
-    want = _requests(pair, ["a", "b"], MAX_TOKENS)
+    want = greedy_requests(pair, ["a", "b"], MAX_TOKENS)
     plain.run(want)
 
     def proposer(request_id, ids, kk):
@@ -150,9 +144,9 @@ def test_chunked_prefill_prefix_hits_and_memory_backend(reference):
 
     eng = _engine(model, SpeculativeConfig(algorithm="external", num_steps=3), proposer,
                   chunked_prefill_size=4, enable_prefix_cache=True, snapshot_interval_pages=2)
-    first = _requests(pair[:1], ["a"], MAX_TOKENS)
+    first = greedy_requests(pair[:1], ["a"], MAX_TOKENS)
     eng.run(first)
-    second = _requests(pair[1:], ["b"], MAX_TOKENS)
+    second = greedy_requests(pair[1:], ["b"], MAX_TOKENS)
     eng.run(second)
     assert first[0].output_ids == want[0].output_ids
     assert second[0].output_ids == want[1].output_ids

@@ -22,6 +22,7 @@ from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
 from tests.fixtures.make_qwen4_trained_fixture import MAX_NEW, fixture_prompts
+from tests.helpers.engine_runs import run_per_round
 from tests.helpers.mtp_oracle import chain_outputs, expected_rounds, greedy_drafts
 from tests.helpers.paths import fixture_path
 
@@ -55,20 +56,6 @@ def _engine(model, algo, k=0, **cfg):
                     enable_prefix_cache=False, chunked_prefill_size=16, overlap_schedule=False)
     settings.update(cfg)
     return Engine(model, EngineConfig(**settings), SpeculativeConfig(algorithm=algo, num_steps=k))
-
-
-def _run(engine, reqs):
-    """Run; returns per request the (num_draft_tokens, num_accepted_tokens) after each round."""
-    seen = {r.request_id: [] for r in reqs}
-
-    def on_round(rs):
-        for r in rs:
-            if r.num_rounds > len(seen[r.request_id]):
-                assert r.num_rounds == len(seen[r.request_id]) + 1, "a round went unseen"
-                seen[r.request_id].append((r.num_draft_tokens, r.num_accepted_tokens))
-
-    engine.run(reqs, on_round=on_round)
-    return seen
 
 
 @pytest.fixture(scope="module")
@@ -138,7 +125,7 @@ def test_accept_counts_equal_the_teacher_forced_expectation(model, engine_k3, pr
     reqs = _requests(prompts)
     seen = {}
     for r in reqs:
-        seen.update(_run(engine, [r]))
+        seen.update(run_per_round(engine, [r]))
     _check(reqs, plain, expected, seen)
     assert sum(r.num_accepted_tokens for r in reqs) > 0
     if k >= 3:
@@ -149,7 +136,7 @@ def test_accept_counts_with_a_batch_of_mixed_lengths(engine_k3, prompts, plain, 
     """All prompts in one ``run`` through two slots: rounds over two requests of different
     lengths, requests admitted (prefilled) while another one decodes."""
     reqs = _requests(prompts)
-    seen = _run(engine_k3, reqs)
+    seen = run_per_round(engine_k3, reqs)
     _check(reqs, plain, _expected(prompts, plain, drafts, 3), seen)
     assert sum(r.num_accepted_tokens for r in reqs) > 0
     assert max(r.num_rounds for r in reqs) > 1
@@ -175,7 +162,7 @@ def test_reduced_draft_vocabulary_drafts_its_hot_ids(model, prompts, plain, draf
                                         chunked_prefill_size=16, overlap_schedule=False),
                     SpeculativeConfig(algorithm="mtp", num_steps=3, draft_vocab_size=n))
     reqs = _requests(prompts)
-    _check(reqs, plain, expected, _run(engine, reqs))
+    _check(reqs, plain, expected, run_per_round(engine, reqs))
     accepted = sum(r.num_accepted_tokens for r in reqs)
     full = sum(n for e in _expected(prompts, plain, drafts, 3) for _, _, n in e)
     assert 0 < accepted < full

@@ -11,8 +11,8 @@ import pytest
 
 from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
-from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
+from tests.helpers.engine_runs import greedy_requests
 from tests.helpers.paths import fixture_path
 
 CKPT = fixture_path("tiny_dense")
@@ -23,12 +23,6 @@ MAX_TOKENS = 9
 def _prompts(vocab):
     rng = np.random.default_rng(7)
     return [rng.integers(2, vocab, n).tolist() for n in PROMPT_LENS]
-
-
-def _requests(prompts, tags, max_tokens):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return [Request(request_id=tag, index=i, prompt=None, prompt_ids=list(p), params=params,
-                    seed=0) for i, (tag, p) in enumerate(zip(tags, prompts))]
 
 
 def _state_of(engine, slot):
@@ -61,7 +55,7 @@ def reference(model):
     prompts = _prompts(model.cfg.vocab_size)
     eng = Engine(model, EngineConfig(max_running_requests=4, dtype="float32", overlap_schedule=False),
                  SpeculativeConfig(algorithm="none"))
-    reqs = _requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS + 8)
+    reqs = greedy_requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS + 8)
     states = _run_recording(eng, reqs)
     return prompts, [r.output_ids for r in reqs], states
 
@@ -107,7 +101,7 @@ def test_external_drafts_reproduce_plain_decoding(model, reference, k):
 
     eng = Engine(model, EngineConfig(max_running_requests=8, dtype="float32", overlap_schedule=False),
                  SpeculativeConfig(algorithm="external", num_steps=k), proposer=proposer)
-    reqs = _requests(req_prompts, tags, MAX_TOKENS)
+    reqs = greedy_requests(req_prompts, tags, MAX_TOKENS)
     states = _run_recording(eng, reqs)
     for r in reqs:
         pi, j = right[r.request_id]
@@ -128,7 +122,7 @@ def test_mtp_reproduces_plain_decoding(model, reference, k):
     prompts, ref_out, ref_states = reference
     eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", overlap_schedule=False),
                  SpeculativeConfig(algorithm="mtp", num_steps=k))
-    reqs = _requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS)
+    reqs = greedy_requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS)
     states = _run_recording(eng, reqs)
     for i, r in enumerate(reqs):
         assert r.output_ids == ref_out[i][:MAX_TOKENS]

@@ -46,10 +46,6 @@ class QSAPaged:
     def page_size(self) -> int:
         return self.kv.page_size
 
-    @property
-    def nbytes(self) -> int:
-        return self.kv.nbytes + sum(a.size * a.dtype.itemsize for a in self.idx)
-
     @classmethod
     def zeros(cls, cfg, layers: int, num_pages: int, page_size: int, dtype) -> "QSAPaged":
         kv = PagedKV.zeros(layers, num_pages, page_size, cfg.num_key_value_heads, cfg.head_dim,
@@ -81,10 +77,6 @@ class Qwen4Slots:
                                         for a, b in zip(whole, part))
         return Qwen4Slots(self.gdn.scatter(slots, view.gdn), put(self.open_idx, view.open_idx),
                           put(self.ple_conv, view.ple_conv))
-
-    @property
-    def nbytes(self) -> int:
-        return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self))
 
     @classmethod
     def zeros(cls, cfg, slots: int, dtype) -> "Qwen4Slots":
