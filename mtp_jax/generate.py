@@ -14,12 +14,7 @@ DEFAULT_PROMPT = "Explain speculative decoding in one paragraph."
 
 
 def build_parser() -> argparse.ArgumentParser:
-    from mtp_jax.kernels import add_backend_flags
-
     p = argparse.ArgumentParser(prog="python -m mtp_jax.generate", description=__doc__)
-    p.add_argument("--model", default=None,
-                   help="checkpoint folder (HF layout); default: a small built-in "
-                        "qwen3_5_moe with the real Qwen3.5 tokenizer, made once in a cache folder")
     prompts = p.add_mutually_exclusive_group()  # one source of prompts, never one ignored
     prompts.add_argument("--prompt", action="append", default=None,
                          help="prompt text; repeat for several prompts (default: a demo "
@@ -31,12 +26,32 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling mass, in (0, 1]; 1 = off")
     p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 or 0 = off")
-    p.add_argument("--seed", type=int, default=0,
-                   help="base sampling seed, in [0, 2**32) (default %(default)s): the i-th "
-                        "prompt samples with a seed made from it and i, so a repeated prompt "
-                        "gives another sample; a prompts-file line's own seed is used as it is")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the checkpoint's EOS tokens")
+    prompts.add_argument("--prompts-file", default=None,
+                         help="JSONL file, one request per line: {\"prompt\": text or token "
+                              "ids, and optional temperature, top_p, top_k, max_tokens, seed, "
+                              "stop, stop_token_ids, ignore_eos (default: the flags)}; results "
+                              "in order; not with --prompt")
+    add_engine_flags(p)
+    p.add_argument("--json", action="store_true", help="print one JSON object per request")
+    return p
+
+
+def add_engine_flags(p: argparse.ArgumentParser) -> None:
+    """Add the flags that make the :class:`~mtp_jax.LLM` (model, seed, speculation, sizes,
+    scheduling, kernels, compilation cache) to ``p``; shared by ``python -m mtp_jax.generate``
+    and ``python -m mtp_jax.serve``. :func:`llm_kwargs` turns them into ``LLM`` arguments."""
+    from mtp_jax.kernels import add_backend_flags
+
+    p.add_argument("--model", default=None,
+                   help="checkpoint folder (HF layout); default: a small built-in "
+                        "qwen3_5_moe with the real Qwen3.5 tokenizer, made once in a cache folder")
+    p.add_argument("--seed", type=int, default=0,
+                   help="base sampling seed, in [0, 2**32) (default %(default)s): the i-th "
+                        "request without a seed of its own samples with a seed made from it "
+                        "and i, so a repeated prompt gives another sample; a request's own "
+                        "seed (a prompts-file line's, an API request's) is used as it is")
     p.add_argument("--speculative-algorithm", "--spec-algo", dest="speculative_algorithm",
                    default="mtp", help="mtp (default; nextn and eagle, SGLang's names for "
                    "drafting with the checkpoint's own MTP layer, are synonyms) or none "
@@ -82,11 +97,6 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--dummy-weight", action="store_true",
                    help="random weights of the checkpoint's shapes instead of its weights "
                         "(benchmarks; needs --speculative-algorithm none)")
-    prompts.add_argument("--prompts-file", default=None,
-                         help="JSONL file, one request per line: {\"prompt\": text or token "
-                              "ids, and optional temperature, top_p, top_k, max_tokens, seed, "
-                              "stop, stop_token_ids, ignore_eos (default: the flags)}; results "
-                              "in order; not with --prompt")
     p.add_argument("--chunked-prefill-size", type=int, default=2048,
                    help="prompt tokens prefilled per scheduler step (default %(default)s)")
     p.add_argument("--disable-prefix-cache", action="store_true",
@@ -112,8 +122,29 @@ def build_parser() -> argparse.ArgumentParser:
                         "PLE n-gram tables memory-mapped from disk (the default) or held in "
                         "host RAM")
     add_backend_flags(p)
-    p.add_argument("--json", action="store_true", help="print one JSON object per request")
-    return p
+
+
+def llm_kwargs(args: argparse.Namespace) -> dict:
+    """The ``LLM(**kwargs)`` arguments of the flags :func:`add_engine_flags` added."""
+    return dict(model=args.model, dtype=args.dtype,
+                max_running_requests=args.max_running_requests,
+                speculative_algorithm=args.speculative_algorithm,
+                speculative_num_steps=args.speculative_num_steps,
+                speculative_draft_model_path=args.speculative_draft_model_path,
+                speculative_draft_vocab_size=args.speculative_draft_vocab_size,
+                speculative_token_map=args.speculative_token_map,
+                speculative_draft_head_dtype=args.speculative_draft_head_dtype,
+                speculative_draft_layer_dtype=args.speculative_draft_layer_dtype,
+                seed=args.seed, max_model_len=args.max_model_len, page_size=args.page_size,
+                dummy_weight=args.dummy_weight, chunked_prefill_size=args.chunked_prefill_size,
+                enable_prefix_cache=not args.disable_prefix_cache,
+                overlap_schedule=not args.disable_overlap_schedule,
+                num_scheduler_steps=args.num_scheduler_steps,
+                mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
+                compilation_cache_dir=args.compilation_cache_dir,
+                ple_backend=args.ple_backend, attention_backend=args.attention_backend,
+                gdn_backend=args.gdn_backend, moe_backend=args.moe_backend,
+                norm_backend=args.norm_backend, gemv_backend=args.gemv_backend)
 
 
 _FILE_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids",
@@ -209,24 +240,7 @@ def _main(argv) -> int:
                 except (TypeError, ValueError) as e:  # this request fails alone
                     line_errors[i] = f"{args.prompts_file}: request {i + 1}: {e}"
                     params.append(None)
-        llm = LLM(args.model, dtype=args.dtype, max_running_requests=args.max_running_requests,
-                  speculative_algorithm=args.speculative_algorithm,
-                  speculative_num_steps=args.speculative_num_steps,
-                  speculative_draft_model_path=args.speculative_draft_model_path,
-                  speculative_draft_vocab_size=args.speculative_draft_vocab_size,
-                  speculative_token_map=args.speculative_token_map,
-                  speculative_draft_head_dtype=args.speculative_draft_head_dtype,
-                  speculative_draft_layer_dtype=args.speculative_draft_layer_dtype,
-                  seed=args.seed, max_model_len=args.max_model_len, page_size=args.page_size,
-                  dummy_weight=args.dummy_weight, chunked_prefill_size=args.chunked_prefill_size,
-                  enable_prefix_cache=not args.disable_prefix_cache,
-                  overlap_schedule=not args.disable_overlap_schedule,
-                  num_scheduler_steps=args.num_scheduler_steps,
-                  mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
-                  compilation_cache_dir=args.compilation_cache_dir,
-                  ple_backend=args.ple_backend, attention_backend=args.attention_backend,
-                  gdn_backend=args.gdn_backend, moe_backend=args.moe_backend,
-                  norm_backend=args.norm_backend, gemv_backend=args.gemv_backend)
+        llm = LLM(**llm_kwargs(args))
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
