@@ -12,6 +12,7 @@ from typing import Iterator, Sequence
 
 from tqdm.auto import tqdm
 
+from mtp_jax.cache_admin import cache_status, check_resize_fits
 from mtp_jax.checks import check_before_load
 from mtp_jax.compile_cache import enable_compilation_cache
 from mtp_jax.config import (EngineConfig, SpeculativeConfig, normalize_algorithm,
@@ -167,10 +168,26 @@ class LLM:
                      max_running_requests: int | None = None) -> None:
         """Grow or shrink the KV pool (``num_pages``, with the draft KV) and/or the per-slot
         state pool (``max_running_requests``: GDN state, pending tokens, draft distributions)
-        between generate calls. See :meth:`Engine.resize_cache`."""
+        between generate calls. See :meth:`Engine.resize_cache`. Sizes that do not fit the
+        memory budget (:func:`mtp_jax.cache_admin.check_resize_fits`) raise ``ConfigError``
+        before anything is freed: the caches stay as they were."""
+        check_resize_fits(self.engine, num_pages, max_running_requests)
         self.engine.resize_cache(num_pages=num_pages, max_running_requests=max_running_requests)
 
+    def cache_status(self) -> dict:
+        """Pool sizes and use (KV pages, slots, queued and running requests, prefix cache);
+        :func:`mtp_jax.cache_admin.cache_status`."""
+        return cache_status(self.engine)
+
     # ---- requests ----------------------------------------------------------------------------
+    def new_request(self, prompt, params: SamplingParams) -> Request:
+        """The engine :class:`Request` of one prompt (text or token ids) and its validated
+        ``params``, for a caller that drives ``self.engine`` itself (the server); the seed and
+        id as :meth:`generate` gives them. Raises ``ValueError`` for a bad prompt or
+        params."""
+        params_list(params, 1)
+        return self._request(prompt, params)
+
     def _request(self, prompt, params: SamplingParams) -> Request:
         vocab = self.model.cfg.vocab_size
         text, ids = prompt_ids(prompt, self.tokenizer, vocab, self.engine.max_model_len)

@@ -1,0 +1,79 @@
+"""From a validated body to engine requests: the prompts (text, token ids, or the chat
+template over messages), ``max_tokens`` resolved, each turned into a :class:`Request` by
+``LLM.new_request``; a 400 naming the field for anything the engine refuses."""
+
+from __future__ import annotations
+
+from mtp_jax.engine.requests import Request
+from mtp_jax.prompts import prompt_ids
+from mtp_jax.serve.errors import APIError
+from mtp_jax.serve.protocol import ChatBody, CompletionBody, sampling_params
+from mtp_jax.tokenizer import TemplateError
+
+__all__ = ["check_model", "completion_prompts", "chat_prompt", "make_requests"]
+
+COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
+
+
+def check_model(name: str | None, served: list[str]) -> None:
+    """404 for a ``model`` this server does not serve (None: the served one)."""
+    if name is not None and name not in served:
+        raise APIError(404, f"model {name!r} does not exist here; this server serves "
+                            f"{served}.", param="model", code="model_not_found")
+
+
+def completion_prompts(body: CompletionBody) -> list:
+    """The prompts of a completion: one string or id list, or a list of either."""
+    p = body.prompt
+    if isinstance(p, str) or (p and isinstance(p[0], int)):
+        return [p]
+    if not p:
+        raise APIError(400, "prompt is empty; pass a string or a list of token ids.",
+                       param="prompt")
+    return list(p)
+
+
+def _content(message, i: int) -> str:
+    c = message.content
+    if isinstance(c, list):
+        return "".join(part.text for part in c)
+    return c or ""
+
+
+def chat_prompt(body: ChatBody, tokenizer) -> str:
+    """The prompt text of a chat completion: the checkpoint's chat template over
+    ``messages`` with the generation prompt (as the CLI's ``--chat``)."""
+    if tokenizer is None or not tokenizer.chat_template:
+        raise APIError(400, "this checkpoint has no tokenizer with a chat template; use "
+                            "/v1/completions with token ids.", param="messages")
+    messages = [{**m.model_extra, "role": m.role, "content": _content(m, i)}
+                for i, m in enumerate(body.messages)]
+    try:
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+    except TemplateError as e:
+        raise APIError(400, str(e), param="messages") from None
+
+
+def make_requests(llm, body, prompts: list, chat: bool) -> list[Request]:
+    """One engine request per prompt; ``max_tokens`` defaults to 16 for completions and to
+    the rest of the context for chat (as OpenAI's API)."""
+    out = []
+    vocab, max_len = llm.model.cfg.vocab_size, llm.engine.max_model_len
+    for p in prompts:
+        try:
+            _, ids = prompt_ids(p, llm.tokenizer, vocab, max_len)
+        except ValueError as e:
+            code = "context_length_exceeded" if "max_model_len" in str(e) else None
+            raise APIError(400, str(e), param="messages" if chat else "prompt",
+                           code=code) from None
+        max_tokens = body.max_tokens
+        if chat and body.max_completion_tokens is not None:
+            max_tokens = body.max_completion_tokens
+        if max_tokens is None:
+            max_tokens = max_len - len(ids) if chat else COMPLETION_MAX_TOKENS
+        params = sampling_params(body, max_tokens)
+        try:
+            out.append(llm.new_request(ids, params))
+        except ValueError as e:
+            raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
+    return out

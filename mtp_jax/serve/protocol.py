@@ -1,0 +1,145 @@
+"""Request bodies of ``/v1/completions`` and ``/v1/chat/completions``: the fields this server
+takes (pydantic models, strict types), the OpenAI fields it does not support (a 400 naming
+the field unless the value is the one that changes nothing), and the sampling parameters of a
+request."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Literal, Union
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError
+
+from mtp_jax.sampling import SamplingParams
+from mtp_jax.serve.errors import APIError
+
+__all__ = ["CompletionBody", "ChatBody", "parse_body", "sampling_params"]
+
+# OpenAI (and vLLM) fields that need what this server does not have; taken only with the value
+# that asks for nothing (None, or the listed ones).
+NOT_YET = {"logprobs": (False, 0), "top_logprobs": (0,), "n": (1,)}
+UNSUPPORTED = {
+    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "logit_bias": ({},), "best_of": (1,), "echo": (False,), "suffix": (),
+    "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
+    "parallel_tool_calls": (), "response_format": ({"type": "text"},), "min_tokens": (0,),
+    "min_p": (0,), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "prediction": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
+    "store": (False,), "metadata": (), "service_level": (), "service_tier": (),
+    "web_search_options": (),
+}
+
+
+def _neutral(value, neutrals) -> bool:
+    """Whether ``value`` asks for nothing: None, or equal to a neutral value of its kind (a
+    bool is not a number here)."""
+    if value is None:
+        return True
+    for n in neutrals:
+        same_kind = (isinstance(value, bool) == isinstance(n, bool)
+                     and (type(value) is type(n) or (isinstance(value, numbers.Real)
+                                                    and isinstance(n, numbers.Real))))
+        if same_kind and value == n:
+            return True
+    return False
+
+
+def check_unsupported(body: dict) -> None:
+    """Raise a 400 :class:`APIError` naming the first field this server cannot honour."""
+    for name, value in body.items():
+        if name in NOT_YET and not _neutral(value, NOT_YET[name]):
+            raise APIError(400, f"'{name}' is not supported yet by this server (got "
+                                f"{value!r}); leave it out.", param=name,
+                           code="unsupported_field")
+        if name in UNSUPPORTED and not _neutral(value, UNSUPPORTED[name]):
+            raise APIError(400, f"'{name}' is not supported by this server (got {value!r}); "
+                                "leave it out.", param=name, code="unsupported_field")
+
+
+class StreamOptions(BaseModel):
+    """``stream_options``: ``include_usage`` adds a last chunk with the usage."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    include_usage: bool = False
+    continuous_usage_stats: bool = False
+
+
+class _Sampling(BaseModel):
+    """The fields both endpoints take."""
+
+    model_config = ConfigDict(extra="forbid", strict=True)
+    model: str | None = None
+    max_tokens: int | None = None
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = -1
+    stop: Union[str, list[str], None] = None
+    stop_token_ids: list[int] | None = None
+    seed: int | None = None
+    ignore_eos: bool = False
+    stream: bool = False
+    stream_options: StreamOptions | None = None
+    user: str | None = None
+
+
+class CompletionBody(_Sampling):
+    """``/v1/completions``: ``prompt`` is a string, token ids, or a list of either (one choice
+    per prompt)."""
+
+    prompt: Union[str, list[int], list[str], list[list[int]]]
+
+
+class TextPart(BaseModel):
+    model_config = ConfigDict(extra="forbid", strict=True)
+    type: Literal["text"]
+    text: str
+
+
+class Message(BaseModel):
+    """One chat message (text content only)."""
+
+    model_config = ConfigDict(extra="allow", strict=True)
+    role: str
+    content: Union[str, list[TextPart], None] = None
+
+
+class ChatBody(_Sampling):
+    """``/v1/chat/completions``: ``messages`` rendered by the checkpoint's chat template."""
+
+    messages: list[Message] = Field(min_length=1)
+    max_completion_tokens: int | None = None
+
+
+def parse_body(body: Any, model_cls: type[BaseModel]) -> BaseModel:
+    """Validate a decoded JSON body: a 400 :class:`APIError` naming the field for a body that
+    is not an object, a field not supported, an unknown field, or a value of the wrong type."""
+    if not isinstance(body, dict):
+        raise APIError(400, f"the request body must be a JSON object, not "
+                            f"{type(body).__name__}.")
+    check_unsupported(body)
+    taken = {k: v for k, v in body.items() if k not in NOT_YET and k not in UNSUPPORTED}
+    try:
+        return model_cls.model_validate(taken)
+    except ValidationError as e:
+        err = e.errors()[0]
+        param = ".".join(str(p) for p in err["loc"])
+        if err["type"] == "extra_forbidden":
+            raise APIError(400, f"unknown field '{param}'; this server takes: "
+                                f"{', '.join(sorted(model_cls.model_fields))}.",
+                           param=param, code="unknown_field") from None
+        raise APIError(400, f"{param}: {err['msg']} (got {err.get('input')!r}).",
+                       param=param) from None
+
+
+def sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
+    """The :class:`SamplingParams` of a request with ``max_tokens`` resolved; a 400 naming
+    the bad value (the engine's own message)."""
+    try:
+        return SamplingParams(temperature=body.temperature, top_p=body.top_p,
+                              top_k=body.top_k, max_tokens=max_tokens, seed=body.seed,
+                              stop=body.stop, stop_token_ids=body.stop_token_ids,
+                              ignore_eos=body.ignore_eos)
+    except ValueError as e:
+        param = str(e).split(" ", 1)[0]
+        raise APIError(400, str(e), param=param if param in type(body).model_fields
+                       else None) from None
