@@ -34,42 +34,41 @@ from mtp_jax.models.qwen4_exp.hyper_connection import GroupedRMSNorm
 from mtp_jax.models.qwen4_exp.slot_states import shift_register_commit
 
 
-def shifted_tokens(history: np.ndarray, shift: int, eos: int) -> np.ndarray:
-    """``history [B, L]`` -> the token ``shift`` places back inside its eos segment, else eos."""
-    history = np.asarray(history, np.int64)
-    if shift == 0:
-        return history
+def shifted_tokens(history: np.ndarray, shifts: np.ndarray, eos: int, n_new: int
+                   ) -> np.ndarray:
+    """``history [B, L]`` -> ``[B, S, n_new]``: for each shift ``s`` of ``shifts [S]``, the
+    token ``s`` places back of each of the last ``n_new`` positions if it lies inside that
+    position's eos segment, else ``eos``."""
     b, n = history.shape
-    pos = np.arange(n)
-    eos_pos = np.where(history == eos, pos, -1)
-    prev_incl = np.maximum.accumulate(eos_pos, axis=1)
-    prev = np.concatenate([np.full((b, 1), -1), prev_incl[:, :-1]], axis=1)
-    in_seg = pos[None, :] - (prev + 1)
-    src = pos - shift
-    out = history[:, np.clip(src, 0, None)]
-    ok = (in_seg >= shift) & (src[None, :] >= 0)
+    pos = np.arange(n - n_new, n)
+    # The last eos strictly before each position (-1: none): a segment starts after it.
+    eos_pos = np.where(history == eos, np.arange(n), -1)
+    prev = np.maximum.accumulate(eos_pos, axis=1)[:, n - n_new - 1:n - 1] if n > n_new else \
+        np.concatenate([np.full((b, 1), -1), np.maximum.accumulate(eos_pos, axis=1)[:, :-1]], 1)
+    src = pos[None, :] - shifts[:, None]  # [S, n_new]
+    out = history[:, np.clip(src, 0, None)]  # [B, S, n_new]
+    ok = ((pos[None, :] - (prev + 1))[:, None, :] >= shifts[None, :, None]) & (src >= 0)
     return np.where(ok, out, eos)
 
 
 def ngram_ids(history: np.ndarray, n_new: int, multipliers, vocab_sizes, offsets,
               ngram_size: int, heads_per_ngram: int, eos: int) -> np.ndarray:
     """Table row ids ``[B, n_new, (N-1)*heads_per_ngram]`` (int64) of the last ``n_new`` tokens
-    of ``history [B, L]`` (L >= n_new + N - 1 so that every shift reads real history)."""
+    of ``history [B, L]`` (L >= n_new + N - 1 so that every shift reads real history).
+
+    One pass over all shifts and heads (a round calls this for a few tokens: numpy's per-call
+    cost, not the arithmetic, sets its time): ``acc[:, s]`` is the XOR of the first ``s + 1``
+    shifted products (int64, wrapping as the reference's int64 products do), and head ``h`` of
+    order ``n`` reads ``acc[:, n - 1]``."""
     history = np.asarray(history, np.int64)
-    m = np.asarray(multipliers, np.int64)
-    vs = np.asarray(vocab_sizes, np.int64)
-    off = np.asarray(offsets, np.int64)
-    sh = [shifted_tokens(history, s, eos) for s in range(ngram_size)]
-    blocks = []
-    for n in range(2, ngram_size + 1):
-        mixed = sh[0] * m[0]
-        for s in range(1, n):
-            mixed = np.bitwise_xor(mixed, sh[s] * m[s])
-        lo = (n - 2) * heads_per_ngram
-        hs = slice(lo, lo + heads_per_ngram)
-        ids = np.remainder(mixed[..., None], vs[hs]) + off[hs]
-        blocks.append(ids)
-    return np.concatenate(blocks, axis=-1)[:, history.shape[1] - n_new:]
+    if n_new == 0:
+        return np.zeros((history.shape[0], 0, (ngram_size - 1) * heads_per_ngram), np.int64)
+    m = np.asarray(multipliers, np.int64)[:ngram_size]
+    sh = shifted_tokens(history, np.arange(ngram_size), eos, n_new)  # [B, N, n_new]
+    acc = np.bitwise_xor.accumulate(sh * m[None, :, None], axis=1)
+    order = np.repeat(np.arange(1, ngram_size), heads_per_ngram)  # acc index of each head
+    mixed = np.swapaxes(acc[:, order, :], 1, 2)  # [B, n_new, heads]
+    return np.remainder(mixed, np.asarray(vocab_sizes, np.int64)) + np.asarray(offsets, np.int64)
 
 
 class PLE(nnx.Module):

@@ -20,11 +20,14 @@ import numpy as np
 from mtp_jax.weights.safetensors_files import _FLOAT_DTYPES, TensorInfo
 
 PLE_BACKENDS = ("disk", "memory")
+_FEW_ROWS = 256  # up to this many rows a lookup copies row by row (less numpy per call)
 
 
 def _memmap(t: TensorInfo) -> np.ndarray:
+    """The stored tensor mapped read-only, as a plain ndarray view (indexing a
+    ``np.memmap`` makes a memmap object per call, a cost a round's lookup pays per part)."""
     return np.memmap(t.file, dtype=_FLOAT_DTYPES[t.dtype], mode="r", offset=t.start,
-                     shape=tuple(t.shape))
+                     shape=tuple(t.shape)).view(np.ndarray)
 
 
 class NgramTable:
@@ -54,17 +57,22 @@ class NgramTable:
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """``ids [...]`` int64 row ids -> rows ``[..., dim]`` in ``out_dtype``."""
         ids = np.asarray(ids, np.int64)
-        if ids.size and (ids.min() < 0 or ids.max() >= self.rows):
-            raise IndexError(f"n-gram row id outside the table of {self.rows} rows")
         flat = ids.reshape(-1)
+        if flat.size and (flat.min() < 0 or flat.max() >= self.rows):
+            raise IndexError(f"n-gram row id outside the table of {self.rows} rows")
         out = np.empty((flat.size, self.dim), self.out_dtype)
         if len(self._parts) == 1:
             out[:] = self._parts[0][flat]
-        else:
-            which = np.searchsorted(self._starts, flat, side="right") - 1
-            for j in np.unique(which):
+            return out.reshape(*ids.shape, self.dim)
+        which = np.searchsorted(self._starts, flat, side="right") - 1
+        local = flat - self._starts[which]
+        if flat.size <= _FEW_ROWS:  # a round's few rows: one row copy each
+            for i, (j, r) in enumerate(zip(which.tolist(), local.tolist())):
+                out[i] = self._parts[j][r]
+        else:  # a prompt's many rows: one gather per part
+            for j in np.unique(which).tolist():
                 sel = which == j
-                out[sel] = self._parts[j][flat[sel] - self._starts[j]]
+                out[sel] = self._parts[j][local[sel]]
         return out.reshape(*ids.shape, self.dim)
 
 
