@@ -7,7 +7,8 @@ folder (its index or its safetensors headers), never tensor data, and raise
 
 * :func:`read_model_config` — the target: a GGUF file (refused; for a Qwen3.5-family GGUF with
   MTP: "MTP is not supported for <architecture> yet"), ``config.json`` (missing, unreadable,
-  unknown ``model_type``: the registry);
+  unknown ``model_type``: the registry; an unknown ``quantization_config`` method or field:
+  :mod:`mtp_jax.weights.quant_config`);
 * :func:`check_family` — a speculative algorithm with no draft registered for the family, a
   per-request slot state without a verify handler;
 * :func:`check_request` — what a load asks of the family (random weights, a draft folder,
@@ -27,6 +28,7 @@ from mtp_jax.models.entry import VERIFY_HANDLERS, LoadRequest, ModelEntry
 from mtp_jax.models.registry import REGISTRY, entry_of, read_config
 from mtp_jax.weights.gguf_header import QWEN3_5_GGUF_ARCHS, gguf_architecture, gguf_file
 from mtp_jax.weights.hub import looks_like_repo_id
+from mtp_jax.weights.quant_config import quantization_from_folder
 from mtp_jax.weights.safetensors_files import list_tensor_names
 
 __all__ = ["read_model_config", "check_family", "check_request", "check_backends",
@@ -61,7 +63,9 @@ def read_model_config(path: str | None, *, mtp: bool):
         raise ConfigError(
             f"{g} is a GGUF checkpoint ({arch}); mtp_jax does not load GGUF weights yet. Pass "
             "the HF safetensors checkpoint folder of the model (config.json + *.safetensors).")
-    return read_config(path)
+    cfg = read_config(path)
+    quantization_from_folder(path)  # an unknown quant_method or field: refused here
+    return cfg
 
 
 def check_family(cfg, algorithm: str) -> ModelEntry:

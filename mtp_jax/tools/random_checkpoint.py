@@ -3,6 +3,8 @@
     python -m mtp_jax.tools.random_checkpoint --config configs/Qwen3.5-35B-A3B.json --out DIR \
         [--dtype bfloat16|float32|float16] [--experts fused|per-expert] \
         [--mtp-experts fused|per-expert] [--no-mtp] [--shard-size-gb 2] [--seed 0] [--tokenizer]
+        [--quantize fp8-block|modelopt-fp8|modelopt-nvfp4|ct-nvfp4] [--quantize-mtp-fc]
+        [--mtp-quantize none|SCHEME]
 
 The family is the registry's (from ``config.json``'s ``model_type``); its entry's
 ``write_random`` writes ``config.json`` and the weights (the Qwen3.5 family's streaming sharded
@@ -10,7 +12,10 @@ writer: :mod:`mtp_jax.models.qwen3_5.random_checkpoint`, which documents the lay
 init; qwen4_exp's: :mod:`mtp_jax.models.qwen4_exp.random_checkpoint`). With ``--tokenizer``
 the real Qwen vocabulary and chat template are written beside the weights
 (:mod:`mtp_jax.tools.qwen_vocab`) and the logit rows past its 248,077 ids are zero, so the
-random model rarely picks an id that decodes to nothing.
+random model rarely picks an id that decodes to nothing. With ``--quantize`` the written
+weights are then quantized in place, with the matching ``quantization_config``
+(:mod:`mtp_jax.tools.quantize_checkpoint`; ``--mtp-quantize`` for a mixed checkpoint,
+``--quantize-mtp-fc`` to quantize the MTP input projections too).
 """
 
 from __future__ import annotations
@@ -22,6 +27,7 @@ from mtp_jax.config import ConfigError, config_dict
 from mtp_jax.models.qwen3_5.random_checkpoint import DTYPES, EXPERT_LAYOUTS
 from mtp_jax.models.registry import entry_for_raw
 from mtp_jax.tools import qwen_vocab
+from mtp_jax.tools.quantize_checkpoint import SCHEMES, quantize_folder
 
 __all__ = ["write_random_checkpoint", "main"]
 
@@ -30,7 +36,9 @@ def write_random_checkpoint(config: dict | str, out_dir: str, dtype: str = "bflo
                             experts: str = "fused", mtp_experts: str | None = None,
                             include_mtp: bool = True, shard_size_bytes: int = 2 << 30,
                             seed: int = 0, tokenizer: bool = False,
-                            workers: int | None = None, cache_dir: str | None = None) -> str:
+                            workers: int | None = None, cache_dir: str | None = None,
+                            quantize: str | None = None, mtp_quantize: str | None = None,
+                            quantize_mtp_fc: bool = False) -> str:
     """Write a random-weight checkpoint of ``config``'s shape into ``out_dir``; returns it.
 
     ``config`` is a dict, a ``config.json`` path or a folder holding one. ``experts`` /
@@ -40,11 +48,20 @@ def write_random_checkpoint(config: dict | str, out_dir: str, dtype: str = "bflo
     files (see :mod:`mtp_jax.tools.qwen_vocab`) and needs ``vocab_size >= 248077``; the
     converted tokenizer.json is cached in ``cache_dir`` (default
     :func:`mtp_jax.home.cache_root`). ``workers`` generator threads (default: CPUs, at most 8).
+    ``quantize``: a scheme of :data:`~mtp_jax.tools.quantize_weights.SCHEMES` the projections
+    are then stored in (``mtp_quantize``: another one, or ``"none"``, for ``mtp.*``;
+    ``quantize_mtp_fc``: quantize the MTP input projections too), see
+    :func:`~mtp_jax.tools.quantize_checkpoint.quantize_folder`.
 
     Raises ``ConfigError`` for an unsupported config, ``ValueError`` for a bad option.
     """
     if dtype not in DTYPES:
         raise ValueError(f"dtype {dtype!r} is not supported; use one of {sorted(DTYPES)}.")
+    if quantize is None and (mtp_quantize is not None or quantize_mtp_fc):
+        raise ValueError("mtp_quantize (--mtp-quantize) and quantize_mtp_fc "
+                         "(--quantize-mtp-fc) need quantize (--quantize SCHEME).")
+    if quantize is not None and quantize not in SCHEMES:
+        raise ValueError(f"quantize {quantize!r} is unknown; use one of {SCHEMES}.")
     raw = config_dict(config)
     entry = entry_for_raw(raw)
     if entry.write_random is None:
@@ -62,6 +79,9 @@ def write_random_checkpoint(config: dict | str, out_dir: str, dtype: str = "bflo
     entry.write_random(raw, out_dir, dtype=dtype, experts=experts, mtp_experts=mtp_experts,
                        include_mtp=include_mtp, shard_size_bytes=shard_size_bytes, seed=seed,
                        zero_rows_from=zero_from, workers=workers)
+    if quantize is not None:
+        quantize_folder(out_dir, quantize, mtp_scheme=mtp_quantize,
+                        quantize_mtp_fc=quantize_mtp_fc)
     if tokenizer:
         qwen_vocab.write_tokenizer_files(out_dir, cache_dir=cache_dir)
     return out_dir
@@ -97,6 +117,16 @@ def main(argv: list[str] | None = None) -> None:
                          "config's vocab_size >= 248077, as the released configs have)")
     ap.add_argument("--workers", type=int, default=None,
                     help="generator threads (default: the CPUs, at most 8)")
+    ap.add_argument("--quantize", default=None, choices=SCHEMES,
+                    help="store the projections quantized in this format, with the matching "
+                         "quantization_config (default: not quantized)")
+    ap.add_argument("--mtp-quantize", default=None, choices=("none",) + SCHEMES,
+                    help="another format for the mtp.* tensors (a ModelOpt MIXED_PRECISION "
+                         "checkpoint), or none to keep them unquantized (default: --quantize)")
+    ap.add_argument("--quantize-mtp-fc", action="store_true",
+                    help="also quantize the MTP input projections (mtp.fc; mtp.fc_embedding "
+                         "and mtp.fc_hidden on qwen4_exp), kept unquantized by default as in "
+                         "released checkpoints")
     args = ap.parse_args(argv)
     try:
         out = write_random_checkpoint(args.config, args.out, dtype=args.dtype,
@@ -104,7 +134,9 @@ def main(argv: list[str] | None = None) -> None:
                                       include_mtp=not args.no_mtp,
                                       shard_size_bytes=int(args.shard_size_gb * (1 << 30)),
                                       seed=args.seed, tokenizer=args.tokenizer,
-                                      workers=args.workers)
+                                      workers=args.workers, quantize=args.quantize,
+                                      mtp_quantize=args.mtp_quantize,
+                                      quantize_mtp_fc=args.quantize_mtp_fc)
     except (ValueError, OSError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2

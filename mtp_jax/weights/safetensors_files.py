@@ -22,7 +22,7 @@ import ml_dtypes
 import numpy as np
 
 __all__ = ["CheckpointError", "TensorInfo", "read_header", "checkpoint_files",
-           "list_tensor_names", "INDEX_FILE", "SINGLE_FILE"]
+           "list_tensor_names", "read_stored", "INDEX_FILE", "SINGLE_FILE"]
 
 INDEX_FILE = "model.safetensors.index.json"
 SINGLE_FILE = "model.safetensors"
@@ -38,6 +38,9 @@ _FLOAT_DTYPES: dict[str, np.dtype] = {
 # Byte sizes of other known dtypes, used only to validate headers.
 _OTHER_ITEMSIZE = {"BOOL": 1, "U8": 1, "I8": 1, "F8_E4M3": 1, "F8_E5M2": 1, "F8_E8M0": 1,
                    "I16": 2, "U16": 2, "I32": 4, "U32": 4, "I64": 8, "U64": 8, "C64": 8}
+# Stored dtypes that quantized formats read as they are (codes and scales).
+_STORED_DTYPES: dict[str, np.dtype] = {**_FLOAT_DTYPES, "F8_E4M3": np.dtype(ml_dtypes.float8_e4m3fn),
+                                       "U8": np.dtype("u1"), "I64": np.dtype("<i8")}
 
 class CheckpointError(ValueError):
     """A checkpoint folder that cannot be loaded; the message names the file(s) and tensor(s)."""
@@ -45,7 +48,11 @@ class CheckpointError(ValueError):
 
 @dataclass(frozen=True)
 class TensorInfo:
-    """One tensor's header entry. ``start``/``end`` are absolute byte offsets in ``file``."""
+    """One tensor's header entry. ``start``/``end`` are absolute byte offsets in ``file``.
+
+    ``quant``: for a logical entry made by :func:`mtp_jax.weights.quant_tensors.group_quantized`
+    (a quantized weight and its scales; ``dtype`` is then ``F32``, ``shape`` the dequantized
+    one), the object whose ``read(files)`` dequantizes it; None for a stored tensor."""
 
     name: str
     file: str
@@ -53,6 +60,7 @@ class TensorInfo:
     shape: tuple[int, ...]
     start: int
     end: int
+    quant: Any = None
 
 
 # --------------------------------------------------------------------------------------------
@@ -199,7 +207,7 @@ def list_tensor_names(folder: str) -> dict[str, str]:
 
 def _read_raw(mm: mmap.mmap, t: TensorInfo) -> np.ndarray:
     """A read-only view of one stored tensor in its stored dtype (no copy)."""
-    dt = _FLOAT_DTYPES[t.dtype]
+    dt = _STORED_DTYPES[t.dtype]
     return np.frombuffer(mm, dtype=dt, count=math.prod(t.shape), offset=t.start).reshape(t.shape)
 
 
@@ -231,7 +239,17 @@ class _Files:
             f.close()
 
 
-def _read(files: _Files, t: TensorInfo) -> np.ndarray:
+def read_stored(files: _Files, t: TensorInfo) -> np.ndarray:
+    """One stored tensor in its stored dtype (float, F8_E4M3 as ``ml_dtypes.float8_e4m3fn``,
+    U8, I64): a read-only view of the file's map."""
     if math.prod(t.shape) == 0:
-        return np.zeros(t.shape, _FLOAT_DTYPES[t.dtype])
+        return np.zeros(t.shape, _STORED_DTYPES[t.dtype])
     return _read_raw(files.get(t.file), t)
+
+
+def _read(files: _Files, t: TensorInfo) -> np.ndarray:
+    """A tensor's values: stored floats as they are, a quantized logical entry dequantized
+    (float32)."""
+    if t.quant is not None:
+        return t.quant.read(files)
+    return read_stored(files, t)

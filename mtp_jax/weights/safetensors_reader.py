@@ -19,7 +19,9 @@ Stored layouts accepted (see ``mtp_jax.weights.names`` for the canonical names):
   [E, H, I]``; the same names with a ``.weight`` suffix are accepted too, as some re-exports add
   it) or per expert (``mlp.experts.{e}.{gate,up,down}_proj.weight``), stacked here into the fused
   form with gate rows first; layouts may differ between layers of one checkpoint;
-* stored dtypes F16, BF16, F32 (and F64). Quantized formats (FP8, NVFP4, int) are refused with a
+* stored dtypes F16, BF16, F32 (and F64), and the quantized formats of
+  :mod:`mtp_jax.weights.quant_tensors` (block FP8, ModelOpt FP8 / NVFP4, compressed-tensors
+  NVFP4), dequantized at load; other quantized forms (int, GPTQ, AWQ) are refused with a
   message naming the tensor.
 """
 
@@ -36,6 +38,8 @@ from tqdm import tqdm
 from mtp_jax.config import ModelConfig
 from mtp_jax.weights import names as _names
 from mtp_jax.weights.draft_checks import check_mtp_experts
+from mtp_jax.weights.quant_config import QuantConfig, quantization_from_folder
+from mtp_jax.weights.quant_tensors import group_quantized
 from mtp_jax.weights.safetensors_files import (_FLOAT_DTYPES, INDEX_FILE, CheckpointError,
                                                TensorInfo, _Files, _read, checkpoint_files,
                                                read_header)
@@ -132,7 +136,8 @@ class _Plan:
 
 def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, ...]], *,
                  dtype, put: Callable[[np.ndarray], Any] | None = None, include_mtp: bool,
-                 only_mtp: bool = False, desc: str = "Loading") -> dict[str, Any]:
+                 only_mtp: bool = False, desc: str = "Loading",
+                 quant: QuantConfig | None = None) -> dict[str, Any]:
     """Load every tensor of ``expected`` (canonical name -> shape) from a safetensors folder.
 
     ``dtype``: numpy dtype the arrays are converted to (``np.float32``, ``ml_dtypes.bfloat16``,
@@ -141,6 +146,11 @@ def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, .
     False, ``mtp.*`` tensors on disk are ignored (their data is never read) and ``expected`` must
     hold none. ``only_mtp``: read only the ``mtp.*`` tensors and ignore every other tensor in
     the folder (a separate draft checkpoint). Per-expert MoE tensors are stacked into the canonical fused form.
+    ``quant``: the quantization config the stored formats are checked against (default: the
+    folder's own, :func:`~mtp_jax.weights.quant_config.quantization_from_folder`; a separate
+    draft folder is read with the target's). Quantized weights (block FP8, ModelOpt FP8 /
+    NVFP4, compressed-tensors NVFP4; :mod:`mtp_jax.weights.quant_tensors`) are dequantized
+    to ``dtype`` here.
 
     Raises :class:`CheckpointError` listing every problem found in the headers (missing,
     duplicate, unexpected tensors, shape or dtype mismatches, incomplete expert sets) before any
@@ -188,33 +198,40 @@ def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, .
     unexpected: list[TensorInfo] = []
     index_mismatch: list[str] = []
     mtp_stored: dict[str, TensorInfo] = {}
+    stored: list[TensorInfo] = []
     for fn in files:
         header = read_header(os.path.join(folder, fn))
         if wm is not None:
             index_mismatch += [f"{d!r} (index says {fn})" for d, f in wm.items()
                                if f == fn and d not in header and wanted(d) is not None]
-        for disk, t in header.items():
-            c = wanted(disk)
-            if c is None:
+        stored += header.values()
+    if quant is None:
+        quant = quantization_from_folder(folder)
+    # Tensors never read (another tower, mtp.* without MTP) are not grouped or checked.
+    stored = [t for t in stored if wanted(t.name) is not None]
+    for t in group_quantized(stored, quant, folder):
+        disk = t.name
+        c = wanted(disk)
+        if c is None:
+            continue
+        if c.startswith("mtp."):
+            mtp_stored[c] = t
+        if c in expected:
+            single.setdefault(c, []).append(t)
+            continue
+        if (c.endswith(".weight") and c[:-7].endswith(_FUSED_SUFFIXES)
+                and c[:-7] in expected):
+            single.setdefault(c[:-7], []).append(t)
+            continue
+        m = _EXPERT_RE.match(c)
+        if m:
+            proj = m["proj"]
+            target = m["p"] + ("mlp.experts.down_proj" if proj == "down_proj"
+                               else "mlp.experts.gate_up_proj")
+            if target in expected and len(expected[target]) == 3:
+                parts.setdefault(target, {}).setdefault((int(m["e"]), proj), []).append(t)
                 continue
-            if c.startswith("mtp."):
-                mtp_stored[c] = t
-            if c in expected:
-                single.setdefault(c, []).append(t)
-                continue
-            if (c.endswith(".weight") and c[:-7].endswith(_FUSED_SUFFIXES)
-                    and c[:-7] in expected):
-                single.setdefault(c[:-7], []).append(t)
-                continue
-            m = _EXPERT_RE.match(c)
-            if m:
-                proj = m["proj"]
-                target = m["p"] + ("mlp.experts.down_proj" if proj == "down_proj"
-                                   else "mlp.experts.gate_up_proj")
-                if target in expected and len(expected[target]) == 3:
-                    parts.setdefault(target, {}).setdefault((int(m["e"]), proj), []).append(t)
-                    continue
-            unexpected.append(t)
+        unexpected.append(t)
 
     # ---- checks ---------------------------------------------------------------------------
     if include_mtp and any(k.startswith("mtp.") for k in expected):

@@ -24,6 +24,7 @@ from mtp_jax.models.layers.basic import set_gemv_backend
 from mtp_jax.models.loaded import DTYPES, NP_DTYPES, LoadedModel
 from mtp_jax.models.params import abstract_model, expected_tensors, fill_state, random_arrays
 from mtp_jax.models.qwen3_5.model import Qwen35Model
+from mtp_jax.weights.quant_config import quantization_from_folder
 from mtp_jax.weights.safetensors_reader import load_tensors
 
 __all__ = ["build", "load"]
@@ -70,9 +71,10 @@ def _mtp_forward_fn(graphdef, params, hidden, next_ids):
 
 
 def _read_arrays(path: str, cfg: ModelConfig, expected: dict, request: LoadRequest) -> dict:
-    """The checkpoint's tensors as device arrays in the expected dtypes; the (small) draft
-    from ``request.draft_path`` first, so its errors come before the target's weights are
-    read."""
+    """The checkpoint's tensors as device arrays in the expected dtypes (quantized ones
+    dequantized); the (small) draft from ``request.draft_path`` first, so its errors come
+    before the target's weights are read. The draft folder is read under the target's
+    quantization config."""
     shapes = {n: s for n, (s, _) in expected.items()}
     put = lambda a: jax.device_put(a, request.device)
     np_dtype = NP_DTYPES[request.dtype]
@@ -82,10 +84,12 @@ def _read_arrays(path: str, cfg: ModelConfig, expected: dict, request: LoadReque
     else:
         target = {n: s for n, s in shapes.items() if not n.startswith("mtp.")}
         draft = {n: s for n, s in shapes.items() if n.startswith("mtp.")}
+        quant = quantization_from_folder(path)  # the draft is read under the target's
         arrays = load_tensors(request.draft_path, cfg, draft, dtype=np_dtype, put=put,
-                              include_mtp=True, only_mtp=True, desc="Loading draft")
+                              include_mtp=True, only_mtp=True, desc="Loading draft",
+                              quant=quant)
         arrays.update(load_tensors(path, cfg, target, dtype=np_dtype, put=put,
-                                   include_mtp=False))
+                                   include_mtp=False, quant=quant))
     # A few parameters (GDN A_log, dt_bias) are float32 whatever the model dtype.
     return {n: a if a.dtype == expected[n][1] else a.astype(expected[n][1])
             for n, a in arrays.items()}

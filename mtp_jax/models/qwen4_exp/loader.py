@@ -23,6 +23,8 @@ from mtp_jax.models.qwen4_exp.loaded import LoadedQwen4Exp, PLEHost
 from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
 from mtp_jax.models.qwen4_exp.ple_store import NgramTable
 from mtp_jax.models.qwen4_exp.slot_states import check_slot_states
+from mtp_jax.weights.quant_config import quantization_from_folder
+from mtp_jax.weights.quant_tensors import group_quantized
 from mtp_jax.weights.safetensors_files import (_FLOAT_DTYPES, CheckpointError, _Files, _read,
                                                checkpoint_files, read_header)
 
@@ -47,29 +49,33 @@ def read_checkpoint(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], 
     """
     files, _ = checkpoint_files(path)
     single, parts, tables, buffers, unexpected = {}, {}, {}, {}, []
-    for fn in files:
-        for disk, t in read_header(os.path.join(path, fn)).items():
-            c = names.canonical_name(disk)
-            if c is None or c.endswith("rotary_emb.inv_freq"):
-                continue
-            if c.startswith("mtp.") and not with_mtp:
-                continue
-            if c in expected:
-                single.setdefault(c, []).append(t)
-            elif c.endswith(".weight") and c[:-7] in expected and "mlp.experts." in c:
-                single.setdefault(c[:-7], []).append(t)
-            elif (m := _EXPERT.match(c)) and (
-                    m["p"] + ("mlp.experts.down_proj" if m["proj"] == "down_proj"
-                              else "mlp.experts.gate_up_proj")) in expected:
-                tgt = m["p"] + ("mlp.experts.down_proj" if m["proj"] == "down_proj"
-                                else "mlp.experts.gate_up_proj")
-                parts.setdefault(tgt, {})[(int(m["e"]), m["proj"])] = t
-            elif (m := _TABLE.match(c)) and int(m["l"]) in cfg.ple_layers:
-                tables.setdefault(int(m["l"]), {})[-1 if m["s"] is None else int(m["s"])] = t
-            elif (m := _BUFFER.match(c)) and int(m["l"]) in cfg.ple_layers:
-                buffers[(int(m["l"]), m["b"])] = t
-            else:
-                unexpected.append(disk)
+    stored = [t for fn in files for t in read_header(os.path.join(path, fn)).values()
+              if (c := names.canonical_name(t.name)) is not None
+              and (with_mtp or not c.startswith("mtp."))]
+    # Quantized weights become logical F32 entries, dequantized by _read.
+    for t in group_quantized(stored, quantization_from_folder(path), path):
+        disk = t.name
+        c = names.canonical_name(disk)
+        if c is None or c.endswith("rotary_emb.inv_freq"):
+            continue
+        if c.startswith("mtp.") and not with_mtp:
+            continue
+        if c in expected:
+            single.setdefault(c, []).append(t)
+        elif c.endswith(".weight") and c[:-7] in expected and "mlp.experts." in c:
+            single.setdefault(c[:-7], []).append(t)
+        elif (m := _EXPERT.match(c)) and (
+                m["p"] + ("mlp.experts.down_proj" if m["proj"] == "down_proj"
+                          else "mlp.experts.gate_up_proj")) in expected:
+            tgt = m["p"] + ("mlp.experts.down_proj" if m["proj"] == "down_proj"
+                            else "mlp.experts.gate_up_proj")
+            parts.setdefault(tgt, {})[(int(m["e"]), m["proj"])] = t
+        elif (m := _TABLE.match(c)) and int(m["l"]) in cfg.ple_layers:
+            tables.setdefault(int(m["l"]), {})[-1 if m["s"] is None else int(m["s"])] = t
+        elif (m := _BUFFER.match(c)) and int(m["l"]) in cfg.ple_layers:
+            buffers[(int(m["l"]), m["b"])] = t
+        else:
+            unexpected.append(disk)
     problems, plans = [], []
     for c, shape in expected.items():
         s = single.get(c, [])
