@@ -117,6 +117,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA compilation cache folder, or 'none' (default: "
                         "$MTP_JAX_COMPILATION_CACHE or ~/.cache/mtp_jax/xla)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "dequantize"],
+                   help="how a quantized checkpoint's weights (block FP8, ModelOpt FP8 / "
+                        "NVFP4, compressed-tensors NVFP4) are held: both dequantize them to "
+                        "--dtype at load for now (docs/quantization.md; default %(default)s)")
     p.add_argument("--ple-backend", default=None, choices=["disk", "memory"],
                    help="Qwen3.8-Flash-Next checkpoints (model_type qwen4_exp) only: their "
                         "PLE n-gram tables memory-mapped from disk (the default) or held in "
@@ -142,7 +146,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 num_scheduler_steps=args.num_scheduler_steps,
                 mem_fraction=args.mem_fraction, max_total_tokens=args.max_total_tokens,
                 compilation_cache_dir=args.compilation_cache_dir,
-                ple_backend=args.ple_backend, attention_backend=args.attention_backend,
+                ple_backend=args.ple_backend, quantization=args.quantization,
+                attention_backend=args.attention_backend,
                 gdn_backend=args.gdn_backend, moe_backend=args.moe_backend,
                 norm_backend=args.norm_backend, gemv_backend=args.gemv_backend)
 

@@ -28,6 +28,7 @@ from mtp_jax.prompts import (check_stops, error_output, params_list, prompt_ids,
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.speculative.external import Proposer
 from mtp_jax.tokenizer import Tokenizer
+from mtp_jax.weights.quant_config import check_quantization_mode
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamOutput"]
 
@@ -100,6 +101,9 @@ class LLM:
         by the next process); ``None``: ``$MTP_JAX_COMPILATION_CACHE``, else the folder jax
         already uses, else ``~/.cache/mtp_jax/xla``; ``"none"``/``"off"``: no cache
         (:mod:`mtp_jax.compile_cache`; an unwritable folder raises ConfigError).
+      quantization: ``"auto"`` (default) or ``"dequantize"``: how a quantized checkpoint's
+        weights (block FP8, ModelOpt FP8 / NVFP4, compressed-tensors NVFP4) are held; both
+        dequantize them to ``dtype`` at load for now (docs/quantization.md).
       dummy_weight: random weights of the checkpoint's shapes instead of its weights (benchmarks,
         tests of the non-speculative path); refused with ``speculative_algorithm="mtp"``.
     Raises:
@@ -122,8 +126,9 @@ class LLM:
                  ple_backend: str | None = None, attention_backend: str = "auto",
                  gdn_backend: str = "auto", moe_backend: str = "auto",
                  compilation_cache_dir: str | None = None, norm_backend: str = "auto",
-                 gemv_backend: str = "auto"):
+                 gemv_backend: str = "auto", quantization: str = "auto"):
         enable_compilation_cache(compilation_cache_dir)  # before anything compiles
+        check_quantization_mode(quantization)
         backends = dict(attention=attention_backend, gdn=gdn_backend, moe=moe_backend,
                         norm=norm_backend, gemv=gemv_backend)
         check_backends(backends, dtype=resolve_dtype(dtype))  # errors first
@@ -160,6 +165,7 @@ class LLM:
         self.model = load_model(model, engine_cfg.dtype, with_mtp=algorithm == "mtp",
                                 dummy_weight=dummy_weight, cfg=model_cfg,
                                 draft_path=speculative_draft_model_path, ple_backend=ple_backend,
+                                quantization=quantization,
                                 **{f"{op}_backend": v for op, v in backends.items()})
         self.engine = make_engine(self.model, engine_cfg, speculative, proposer=proposer,
                                   tokenizer=self.tokenizer)

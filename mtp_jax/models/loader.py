@@ -18,6 +18,7 @@ from mtp_jax.models.checks import (check_backends, check_draft_folder, check_dra
 from mtp_jax.models.entry import LoadRequest
 from mtp_jax.models.loaded import resolve_dtype
 from mtp_jax.weights.hub import download_repo
+from mtp_jax.weights.quant_config import check_quantization_mode
 
 __all__ = ["load_model", "load_request"]
 
@@ -42,7 +43,7 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
                gdn_backend: str = "auto", moe_backend: str = "auto",
                merge_projections: bool = True, pack_small_params: bool = False,
                norm_backend: str = "auto", gemv_backend: str = "auto",
-               ple_backend: str | None = None):
+               ple_backend: str | None = None, quantization: str = "auto"):
     """Load a checkpoint folder of any registered family.
 
     Args:
@@ -77,6 +78,9 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
         for an A/B of the host cost per argument buffer (``bench --pack-small-params``).
       ple_backend: qwen4_exp only: where the PLE n-gram tables live, ``"disk"`` (memory-mapped,
         the default) or ``"memory"`` (host RAM).
+      quantization: ``"auto"`` or ``"dequantize"``: a quantized checkpoint (block FP8, ModelOpt
+        FP8 / NVFP4, compressed-tensors NVFP4; :mod:`mtp_jax.weights.quant_tensors`) is
+        dequantized to ``dtype`` at load either way for now (docs/quantization.md).
     Raises:
       ConfigError: bad config or settings (before any tensor is read; see
       :mod:`mtp_jax.models.checks`);
@@ -86,6 +90,7 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
     backends = dict(attention=attention_backend, gdn=gdn_backend, moe=moe_backend,
                     norm=norm_backend, gemv=gemv_backend)
     check_backends(backends)  # the choices first, before the model family or its files
+    check_quantization_mode(quantization)
     if cfg is None:
         cfg = read_model_config(path, mtp=with_mtp)
     if draft_path is not None and not with_mtp:

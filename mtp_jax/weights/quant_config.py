@@ -33,8 +33,8 @@ from typing import Any
 
 from mtp_jax.config import ConfigError
 
-__all__ = ["QuantConfig", "FORMATS", "NO_QUANT", "parse_quantization", "quantization_from_raw",
-           "quantization_from_folder"]
+__all__ = ["QuantConfig", "FORMATS", "NO_QUANT", "QUANTIZATION_MODES", "check_quantization_mode",
+           "parse_quantization", "quantization_from_raw", "quantization_from_folder"]
 
 FORMATS = ("fp8-block", "modelopt-fp8", "modelopt-nvfp4", "ct-nvfp4")
 NVFP4_GROUP = 16
@@ -94,6 +94,22 @@ class QuantConfig:
 
 
 NO_QUANT = QuantConfig()
+
+# ``quantization`` (LLM, load_model) / ``--quantization``: how quantized weights are held.
+# "auto": the best path that runs (today: dequantized to the model dtype at load; later: kept
+# quantized where a dequantize-in-the-matmul kernel exists); "dequantize": always dequantized
+# at load (the reference path).
+QUANTIZATION_MODES = ("auto", "dequantize")
+
+
+def check_quantization_mode(mode) -> str:
+    """``mode`` if it is one of :data:`QUANTIZATION_MODES`, else a ConfigError naming it."""
+    if mode not in QUANTIZATION_MODES:
+        raise ConfigError(f"quantization (--quantization) {mode!r} is unknown; use 'auto' (the "
+                          "default) or 'dequantize'. Both dequantize a quantized checkpoint "
+                          "to the model dtype at load today (kernels that keep FP8 / NVFP4 "
+                          "weights quantized on the GPU are planned, docs/quantization.md).")
+    return mode
 
 
 def _matches(module: str, pattern: str) -> bool:

@@ -141,6 +141,7 @@ def test_mixed_checkpoint_generates_like_its_f32_export(tmp_path):
     outs = {}
     for name, folder in (("q", q), ("f32", ref)):
         llm = LLM(folder, dtype="float32", speculative_num_steps=2, max_running_requests=2,
+                  quantization="dequantize",
                   max_model_len=64, enable_prefix_cache=False)
         outs[name] = [(o.token_ids, o.accept_length) for o in llm.generate(prompts, params)]
     assert outs["q"] == outs["f32"]
