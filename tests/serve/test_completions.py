@@ -113,3 +113,21 @@ def test_chat_uses_the_chat_template(live):
     deltas = [e["choices"][0]["delta"].get("content", "") for e in events[1:-1]]
     assert "".join(deltas) == ref.text
     assert events[-2]["choices"][0]["finish_reason"] == ref.finish_reason
+
+
+def test_cli_flags_defaults_and_docs():
+    """The server takes the CLI's engine flags (no prompt flags) plus its own; no --model is
+    the built-in default model; docs/cli.md documents every flag."""
+    import os
+
+    from mtp_jax.generate import llm_kwargs
+    from mtp_jax.serve.cli import build_parser
+    from tests.helpers.paths import DOCS
+
+    args = build_parser().parse_args([])
+    assert (args.host, args.port, args.served_model_name) == ("127.0.0.1", 8000, None)
+    assert llm_kwargs(args)["model"] is None and llm_kwargs(args)["speculative_num_steps"] == 3
+    flags = [s for a in build_parser()._actions for s in a.option_strings]
+    assert "--prompt" not in flags and "--speculative-num-steps" in flags
+    doc = open(os.path.join(DOCS, "cli.md")).read()
+    assert [f for f in flags if f"`{f}" not in doc and f not in ("-h", "--help")] == []
