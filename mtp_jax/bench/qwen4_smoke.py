@@ -36,12 +36,12 @@ def cut_config(path: str, layers: int, experts: int, ngram_base: int) -> dict:
 
 def lookup_ms(model, prompts, k: int, repeats: int = 50) -> float:
     """Mean ms of one round's host PLE lookup (``k + 1`` tokens per request)."""
-    host = model.host_inputs
-    befores, ids = [p[-2:] for p in prompts], np.asarray([p[:k + 1] for p in prompts])
-    host.lookup(befores, ids)
+    ctx = np.stack([model.ngram_context(p[:-k - 1]) for p in prompts])
+    ids = np.asarray([p[-k - 1:] for p in prompts])
+    model.host_rows(ctx, ids)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        host.lookup(befores, ids)
+        model.host_rows(ctx, ids)
     return 1e3 * (time.perf_counter() - t0) / repeats
 
 

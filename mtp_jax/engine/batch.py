@@ -20,9 +20,7 @@ class PrefillBatch:
     start: ``[B]`` int32 position of the chunk's first token (0 resets the slot's GDN state);
     length: ``[B]`` int32 chunk tokens; prompt_len: ``[B]`` int32 whole prompt;
     slot: ``[B]`` int32; page_table: ``[B, max_pages]`` int32; sampling: ``[B]``;
-    step: ``[B]`` int32 random-stream step of the first sampled token (0);
-    host_rows: ``[B, T, E]`` float32, per token the inputs a family looks up on the host
-      (qwen4_exp: the PLE n-gram rows; ``E = 0`` for a family without).
+    step: ``[B]`` int32 random-stream step of the first sampled token (0).
     The first token and drafts are only meaningful for a row whose chunk ends the prompt.
     """
 
@@ -35,7 +33,6 @@ class PrefillBatch:
     page_table: jax.Array
     sampling: SamplingTensors
     step: jax.Array
-    host_rows: jax.Array
 
 
 @jax.tree_util.register_dataclass
@@ -59,9 +56,11 @@ class RoundBatch:
       ignored by MTP / plain rounds, which read the slot's ``next_tokens``;
     snap_row: ``[B]`` int32, verify row after which the GDN state reaches a prefix-cache
       boundary (-1: none); snap_id: ``[B]`` int32 snapshot id to save it in (0 = trash). The host
-      keeps the snapshot only if that row was accepted;
-    host_rows: ``[B, k+1, E]`` float32, the host-looked-up inputs of the verify rows
-      ``[pending, d_1..d_k]`` (as :class:`PrefillBatch`; ``E = 0`` for most families).
+      keeps the snapshot only if that row was accepted.
+
+    A round takes no host-looked-up inputs: a family with such inputs looks them up from
+    inside its program (qwen4_exp: :mod:`~mtp_jax.models.qwen4_exp.ple_callback`), so rounds
+    need not wait for the host.
     """
 
     slot: jax.Array
@@ -73,7 +72,6 @@ class RoundBatch:
     tokens: jax.Array
     snap_row: jax.Array
     snap_id: jax.Array
-    host_rows: jax.Array
 
 
 def sampling_rows(reqs: list) -> SamplingTensors:

@@ -141,12 +141,10 @@ class Engine:
                          rounds_per_call=engine_cfg.num_scheduler_steps,
                          chunk_size=engine_cfg.chunked_prefill_size,
                          max_model_len=self.max_model_len,
-                         # Host drafts (or inputs looked up on the host from the drafts)
-                         # come with each round's batch: no round runs ahead.
+                         # Host drafts come with each round's batch: no round runs ahead.
                          overlap=(engine_cfg.overlap_schedule
-                                  and speculative.algorithm != "external"
-                                  and model.host_inputs is None),
-                         vocab_size=mc.vocab_size, host=model.host_inputs),
+                                  and speculative.algorithm != "external"),
+                         vocab_size=mc.vocab_size),
             self.book, self.prefix, self.device, stops, proposer)
 
     # ---- views -------------------------------------------------------------------------------

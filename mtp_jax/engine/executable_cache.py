@@ -259,9 +259,10 @@ class ExecutableTable:
     :class:`Record` per program, in order.
     """
 
-    def __init__(self, graphdef):
+    def __init__(self, graphdef, persist: bool = True):
         ek.source_digest()  # now, close to when the model's code was imported
         self._graphdef = graphdef
+        self.persist = persist  # False: never read or written on disk (host callbacks)
         self._model_digest: str | None = None
         self._params_sig: tuple | None = None  # (leaves, digest), by identity
         # key -> (Compiled, whether its output pools keep the input pools' shapes)
@@ -340,7 +341,7 @@ class ExecutableTable:
         """Put the program of every call in memory: already there, loaded from disk (on
         ``workers`` threads), or traced and lowered in turn and compiled on ``workers`` threads
         (default :func:`compile_workers`), then saved."""
-        folder = cache_dir()
+        folder = cache_dir() if self.persist else None
         store = ExecutableStore(folder) if folder is not None else None
         environment = ek.environment_digest() if store is not None else ""
         workers = compile_workers() if workers is None else workers

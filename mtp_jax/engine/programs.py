@@ -93,12 +93,6 @@ def _save_round_snapshots(model, pools: Pools, rows, batch: RoundBatch) -> Pools
     return dataclasses.replace(pools, snapshots=snapshots)
 
 
-def _host_inputs(batch) -> dict:
-    """The model's host-looked-up inputs (``host_rows``), for a family that has them (a static
-    choice: the rows' width is part of the batch's shape)."""
-    return {"host_rows": batch.host_rows} if batch.host_rows.shape[-1] else {}
-
-
 def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: PrefillVariant):
     """Prefill one chunk per row (the GDN state starts at zero when ``start == 0``, else from
     the slot); sample the first token; with MTP (``variant.mtp``), write the draft KV over the
@@ -118,8 +112,7 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
     view = pools.gdn.gather(batch.slot)
     fresh = batch.start == 0
     view = jax.tree.map(lambda a: jnp.where(fresh.reshape(-1, *([1] * (a.ndim - 1))), 0, a), view)
-    hidden, kv, view = model(batch.input_ids, abatch, pools.kv, view, "prefill",
-                             **_host_inputs(batch))
+    hidden, kv, view = model(batch.input_ids, abatch, pools.kv, view, "prefill")
     last = jnp.maximum(batch.length - 1, 0)
     h_last = row_at(hidden, last)
     first = sample(model.logits(h_last), batch.sampling, batch.step, salt=SALT_SAMPLE,
@@ -181,8 +174,7 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
     # path gathers and scatters per layer).
     decode = k == 0 and not snapshot and "decode" in getattr(model, "gdn_modes", ())
     hidden, kv, rows = model(tokens, abatch, pools.kv, pools.gdn,
-                             "decode" if decode else "verify", slots=batch.slot,
-                             **_host_inputs(batch))
+                             "decode" if decode else "verify", slots=batch.slot)
     logits = model.logits(hidden)  # [B, k+1, V]
     if k:
         q = pools.draft_probs[batch.slot] if proposer == "mtp" else None
@@ -297,10 +289,13 @@ class Programs:
         return n + (len(self.executables) if self.executables is not None else 0)
 
 
-def make_programs(graphdef, params, packing: ParamPacking | None = None) -> Programs:
+def make_programs(graphdef, params, packing: ParamPacking | None = None,
+                  persist: bool = True) -> Programs:
     """The programs of a model. ``packing``: a
     :class:`~mtp_jax.engine.param_packing.ParamPacking` when the calls pass its packed
-    arguments (``packing.pack(leaves)``) instead of one buffer per parameter."""
+    arguments (``packing.pack(leaves)``) instead of one buffer per parameter; ``persist``:
+    whether the executable cache may save and load them (not for programs with host
+    callbacks, which cannot be serialized)."""
     treedef = jax.tree_util.tree_structure(params)
     unpack_params = (lambda leaves: leaves) if packing is None else packing.unpack
     params_of = lambda leaves: jax.tree_util.tree_unflatten(treedef, unpack_params(leaves))
@@ -314,7 +309,7 @@ def make_programs(graphdef, params, packing: ParamPacking | None = None) -> Prog
     return Programs(
         prefill_jit=jax.jit(prefill_, static_argnames=("layout", "variant"), donate_argnums=(1,)),
         round_jit=jax.jit(round_, static_argnames=("layout", "variant"), donate_argnums=(1,)),
-        treedef=treedef, executables=ExecutableTable(graphdef))
+        treedef=treedef, executables=ExecutableTable(graphdef, persist))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)
@@ -354,7 +349,8 @@ def programs_for(model) -> ModelPrograms:
             programs = mp.programs
             break
     if programs is None:
-        programs = make_programs(model.graphdef, model.params, packing)
+        programs = make_programs(model.graphdef, model.params, packing,
+                                 persist=not model.host_callbacks)
     got = ModelPrograms(programs, leaves)
     _BY_MODEL[model] = got
     return got

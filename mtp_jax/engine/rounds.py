@@ -17,7 +17,6 @@ from mtp_jax.engine.batch import RoundBatch, sampling_rows
 from mtp_jax.engine.pages import PageBook
 from mtp_jax.engine.prefix import PrefixStore
 from mtp_jax.engine.requests import Request
-from mtp_jax.models.loaded import HostInputs
 from mtp_jax.speculative.clamp import clamp_num_draft
 from mtp_jax.speculative.external import Proposer, propose
 
@@ -93,38 +92,13 @@ def external_tokens(running: list[Request], proposer: Proposer, k: int, vocab_si
     return tokens
 
 
-def committed_tail(req: Request, n: int) -> list[int]:
-    """The last ``n`` committed tokens of a decoding ``req`` before its pending token (the last
-    of ``output_ids``); fewer only when the request has fewer."""
-    if n <= 0:
-        return []
-    out = req.output_ids[-n - 1:-1]
-    if len(out) < n:
-        out = req.prompt_ids[max(0, len(req.prompt_ids) - (n - len(out))):] + out
-    return out
-
-
-def host_rows(running: list[Request], host: HostInputs | None, tokens: np.ndarray
-              ) -> np.ndarray:
-    """``[b, k+1, E]`` float32: the host-looked-up inputs of each request's verify rows
-    ``tokens[i]`` after its committed tokens (the model's
-    :class:`~mtp_jax.models.loaded.HostInputs`); zeros for padding rows; ``E = 0`` for a
-    model without such inputs (``host`` None)."""
-    out = np.zeros((*tokens.shape, host.width if host else 0), np.float32)
-    if host is not None and running:
-        n = len(running)
-        out[:n] = host.lookup([committed_tail(r, host.context) for r in running], tokens[:n])
-    return out
-
-
 def round_batch(running: list[Request], book: PageBook, *, b: int, reach: int,
-                max_model_len: int, tokens: np.ndarray, inputs: np.ndarray) -> RoundBatch:
+                max_model_len: int, tokens: np.ndarray) -> RoundBatch:
     """The padded batch of a round call over ``running`` (``b`` rows, padding last), saving no
     snapshot (set ``snap_row`` / ``snap_id`` after, :func:`snapshot_rows`). Each request first
     takes pages for ``reach`` positions past its position, when it can
     (:meth:`PageBook.grow`); ``limit`` is then the end of its pages. ``tokens``: ``[b, k+1]``
-    host drafts (zeros when the drafts are on the device); ``inputs``: their host-looked-up
-    inputs (:func:`host_rows`)."""
+    host drafts (zeros when the drafts are on the device)."""
     rows: list[Request | None] = list(running) + [None] * (b - len(running))
     limit = np.zeros((b,), np.int32)
     steps = np.zeros((b,), np.int32)
@@ -137,4 +111,4 @@ def round_batch(running: list[Request], book: PageBook, *, b: int, reach: int,
         live=np.asarray([r is not None for r in rows], bool),
         page_table=book.table(rows), limit=limit, max_step=steps,
         sampling=sampling_rows(rows), tokens=tokens,
-        snap_row=np.full((b,), -1, np.int32), snap_id=np.zeros((b,), np.int32), host_rows=inputs)
+        snap_row=np.full((b,), -1, np.int32), snap_id=np.zeros((b,), np.int32))

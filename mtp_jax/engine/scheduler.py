@@ -42,10 +42,9 @@ from mtp_jax.engine.pages import PageBook
 from mtp_jax.engine.prefix import PrefixStore
 from mtp_jax.engine.programs import RoundOutput
 from mtp_jax.engine.requests import ABORT, Request
-from mtp_jax.engine.rounds import (InFlightRound, batch_bucket, external_tokens, host_rows,
-                                   next_pow2, round_batch, snapshot_rows, span)
+from mtp_jax.engine.rounds import (InFlightRound, batch_bucket, external_tokens, next_pow2,
+                                   round_batch, snapshot_rows, span)
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant, sampling_choice
-from mtp_jax.models.loaded import HostInputs
 from mtp_jax.speculative.external import Proposer
 
 __all__ = ["EngineStats", "LoopSettings", "Scheduler", "MIN_PREFILL_BUCKET",
@@ -84,8 +83,7 @@ class LoopSettings:
     """The step loop's fixed settings: ``k`` drafts per round (0: plain decoding),
     ``proposer`` (``none | mtp | external``), ``rounds_per_call`` (``num_scheduler_steps``),
     ``chunk_size`` (prompt tokens per step), ``max_model_len`` (tokens), ``overlap``
-    (dispatch a round before reading the previous one), the model's ``vocab_size`` and its
-    host-looked-up inputs ``host`` (:class:`~mtp_jax.models.loaded.HostInputs`; None: none)."""
+    (dispatch a round before reading the previous one) and the model's ``vocab_size``."""
 
     k: int
     proposer: str
@@ -94,7 +92,6 @@ class LoopSettings:
     max_model_len: int
     overlap: bool
     vocab_size: int
-    host: HostInputs | None = None
 
 
 class Scheduler:
@@ -194,15 +191,11 @@ class Scheduler:
         following = req.prompt_ids[start + 1:start + n + 1]
         nxt[0, :len(following)] = following
         self.book.grow(req, start + n + 2 * s.k + 1)
-        rows = np.zeros((1, t, s.host.width if s.host else 0), np.float32)
-        if s.host is not None:
-            before = req.prompt_ids[max(0, start - s.host.context):start]
-            rows[:, :n] = s.host.lookup([before], ids[:, :n])
         batch = PrefillBatch(
             input_ids=ids, next_ids=nxt, start=np.asarray([start], np.int32),
             length=np.asarray([n], np.int32), prompt_len=np.asarray([n_prompt], np.int32),
             slot=np.asarray([req.slot], np.int32), page_table=self.book.table([req]),
-            sampling=sampling_rows([req]), step=np.zeros((1,), np.int32), host_rows=rows)
+            sampling=sampling_rows([req]), step=np.zeros((1,), np.int32))
         t0 = time.perf_counter()
         out = self.device.prefill(batch, self.prefill_variant())
         req.prefilled += n
@@ -262,11 +255,8 @@ class Scheduler:
         b = batch_bucket(len(running), self.book.max_requests)
         tokens = (external_tokens(running, self.proposer, s.k, s.vocab_size, b)
                   if s.proposer == "external" else np.zeros((b, s.k + 1), np.int32))
-        if s.host is not None and s.proposer != "external":  # the device's next tokens
-            tokens[:len(running)] = [r.next_tokens for r in running]
         batch = round_batch(running, self.book, b=b, reach=ahead + span(s.k, rounds),
-                            max_model_len=s.max_model_len, tokens=tokens,
-                            inputs=host_rows(running, s.host, tokens))
+                            max_model_len=s.max_model_len, tokens=tokens)
         if self.prefix is not None and not ahead and rounds == 1:
             batch.snap_row, batch.snap_id = snapshot_rows(running, batch.limit, s.k,
                                                           s.max_model_len, self.prefix, b)
@@ -315,8 +305,6 @@ class Scheduler:
                 r.num_draft_tokens += int(num_draft[j, i])
                 r.num_accepted_tokens += min(n, kept)
                 r.position += n + 1
-                if self.settings.host is not None:  # read before its next dispatch
-                    r.next_tokens = host.next_tokens[j, i].tolist()
         in_later = set(later.rows) if later is not None else set()
         for r in active:
             extra = span(self.settings.k, later.rounds) if r in in_later else 0

@@ -64,18 +64,15 @@ def round_variants(sched: Scheduler) -> list[RoundVariant]:
     return out
 
 
-def padding_round_batch(b: int, k: int, max_pages_per_req: int, host_width: int = 0
-                        ) -> RoundBatch:
-    """A round batch of ``b`` padding rows (they write only the trash page and slot);
-    ``host_width``: floats per token of the model's host inputs."""
+def padding_round_batch(b: int, k: int, max_pages_per_req: int) -> RoundBatch:
+    """A round batch of ``b`` padding rows (they write only the trash page and slot)."""
     zi = np.zeros((b,), np.int32)
     return RoundBatch(slot=zi, live=np.zeros((b,), bool),
                       page_table=np.zeros((b, max_pages_per_req), np.int32),
                       limit=zi, max_step=zi,
                       sampling=SamplingTensors.from_params([], pad_to=b, host=True),
                       tokens=np.zeros((b, k + 1), np.int32),
-                      snap_row=np.full((b,), -1, np.int32), snap_id=zi,
-                      host_rows=np.zeros((b, k + 1, host_width), np.float32))
+                      snap_row=np.full((b,), -1, np.int32), snap_id=zi)
 
 
 def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,
@@ -98,7 +95,6 @@ def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None =
         sampling += [{"greedy_only": False, "filtering": f}
                      for f in ((False, True) if filtering is None else (filtering,))]
     max_pages = sched.book.max_pages_per_req
-    width = s.host.width if s.host is not None else 0
 
     def run() -> None:
         for t in prefill:
@@ -108,11 +104,10 @@ def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None =
                 length=np.zeros((1,), np.int32), prompt_len=np.ones((1,), np.int32),
                 slot=np.zeros((1,), np.int32), page_table=np.zeros((1, max_pages), np.int32),
                 sampling=SamplingTensors.from_params([], pad_to=1, host=True),
-                step=np.zeros((1,), np.int32),
-                host_rows=np.zeros((1, t, width), np.float32)), sched.prefill_variant())
+                step=np.zeros((1,), np.int32)), sched.prefill_variant())
         for choice in sampling:
             for b, variant in itertools.product(buckets, round_variants(sched)):
-                sched.device.round(padding_round_batch(b, s.k, max_pages, width),
+                sched.device.round(padding_round_batch(b, s.k, max_pages),
                                    dataclasses.replace(variant, **choice))
     return run
 

@@ -19,7 +19,7 @@ from flax import nnx
 
 from mtp_jax.config import ConfigError
 
-__all__ = ["DTYPES", "NP_DTYPES", "resolve_dtype", "LoadedModel", "HostInputs"]
+__all__ = ["DTYPES", "NP_DTYPES", "resolve_dtype", "LoadedModel"]
 
 DTYPES = {"float32": jnp.float32, "bfloat16": jnp.bfloat16, "float16": jnp.float16}
 NP_DTYPES = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
@@ -35,21 +35,6 @@ def resolve_dtype(dtype: str | None) -> str:
         raise ConfigError(f"dtype (--dtype) {dtype!r} is not supported; use auto (bfloat16 on a "
                           "GPU, float32 on CPU), bfloat16, float16 or float32.")
     return name
-
-
-@dataclasses.dataclass(frozen=True)
-class HostInputs:
-    """Inputs of a family's forward that are looked up on the host per token (qwen4_exp: the PLE
-    n-gram rows), which the engine gives its programs as ``host_rows [B, T, width]`` float32.
-
-    ``lookup(befores, ids [B, T]) -> [B, T, width]`` float32, ``befores[b]`` the last
-    ``context`` committed tokens before ``ids[b]`` (fewer at a request's start). A family with
-    such inputs cannot run a round before the host knows its tokens: its rounds are dispatched
-    one at a time, after the previous round's result is read."""
-
-    width: int
-    context: int
-    lookup: Callable
 
 
 @dataclasses.dataclass(eq=False)  # identity: engines key their compiled programs by the model
@@ -81,9 +66,10 @@ class LoadedModel:
     derived: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
-    def host_inputs(self) -> HostInputs | None:
-        """The model's host-looked-up inputs (:class:`HostInputs`); None: it has none."""
-        return None
+    def host_callbacks(self) -> bool:
+        """Whether the model's programs call back into the host (qwen4_exp's PLE rows): such
+        programs cannot be serialized, so the executable cache does not save them."""
+        return False
 
     def module(self, params=None):
         """The nnx module, merged from the graphdef and ``params`` (default: the model's)."""

@@ -166,3 +166,21 @@ def test_reduced_draft_vocabulary_drafts_its_hot_ids(model, prompts, plain, draf
     accepted = sum(r.num_accepted_tokens for r in reqs)
     full = sum(n for e in _expected(prompts, plain, drafts, 3) for _, _, n in e)
     assert 0 < accepted < full
+
+
+def test_overlapped_multi_step_rounds_accept_the_same(model, prompts, plain, drafts):
+    """Rounds dispatched before the previous one is read (overlap on), two rounds per program
+    call (``num_scheduler_steps=2``) and the prefix cache on: each round's PLE rows come from
+    the host callback inside the program (the host never sees a round's tokens before the next
+    one runs), and every request's tokens, rounds and accept totals equal the oracle's."""
+    engine = _engine(model, "mtp", 3, max_running_requests=2, overlap_schedule=True,
+                     num_scheduler_steps=2, enable_prefix_cache=True,
+                     snapshot_interval_pages=16)
+    reqs = _requests(prompts)
+    engine.run(reqs)
+    assert engine.stats.chained_rounds > 0 and engine.stats.round_calls < engine.stats.rounds
+    for r, exp, out in zip(reqs, _expected(prompts, plain, drafts, 3), plain):
+        assert r.output_ids == out and r.finish_reason == "length", r.request_id
+        assert r.num_rounds == len(exp), r.request_id
+        assert r.num_accepted_tokens == sum(n for _, _, n in exp), r.request_id
+    assert sum(r.num_accepted_tokens for r in reqs) > 0

@@ -10,10 +10,10 @@ handler is a :class:`~mtp_jax.config.ConfigError` when the registry is built.
 Served by the batched engine like every family: continuous batching, chunked prefill, the
 prefix cache, MTP and external drafts. Its state pools are
 :func:`~mtp_jax.models.qwen4_exp.pools.make_qwen4_pools`. The PLE tables stay on the host
-(``ple_backend`` ``disk``, memory-mapped, or ``memory``): the rows of a round's tokens are
-looked up there (:attr:`~mtp_jax.models.qwen4_exp.loaded.LoadedQwen4Exp.host_inputs`), so its
-rounds run one per call, each after the previous one's result is read
-(:func:`check_engine`). The kernels are XLA's.
+(``ple_backend`` ``disk``, memory-mapped, or ``memory``): the rows of a program's tokens are
+looked up there by a host callback inside the program
+(:mod:`~mtp_jax.models.qwen4_exp.ple_callback`), so its rounds overlap the host and run several
+per call like every family's. The kernels are XLA's.
 """
 
 from __future__ import annotations
@@ -22,11 +22,13 @@ from mtp_jax.config import ConfigError
 from mtp_jax.models.entry import LoadRequest, ModelEntry, SlotState
 from mtp_jax.models.qwen4_exp import names
 from mtp_jax.models.qwen4_exp.config import MODEL_TYPES, Qwen4ExpConfig
+from mtp_jax.models.qwen4_exp.gguf_loader import load_qwen4_exp_gguf
 from mtp_jax.models.qwen4_exp.loader import LoadedQwen4Exp, load_qwen4_exp
 from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
 from mtp_jax.models.qwen4_exp.pools import make_qwen4_pools
 from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
 from mtp_jax.models.qwen4_exp.slot_states import check_slot_states
+from mtp_jax.weights.gguf_header import gguf_file
 
 __all__ = ["ENTRY", "make_entry"]
 
@@ -43,8 +45,12 @@ def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp
     if request.pack_small_params:
         raise ConfigError("pack_small_params (--pack-small-params) is not supported for "
                           "qwen4_exp yet; drop it.")
-    return load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,
-                          ple_backend=request.option_values.get("ple_backend", "disk"), cfg=cfg)
+    backend = request.option_values.get("ple_backend", "disk")
+    if (g := gguf_file(path)) is not None:  # a Flash-Next GGUF, with a Strata pack as draft
+        return load_qwen4_exp_gguf(g, cfg, request.dtype, with_mtp=request.with_mtp,
+                                   draft_path=request.draft_path, ple_backend=backend)
+    return load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp, ple_backend=backend,
+                          cfg=cfg)
 
 
 def tensor_shapes(cfg: Qwen4ExpConfig, with_mtp: bool) -> dict[str, tuple[int, ...]]:
@@ -71,15 +77,9 @@ def write_random(raw: dict, out_dir: str, *, dtype: str = "bfloat16", experts: s
 
 
 def check_engine(cfg: Qwen4ExpConfig, engine, speculative) -> None:
-    """The engine settings qwen4_exp cannot run (ConfigError, before any weight loads):
-    ``num_scheduler_steps > 1`` (each round's PLE rows are looked up on the host from the
-    tokens the previous round drafted, so rounds cannot run back to back on the device) and
-    an int8 draft layer (not built for this family yet)."""
-    if engine.num_scheduler_steps != 1:
-        raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) "
-                          f"{engine.num_scheduler_steps} cannot run on {cfg.model_type}: the PLE "
-                          "rows of each round's tokens are looked up on the host after the "
-                          "previous round, so every round is its own call; use 1 (the default).")
+    """The engine settings qwen4_exp cannot run (ConfigError, before any weight loads): an
+    int8 draft layer (not built for this family yet)."""
+    del engine
     if speculative.draft_layer_dtype is not None:
         raise ConfigError(f"speculative_draft_layer_dtype (--speculative-draft-layer-dtype) "
                           f"{speculative.draft_layer_dtype!r} is not supported for "

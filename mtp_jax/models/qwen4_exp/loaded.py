@@ -1,8 +1,8 @@
 """A loaded qwen4_exp model: a :class:`~mtp_jax.models.loaded.LoadedModel` with its PLE n-gram
 tables on the host.
 
-The engine serves it like every family (its programs call the model with the PLE rows as an
-input, ``host_rows``); the research API (``forward``, ``mtp_forward``) is jit- and grad-able:
+The engine serves it like every family: its programs look the PLE rows of their tokens up on the
+host from inside the program (:mod:`~mtp_jax.models.qwen4_exp.ple_callback`); the research API (``forward``, ``mtp_forward``) is jit- and grad-able:
 inside a traced function the PLE rows are looked up by a host callback
 (``jax.pure_callback``), since the tables never go to the accelerator. ``new_cache`` /
 ``extend`` decode with a cache outside the engine (prefill mode, every row committed).
@@ -20,11 +20,11 @@ import numpy as np
 from flax import nnx
 
 from mtp_jax.cache.paged import AttentionBatch
-from mtp_jax.models.loaded import DTYPES, HostInputs, LoadedModel
+from mtp_jax.models.loaded import DTYPES, LoadedModel
 from mtp_jax.models.qwen4_exp.ple import ngram_ids
 from mtp_jax.models.qwen4_exp.pools import QSAPaged, Qwen4Slots
 
-__all__ = ["PLEHost", "LoadedQwen4Exp", "Qwen4Cache"]
+__all__ = ["PLEHost", "PLETables", "ple_rows", "LoadedQwen4Exp", "Qwen4Cache"]
 
 PAGE = 16
 
@@ -39,6 +39,28 @@ class PLEHost:
     multipliers: tuple[int, ...]
     vocab_sizes: tuple[int, ...]
     offsets: tuple[int, ...]
+
+
+class PLETables(list):
+    """The :class:`PLEHost` of every PLE layer, in layer order (a list that can be weakly
+    referenced: :mod:`~mtp_jax.models.qwen4_exp.ple_callback` holds it so)."""
+
+
+def ple_rows(cfg, ple: Sequence[PLEHost], contexts: np.ndarray, ids: np.ndarray) -> np.ndarray:
+    """The PLE rows of ``ids [B, T]`` following ``contexts [B, N-1]`` int (the ``N-1`` ids
+    before each row's first token, eos before a request's start): ``[B, T, n_ple *
+    ple_embed_dim]`` float32, the rows of every PLE layer of ``ple`` concatenated in layer
+    order (each ``(N-1) * heads_per_ngram`` table rows of ``ple_embed_dim /`` that many
+    values). Reads only the tables (thread-safe)."""
+    ids = np.asarray(ids, np.int64)
+    hist = np.concatenate([np.asarray(contexts, np.int64).reshape(ids.shape[0], -1), ids], 1)
+    d = cfg.ple_embed_dim
+    out = np.empty((*ids.shape, len(ple) * d), np.float32)
+    for j, p in enumerate(ple):
+        g = ngram_ids(hist, ids.shape[1], p.multipliers, p.vocab_sizes, p.offsets,
+                      cfg.ngram_size, cfg.heads_per_ngram, cfg.eos_token_id)
+        out[..., j * d:(j + 1) * d] = p.table.lookup(g).reshape(*ids.shape, d)
+    return out
 
 
 @dataclasses.dataclass(eq=False)
@@ -65,30 +87,14 @@ class LoadedQwen4Exp(LoadedModel):
 
     def host_rows(self, contexts: np.ndarray, ids: np.ndarray) -> np.ndarray:
         """The PLE rows of ``ids [B, T]`` following ``contexts [B, N-1]`` (:meth:`ngram_context`):
-        ``[B, T, host_row_width]`` float32, the rows of every PLE layer concatenated in layer
-        order (each ``(N-1) * heads_per_ngram`` table rows of ``ple_embed_dim /`` that many
-        values). Reads only the tables (thread-safe)."""
-        cfg = self.cfg
-        ids = np.asarray(ids, np.int64)
-        hist = np.concatenate([np.asarray(contexts, np.int64).reshape(ids.shape[0], -1), ids], 1)
-        out = np.empty((*ids.shape, self.host_row_width), np.float32)
-        d = cfg.ple_embed_dim
-        for j, p in enumerate(self.ple):
-            g = ngram_ids(hist, ids.shape[1], p.multipliers, p.vocab_sizes, p.offsets,
-                          cfg.ngram_size, cfg.heads_per_ngram, cfg.eos_token_id)
-            out[..., j * d:(j + 1) * d] = p.table.lookup(g).reshape(*ids.shape, d)
-        return out
+        ``[B, T, host_row_width]`` float32 (:func:`ple_rows`)."""
+        return ple_rows(self.cfg, self.ple, contexts, ids)
 
     @property
-    def host_inputs(self) -> HostInputs | None:
-        """The PLE rows as the engine's host inputs (None without PLE layers)."""
-        if not self.cfg.ple_layers:
-            return None
-        return HostInputs(self.host_row_width, self.cfg.ngram_size - 1, self._lookup)
-
-    def _lookup(self, befores, ids) -> np.ndarray:
-        ctx = np.stack([self.ngram_context(b) for b in befores])
-        return self.host_rows(ctx, ids)
+    def host_callbacks(self) -> bool:
+        """True with PLE layers: the engine's programs look their rows up on the host
+        (:mod:`~mtp_jax.models.qwen4_exp.ple_callback`)."""
+        return bool(self.cfg.ple_layers)
 
     def _fresh_rows(self, ids: np.ndarray) -> np.ndarray:
         """:meth:`host_rows` of whole sequences ``ids [B, T]`` (each starting a request)."""

@@ -8,6 +8,7 @@ int64 hash buffers checked against the config.
 
 from __future__ import annotations
 
+import functools
 import os
 import re
 
@@ -19,7 +20,8 @@ from mtp_jax.models.loaded import DTYPES, NP_DTYPES, resolve_dtype
 from mtp_jax.models.qwen4_exp import names
 from mtp_jax.models.qwen4_exp.config import (Qwen4ExpConfig, head_offsets, head_vocab_sizes,
                                              layer_multipliers, ngram_table_rows)
-from mtp_jax.models.qwen4_exp.loaded import LoadedQwen4Exp, PLEHost
+from mtp_jax.models.qwen4_exp import ple_callback
+from mtp_jax.models.qwen4_exp.loaded import LoadedQwen4Exp, PLEHost, PLETables, ple_rows
 from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
 from mtp_jax.models.qwen4_exp.ple_store import NgramTable
 from mtp_jax.models.qwen4_exp.slot_states import check_slot_states
@@ -180,14 +182,19 @@ def read_checkpoint(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], 
 
 
 def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = True,
-                   ple_backend: str = "disk", cfg: Qwen4ExpConfig | None = None) -> LoadedQwen4Exp:
+                   ple_backend: str = "disk", cfg: Qwen4ExpConfig | None = None,
+                   read=None) -> LoadedQwen4Exp:
     """Load a qwen4_exp checkpoint folder (composite ``model.language_model.*`` or text-only
-    ``model.*``). ``ple_backend``: ``"disk"`` (default, memory-mapped tables) or ``"memory"``."""
+    ``model.*``). ``ple_backend``: ``"disk"`` (default, memory-mapped tables) or ``"memory"``.
+    ``read``: the tensor reader, :func:`read_checkpoint`'s signature (default: it; a GGUF
+    target passes :func:`~mtp_jax.models.qwen4_exp.gguf_loader.read_gguf`)."""
     cfg = cfg or Qwen4ExpConfig.from_folder(path)
     check_slot_states()
     dtype = resolve_dtype(dtype)
     with_mtp = with_mtp and cfg.has_mtp
-    module = nnx.eval_shape(lambda: Qwen4ExpModel(cfg, DTYPES[dtype], with_mtp=with_mtp))
+    source = ple_callback.reserve()
+    module = nnx.eval_shape(lambda: Qwen4ExpModel(cfg, DTYPES[dtype], with_mtp=with_mtp,
+                                                  ple_source=source))
     graphdef, abstract = nnx.split(module)
     flat = list(nnx.to_flat_state(abstract))
     expected = {_param_name(p): tuple(v.shape) for p, v in flat}
@@ -196,12 +203,14 @@ def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = Tr
         want.update(names.mtp_tensors(cfg))
     assert want == expected, (sorted(set(want) ^ set(expected)),
                               [k for k in want if k in expected and want[k] != expected[k]])
-    arrays, ple = read_checkpoint(path, cfg, expected, dtype=dtype, with_mtp=with_mtp,
-                                  ple_backend=ple_backend)
+    arrays, ple = (read or read_checkpoint)(path, cfg, expected, dtype=dtype,
+                                            with_mtp=with_mtp, ple_backend=ple_backend)
     filled = []
     for p, v in flat:
         a = arrays[_param_name(p)]
         filled.append((p, v.replace(jnp.asarray(a, dtype=v.dtype))))
     params = nnx.from_flat_state(filled)
+    tables = PLETables(ple)
+    ple_callback.bind(source, tables, functools.partial(ple_rows, cfg))  # the programs' rows
     return LoadedQwen4Exp(cfg=cfg, dtype=dtype, graphdef=graphdef, params=params,
-                          has_mtp=with_mtp, ple=ple, pack_small_params=False)
+                          has_mtp=with_mtp, ple=tables, pack_small_params=False)

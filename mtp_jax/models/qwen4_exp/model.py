@@ -28,13 +28,18 @@ from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig
 from mtp_jax.models.qwen4_exp.decoder import DecoderLayer
 from mtp_jax.models.qwen4_exp.hyper_connection import GatedResidual
 from mtp_jax.models.qwen4_exp.mtp import MTPDraft
+from mtp_jax.models.qwen4_exp.ple_callback import rows_on_host
 from mtp_jax.models.qwen4_exp.pools import QSAPaged, Qwen4Slots
-from mtp_jax.models.qwen4_exp.slot_states import by_name
+from mtp_jax.models.qwen4_exp.slot_states import by_name, context_at, token_register_commit
 
 
 class Qwen4ExpModel(nnx.Module):
-    def __init__(self, cfg: Qwen4ExpConfig, dtype, with_mtp: bool = False):
+    def __init__(self, cfg: Qwen4ExpConfig, dtype, with_mtp: bool = False,
+                 ple_source: int | None = None):
         self.cfg = cfg
+        # The host lookup of PLE rows when a call is not given them (the engine's rounds:
+        # mtp_jax.models.qwen4_exp.ple_callback); None: every call must pass host_rows.
+        self.ple_source = ple_source
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype)
         layers, n_attn, n_gdn = [], 0, 0
         for i, t in enumerate(cfg.layer_types):
@@ -103,17 +108,27 @@ class Qwen4ExpModel(nnx.Module):
           gdn_mode: ``"prefill"`` (the slot states advance by the valid rows; returns the new
             batch view) or ``"verify"`` (they do not; returns what :meth:`commit` takes).
           host_rows: ``[B, T, n_ple * ple_embed_dim]`` float, the looked-up PLE n-gram rows of
-            every PLE layer, concatenated (:meth:`LoadedQwen4Exp.host_rows`).
+            every PLE layer, concatenated (:meth:`LoadedQwen4Exp.host_rows`); None: looked up
+            on the host inside the program, from the slots' n-gram context
+            (:mod:`~mtp_jax.models.qwen4_exp.ple_callback`).
         Returns:
           ``(streams [B, T, hc*H] before the final mixer, new paged, new view | verify rows)``.
         Raises:
-          ValueError: an unknown ``gdn_mode``.
+          ValueError: an unknown ``gdn_mode``; no ``host_rows`` for a model with PLE layers
+            and no ``ple_source``.
         """
         if gdn_mode not in self.gdn_modes:
             raise ValueError(f"gdn_mode {gdn_mode!r} is unknown; use one of {self.gdn_modes}.")
         verify = gdn_mode == "verify"
         view = state if slots is None else state.gather(slots)
         d = self.cfg.ple_embed_dim
+        ctx = context_at(view.ngram_ctx, batch.positions[:, 0], self.context_eos)
+        if host_rows is None and self.cfg.ple_layers:
+            if self.ple_source is None:
+                raise ValueError("this qwen4_exp model has no PLE source; pass host_rows "
+                                 "(LoadedQwen4Exp.host_rows) to its calls.")
+            host_rows = rows_on_host(self.ple_source, ctx, input_ids,
+                                     len(self.cfg.ple_layers) * d)
         ple = () if host_rows is None else tuple(
             host_rows[..., j * d:(j + 1) * d] for j in range(len(self.cfg.ple_layers)))
         h = self.embed(input_ids)
@@ -137,10 +152,18 @@ class Qwen4ExpModel(nnx.Module):
         new_paged = QSAPaged(PagedKV(tuple(ks), tuple(vs)), tuple(ix))
         if verify:
             return h, new_paged, Qwen4Rows(tuple(gdn_out), tuple(op), tuple(pc),
-                                           batch.positions[:, 0])
+                                           batch.positions[:, 0], input_ids)
+        length = jnp.sum(batch.valid, axis=1).astype(jnp.int32)
         new_view = Qwen4Slots(LinearState(tuple(g[0] for g in gdn_out),
-                                          tuple(g[1] for g in gdn_out)), tuple(op), tuple(pc))
+                                          tuple(g[1] for g in gdn_out)), tuple(op), tuple(pc),
+                              token_register_commit(ctx, input_ids, None, length))
         return h, new_paged, new_view
+
+    @property
+    def context_eos(self) -> int:
+        """The id the n-gram context holds before a request's start (its first eos id, as
+        :meth:`LoadedQwen4Exp.ngram_context` on the host)."""
+        return self.cfg.eos_token_ids[0] if self.cfg.eos_token_ids else 0
 
     def commit(self, state: Qwen4Slots, rows: "Qwen4Rows", length: jax.Array,
                slots: jax.Array | None = None) -> Qwen4Slots:
@@ -159,8 +182,10 @@ class Qwen4ExpModel(nnx.Module):
                        for g, ring in zip(view.open_idx, rows.rings))
         ple = tuple(ple_hook.commit(c, w, before, length)
                     for c, w in zip(view.ple_conv, rows.ple))
+        ctx = by_name("ngram_context").commit(
+            context_at(view.ngram_ctx, rows.start, self.context_eos), rows.ids, before, length)
         new = Qwen4Slots(LinearState(tuple(g[0] for g in gdn), tuple(g[1] for g in gdn)),
-                         groups, ple)
+                         groups, ple, ctx)
         return new if slots is None else state.scatter(slots, new)
 
 
@@ -169,9 +194,11 @@ class Qwen4ExpModel(nnx.Module):
 class Qwen4Rows:
     """What a verify keeps for the commit: per GDN layer its verify rows, per QSA layer the
     index-key ring ``[B, r + T, d_idx]``, per PLE layer the conv inputs ``[B, T, hc*H]``;
-    ``start [B]`` int32, the slots' length before the rows."""
+    ``start [B]`` int32, the slots' length before the rows; ``ids [B, T]`` int32, the rows'
+    token ids (for the n-gram context)."""
 
     gdn: tuple
     rings: tuple
     ple: tuple
     start: jax.Array
+    ids: jax.Array

@@ -5,9 +5,10 @@ paged and per-slot states), and the checks their sizes need.
 paged K/V ``[P, ps, Hkv, D]`` and the paged raw index keys ``[P, ps, 1, d_idx]``, all keyed by the
 target's page ids, so the page table, the prefix cache and the rollback by position cover them.
 ``Pools.gdn`` (and ``Pools.snapshots``) is a :class:`Qwen4Slots`: per slot the GDN recurrent and
-conv states, the QSA open index groups and the PLE conv windows, the slot states of
-:mod:`~mtp_jax.models.qwen4_exp.slot_states`. The n-gram context is not a device state: the host
-derives it from the request's committed tokens. A prefix-cache snapshot holds the whole
+conv states, the QSA open index groups, the PLE conv windows and the n-gram context (the last
+``ngram_size - 1`` committed token ids, from which a round's PLE rows are looked up on the host
+by a callback inside the program), the slot states of
+:mod:`~mtp_jax.models.qwen4_exp.slot_states`. A prefix-cache snapshot holds the whole
 ``Qwen4Slots`` of its position (the open index groups included), so snapshot boundaries and pages
 need not fall on QSA block edges.
 
@@ -60,23 +61,27 @@ class QSAPaged:
 class Qwen4Slots:
     """Per-slot states ``[slots, ...]``: ``gdn`` (recurrent f32 ``[Hv, Dk, Dv]``, conv shift
     register ``[conv_dim, K-1]``) per GDN layer, ``open_idx`` ``[r, d_idx]`` per QSA layer,
-    ``ple_conv`` ``[hc*H, (K-1)*ngram_size]`` per PLE layer."""
+    ``ple_conv`` ``[hc*H, (K-1)*ngram_size]`` per PLE layer, ``ngram_ctx`` ``[N-1]`` int32 (the
+    token ids before the slot's next position; entries before the request's start are not
+    read: :func:`~mtp_jax.models.qwen4_exp.slot_states.context_at`)."""
 
     gdn: LinearState
     open_idx: tuple[jax.Array, ...]
     ple_conv: tuple[jax.Array, ...]
+    ngram_ctx: jax.Array
 
     def gather(self, slots: jax.Array) -> "Qwen4Slots":
         """The states of ``slots [B]`` (a batch view)."""
         return Qwen4Slots(self.gdn.gather(slots), tuple(a[slots] for a in self.open_idx),
-                          tuple(a[slots] for a in self.ple_conv))
+                          tuple(a[slots] for a in self.ple_conv), self.ngram_ctx[slots])
 
     def scatter(self, slots: jax.Array, view: "Qwen4Slots") -> "Qwen4Slots":
         """Write a batch view back at ``slots [B]``."""
         put = lambda whole, part: tuple(a.at[slots].set(b.astype(a.dtype))
                                         for a, b in zip(whole, part))
         return Qwen4Slots(self.gdn.scatter(slots, view.gdn), put(self.open_idx, view.open_idx),
-                          put(self.ple_conv, view.ple_conv))
+                          put(self.ple_conv, view.ple_conv),
+                          self.ngram_ctx.at[slots].set(view.ngram_ctx))
 
     @classmethod
     def zeros(cls, cfg, slots: int, dtype) -> "Qwen4Slots":
@@ -87,7 +92,7 @@ class Qwen4Slots:
                        for _ in cfg.full_layer_ids)
         ple = tuple(jnp.zeros((slots, cfg.hc_hidden, cfg.ple_conv_state_len), dtype)
                     for _ in cfg.ple_layers)
-        return cls(gdn, groups, ple)
+        return cls(gdn, groups, ple, jnp.zeros((slots, cfg.ngram_size - 1), jnp.int32))
 
 
 def make_qwen4_pools(cfg, *, num_pages: int, page_size: int, slots: int, k: int, mtp: bool,
@@ -97,7 +102,7 @@ def make_qwen4_pools(cfg, *, num_pages: int, page_size: int, slots: int, k: int,
     n_draft = cfg.mtp_num_hidden_layers if mtp else 0
     probs_shape = (slots, k, cfg.vocab_size) if mtp else (slots, 0, 0)
     snapshots = (Qwen4Slots.zeros(cfg, num_snapshots + 1, dtype) if num_snapshots
-                 else Qwen4Slots(LinearState((), ()), (), ()))
+                 else Qwen4Slots(LinearState((), ()), (), (), jnp.zeros((0, 0), jnp.int32)))
     return Pools(kv=QSAPaged.zeros(cfg, len(cfg.full_layer_ids), num_pages, page_size, dtype),
                  draft_kv=QSAPaged.zeros(cfg, n_draft, num_pages, page_size, dtype),
                  gdn=Qwen4Slots.zeros(cfg, slots, dtype),

@@ -37,7 +37,6 @@ from typing import Callable
 
 import jax
 import jax.numpy as jnp
-import numpy as np
 
 from mtp_jax.config import ConfigError
 from mtp_jax.models.entry import VERIFY_HANDLERS
@@ -102,15 +101,23 @@ def shift_register_commit(live: jax.Array, rows: jax.Array, length, accepted) ->
     return conv_window(live, rows, jnp.asarray(accepted, jnp.int32))
 
 
-def token_register_commit(live: np.ndarray, rows: np.ndarray, length, accepted) -> np.ndarray:
-    """Host n-gram context ``live [B, N-1]`` int64 after the first ``accepted [B]`` tokens of
-    ``rows [B, T]``: the last ``N-1`` tokens of ``[live, accepted rows]``."""
+def token_register_commit(live: jax.Array, rows: jax.Array, length, accepted) -> jax.Array:
+    """N-gram context ``live [B, N-1]`` int32 after the first ``accepted [B]`` token ids of
+    ``rows [B, T]``: the last ``N-1`` ids of ``[live, accepted rows]``."""
     del length
-    live, rows = np.asarray(live, np.int64), np.asarray(rows, np.int64)
     n = live.shape[1]
-    ext = np.concatenate([live, rows], axis=1)
-    acc = np.broadcast_to(np.asarray(accepted, np.int64), (live.shape[0],))
-    return np.stack([ext[b, int(a):int(a) + n] for b, a in enumerate(acc)])
+    ext = jnp.concatenate([live, rows.astype(live.dtype)], axis=1)
+    acc = jnp.broadcast_to(jnp.asarray(accepted, jnp.int32), (live.shape[0],))
+    return jnp.take_along_axis(ext, acc[:, None] + jnp.arange(n, dtype=jnp.int32)[None], 1)
+
+
+def context_at(live: jax.Array, start: jax.Array, eos: int) -> jax.Array:
+    """The n-gram context ``[B, N-1]`` int32 of rows starting at position ``start [B]``:
+    ``live``'s ids, with ``eos`` in place of those before the request's first token (a request
+    starts after an eos; a slot's stale ids are never read)."""
+    n = live.shape[1]
+    before = start[:, None] - n + jnp.arange(n, dtype=jnp.int32)[None]
+    return jnp.where(before < 0, jnp.int32(eos), live)
 
 
 def keep_rows(live, rows):
@@ -153,8 +160,8 @@ SLOT_STATES: tuple[SlotStateDecl, ...] = (
                   shift_register_commit),
     SlotStateDecl("ple_conv", "PLE dilated conv window [slots, hc*H, (K-1)*ngram_size] per PLE "
                   "layer", "replay", "shift_register", keep_rows, shift_register_commit),
-    SlotStateDecl("ngram_context", "last ngram_size-1 token ids per request (eos at start), "
-                  "host side", "replay", "shift_register", keep_rows, token_register_commit),
+    SlotStateDecl("ngram_context", "last ngram_size-1 token ids [slots, N-1] int32 per "
+                  "request (eos before its start)", "replay", "shift_register", keep_rows, token_register_commit),
     SlotStateDecl("qsa_open_group", "QSA open index group [slots, compress_ratio, "
                   "indexer_head_dim] per QSA layer (raw index keys of the incomplete block)",
                   "replay", "group_ring", ring_verify, group_ring_commit),

@@ -39,7 +39,6 @@ def test_llm_defaults_run_mtp_and_match_hf():
 
 
 @pytest.mark.parametrize("kwargs,match", [
-    (dict(num_scheduler_steps=2), "num_scheduler_steps .* 2 cannot run on qwen4_exp: the PLE"),
     (dict(speculative_draft_layer_dtype="int8"),
      "speculative_draft_layer_dtype .* 'int8' is not supported for qwen4_exp"),
 ])
