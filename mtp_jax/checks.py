@@ -89,7 +89,8 @@ def check_before_load(model: str | None, *, speculative: SpeculativeConfig,
     check_settings(speculative, engine, dummy_weight=dummy_weight,
                    dummy_draft_ok=dummy_draft_ok, has_proposer=has_proposer)
     if cfg is None:
-        cfg = read_model_config(model, mtp=speculative.algorithm == "mtp")
+        cfg = read_model_config(model, mtp=speculative.algorithm == "mtp",
+                                draft_path=speculative.draft_model_path)
     family = check_family(cfg, speculative.algorithm)
     if engine is not None and family.check_engine is not None:
         family.check_engine(cfg, engine, speculative)
@@ -99,5 +100,5 @@ def check_before_load(model: str | None, *, speculative: SpeculativeConfig,
     if request is not None:
         check_request(cfg, request)
     if speculative.algorithm == "mtp" and speculative.draft_model_path:
-        check_draft_source(cfg, speculative.draft_model_path)
+        check_draft_source(cfg, speculative.draft_model_path, target=model)
     return cfg

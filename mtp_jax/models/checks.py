@@ -5,8 +5,9 @@ They read at most ``config.json`` files, a GGUF header and the tensor names of a
 folder (its index or its safetensors headers), never tensor data, and raise
 :class:`~mtp_jax.config.ConfigError` naming the bad value, what is supported and the fix:
 
-* :func:`read_model_config` — the target: a GGUF file (refused; for a Qwen3.5-family GGUF with
-  MTP: "MTP is not supported for <architecture> yet"), ``config.json`` (missing, unreadable,
+* :func:`read_model_config` — the target: a GGUF file (a Flash-Next ``qwen4exp`` one is read,
+  with a Strata MTP pack as its draft; the rest, and every bad draft of a GGUF target, are
+  refused by :mod:`mtp_jax.models.gguf_checks`), ``config.json`` (missing, unreadable,
   unknown ``model_type``: the registry; an unknown ``quantization_config`` method or field:
   :mod:`mtp_jax.weights.quant_config`);
 * :func:`check_family` — a speculative algorithm with no draft registered for the family, a
@@ -26,7 +27,8 @@ from mtp_jax.config import ConfigError, ModelConfig
 from mtp_jax.kernels import KernelBackends
 from mtp_jax.models.entry import VERIFY_HANDLERS, LoadRequest, ModelEntry
 from mtp_jax.models.registry import REGISTRY, entry_of, read_config
-from mtp_jax.weights.gguf_header import QWEN3_5_GGUF_ARCHS, gguf_architecture, gguf_file
+from mtp_jax.models.gguf_checks import check_gguf_draft, gguf_target_config
+from mtp_jax.weights.gguf_header import gguf_file
 from mtp_jax.weights.hub import looks_like_repo_id
 from mtp_jax.weights.quant_config import quantization_from_folder
 from mtp_jax.weights.safetensors_files import list_tensor_names
@@ -37,9 +39,10 @@ __all__ = ["read_model_config", "check_family", "check_request", "check_backends
 _DRAFT_KEYS = ("model_type", "hidden_size", "vocab_size", "num_experts")
 
 
-def read_model_config(path: str | None, *, mtp: bool):
-    """The target's config, parsed by its family's config class; refuses GGUF targets (``mtp``:
-    MTP was asked for)."""
+def read_model_config(path: str | None, *, mtp: bool, draft_path: str | None = None):
+    """The target's config, parsed by its family's config class (``mtp``: MTP was asked for;
+    ``draft_path``: where its draft comes from, which a GGUF target needs to be a Strata
+    pack)."""
     if path is None:
         raise ConfigError("no model path was given; pass a checkpoint folder (config.json + "
                           "*.safetensors).")
@@ -48,21 +51,7 @@ def read_model_config(path: str | None, *, mtp: bool):
     path = os.fspath(path)
     g = gguf_file(path)
     if g is not None:
-        arch = gguf_architecture(g)
-        if arch not in QWEN3_5_GGUF_ARCHS:
-            raise ConfigError(
-                f"{g} is a GGUF checkpoint of architecture {arch!r}; mtp_jax runs the Qwen3.5 "
-                f"family only (GGUF architectures {', '.join(QWEN3_5_GGUF_ARCHS)}; HF model_type "
-                "qwen3_5, qwen3_5_moe). Pass a Qwen3.5-family HF checkpoint folder.")
-        if mtp:
-            raise ConfigError(
-                f"MTP is not supported for {arch} yet: {g} is a GGUF checkpoint, and mtp_jax "
-                "reads the MTP draft (mtp.* tensors) only from HF safetensors. Pass the HF "
-                "safetensors checkpoint folder (config.json + *.safetensors), or run without "
-                "speculation (--speculative-algorithm none).")
-        raise ConfigError(
-            f"{g} is a GGUF checkpoint ({arch}); mtp_jax does not load GGUF weights yet. Pass "
-            "the HF safetensors checkpoint folder of the model (config.json + *.safetensors).")
+        return gguf_target_config(g, mtp=mtp, draft_path=draft_path)
     cfg = read_config(path)
     quantization_from_folder(path)  # an unknown quant_method or field: refused here
     return cfg
@@ -102,7 +91,9 @@ def check_request(cfg, request: LoadRequest) -> None:
         raise ConfigError(f"dummy (random) weights are not supported for {cfg.model_type} yet; "
                           "write a random checkpoint (python -m mtp_jax.tools.random_checkpoint"
                           " --config ... --out DIR) and load it.")
-    if request.draft_path is not None and not family.draft_folder:
+    draft = request.draft_path
+    if draft is not None and not family.draft_folder and not (  # a GGUF: check_draft_source
+            isinstance(draft, (str, os.PathLike)) and gguf_file(os.fspath(draft))):
         raise ConfigError(f"speculative_draft_model_path {request.draft_path!r}: a separate MTP "
                           f"draft folder is not supported for {cfg.model_type} yet; drop it (its "
                           "own mtp.* is read).")
@@ -164,9 +155,9 @@ def check_draft_folder(cfg: ModelConfig, draft_path: str) -> None:
                           "a checkpoint that has them, or omit it to use the target's own.")
 
 
-def check_draft_source(cfg, draft_path: str) -> None:
-    """Where the MTP draft comes from: a local folder (checked), a GGUF (refused) or a
-    Hugging Face repo id (passes; downloaded at load)."""
+def check_draft_source(cfg, draft_path: str, target: str | None = None) -> None:
+    """Where the MTP draft comes from: a local folder (checked), a GGUF (a Strata MTP pack of a
+    GGUF ``target``; else refused) or a Hugging Face repo id (passes; downloaded at load)."""
     if not isinstance(draft_path, (str, os.PathLike)):
         raise ConfigError(f"speculative_draft_model_path {draft_path!r} is not a path.")
     draft_path = os.fspath(draft_path)
@@ -179,13 +170,6 @@ def check_draft_source(cfg, draft_path: str) -> None:
             "existing folder holding the mtp.* tensors, or omit it to use the target's own.")
     g = gguf_file(draft_path)
     if g is not None:
-        try:
-            arch = gguf_architecture(g)
-        except ConfigError:
-            arch = "unreadable header"
-        raise ConfigError(
-            f"speculative_draft_model_path {draft_path!r} is a GGUF file ({arch}); a GGUF draft "
-            f"cannot supply the MTP draft of a {cfg.model_type} target, since mtp_jax reads "
-            "mtp.* tensors only from HF safetensors. Pass a safetensors folder holding the "
-            "mtp.* tensors, or omit the path to use the target's own.")
+        check_gguf_draft(cfg, draft_path, g, target)
+        return
     check_draft_folder(cfg, draft_path)

@@ -92,7 +92,7 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
     check_backends(backends)  # the choices first, before the model family or its files
     check_quantization_mode(quantization)
     if cfg is None:
-        cfg = read_model_config(path, mtp=with_mtp)
+        cfg = read_model_config(path, mtp=with_mtp, draft_path=draft_path)
     if draft_path is not None and not with_mtp:
         raise ConfigError(f"speculative_draft_model_path (--speculative-draft-model-path) "
                           f"{draft_path!r} was given but speculative_algorithm is 'none'; it only "
@@ -109,7 +109,7 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
                            pack_small_params=pack_small_params, ple_backend=ple_backend)
     check_request(cfg, request)
     if with_mtp and draft_path is not None:
-        check_draft_source(cfg, draft_path)
+        check_draft_source(cfg, draft_path, target=path)
         if not dummy_weight and not os.path.exists(draft_path):  # a repo id: download it
             request = dataclasses.replace(request, draft_path=download_repo(draft_path))
             check_draft_folder(cfg, request.draft_path)

@@ -99,9 +99,11 @@ CASES = [
      r"MTP is not supported for qwen35moe yet", "gguf"),
     ("gguf_target_no_spec", lambda t, s: dict(model=write_gguf(t / "m.gguf", "qwen35moe"),
                                               speculative_algorithm="none"), (),
-     r"is a GGUF checkpoint \(qwen35moe\); mtp_jax does not load GGUF weights yet", "gguf"),
+     r"is a GGUF checkpoint \(qwen35moe\); mtp_jax does not load Qwen3\.5-family GGUF weights "
+     r"yet\. Pass the model's HF safetensors checkpoint folder", "gguf"),
     ("gguf_other_arch", lambda t, s: dict(model=write_gguf(t / "m.gguf", "llama")), (),
-     r"GGUF checkpoint of architecture 'llama'; mtp_jax runs the Qwen3\.5 family only", "gguf"),
+     r"GGUF of architecture 'llama'; mtp_jax reads GGUF targets of architecture qwen4exp "
+     r"\(Qwen3\.8-Flash-Next\) only", "gguf"),
     ("gguf_corrupt", lambda t, s: ((t / "c.gguf").write_bytes(b"GGUF\x03\0\0\0garbage"),
                                    dict(model=str(t / "c.gguf")))[-1], (),
      r"cannot read the GGUF header", "gguf"),
@@ -210,7 +212,7 @@ def test_repo_id_draft_downloaded_folder_is_used(split, tmp_path, monkeypatch):
 def test_load_model_entry_point(tmp_path, weight_spy):
     with pytest.raises(ConfigError, match="MTP is not supported for qwen35moe yet"):
         load_model(write_gguf(tmp_path / "m.gguf", "qwen35moe"))
-    with pytest.raises(ConfigError, match="does not load GGUF weights yet"):
+    with pytest.raises(ConfigError, match="does not load Qwen3.5-family GGUF weights yet"):
         load_model(str(tmp_path / "m.gguf"), with_mtp=False)
     with pytest.raises(ConfigError, match="it only applies with speculative_algorithm='mtp'"):
         load_model(MOE, with_mtp=False, draft_path=str(tmp_path))
