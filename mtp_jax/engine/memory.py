@@ -167,7 +167,8 @@ def planned_weights_bytes(cfg: ModelConfig, dtype: str, mtp: bool,
                         speculative.token_map_path, cfg.vocab_size)
     return (total + draft_head_bytes(cfg, None if hot is None else hot.size, dtype,
                                      speculative.draft_head_dtype)
-            + draft_layer_bytes(cfg, speculative.draft_layer_dtype))
+            + draft_layer_bytes(cfg, speculative.draft_layer_dtype,
+                                entry_of(cfg).tensor_shapes(cfg, True)))
 
 
 def weights_bytes(cfg: ModelConfig, dtype: str, mtp: bool) -> int:

@@ -230,10 +230,18 @@ def draft_head_bytes(cfg, n: int | None, dtype: str, head_dtype: str | None = No
         0 if n is None else 4 * n)
 
 
-def draft_layer_bytes(cfg, layer_dtype: str | None = None) -> int:
+def draft_layer_bytes(cfg, layer_dtype: str | None = None,
+                      tensor_shapes: dict | None = None) -> int:
     """Bytes an int8 draft layer adds (``layer_dtype="int8"``): out x (in + 4) per projection
-    of the ``mtp.*`` draft (:func:`mtp_jax.weights.names.mtp_projections`; the model-dtype
-    copies stay loaded); 0 for ``None``."""
+    of the ``mtp.*`` draft, its 2-D ``.weight`` tensors (the model-dtype copies stay loaded);
+    0 for ``None``. ``tensor_shapes``: the family's tensor name -> shape map with the draft
+    (``ModelEntry.tensor_shapes(cfg, True)``; default: the Qwen3.5 names,
+    :func:`mtp_jax.weights.names.mtp_projections`)."""
     if layer_dtype is None:
         return 0
-    return sum(out * (inp + 4) for out, inp in names.mtp_projections(cfg).values())
+    if tensor_shapes is None:
+        projections = names.mtp_projections(cfg)
+    else:
+        projections = {n: s for n, s in tensor_shapes.items()
+                       if n.startswith("mtp.") and n.endswith(".weight") and len(s) == 2}
+    return sum(out * (inp + 4) for out, inp in projections.values())

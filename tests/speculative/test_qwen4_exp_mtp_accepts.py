@@ -184,3 +184,30 @@ def test_overlapped_multi_step_rounds_accept_the_same(model, prompts, plain, dra
         assert r.num_rounds == len(exp), r.request_id
         assert r.num_accepted_tokens == sum(n for _, _, n in exp), r.request_id
     assert sum(r.num_accepted_tokens for r in reqs) > 0
+
+
+def test_int8_draft_layer(model, prompts, plain):
+    """``speculative_draft_layer_dtype="int8"``: the draft's projections run from int8 rows
+    (the hyper-connection mixers, attention, router and shared expert; not the routed
+    experts), the tokens stay plain decoding's, the trained head still drafts right, and the
+    bytes the memory plan adds equal the int8 rows and scales the model holds."""
+    from flax import nnx
+
+    from mtp_jax.engine.memory import planned_weights_bytes
+    from mtp_jax.models.params import param_name
+
+    spec = SpeculativeConfig(algorithm="mtp", num_steps=3, draft_layer_dtype="int8")
+    engine = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", page_size=PAGE,
+                                        max_model_len=96, enable_prefix_cache=False),
+                    spec)
+    flat = {param_name(p): v[...] for p, v in nnx.to_flat_state(engine.model.params)}
+    int8 = {n: a for n, a in flat.items() if a.dtype == np.int8}
+    assert int8 and all(n.startswith("mtp.") and a.ndim == 2 for n, a in int8.items())
+    held = sum(a.size + 4 * flat[n[:-len("weight")] + "scale"].size for n, a in int8.items())
+    plain_spec = SpeculativeConfig(algorithm="mtp", num_steps=3)
+    assert (planned_weights_bytes(model.cfg, "float32", True, spec)
+            - planned_weights_bytes(model.cfg, "float32", True, plain_spec)) == held
+    reqs = _requests(prompts)
+    engine.run(reqs)
+    assert [r.output_ids for r in reqs] == plain
+    assert sum(r.num_accepted_tokens for r in reqs) > 0

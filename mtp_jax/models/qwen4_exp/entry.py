@@ -76,18 +76,6 @@ def write_random(raw: dict, out_dir: str, *, dtype: str = "bfloat16", experts: s
     return out_dir
 
 
-def check_engine(cfg: Qwen4ExpConfig, engine, speculative) -> None:
-    """The engine settings qwen4_exp cannot run (ConfigError, before any weight loads): an
-    int8 draft layer (not built for this family yet)."""
-    del engine
-    if speculative.draft_layer_dtype is not None:
-        raise ConfigError(f"speculative_draft_layer_dtype (--speculative-draft-layer-dtype) "
-                          f"{speculative.draft_layer_dtype!r} is not supported for "
-                          f"{cfg.model_type} yet (its draft layer runs in the model dtype); drop "
-                          "it. The draft head options (--speculative-draft-vocab-size, "
-                          "--speculative-draft-head-dtype int8) apply.")
-
-
 def make_entry() -> ModelEntry:
     """The entry, with the slot states of :mod:`~mtp_jax.models.qwen4_exp.slot_states`
     checked (``ConfigError`` for one without a usable verify handler)."""
@@ -98,7 +86,7 @@ def make_entry() -> ModelEntry:
                           for s in check_slot_states()),
         serving="rounds", kernel_ops=(), dummy_weight=False, draft_folder=False,
         load_options=(("ple_backend", PLE_BACKENDS),), make_pools=make_qwen4_pools,
-        write_random=write_random, check_engine=check_engine)
+        write_random=write_random)
 
 
 ENTRY = make_entry()
