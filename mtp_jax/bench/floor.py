@@ -13,7 +13,6 @@ import numpy as np
 
 from mtp_jax.config import ConfigError, ModelConfig, config_dict
 from mtp_jax.models.registry import config_from_dict, entry_of
-from mtp_jax.weights import names
 
 
 def load_config(path: str):
@@ -62,7 +61,10 @@ def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: in
     draft's LM head has that many rows (hot token ids) instead of ``vocab_size``;
     ``draft_head_dtype="int8"``: those rows are int8 with a float32 scale each (the few rows
     the int8 head re-scores per request are not counted); ``draft_layer_dtype="int8"``: the
-    draft's projections (:func:`mtp_jax.weights.names.mtp_projections`) likewise."""
+    draft's projections (its 2-D ``mtp.*`` ``.weight`` tensors) likewise. Any family whose
+    registry entry gives its tensor shapes; for qwen4_exp's QSA layers the K/V of the whole
+    context is counted (an upper bound: a QSA query reads the K/V of its selected blocks) and
+    the index keys are not."""
     shapes = entry_of(cfg).tensor_shapes  # the family's checkpoint tensors (the registry)
     target = shapes(cfg, False)
     lm_head = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
@@ -82,7 +84,8 @@ def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: in
         if draft_head_dtype == "int8":
             head = draft_rows * (cfg.hidden_size + 4)
         draft = {n: s for n, s in shapes(cfg, True).items() if n not in target}
-        int8 = names.mtp_projections(cfg) if draft_layer_dtype == "int8" else {}
+        int8 = ({n: s for n, s in draft.items() if n.endswith(".weight") and len(s) == 2}
+                if draft_layer_dtype == "int8" else {})
         rest = {n: shape for n, shape in draft.items() if n not in int8}
         int8_bytes = sum(o * (i + 4) for o, i in int8.values())
         out["draft_weights"] = (forward_weight_bytes(cfg, rest, batch * (k + 1), itemsize)

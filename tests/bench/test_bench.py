@@ -511,3 +511,25 @@ def test_accept_lengths_are_checked_for_greedy_rows_only(workdir, capsys, monkey
         main([*base[:2], "--k", "0", "--top-p", "0.9", "--out", str(workdir / "unused.json"),
               "--compilation-cache-dir", "none"])
     assert "note: --top-p / --top-k apply to sampled rows only" in capsys.readouterr().err
+
+
+def test_qwen4_exp_config_rows(workdir, capsys):
+    """``--config`` of a qwen4_exp shape (random weights and synthetic n-gram tables,
+    ``mtp_jax.models.qwen4_exp.dummy``): the k = 2 row runs, its forced accept lengths
+    reproduce plain decoding, nothing compiles after warm-up, and the floor counts its bytes."""
+    from mtp_jax.bench import main
+    from tests.helpers.paths import fixture_path
+
+    config = os.path.join(fixture_path("tiny_qwen4_trained"), "config.json")
+    out = workdir / "qwen4.json"
+    with _own_cache_folder():
+        rc = main(["--config", config, "--batch", "1", "--k", "2", "--prompt-len", "16",
+                   "--decode-tokens", "6", "--warmup-rounds", "1", "--prefill-reps", "1",
+                   "--dtype", "float32", "--accept-lengths", "2.0", "--out", str(out),
+                   "--compilation-cache-dir", "none"])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    (row,) = json.loads(out.read_text())["results"]
+    assert row["k"] == 2 and row["exact"] is True and row["compiles_timed"] == 0
+    assert all(f["exact"] for f in row["forced"])
+    assert row["bytes"]["weights"] > 0 and row["bytes"]["draft_weights"] > 0

@@ -18,10 +18,13 @@ per call like every family's. The kernels are XLA's.
 
 from __future__ import annotations
 
+import functools
+
 from mtp_jax.config import ConfigError
 from mtp_jax.models.entry import LoadRequest, ModelEntry, SlotState
 from mtp_jax.models.qwen4_exp import names
 from mtp_jax.models.qwen4_exp.config import MODEL_TYPES, Qwen4ExpConfig
+from mtp_jax.models.qwen4_exp.dummy import read_random
 from mtp_jax.models.qwen4_exp.gguf_loader import load_qwen4_exp_gguf
 from mtp_jax.models.qwen4_exp.loader import LoadedQwen4Exp, load_qwen4_exp
 from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
@@ -41,11 +44,16 @@ def build(cfg: Qwen4ExpConfig, dtype, with_mtp: bool) -> Qwen4ExpModel:
 
 def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp:
     """:func:`~mtp_jax.models.qwen4_exp.loader.load_qwen4_exp` for ``load_model`` (the entry's
-    capabilities were checked before: no dummy weights, no draft folder, XLA kernels)."""
+    capabilities were checked before: no draft folder, XLA kernels); with ``dummy_weight``
+    random weights and synthetic PLE tables (:mod:`~mtp_jax.models.qwen4_exp.dummy`)."""
     if request.pack_small_params:
         raise ConfigError("pack_small_params (--pack-small-params) is not supported for "
                           "qwen4_exp yet; drop it.")
     backend = request.option_values.get("ple_backend", "disk")
+    if request.dummy_weight:
+        return load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,
+                              ple_backend=backend, cfg=cfg,
+                              read=functools.partial(read_random, seed=request.seed))
     if (g := gguf_file(path)) is not None:  # a Flash-Next GGUF, with a Strata pack as draft
         return load_qwen4_exp_gguf(g, cfg, request.dtype, with_mtp=request.with_mtp,
                                    draft_path=request.draft_path, ple_backend=backend)
@@ -84,7 +92,7 @@ def make_entry() -> ModelEntry:
         build=build, load=load, tensor_shapes=tensor_shapes, drafts=("mtp", "external"),
         slot_states=tuple(SlotState(s.name, s.description, s.handler)
                           for s in check_slot_states()),
-        serving="rounds", kernel_ops=(), dummy_weight=False, draft_folder=False,
+        serving="rounds", kernel_ops=(), dummy_weight=True, draft_folder=False,
         load_options=(("ple_backend", PLE_BACKENDS),), make_pools=make_qwen4_pools,
         write_random=write_random)
 
