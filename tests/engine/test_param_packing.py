@@ -71,3 +71,21 @@ def test_engine_with_packed_small_params_generates_the_same_tokens():
     want = [r.output_ids for r in Engine(plain, cfg, spec).run(_requests(prompts))]
     got = [r.output_ids for r in Engine(packed, cfg, spec).run(_requests(prompts))]
     assert got == want and all(len(w) == 9 for w in want)
+
+
+def test_qwen4_exp_with_packed_small_params_matches_transformers():
+    """qwen4_exp loaded with ``pack_small_params``: its programs take the packed buffers
+    (fewer arguments than parameters) and MTP rounds give transformers' greedy tokens (the
+    golden fixture)."""
+    ckpt = fixture_path("tiny_qwen4_exp")
+    g = np.load(ckpt + "/golden.npz")
+    model = load_model(ckpt, "float32", with_mtp=True, pack_small_params=True)
+    eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", max_model_len=96),
+                 SpeculativeConfig(algorithm="mtp", num_steps=3))
+    assert len(eng.device.leaves) < len(jax.tree_util.tree_leaves(model.params))
+    n = g["greedy_tokens"].shape[1]
+    reqs = [Request(request_id=f"r{i}", index=i, prompt=None, prompt_ids=row.tolist(),
+                    params=SamplingParams(temperature=0, max_tokens=n, ignore_eos=True), seed=0)
+            for i, row in enumerate(g["input_ids"])]
+    eng.run(reqs)
+    assert [r.output_ids for r in reqs] == g["greedy_tokens"].tolist()

@@ -18,9 +18,9 @@ per call like every family's. The kernels are XLA's.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 
-from mtp_jax.config import ConfigError
 from mtp_jax.models.entry import LoadRequest, ModelEntry, SlotState
 from mtp_jax.models.qwen4_exp import names
 from mtp_jax.models.qwen4_exp.config import MODEL_TYPES, Qwen4ExpConfig
@@ -45,20 +45,22 @@ def build(cfg: Qwen4ExpConfig, dtype, with_mtp: bool) -> Qwen4ExpModel:
 def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp:
     """:func:`~mtp_jax.models.qwen4_exp.loader.load_qwen4_exp` for ``load_model`` (the entry's
     capabilities were checked before: no draft folder, XLA kernels); with ``dummy_weight``
-    random weights and synthetic PLE tables (:mod:`~mtp_jax.models.qwen4_exp.dummy`)."""
-    if request.pack_small_params:
-        raise ConfigError("pack_small_params (--pack-small-params) is not supported for "
-                          "qwen4_exp yet; drop it.")
+    random weights and synthetic PLE tables (:mod:`~mtp_jax.models.qwen4_exp.dummy`), with
+    ``pack_small_params`` the programs take the small parameters packed."""
     backend = request.option_values.get("ple_backend", "disk")
     if request.dummy_weight:
-        return load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,
-                              ple_backend=backend, cfg=cfg,
-                              read=functools.partial(read_random, seed=request.seed))
-    if (g := gguf_file(path)) is not None:  # a Flash-Next GGUF, with a Strata pack as draft
-        return load_qwen4_exp_gguf(g, cfg, request.dtype, with_mtp=request.with_mtp,
-                                   draft_path=request.draft_path, ple_backend=backend)
-    return load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp, ple_backend=backend,
-                          cfg=cfg)
+        model = load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,
+                               ple_backend=backend, cfg=cfg,
+                               read=functools.partial(read_random, seed=request.seed))
+    elif (g := gguf_file(path)) is not None:  # a Flash-Next GGUF, with a Strata pack as draft
+        model = load_qwen4_exp_gguf(g, cfg, request.dtype, with_mtp=request.with_mtp,
+                                    draft_path=request.draft_path, ple_backend=backend)
+    else:
+        model = load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,
+                               ple_backend=backend, cfg=cfg)
+    if request.pack_small_params:
+        model = dataclasses.replace(model, pack_small_params=True)
+    return model
 
 
 def tensor_shapes(cfg: Qwen4ExpConfig, with_mtp: bool) -> dict[str, tuple[int, ...]]:
