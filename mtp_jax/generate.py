@@ -13,6 +13,10 @@ import warnings
 DEFAULT_PROMPT = "Explain speculative decoding in one paragraph."
 
 
+
+DEFAULT_MODEL_LINE = ("built-in default (tiny: layers and MTP head trained on the docs, "
+                      "random embedding and LM head; real Qwen3.5 tokenizer)")
+
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mtp_jax.generate", description=__doc__)
     prompts = p.add_mutually_exclusive_group()  # one source of prompts, never one ignored
@@ -285,7 +289,7 @@ def _main(argv) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     # Printed once the run is accepted, so that a refusal is the only thing on stderr.
-    print(f"[model] {args.model or 'built-in default (random weights, real Qwen3.5 tokenizer)'}"
+    print(f"[model] {args.model or DEFAULT_MODEL_LINE}"
           f"; speculative_algorithm={llm.speculative.algorithm}"
           + (f" (k={llm.speculative.num_steps})" if llm.speculative.enabled else "")
           + (f"; draft vocabulary {llm.engine.draft_vocab_size} hot ids"
