@@ -11,11 +11,9 @@ import time
 import warnings
 
 DEFAULT_PROMPT = "Explain speculative decoding in one paragraph."
-
-
-
 DEFAULT_MODEL_LINE = ("built-in default (tiny: layers and MTP head trained on the docs, "
                       "random embedding and LM head; real Qwen3.5 tokenizer)")
+
 
 def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="python -m mtp_jax.generate", description=__doc__)
