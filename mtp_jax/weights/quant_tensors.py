@@ -35,7 +35,6 @@ import dataclasses
 import math
 import os
 import re
-from typing import Any
 
 import numpy as np
 
