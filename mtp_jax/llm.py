@@ -18,7 +18,8 @@ from mtp_jax.compile_cache import enable_compilation_cache
 from mtp_jax.config import (EngineConfig, SpeculativeConfig, normalize_algorithm,
                             normalize_draft_dtype)
 from mtp_jax.default_model import default_model_path
-from mtp_jax.engine.requests import Request, RequestOutput, StreamOutput
+from mtp_jax.engine.requests import ABORT, Request, RequestOutput, StreamOutput
+from mtp_jax.engine.samples import sample_seed, split_ready, waits_for_first
 from mtp_jax.engine.serving import check_memory_before_load, make_engine
 from mtp_jax.models.checks import check_backends
 from mtp_jax.models.loaded import resolve_dtype
@@ -186,42 +187,57 @@ class LLM:
         return cache_status(self.engine)
 
     # ---- requests ----------------------------------------------------------------------------
-    def new_request(self, prompt, params: SamplingParams) -> Request:
-        """The engine :class:`Request` of one prompt (text or token ids) and its validated
-        ``params``, for a caller that drives ``self.engine`` itself (the server); the seed and
-        id as :meth:`generate` gives them. Raises ``ValueError`` for a bad prompt or
-        params."""
+    def new_requests(self, prompt, params: SamplingParams) -> list[Request]:
+        """The ``params.n`` engine requests (:class:`Request`, the samples) of one prompt
+        (text or token ids) and its validated ``params``, for a caller that drives
+        ``self.engine`` itself (the server); seeds and ids as :meth:`generate` gives them.
+        Samples 1..n-1 should join the engine once
+        :func:`~mtp_jax.engine.samples.waits_for_first` is false. Raises
+        ``ValueError`` for a bad prompt or params."""
         params_list(params, 1)
-        return self._request(prompt, params)
+        return self._samples(prompt, params)
 
-    def _request(self, prompt, params: SamplingParams) -> Request:
+    def _samples(self, prompt, params: SamplingParams) -> list[Request]:
+        """The ``params.n`` requests of ``prompt``: sample i seeded ``params.seed + i`` when a
+        seed is given (else by its own request index), samples 1..n-1 linked to sample 0."""
         vocab = self.model.cfg.vocab_size
         text, ids = prompt_ids(prompt, self.tokenizer, vocab, self.engine.max_model_len)
         check_stops(params, vocab, self.tokenizer)
-        index = self._next_id
-        self._next_id += 1
-        seed = params.seed if params.seed is not None else (self.seed * 1000003 + index) % 2**32
-        return Request(request_id=str(index), index=index, prompt=text, prompt_ids=ids,
-                       params=params, seed=seed)
+        out: list[Request] = []
+        for i in range(params.n):
+            index = self._next_id
+            self._next_id += 1
+            seed = (sample_seed(params.seed, i) if params.seed is not None
+                    else (self.seed * 1000003 + index) % 2**32)
+            out.append(Request(request_id=str(index), index=index, prompt=text,
+                               prompt_ids=list(ids), params=params, seed=seed,
+                               sample_index=i, first=out[0] if out else None))
+        return out
 
     def _output(self, r: Request) -> RequestOutput:
         return request_output(r, self.tokenizer)
 
     def _prepare(self, prompts, sampling_params):
         """Validate and turn prompts into requests: ``(outputs, [(index, Request)])`` where
-        ``outputs`` already holds the error outputs of bad prompts (see :meth:`generate`)."""
+        ``outputs`` (one per sample: prompt-major, ``n`` per prompt) already holds the error
+        outputs of bad prompts (see :meth:`generate`)."""
         prompts = prompt_list(prompts)
         sampling_params = params_list(sampling_params, len(prompts))
-        outputs: list[RequestOutput | None] = [None] * len(prompts)
+        outputs: list[RequestOutput | None] = []
         requests: list[tuple[int, Request]] = []
-        for i, (p, sp) in enumerate(zip(prompts, sampling_params)):
+        for p, sp in zip(prompts, sampling_params):
             try:
-                requests.append((i, self._request(p, sp)))
+                group = self._samples(p, sp)
             except ValueError as e:
                 if len(prompts) == 1:
                     raise
-                outputs[i] = error_output(str(self._next_id), p, str(e))
-                self._next_id += 1
+                for i in range(sp.n):
+                    outputs.append(error_output(str(self._next_id), p, str(e)))
+                    outputs[-1].sample_index = i
+                    self._next_id += 1
+                continue
+            requests += [(len(outputs) + i, r) for i, r in enumerate(group)]
+            outputs += [None] * len(group)
         return outputs, requests
 
     def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
@@ -230,7 +246,10 @@ class LLM:
 
         ``sampling_params``: one for all or one per prompt (default ``SamplingParams()``).
         ``use_tqdm``: a progress bar over finished requests.
-        Returns one :class:`RequestOutput` per prompt, in order.
+        Returns one :class:`RequestOutput` per prompt, in order; with ``n > 1``, ``n`` per
+        prompt, prompt-major (sample i at ``sample_index`` i), as OpenAI orders a call's
+        choices. Samples of a prompt share its prefix-cache pages
+        (:mod:`mtp_jax.engine.samples`).
 
         Raises ``ValueError`` before any work for invalid sampling parameters. A bad prompt
         (empty, too long for ``max_model_len``, token ids outside the vocabulary, text without a
@@ -272,15 +291,20 @@ class LLM:
         call = self._open_call = object()
         reqs = [r for _, r in requests]
         bar, live = None, {id(r): (i, r) for i, r in requests}  # no last item yielded yet
+        prefix, held = self.engine.prefix, []  # samples 1..n-1 waiting for sample 0's prompt
         try:
             bar = tqdm(total=len(requests), desc="Requests", unit="req", disable=not use_tqdm)
             for i, out in enumerate(outputs):
                 if out is not None:
                     yield StreamOutput(index=i, request_id=out.request_id, new_token_ids=[],
-                                       finished=True, output=out)
+                                       finished=True, output=out,
+                                       sample_index=out.sample_index)
                     self._check_open(call)
             for r in reqs:
-                self.engine.add_request(r)
+                if waits_for_first(r, prefix):
+                    held.append(r)
+                else:
+                    self.engine.add_request(r)
             aborts = self.engine.abort_count
             while True:
                 if self.engine.abort_count != aborts:  # some taken out between steps
@@ -289,9 +313,13 @@ class LLM:
                         del live[id(r)]  # no step reports them: their last item here
                         bar.update(1)
                         yield StreamOutput(index=i, request_id=r.request_id, new_token_ids=[],
-                                           finished=True, output=self._output(r))
+                                           finished=True, output=self._output(r),
+                                           sample_index=r.sample_index)
                         self._check_open(call)
                     continue  # an abort while those were read is looked for again
+                ready, held = split_ready(held, prefix)
+                for r in ready:
+                    self.engine.add_request(r)
                 if not self.engine.has_work():
                     break
                 for r, new in self.engine.step().items():
@@ -300,10 +328,14 @@ class LLM:
                     i = live.pop(id(r))[0] if done else live[id(r)][0]
                     yield StreamOutput(index=i, request_id=r.request_id,
                                        new_token_ids=list(new), finished=done,
-                                       output=self._output(r) if done else None)
+                                       output=self._output(r) if done else None,
+                                       sample_index=r.sample_index,
+                                       new_logprobs=_new_logprobs(r, len(new)))
                     self._check_open(call)
         except BaseException:  # GeneratorExit too: a stream closed early
             self.engine.abort(reqs)
+            for r in held:  # never in the engine
+                r.finish_reason = ABORT
             raise
         finally:
             if bar is not None:
@@ -365,3 +397,12 @@ class LLM:
             raise ValueError("this checkpoint folder has no tokenizer, so it has no chat template.")
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate([prompt], sampling_params)[0]
+
+
+def _new_logprobs(r: Request, count: int):
+    """The :class:`TokenLogprob` items of ``r``'s last ``count`` output tokens (None when it did
+    not ask for them)."""
+    if r.params.logprobs is None:
+        return None
+    end = len(r.output_ids)
+    return r.logprobs[end - count:end]

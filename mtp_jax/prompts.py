@@ -117,7 +117,9 @@ def request_output(r: Request, tokenizer) -> RequestOutput:
                          text=text, finish_reason=r.finish_reason, num_rounds=r.num_rounds,
                          num_draft_tokens=r.num_draft_tokens,
                          num_accepted_tokens=r.num_accepted_tokens,
-                         cached_tokens=r.cached_tokens)
+                         cached_tokens=r.cached_tokens, sample_index=r.sample_index,
+                         logprobs=(list(r.logprobs) if r.params.logprobs is not None
+                                   else None))
 
 
 def error_output(request_id: str, prompt, message: str) -> RequestOutput:

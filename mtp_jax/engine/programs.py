@@ -37,6 +37,7 @@ from mtp_jax.engine.packing import pack, unpack
 from mtp_jax.engine.param_packing import ParamPacking
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant
 from mtp_jax.sampling import SALT_SAMPLE, sample
+from mtp_jax.sampling.logprobs import columns_per_token, logprob_columns
 from mtp_jax.speculative.accept import accept
 from mtp_jax.speculative.clamp import clamp_drafts
 from mtp_jax.speculative.mtp import mtp_drafts, row_at, store_next_tokens
@@ -54,13 +55,20 @@ class RoundOutput:
     pending token and drafts for its next round, as the round left them: what a family whose
     inputs are looked up on the host needs before it can dispatch that round).
     :func:`one_round` returns one round without the leading axis (``[B, 2k+4]``); the
-    properties index the last axis."""
+    properties index the last axis.
+
+    A logprobs variant (``top >= 0``, static: the call's ``RoundVariant.logprobs``) appends
+    ``(k+1) * (1 + 2 top)`` columns (:func:`~mtp_jax.sampling.logprobs.logprob_columns` of the
+    emitted positions; ``logprob_columns`` here, split on the host by
+    :func:`~mtp_jax.sampling.logprobs.split_logprob_columns`); the host copy keeps ``top``
+    (``RoundOutput(np.asarray(out.readback), out.top)``)."""
 
     readback: jax.Array
+    top: int = dataclasses.field(default=-1, metadata=dict(static=True))
 
     @property
     def _k1(self) -> int:
-        return (self.readback.shape[-1] - 2) // 2
+        return (self.readback.shape[-1] - 2) // (2 + columns_per_token(self.top))
 
     @property
     def emitted(self):
@@ -76,7 +84,11 @@ class RoundOutput:
 
     @property
     def next_tokens(self):
-        return self.readback[..., self._k1 + 2:]
+        return self.readback[..., self._k1 + 2:2 * self._k1 + 2]
+
+    @property
+    def logprob_columns(self):
+        return self.readback[..., 2 * self._k1 + 2:]
 
 
 def _save_round_snapshots(model, pools: Pools, rows, batch: RoundBatch) -> Pools:
@@ -100,7 +112,9 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
     chunk only matters). ``variant.greedy_only``: every row is greedy, so no sampling path is
     traced.
 
-    Returns ``(next_tokens [B, k+1] int32: the first token and the drafts, pools)``.
+    Returns ``(next_tokens [B, k+1] int32: the first token and the drafts, pools)``; a
+    logprobs variant appends the first token's ``1 + 2 * variant.logprobs`` columns
+    (:func:`~mtp_jax.sampling.logprobs.logprob_columns`).
     """
     k, greedy_only = variant.k, variant.greedy_only
     model = nnx.merge(graphdef, params)
@@ -115,7 +129,8 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
     hidden, kv, view = model(batch.input_ids, abatch, pools.kv, view, "prefill")
     last = jnp.maximum(batch.length - 1, 0)
     h_last = row_at(hidden, last)
-    first = sample(model.logits(h_last), batch.sampling, batch.step, salt=SALT_SAMPLE,
+    logits_last = model.logits(h_last)
+    first = sample(logits_last, batch.sampling, batch.step, salt=SALT_SAMPLE,
                    greedy_only=greedy_only)
     pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, view))
     drafts = None
@@ -130,7 +145,12 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
     pools = dataclasses.replace(
         pools, position=pools.position.at[batch.slot].set(batch.start + batch.length),
         step=pools.step.at[batch.slot].set(jnp.ones_like(batch.slot)))
-    return pools.next_tokens[batch.slot], pools
+    out = pools.next_tokens[batch.slot]
+    if variant.logprobs >= 0:  # the first token's log-probabilities after its drafts
+        out = jnp.concatenate([out, logprob_columns(
+            logits_last[:, None], first[:, None], batch.sampling, variant.logprobs,
+            filtering=False if greedy_only else None)], 1)
+    return out, pools
 
 
 def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundVariant):
@@ -201,8 +221,11 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
     advance = jnp.where(batch.live, n + 1, 0)
     pools = dataclasses.replace(pools, position=pools.position.at[batch.slot].add(advance),
                                 step=pools.step.at[batch.slot].add(advance))
-    return RoundOutput(jnp.concatenate([emitted, n[:, None], num_draft[:, None],
-                                        pools.next_tokens[batch.slot]], 1)), pools
+    cols = [emitted, n[:, None], num_draft[:, None], pools.next_tokens[batch.slot]]
+    if variant.logprobs >= 0:  # emitted[:, j] was drawn from the target's row j
+        cols.append(logprob_columns(logits, emitted, batch.sampling, variant.logprobs,
+                                    filtering=False if greedy_only else filtering))
+    return RoundOutput(jnp.concatenate(cols, 1), variant.logprobs), pools
 
 
 def rounds(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundVariant):
@@ -216,7 +239,7 @@ def rounds(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundVari
     Returns ``(RoundOutput with readback [rounds, B, k+3], pools)``."""
     if variant.rounds == 1:
         out, pools = one_round(graphdef, params, pools, batch, variant)
-        return RoundOutput(out.readback[None]), pools
+        return RoundOutput(out.readback[None], out.top), pools
 
     def body(pools, _):
         out, pools = one_round(graphdef, params, pools, batch, variant)
@@ -224,7 +247,7 @@ def rounds(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundVari
 
     # One compiled round body; unrolling ran no faster on the H200 (docs/benchmarks.md).
     pools, readback = jax.lax.scan(body, pools, None, length=variant.rounds)
-    return RoundOutput(readback), pools
+    return RoundOutput(readback, variant.logprobs), pools
 
 
 def save_snapshot(pools: Pools, slot: jax.Array, snapshot: jax.Array) -> Pools:

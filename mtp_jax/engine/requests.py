@@ -8,10 +8,25 @@ import dataclasses
 
 from mtp_jax.sampling.params import SamplingParams
 
-__all__ = ["ABORT", "Request", "RequestOutput", "SamplingParams", "StreamOutput"]
+__all__ = ["ABORT", "Request", "RequestOutput", "SamplingParams", "StreamOutput",
+           "TokenLogprob"]
 
 
 ABORT = "abort"  # finish_reason of a request taken out of the engine before it finished
+
+
+@dataclasses.dataclass
+class TokenLogprob:
+    """One output token's log-probability (``SamplingParams.logprobs``): ``token_id``, its
+    ``logprob`` (float, natural log; ``-inf`` never for an emitted token) and ``top``, the
+    ``logprobs`` most likely ``(token_id, logprob)`` pairs, most likely first, from the same
+    distribution (:func:`mtp_jax.sampling.filtered_logprobs`: what a sampled request draws
+    from; greedy requests: ``log_softmax`` of the target's logits). Ids a top-k / top-p filter
+    drops have ``-inf``."""
+
+    token_id: int
+    logprob: float
+    top: list[tuple[int, float]] = dataclasses.field(default_factory=list)
 
 
 @dataclasses.dataclass
@@ -26,6 +41,9 @@ class RequestOutput:
     ``accept_length`` = committed tokens per round (mean; None before the first round),
     ``acceptance_rate`` = accepted drafts / proposed drafts (None when no draft was proposed:
     speculation off, or a request that ended within its first round or two).
+    ``sample_index``: which of the prompt's ``SamplingParams.n`` samples this is;
+    ``logprobs``: one :class:`TokenLogprob` per output token when ``SamplingParams.logprobs``
+    asked for them (else None).
     """
 
     request_id: str
@@ -39,6 +57,8 @@ class RequestOutput:
     num_accepted_tokens: int = 0
     error: str | None = None
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    sample_index: int = 0
+    logprobs: list[TokenLogprob] | None = None
 
     @property
     def accept_length(self) -> float | None:
@@ -52,14 +72,19 @@ class RequestOutput:
 
 @dataclasses.dataclass
 class StreamOutput:
-    """One streaming update of :meth:`LLM.generate_stream`: the prompt's ``index`` in the call,
-    the tokens it gained since the last update, and, when ``finished``, the full ``output``."""
+    """One streaming update of :meth:`LLM.generate_stream`: the output's ``index`` in the call
+    (the prompt's index when every prompt has ``n = 1``; prompt-major with ``n > 1``, as
+    :meth:`LLM.generate` orders its outputs), its ``sample_index``, the tokens it gained since
+    the last update (with their :class:`TokenLogprob` in ``new_logprobs`` when asked for) and,
+    when ``finished``, the full ``output``."""
 
     index: int
     request_id: str
     new_token_ids: list[int]
     finished: bool
     output: RequestOutput | None = None
+    sample_index: int = 0
+    new_logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass(eq=False)  # identity semantics: requests key dicts
@@ -90,6 +115,9 @@ class Request:
     # [pending, d_1..d_k] of the next round as the device left them (families whose inputs are
     # looked up on the host read them before dispatching it)
     next_tokens: list[int] = dataclasses.field(default_factory=list)
+    sample_index: int = 0  # which of the prompt's SamplingParams.n samples
+    first: "Request | None" = None  # sample 0 of the prompt, for samples 1..n-1 (else None)
+    logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # per output token
 
     @property
     def finished(self) -> bool:

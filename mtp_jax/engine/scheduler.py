@@ -44,6 +44,7 @@ from mtp_jax.engine.programs import RoundOutput
 from mtp_jax.engine.requests import ABORT, Request
 from mtp_jax.engine.rounds import (InFlightRound, batch_bucket, external_tokens, next_pow2,
                                    round_batch, snapshot_rows, span)
+from mtp_jax.engine.token_logprobs import call_top, record, record_first, round_logprobs
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant, sampling_choice
 from mtp_jax.speculative.external import Proposer
 
@@ -197,7 +198,8 @@ class Scheduler:
             slot=np.asarray([req.slot], np.int32), page_table=self.book.table([req]),
             sampling=sampling_rows([req]), step=np.zeros((1,), np.int32))
         t0 = time.perf_counter()
-        out = self.device.prefill(batch, self.prefill_variant())
+        variant = self.prefill_variant([req] if start + n == n_prompt else [])
+        out = self.device.prefill(batch, variant)
         req.prefilled += n
         if self.prefix is not None:
             sid = self.prefix.chunk_snapshot(req)
@@ -205,15 +207,19 @@ class Scheduler:
                 self.device.save_snapshot(req.slot, sid)
         if req.prefilled == n_prompt:
             req.position = n_prompt
-            req.next_tokens = np.asarray(out)[0].tolist()  # first token, drafts
+            req.next_tokens = np.asarray(out)[0, :s.k + 1].tolist()  # first token, drafts
             self.stops(req, req.next_tokens[:1])
+            record_first(req, np.asarray(out)[0], s.k, variant.logprobs)
         self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.prefill_calls += 1
         self.stats.prompt_tokens += n
         return n
 
-    def prefill_variant(self) -> PrefillVariant:
+    def prefill_variant(self, final: list[Request] = ()) -> PrefillVariant:
+        """The prefill variant of a chunk; ``final``: the requests whose prompt it ends (their
+        first token's log-probabilities, when asked for)."""
         return PrefillVariant(k=self.settings.k, mtp=self.settings.proposer == "mtp",
+                              logprobs=call_top(final),
                               greedy_only=PREFILL_GREEDY_ONLY)
 
     def finish_prefill(self, req: Request) -> None:
@@ -262,6 +268,7 @@ class Scheduler:
                                                           s.max_model_len, self.prefix, b)
         variant = RoundVariant(k=s.k, proposer=s.proposer, rounds=rounds,
                                snapshot=bool(np.any(batch.snap_row >= 0)),
+                               logprobs=call_top(running),
                                **sampling_choice([r.params.greedy for r in running],
                                                  batch.sampling, s.vocab_size))
         t0 = time.perf_counter()
@@ -279,8 +286,9 @@ class Scheduler:
         past the committed length, except those that ``later`` (a call dispatched after ``f``,
         still in flight) may use. Rows of requests that had already finished (in an earlier
         call, or an earlier round of this one) are ignored."""
-        host = RoundOutput(np.asarray(f.out.readback))  # the call's one device-to-host copy
+        host = RoundOutput(np.asarray(f.out.readback), f.out.top)  # the one device-to-host copy
         emitted, accepted, num_draft = host.emitted, host.num_accepted, host.num_draft
+        lps = round_logprobs(host)  # None: no row asked for log-probabilities
         now = time.perf_counter()  # overlapped rounds: count the time since the last read
         self.stats.round_seconds += now - max(f.t0, self._round_clock)
         self._round_clock = now
@@ -301,6 +309,8 @@ class Scheduler:
                 before = len(r.output_ids)
                 kept = self.stops(r, emitted[j, i, :n + 1].tolist())
                 new.setdefault(r, []).extend(r.output_ids[before:])
+                if lps is not None:
+                    record(r, *(a[j, i] for a in lps), r.output_ids[before:])
                 r.num_rounds += 1
                 r.num_draft_tokens += int(num_draft[j, i])
                 r.num_accepted_tokens += min(n, kept)

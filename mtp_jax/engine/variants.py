@@ -25,11 +25,13 @@ class PrefillVariant:
 
     k: drafts per round (``speculative_num_steps``; 0 with speculation off); mtp: the MTP draft
     runs over the chunk and drafts ``d_1..d_k``; greedy_only: every row is greedy, so no
-    sampling path is traced."""
+    sampling path is traced; logprobs: -1, or the top alternatives whose log-probabilities
+    the first token reports (:mod:`mtp_jax.sampling.logprobs`)."""
 
     k: int
     mtp: bool
     greedy_only: bool = False
+    logprobs: int = -1
 
 
 @dataclasses.dataclass(frozen=True)
@@ -40,7 +42,9 @@ class RoundVariant:
     greedy_only: every row greedy (no sampling path traced); filtering: for rounds that sample,
     whether some row filters by top-k / top-p (``True``: the filter is traced, ``False``: none
     is; ``None``: tested at run time); snapshot: some row crosses a prefix-cache boundary, so
-    the snapshot replay is traced; rounds: rounds per call (multi-step scheduling).
+    the snapshot replay is traced; rounds: rounds per call (multi-step scheduling); logprobs:
+    -1, or the top alternatives whose log-probabilities every emitted token reports
+    (:class:`~mtp_jax.engine.programs.RoundOutput`; rounds without them compute none).
     Raises ``ValueError`` for an unknown proposer, ``rounds < 1`` or a multi-round snapshot
     call (the host saves snapshots in single rounds)."""
 
@@ -50,6 +54,7 @@ class RoundVariant:
     filtering: bool | None = None
     snapshot: bool = False
     rounds: int = 1
+    logprobs: int = -1
 
     def __post_init__(self):
         if self.proposer not in PROPOSERS:

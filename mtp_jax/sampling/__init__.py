@@ -9,10 +9,10 @@ imports the rest of the package.
 
 from mtp_jax.sampling.draw import (SALT_ACCEPT, SALT_DRAFT, SALT_RESIDUAL, SALT_SAMPLE,
                                    categorical, row_keys, sample)
-from mtp_jax.sampling.filtering import filtered_probs
-from mtp_jax.sampling.params import MAX_TEMPERATURE, SamplingParams, is_greedy
+from mtp_jax.sampling.filtering import filtered_logprobs, filtered_probs
+from mtp_jax.sampling.params import MAX_LOGPROBS, MAX_TEMPERATURE, SamplingParams, is_greedy
 from mtp_jax.sampling.tensors import SamplingTensors
 
-__all__ = ["MAX_TEMPERATURE", "SALT_ACCEPT", "SALT_DRAFT", "SALT_RESIDUAL", "SALT_SAMPLE",
-           "SamplingParams", "SamplingTensors", "categorical", "filtered_probs", "is_greedy",
-           "row_keys", "sample"]
+__all__ = ["MAX_LOGPROBS", "MAX_TEMPERATURE", "SALT_ACCEPT", "SALT_DRAFT", "SALT_RESIDUAL",
+           "SALT_SAMPLE", "SamplingParams", "SamplingTensors", "categorical", "filtered_logprobs",
+           "filtered_probs", "is_greedy", "row_keys", "sample"]

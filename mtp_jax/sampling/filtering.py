@@ -30,7 +30,7 @@ import jax.numpy as jnp
 from mtp_jax.sampling.keep_set import keep_mask
 from mtp_jax.sampling.params import is_greedy
 
-__all__ = ["filtered_probs"]
+__all__ = ["filtered_logprobs", "filtered_probs"]
 
 
 def _bcast_param(value, batch_shape: tuple[int, ...], name: str) -> jax.Array:
@@ -79,6 +79,41 @@ def filtered_probs(logits: jax.Array, temperature, top_k, top_p, *,
       ValueError: ``logits`` has no vocab axis, or a parameter's shape does not align with the
         leading dims of ``logits``.
     """
+    x, z, keep, greedy = _scaled_and_kept(logits, temperature, top_k, top_p, filtering)
+    # Unnormalised softmax weights; the max token gets exactly 1.
+    w = jnp.where(keep, jnp.exp(z), 0.0)
+    probs = w / jnp.sum(w, axis=-1, keepdims=True)
+    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
+    onehot = (iota == jnp.argmax(x, axis=-1)[..., None]).astype(jnp.float32)
+    return jnp.where(greedy[..., None], onehot, probs)
+
+
+def filtered_logprobs(logits: jax.Array, temperature, top_k, top_p, *,
+                      filtering: bool | None = None) -> jax.Array:
+    """Log-probabilities of the distribution a sampled row draws from: ``log`` of
+    :func:`filtered_probs` (``log_softmax(logits / temperature)`` over the top-k / top-p kept
+    set, renormalised; ``-inf`` outside it), computed in log space so that small
+    probabilities do not underflow.
+
+    Greedy rows (temperature 0), whose sampling distribution is the one-hot of the argmax,
+    get the model's own distribution instead: ``log_softmax(logits)`` (temperature 1, no
+    top-k / top-p), whose maximum is the greedy token.
+
+    Args and ``filtering``: as :func:`filtered_probs`.
+
+    Returns:
+      ``[..., V] float32``; ``-inf`` for the ids a sampled row's filter drops.
+    """
+    _, z, keep, _ = _scaled_and_kept(logits, temperature, top_k, top_p, filtering)
+    zk = jnp.where(keep, z, -jnp.inf)
+    lse = jnp.log(jnp.sum(jnp.exp(zk), axis=-1, keepdims=True))  # >= log 1: the max is kept
+    return zk - lse
+
+
+def _scaled_and_kept(logits, temperature, top_k, top_p, filtering):
+    """``(x, z, keep, greedy)`` of :func:`filtered_probs`: the float32 logits ``x [..., V]``,
+    ``z = (x - max) / t`` (``t`` = 1 for greedy rows), the kept set ``keep [..., V]`` bool
+    (every id for greedy and unfiltered rows) and ``greedy [...]`` bool."""
     logits = jnp.asarray(logits)
     if logits.ndim < 1 or logits.shape[-1] < 1:
         raise ValueError(
@@ -98,12 +133,6 @@ def filtered_probs(logits: jax.Array, temperature, top_k, top_p, *,
     row_filters = (~greedy) & ((k_eff < V) | ~p_off)
 
     m = jnp.max(x, axis=-1, keepdims=True)
-    # Unnormalised softmax weights; the max token gets exactly 1.
-    e = jnp.exp((x - m) / t[..., None])
-    iota = jax.lax.broadcasted_iota(jnp.int32, x.shape, x.ndim - 1)
-
+    z = (x - m) / t[..., None]
     keep = keep_mask(x, m, t, k_eff, top_p, p_off, row_filters, some_filtered=filtering)
-    w = jnp.where(keep, e, 0.0)
-    probs = w / jnp.sum(w, axis=-1, keepdims=True)
-    onehot = (iota == jnp.argmax(x, axis=-1)[..., None]).astype(jnp.float32)
-    return jnp.where(greedy[..., None], onehot, probs)
+    return x, z, keep, greedy

@@ -17,10 +17,11 @@ from typing import Sequence
 
 import numpy as np
 
-__all__ = ["MAX_TEMPERATURE", "SamplingParams", "is_greedy", "check_temperature", "check_top_k",
+__all__ = ["MAX_LOGPROBS", "MAX_TEMPERATURE", "SamplingParams", "is_greedy", "check_temperature", "check_top_k",
            "check_top_p", "check_seed"]
 
 MAX_TEMPERATURE = float(np.finfo(np.float32).max)  # larger temperatures overflow float32
+MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's top_logprobs bound)
 
 
 def is_greedy(temperature):
@@ -64,9 +65,8 @@ def check_seed(s) -> None:
 
 @dataclasses.dataclass
 class SamplingParams:
-    """Sampling and stopping settings of one request (vLLM's names for the fields it has; one
-    sample per request: vLLM's ``n``, ``best_of`` and penalties are not supported, so repeat a
-    prompt for several samples).
+    """Sampling and stopping settings of one request (vLLM's names for the fields it has;
+    vLLM's ``best_of`` and penalties are not supported).
 
     temperature: in [0, 3.4e38] (float32's range), 0 = greedy. top_k: -1 (or 0) = off, else
     >= 1 (a top_k at or above the vocabulary size keeps every id). top_p: in (0, 1].
@@ -74,6 +74,13 @@ class SamplingParams:
     index). stop: strings that end the output (excluded from the text); stop_token_ids: extra
     ids that end it (included; ids outside the checkpoint's vocabulary are refused by
     ``LLM.generate``); ignore_eos: do not stop at the checkpoint's EOS ids.
+    n: samples of the prompt (>= 1), each a request of its own with its own seed (``seed + i``
+    for sample i when ``seed`` is given) and output (``RequestOutput.sample_index``).
+    logprobs: None (none), or the number of top alternatives (0..:data:`MAX_LOGPROBS`) to
+    return with each output token's log-probability (``RequestOutput.logprobs``), from the
+    distribution the token is sampled from (:func:`mtp_jax.sampling.filtered_logprobs`:
+    after temperature, top-k and top-p; greedy requests get the model's own
+    ``log_softmax(logits)``).
     Raises ``ValueError`` at construction for out-of-range values.
     """
 
@@ -85,6 +92,8 @@ class SamplingParams:
     stop: Sequence[str] | str | None = None
     stop_token_ids: Sequence[int] | None = None
     ignore_eos: bool = False
+    n: int = 1
+    logprobs: int | None = None
 
     def __post_init__(self):
         self.validate()
@@ -110,6 +119,12 @@ class SamplingParams:
         if any(not _is_int(t) or t < 0 for t in ids):
             raise ValueError(f"stop_token_ids {self.stop_token_ids!r} must hold ints >= 0.")
         self.stop_token_ids = [int(t) for t in ids]
+        if not _is_int(self.n) or self.n < 1:
+            raise ValueError(f"n {self.n!r} must be an int >= 1 (samples of the prompt).")
+        if self.logprobs is not None and (not _is_int(self.logprobs)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise ValueError(f"logprobs {self.logprobs!r} must be None or an int in "
+                             f"[0, {MAX_LOGPROBS}] (top alternatives per token).")
 
     @property
     def greedy(self) -> bool:

@@ -13,6 +13,7 @@ from fastapi.responses import JSONResponse, StreamingResponse
 from mtp_jax.serve import responses as R
 from mtp_jax.serve.calls import Call
 from mtp_jax.serve.errors import APIError
+from mtp_jax.serve.logprobs import chat_logprobs, completion_logprobs
 from mtp_jax.serve.prepare import chat_prompt, check_model, completion_prompts, make_requests
 from mtp_jax.serve.protocol import ChatBody, CompletionBody, parse_body
 from mtp_jax.serve.text import TextStream
@@ -70,7 +71,16 @@ async def _serve(request: Request, state, body, reqs, chat: bool):
                 outs[ev.index] = ev.output
     rid = R.new_id("chatcmpl" if chat else "cmpl")
     make = R.chat_object if chat else R.completion_object
-    return JSONResponse(make(rid, model, outs))
+    return JSONResponse(make(rid, model, outs,
+                             logprobs=[_logprobs(o.logprobs, state, chat) for o in outs]))
+
+
+def _logprobs(lps, state, chat: bool, offset: int = 0) -> dict | None:
+    """A choice's (or a chunk's) ``logprobs`` object; None when not asked for."""
+    if lps is None:
+        return None
+    tok = state.llm.tokenizer
+    return chat_logprobs(lps, tok) if chat else completion_logprobs(lps, tok, offset)
 
 
 async def _stream(call: Call, state, body, model: str, chat: bool):
@@ -81,6 +91,7 @@ async def _stream(call: Call, state, body, model: str, chat: bool):
     texts = [TextStream(state.llm.tokenizer, r.params.stop) for r in
              (j.req for j in call.jobs)]
     outs = [None] * len(call.jobs)
+    offsets = [0] * len(call.jobs)  # completions' text_offset of each choice's next token
     async with call:
         if chat:
             for i in range(len(call.jobs)):
@@ -96,11 +107,14 @@ async def _stream(call: Call, state, body, model: str, chat: bool):
                     reason = R.finish_reason(ev.output)
                 if not (delta or ev.token_ids or reason):
                     continue
+                lps = _logprobs(ev.logprobs, state, chat, offsets[ev.index])
+                if lps is not None and not chat:
+                    offsets[ev.index] += sum(len(t) for t in lps["tokens"])
                 chunk = (R.chat_chunk(rid, model, created, ev.index,
                                       {"content": delta} if delta or not reason else {},
-                                      reason, ev.token_ids) if chat
+                                      reason, ev.token_ids, lps) if chat
                          else R.completion_chunk(rid, model, created, ev.index, delta,
-                                                 ev.token_ids, reason))
+                                                 ev.token_ids, reason, lps))
                 if reason:
                     chunk["speculative"] = R.speculative([ev.output])
                 yield R.sse(chunk)

@@ -1,6 +1,6 @@
 """From a validated body to engine requests: the prompts (text, token ids, or the chat
 template over messages), ``max_tokens`` resolved, each turned into a :class:`Request` by
-``LLM.new_request``; a 400 naming the field for anything the engine refuses."""
+``LLM.new_requests`` (``n`` per prompt, prompt-major: OpenAI's choice order); a 400 naming the field for anything the engine refuses."""
 
 from __future__ import annotations
 
@@ -55,7 +55,7 @@ def chat_prompt(body: ChatBody, tokenizer) -> str:
 
 
 def make_requests(llm, body, prompts: list, chat: bool) -> list[Request]:
-    """One engine request per prompt; ``max_tokens`` defaults to 16 for completions and to
+    """``n`` engine requests (samples) per prompt, prompt-major; ``max_tokens`` defaults to 16 for completions and to
     the rest of the context for chat (as OpenAI's API)."""
     out = []
     vocab, max_len = llm.model.cfg.vocab_size, llm.engine.max_model_len
@@ -73,7 +73,7 @@ def make_requests(llm, body, prompts: list, chat: bool) -> list[Request]:
             max_tokens = max_len - len(ids) if chat else COMPLETION_MAX_TOKENS
         params = sampling_params(body, max_tokens)
         try:
-            out.append(llm.new_request(ids, params))
+            out += llm.new_requests(ids, params)
         except ValueError as e:
             raise APIError(400, str(e), param=str(e).split(" ", 1)[0]) from None
     return out

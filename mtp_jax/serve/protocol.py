@@ -10,14 +10,13 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
-from mtp_jax.sampling import SamplingParams
+from mtp_jax.sampling import MAX_LOGPROBS, SamplingParams
 from mtp_jax.serve.errors import APIError
 
 __all__ = ["CompletionBody", "ChatBody", "parse_body", "sampling_params"]
 
 # OpenAI (and vLLM) fields that need what this server does not have; taken only with the value
 # that asks for nothing (None, or the listed ones).
-NOT_YET = {"logprobs": (False, 0), "top_logprobs": (0,), "n": (1,)}
 UNSUPPORTED = {
     "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
     "logit_bias": ({},), "best_of": (1,), "echo": (False,), "suffix": (),
@@ -47,10 +46,6 @@ def _neutral(value, neutrals) -> bool:
 def check_unsupported(body: dict) -> None:
     """Raise a 400 :class:`APIError` naming the first field this server cannot honour."""
     for name, value in body.items():
-        if name in NOT_YET and not _neutral(value, NOT_YET[name]):
-            raise APIError(400, f"'{name}' is not supported yet by this server (got "
-                                f"{value!r}); leave it out.", param=name,
-                           code="unsupported_field")
         if name in UNSUPPORTED and not _neutral(value, UNSUPPORTED[name]):
             raise APIError(400, f"'{name}' is not supported by this server (got {value!r}); "
                                 "leave it out.", param=name, code="unsupported_field")
@@ -80,6 +75,7 @@ class _Sampling(BaseModel):
     stream: bool = False
     stream_options: StreamOptions | None = None
     user: str | None = None
+    n: int = 1
 
 
 class CompletionBody(_Sampling):
@@ -87,6 +83,7 @@ class CompletionBody(_Sampling):
     per prompt)."""
 
     prompt: Union[str, list[int], list[str], list[list[int]]]
+    logprobs: int | None = None  # top alternatives per token (0: the chosen token's only)
 
 
 class TextPart(BaseModel):
@@ -108,6 +105,8 @@ class ChatBody(_Sampling):
 
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    logprobs: bool = False
+    top_logprobs: int | None = None
 
 
 def parse_body(body: Any, model_cls: type[BaseModel]) -> BaseModel:
@@ -117,7 +116,7 @@ def parse_body(body: Any, model_cls: type[BaseModel]) -> BaseModel:
         raise APIError(400, f"the request body must be a JSON object, not "
                             f"{type(body).__name__}.")
     check_unsupported(body)
-    taken = {k: v for k, v in body.items() if k not in NOT_YET and k not in UNSUPPORTED}
+    taken = {k: v for k, v in body.items() if k not in UNSUPPORTED}
     try:
         return model_cls.model_validate(taken)
     except ValidationError as e:
@@ -131,14 +130,31 @@ def parse_body(body: Any, model_cls: type[BaseModel]) -> BaseModel:
                        param=param) from None
 
 
+def logprobs_asked(body: _Sampling) -> int | None:
+    """``SamplingParams.logprobs`` of a body: completions' ``logprobs`` (an int: top
+    alternatives), chat's ``top_logprobs`` when ``logprobs`` is true (0 when not given);
+    None when not asked. A 400 for chat's ``top_logprobs`` without ``logprobs: true`` or out
+    of range (OpenAI's rules)."""
+    if not isinstance(body, ChatBody):
+        return body.logprobs
+    if body.top_logprobs is not None and not body.logprobs:
+        raise APIError(400, f"top_logprobs {body.top_logprobs} needs \"logprobs\": true.",
+                       param="top_logprobs")
+    if body.top_logprobs is not None and not 0 <= body.top_logprobs <= MAX_LOGPROBS:
+        raise APIError(400, f"top_logprobs {body.top_logprobs} must be an int in "
+                            f"[0, {MAX_LOGPROBS}].", param="top_logprobs")
+    return (body.top_logprobs or 0) if body.logprobs else None
+
+
 def sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
     """The :class:`SamplingParams` of a request with ``max_tokens`` resolved; a 400 naming
     the bad value (the engine's own message)."""
+    logprobs = logprobs_asked(body)
     try:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p,
                               top_k=body.top_k, max_tokens=max_tokens, seed=body.seed,
                               stop=body.stop, stop_token_ids=body.stop_token_ids,
-                              ignore_eos=body.ignore_eos)
+                              ignore_eos=body.ignore_eos, n=body.n, logprobs=logprobs)
     except ValueError as e:
         param = str(e).split(" ", 1)[0]
         raise APIError(400, str(e), param=param if param in type(body).model_fields

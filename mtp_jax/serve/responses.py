@@ -28,8 +28,9 @@ def finish_reason(out: RequestOutput) -> str | None:
 
 
 def usage(outs: list[RequestOutput]) -> dict:
-    """``usage`` of a call's outputs (prompt tokens counted once per prompt)."""
-    prompt = sum(len(o.prompt_token_ids) for o in outs)
+    """``usage`` of a call's outputs (prompt tokens counted once per prompt: for its sample
+    0)."""
+    prompt = sum(len(o.prompt_token_ids) for o in outs if o.sample_index == 0)
     completion = sum(len(o.token_ids) for o in outs)
     return {"prompt_tokens": prompt, "completion_tokens": completion,
             "total_tokens": prompt + completion,
@@ -54,36 +55,43 @@ def _head(rid: str, obj: str, model: str, created: int | None) -> dict:
 
 
 def completion_object(rid: str, model: str, outs: list[RequestOutput],
-                      created: int | None = None) -> dict:
-    """A ``text_completion`` with one choice per output (``token_ids`` added to each)."""
-    choices = [{"index": i, "text": o.text, "logprobs": None, "finish_reason": finish_reason(o),
-                "token_ids": o.token_ids} for i, o in enumerate(outs)]
+                      created: int | None = None, logprobs: list | None = None) -> dict:
+    """A ``text_completion`` with one choice per output (``token_ids`` added to each);
+    ``logprobs``: each choice's ``logprobs`` object (or None)."""
+    logprobs = logprobs or [None] * len(outs)
+    choices = [{"index": i, "text": o.text, "logprobs": lp, "finish_reason": finish_reason(o),
+                "token_ids": o.token_ids} for i, (o, lp) in enumerate(zip(outs, logprobs))]
     return {**_head(rid, "text_completion", model, created), "choices": choices,
             "usage": usage(outs), "speculative": speculative(outs)}
 
 
 def chat_object(rid: str, model: str, outs: list[RequestOutput],
-                created: int | None = None) -> dict:
-    """A ``chat.completion`` with one assistant message per output."""
+                created: int | None = None, logprobs: list | None = None) -> dict:
+    """A ``chat.completion`` with one assistant message per output; ``logprobs`` as
+    :func:`completion_object`'s."""
+    logprobs = logprobs or [None] * len(outs)
     choices = [{"index": i, "message": {"role": "assistant", "content": o.text},
-                "logprobs": None, "finish_reason": finish_reason(o), "token_ids": o.token_ids}
-               for i, o in enumerate(outs)]
+                "logprobs": lp, "finish_reason": finish_reason(o), "token_ids": o.token_ids}
+               for i, (o, lp) in enumerate(zip(outs, logprobs))]
     return {**_head(rid, "chat.completion", model, created), "choices": choices,
             "usage": usage(outs), "speculative": speculative(outs)}
 
 
 def completion_chunk(rid: str, model: str, created: int, index: int, text: str,
-                     token_ids: list[int], reason: str | None = None) -> dict:
-    """One streamed ``text_completion`` chunk of choice ``index``."""
+                     token_ids: list[int], reason: str | None = None,
+                     logprobs: dict | None = None) -> dict:
+    """One streamed ``text_completion`` chunk of choice ``index`` (``logprobs``: of its
+    tokens)."""
     return {**_head(rid, "text_completion", model, created),
-            "choices": [{"index": index, "text": text, "logprobs": None,
+            "choices": [{"index": index, "text": text, "logprobs": logprobs,
                          "finish_reason": reason, "token_ids": token_ids}]}
 
 
 def chat_chunk(rid: str, model: str, created: int, index: int, delta: dict,
-               reason: str | None = None, token_ids: list[int] | None = None) -> dict:
-    """One ``chat.completion.chunk`` of choice ``index``."""
-    choice = {"index": index, "delta": delta, "logprobs": None, "finish_reason": reason}
+               reason: str | None = None, token_ids: list[int] | None = None,
+               logprobs: dict | None = None) -> dict:
+    """One ``chat.completion.chunk`` of choice ``index`` (``logprobs``: of its tokens)."""
+    choice = {"index": index, "delta": delta, "logprobs": logprobs, "finish_reason": reason}
     if token_ids is not None:
         choice["token_ids"] = token_ids
     return {**_head(rid, "chat.completion.chunk", model, created), "choices": [choice]}

@@ -7,7 +7,8 @@ Events (:class:`Event`): ``accepted`` once the engine took the request, ``tokens
 step that gave it tokens (the last one ``finished``, with the output), ``error`` when it was
 refused (status 400) or lost to an engine failure (status 500). An engine failure aborts the
 requests the engine held (``Engine.step`` leaves it empty and usable); the thread goes on
-serving. A cache operation that needs an idle engine (a resize) holds new requests back until
+serving. Samples 1..n-1 of a prompt (``n > 1``) join the engine once sample 0's prompt is
+prefilled, to share its prefix-cache pages (:mod:`mtp_jax.engine.samples`). A cache operation that needs an idle engine (a resize) holds new requests back until
 the running ones finish, runs, then lets them in."""
 
 from __future__ import annotations
@@ -21,7 +22,8 @@ import time
 from typing import Callable
 
 from mtp_jax.cache_admin import cache_status
-from mtp_jax.engine.requests import Request, RequestOutput
+from mtp_jax.engine.requests import Request, RequestOutput, TokenLogprob
+from mtp_jax.engine.samples import waits_for_first
 from mtp_jax.prompts import request_output
 
 __all__ = ["Event", "Job", "EngineWorker"]
@@ -31,7 +33,8 @@ log = logging.getLogger("mtp_jax.serve")
 
 @dataclasses.dataclass
 class Event:
-    """What a job's caller receives: ``kind`` ``accepted`` | ``tokens`` | ``error``."""
+    """What a job's caller receives: ``kind`` ``accepted`` | ``tokens`` | ``error``
+    (``logprobs``: the new tokens' log-probabilities when the request asked for them)."""
 
     kind: str
     index: int
@@ -40,6 +43,7 @@ class Event:
     output: RequestOutput | None = None
     status: int = 0
     message: str = ""
+    logprobs: list[TokenLogprob] | None = None
 
 
 @dataclasses.dataclass(eq=False)
@@ -63,6 +67,7 @@ class EngineWorker:
         self._inbox: queue.Queue = queue.Queue()
         self._jobs: dict[Request, Job] = {}  # in the engine
         self._held: list[Job] = []  # waiting for an idle-engine operation to run
+        self._samples: list[Job] = []  # accepted samples waiting for sample 0's prompt
         self._idle_ops: list[tuple[Callable, concurrent.futures.Future]] = []
         self._thread = threading.Thread(target=self._run, name="mtp_jax-engine", daemon=True)
         self.failures = 0  # engine steps that raised
@@ -101,14 +106,16 @@ class EngineWorker:
     # ---- the engine thread -------------------------------------------------------------------
     def _run(self) -> None:
         while True:
-            busy = self.engine.has_work() or (self._idle_ops and not self.engine.has_work())
+            busy = (self.engine.has_work() or (self._idle_ops and not self.engine.has_work())
+                    or any(not waits_for_first(j.req, self.engine.prefix)
+                           for j in self._samples))
             try:
                 cmd = self._inbox.get_nowait() if busy else self._inbox.get()
             except queue.Empty:
                 cmd = None
             while cmd is not None:
                 if cmd[0] == "stop":
-                    self._abort(list(self._jobs.values()) + self._held)
+                    self._abort(list(self._jobs.values()) + self._held + self._samples)
                     return
                 self._handle(cmd)
                 try:
@@ -117,6 +124,7 @@ class EngineWorker:
                     cmd = None
             if self._idle_ops and not self.engine.has_work():
                 self._run_idle_ops()
+            self._admit_samples()
             if self.engine.has_work():
                 self._step()
             self._refresh_gauges()
@@ -138,17 +146,34 @@ class EngineWorker:
                 _settle(fut, fn)
 
     def _add(self, job: Job) -> None:
+        if waits_for_first(job.req, self.engine.prefix):
+            self._samples.append(job)
+            job.post(Event("accepted", job.index))
+            return
+        self._enter(job)
+        if job.req in self._jobs:
+            job.post(Event("accepted", job.index))
+
+    def _admit_samples(self) -> None:
+        """Samples whose sample 0 has its prompt prefilled (or ended) join the engine."""
+        ready = [j for j in self._samples if not waits_for_first(j.req, self.engine.prefix)]
+        self._samples = [j for j in self._samples if j not in ready]
+        for job in ready:
+            self._enter(job)
+
+    def _enter(self, job: Job) -> None:
+        """``job``'s request into the engine (an ``error`` event when it is refused)."""
         try:
             self.engine.add_request(job.req)
         except (MemoryError, ValueError) as e:
             job.post(Event("error", job.index, status=400, message=str(e)))
             return
         self._jobs[job.req] = job
-        job.post(Event("accepted", job.index))
 
     def _abort(self, jobs: list[Job]) -> None:
         gone = set(jobs)
         self._held = [j for j in self._held if j not in gone]
+        self._samples = [j for j in self._samples if j not in gone]
         inside = [j for j in jobs if self._jobs.get(j.req) is j]
         self.engine.abort([j.req for j in inside])
         for j in inside:
@@ -192,7 +217,10 @@ class EngineWorker:
                                    now - job.arrived if job.last is None and toks else None)
         if toks:
             job.last = now
-        job.post(Event("tokens", job.index, token_ids=list(toks), **extra))
+        req, lps = job.req, None
+        if req.params.logprobs is not None:
+            lps = req.logprobs[len(req.output_ids) - len(toks):len(req.output_ids)]
+        job.post(Event("tokens", job.index, token_ids=list(toks), logprobs=lps, **extra))
 
     def _finish(self, job: Job, toks: list[int]) -> None:
         del self._jobs[job.req]

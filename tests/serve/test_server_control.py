@@ -46,7 +46,7 @@ def test_api_key(live):
 
 @pytest.mark.parametrize("field,value", [("tools", [{"type": "function"}]),
                                          ("presence_penalty", 0.5), ("logit_bias", {"5": 1}),
-                                         ("logprobs", 2), ("n", 2), ("best_of", 3)])
+                                         ("best_of", 3)])
 def test_unsupported_fields_are_named(live, field, value):
     err = check_error(live.client.post("/v1/completions", json={**GREEDY, field: value}), 400,
                       field)
@@ -60,6 +60,11 @@ def test_bad_requests_are_4xx_and_good_ones_still_served(live):
     check_error(post({**GREEDY, "temperature": "hot"}), 400, "temperature")
     check_error(post({**GREEDY, "max_tokens": 2.5}), 400, "max_tokens")
     check_error(post({**GREEDY, "top_p": 0}), 400, "top_p")
+    check_error(post({**GREEDY, "n": 0}), 400, "n")
+    check_error(post({**GREEDY, "logprobs": 21}), 400, "logprobs")
+    check_error(live.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "top_logprobs": 2}), 400,
+        "top_logprobs")
     check_error(post({**GREEDY, "frobnicate": 1}), 400, "frobnicate")
     check_error(post({**GREEDY, "model": "gpt-4"}), 404, "model")
     long = check_error(post({**GREEDY, "prompt": [3] * 200}), 400, "prompt")
