@@ -46,16 +46,13 @@ from mtp_jax.speculative.mtp import mtp_drafts, row_at, store_next_tokens
 @jax.tree_util.register_dataclass
 @dataclasses.dataclass
 class RoundOutput:
-    """A call's result as one ``readback [R, B, 2k+4]`` int32 array (``R`` rounds of the call,
+    """A call's result as one ``readback [R, B, k+3]`` int32 array (``R`` rounds of the call,
     in order), so that the host reads it with one device-to-host copy
     (``RoundOutput(np.asarray(out.readback))`` is its host copy). Per round and row:
     ``emitted [.., k+1]`` (``d_1..d_n, bonus, -1...``) | ``num_accepted`` | ``num_draft``
     (drafts the row verified, k clamped by
-    :func:`~mtp_jax.speculative.clamp.clamp_drafts`) | ``next_tokens [.., k+1]`` (the slot's
-    pending token and drafts for its next round, as the round left them: what a family whose
-    inputs are looked up on the host needs before it can dispatch that round).
-    :func:`one_round` returns one round without the leading axis (``[B, 2k+4]``); the
-    properties index the last axis.
+    :func:`~mtp_jax.speculative.clamp.clamp_drafts`). :func:`one_round` returns one round
+    without the leading axis (``[B, k+3]``); the properties index the last axis.
 
     A logprobs variant (``top >= 0``, static: the call's ``RoundVariant.logprobs``) appends
     ``(k+1) * (1 + 2 top)`` columns (:func:`~mtp_jax.sampling.logprobs.logprob_columns` of the
@@ -68,7 +65,7 @@ class RoundOutput:
 
     @property
     def _k1(self) -> int:
-        return (self.readback.shape[-1] - 2) // (2 + columns_per_token(self.top))
+        return (self.readback.shape[-1] - 2) // (1 + columns_per_token(self.top))
 
     @property
     def emitted(self):
@@ -83,12 +80,8 @@ class RoundOutput:
         return self.readback[..., self._k1 + 1]
 
     @property
-    def next_tokens(self):
-        return self.readback[..., self._k1 + 2:2 * self._k1 + 2]
-
-    @property
     def logprob_columns(self):
-        return self.readback[..., 2 * self._k1 + 2:]
+        return self.readback[..., self._k1 + 2:]
 
 
 def _save_round_snapshots(model, pools: Pools, rows, batch: RoundBatch) -> Pools:
@@ -221,7 +214,7 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
     advance = jnp.where(batch.live, n + 1, 0)
     pools = dataclasses.replace(pools, position=pools.position.at[batch.slot].add(advance),
                                 step=pools.step.at[batch.slot].add(advance))
-    cols = [emitted, n[:, None], num_draft[:, None], pools.next_tokens[batch.slot]]
+    cols = [emitted, n[:, None], num_draft[:, None]]
     if variant.logprobs >= 0:  # emitted[:, j] was drawn from the target's row j
         cols.append(logprob_columns(logits, emitted, batch.sampling, variant.logprobs,
                                     filtering=False if greedy_only else filtering))

@@ -112,9 +112,6 @@ class Request:
     num_rounds: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
-    # [pending, d_1..d_k] of the next round as the device left them (families whose inputs are
-    # looked up on the host read them before dispatching it)
-    next_tokens: list[int] = dataclasses.field(default_factory=list)
     sample_index: int = 0  # which of the prompt's SamplingParams.n samples
     first: "Request | None" = None  # sample 0 of the prompt, for samples 1..n-1 (else None)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # per output token

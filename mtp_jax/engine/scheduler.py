@@ -207,8 +207,7 @@ class Scheduler:
                 self.device.save_snapshot(req.slot, sid)
         if req.prefilled == n_prompt:
             req.position = n_prompt
-            req.next_tokens = np.asarray(out)[0, :s.k + 1].tolist()  # first token, drafts
-            self.stops(req, req.next_tokens[:1])
+            self.stops(req, [int(np.asarray(out)[0, 0])])  # the first token
             record_first(req, np.asarray(out)[0], s.k, variant.logprobs)
         self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.prefill_calls += 1
