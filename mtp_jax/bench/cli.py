@@ -187,8 +187,8 @@ def check_benchable(path: str, cfg) -> None:
     if entry.serving != "rounds" or not entry.dummy_weight:
         raise ConfigError(f"{path}: model_type {cfg.model_type!r} cannot be benchmarked yet: the "
                           "engine bench draws random weights and runs the batched engine, and "
-                          f"{cfg.model_type} has neither for now (its registry entry); bench a "
-                          "config of a family the batched engine serves (qwen3_5, qwen3_5_moe).")
+                          f"{cfg.model_type} has not both (its registry entry); bench a config of a "
+                          "family whose entry has both.")
 
 
 def main(argv=None, description: str | None = None) -> int:
