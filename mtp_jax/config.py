@@ -13,16 +13,15 @@ import json
 import os
 from typing import Any
 
+from mtp_jax.errors import ConfigError
+from mtp_jax.rope import DEFAULT_ROPE, RopeScaling, parse_rope_scaling, rope_section
+
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
 _TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe"}
 SPECULATIVE_ALGORITHMS = ("none", "mtp", "external")
 MAX_SPECULATIVE_NUM_STEPS = 8
 DRAFT_HEAD_DTYPES = ("int8",)  # speculative_draft_head_dtype besides None (the model dtype)
 DRAFT_LAYER_DTYPES = ("int8",)  # speculative_draft_layer_dtype besides None (the model dtype)
-
-
-class ConfigError(ValueError):
-    """A configuration that cannot work; the message names the value and the fix."""
 
 
 class LayerShapes:
@@ -89,6 +88,8 @@ class ModelConfig(LayerShapes):
     max_position_embeddings: int
     eos_token_ids: tuple[int, ...]
     composite: bool  # tensors under model.language_model.* (True) or model.* (False)
+    # rope_parameters / rope_scaling: default, linear or yarn (mtp_jax.rope); target and draft
+    rope_scaling: RopeScaling = DEFAULT_ROPE
     # Not from config.json: which implementation runs the hot ops (mtp_jax.kernels); set by
     # load_model from its *_backend arguments.
     kernels: Any = None
@@ -116,7 +117,7 @@ class ModelConfig(LayerShapes):
                 f"model_type {model_type!r} is not supported; mtp_jax reads "
                 f"{', '.join(SUPPORTED_MODEL_TYPES)} (and their *_text variants). "
                 "Check that --model points at a Qwen3.5-family checkpoint.")
-        rope = cfg.get("rope_parameters") or {}
+        rope = rope_section(cfg, raw)[0]  # refuses unsupported RoPE types and keys
 
         def get(key, default=_MISSING):
             for src in (cfg, rope, raw):
@@ -197,6 +198,8 @@ class ModelConfig(LayerShapes):
             max_position_embeddings=num("max_position_embeddings", int, 262144),
             eos_token_ids=tuple(int(e) for e in eos_ids),
             composite=composite,
+            rope_scaling=parse_rope_scaling(cfg, raw, num("max_position_embeddings", int,
+                                                          262144)),
         )
         mc.validate()
         return mc

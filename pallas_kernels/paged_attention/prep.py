@@ -17,7 +17,8 @@ writes; ``docs/benchmarks.md``, session 13). The arithmetic is that of the XLA p
 replaces, row for row: ``RMSNorm`` of HF ``Qwen3_5RMSNorm`` (float32 statistics, ``x / rms(x) *
 (1 + w)``, rounded to the model dtype), then NeoX rotate-half RoPE on the first ``rotary_dim``
 channels in float32, rounded again (:func:`mtp_jax.models.layers.rotary.apply_rotary`; ``cos``
-and ``sin`` come in precomputed). Sums of squares may be taken in another order than XLA's
+and ``sin`` come in precomputed, from the caller's inverse frequencies and attention factor when
+the model's RoPE is scaled). Sums of squares may be taken in another order than XLA's
 (last-bit differences).
 
 The merged projection's columns are ``[q_0 | gate_0 | q_1 | gate_1 | ... | k heads | v heads]``
@@ -113,19 +114,27 @@ def _kernel(pos_ref, valid_ref, table_ref, qkv_ref, qw_ref, kw_ref, cos_ref, sin
             write_q(ti, j)
 
 
-def rope_tables(positions: jax.Array, rotary_dim: int, theta: float):
+def rope_tables(positions: jax.Array, rotary_dim: int, theta: float,
+                inv_freq: jax.Array | None = None, attention_factor: float = 1.0):
     """``cos, sin [B, T, rotary_dim // 2]`` float32 at ``positions [B, T]``, computed as
-    :func:`mtp_jax.models.layers.rotary.apply_rotary` computes them."""
-    inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=F32) / rotary_dim))
-    angles = positions.astype(F32)[..., None] * inv_freq
-    return jnp.cos(angles), jnp.sin(angles)
+    :func:`mtp_jax.models.layers.rotary.rope_cos_sin` computes them: from ``inv_freq
+    [rotary_dim // 2]`` (float32 radians per position) when given, else plain RoPE's
+    ``theta^(-2i / rotary_dim)``; both multiplied by ``attention_factor`` (YaRN's) unless 1."""
+    if inv_freq is None:
+        inv_freq = 1.0 / (theta ** (jnp.arange(0, rotary_dim, 2, dtype=F32) / rotary_dim))
+    angles = positions.astype(F32)[..., None] * inv_freq.astype(F32)
+    cos, sin = jnp.cos(angles), jnp.sin(angles)
+    if attention_factor != 1.0:
+        cos, sin = cos * attention_factor, sin * attention_factor
+    return cos, sin
 
 
 def qk_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: jax.Array,
                        positions: jax.Array, valid: jax.Array, page_table: jax.Array,
                        k_pages: jax.Array, v_pages: jax.Array, *, num_heads: int,
                        rotary_dim: int, rope_theta: float, eps: float, rows: int,
-                       split_heads: bool = True, interpret: bool | None = None):
+                       split_heads: bool = True, interpret: bool | None = None,
+                       inv_freq: jax.Array | None = None, attention_factor: float = 1.0):
     """q/k norms, RoPE and the K/V pool writes of a gated-attention layer in one kernel.
 
     Args:
@@ -137,6 +146,8 @@ def qk_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: 
       k_pages, v_pages: ``[num_pages, page_size, Hkv, D]`` the layer's pools (updated in place
         when the caller donates them).
       num_heads: ``Hq``; rotary_dim, rope_theta: RoPE on the first ``rotary_dim`` channels;
+      inv_freq, attention_factor: a scaled RoPE's ``[rotary_dim // 2]`` float32 inverse
+        frequencies (replacing ``rope_theta``'s) and its cos/sin factor (:func:`rope_tables`);
       eps: the epsilon of both norms (the caller checks that q's and k's are equal).
       rows: query rows per kv head in the output, ``>= T * Hq / Hkv`` (the attention kernel's
         :func:`pallas_kernels.paged_attention.pallas.padded_query_rows`).
@@ -170,7 +181,10 @@ def qk_norm_rope_write(qkv: jax.Array, q_norm_weight: jax.Array, k_norm_weight: 
     if rows < t * group:
         raise ValueError(f"qk_norm_rope_write: rows {rows} < T x group = {t} x {group}; pass "
                          f"padded_query_rows(T, group) = {padded_query_rows(t, group)}.")
-    cos, sin = rope_tables(positions, rotary_dim, rope_theta)
+    if inv_freq is not None and inv_freq.shape != (rotary_dim // 2,):
+        raise ValueError(f"qk_norm_rope_write: inv_freq {inv_freq.shape} must be "
+                         f"[rotary_dim // 2] = [{rotary_dim // 2}].")
+    cos, sin = rope_tables(positions, rotary_dim, rope_theta, inv_freq, attention_factor)
     kernel = functools.partial(_kernel, t=t, group=group, rows=rows, rotary_dim=rotary_dim,
                                eps=float(eps), page_size=page_size, k_col=2 * num_heads * d,
                                v_col=2 * num_heads * d + hkv * d, split_heads=split_heads)

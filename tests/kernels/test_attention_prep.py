@@ -17,7 +17,8 @@ import numpy as np
 import pytest
 
 from mtp_jax.cache.paged import AttentionBatch, write_kv
-from mtp_jax.models.layers.rotary import apply_rotary
+from mtp_jax.models.layers.rotary import apply_rotary, rope_inv_freq
+from mtp_jax.rope import DEFAULT_ROPE, RopeScaling
 from pallas_kernels.norm.add_rms import rms_norm_reference
 from pallas_kernels.paged_attention.pallas import padded_query_rows
 from pallas_kernels.paged_attention.prep import qk_norm_rope_write
@@ -53,15 +54,15 @@ def make_case(seed, *, b, t, hq, hkv, d, page_size=8, max_pages=6, dtype=jnp.flo
 
 
 def xla_path(qkv, qw, kw, positions, valid, table, k_pages, v_pages, *, hq, rot, theta, eps,
-             rows):
+             rows, scaling=DEFAULT_ROPE):
     """What ``GatedAttention.project`` + ``write_kv`` + the kernel's query layout compute."""
     b, t, _ = qkv.shape
     hkv, d = k_pages.shape[2], k_pages.shape[3]
     q = qkv[..., :2 * hq * d].reshape(b, t, hq, 2 * d)[..., :d]
     k = qkv[..., 2 * hq * d:2 * hq * d + hkv * d].reshape(b, t, hkv, d)
     v = qkv[..., 2 * hq * d + hkv * d:].reshape(b, t, hkv, d)
-    q = apply_rotary(rms_norm_reference(q, qw, eps), positions, rot, theta)
-    k = apply_rotary(rms_norm_reference(k, kw, eps), positions, rot, theta)
+    q = apply_rotary(rms_norm_reference(q, qw, eps), positions, rot, theta, scaling)
+    k = apply_rotary(rms_norm_reference(k, kw, eps), positions, rot, theta, scaling)
     batch = AttentionBatch(positions, valid, table)
     group = hq // hkv
     qr = q.reshape(b, t, hkv, group, d).transpose(0, 2, 1, 3, 4).reshape(b, hkv, t * group, d)
@@ -69,14 +70,18 @@ def xla_path(qkv, qw, kw, positions, valid, table, k_pages, v_pages, *, hq, rot,
     return qr, write_kv(k_pages, k, batch), write_kv(v_pages, v, batch)
 
 
-def run_both(case, *, hq, rot, theta=1e7, eps=1e-6, split_heads=False):
+def run_both(case, *, hq, rot, theta=1e7, eps=1e-6, split_heads=False, scaling=None):
+    """The kernel and the XLA path on ``case``; ``scaling`` (a RoPE scaling) goes to the
+    kernel as its inverse frequencies and attention factor, as ``GatedAttention`` passes it."""
     t, hkv = case[0].shape[1], case[6].shape[2]
     rows = padded_query_rows(t, hq // hkv)
-    kw = dict(hq=hq, rot=rot, theta=theta, eps=eps, rows=rows)
+    kw = dict(hq=hq, rot=rot, theta=theta, eps=eps, rows=rows, scaling=scaling or DEFAULT_ROPE)
+    rope = {} if scaling is None else dict(inv_freq=rope_inv_freq(rot, theta, scaling),
+                                           attention_factor=scaling.attention_factor)
     want = jax.jit(lambda *a: xla_path(*a, **kw))(*case)
     got = jax.jit(lambda *a: qk_norm_rope_write(
         *a, num_heads=hq, rotary_dim=rot, rope_theta=theta, eps=eps, rows=rows,
-        split_heads=split_heads, interpret=jax.default_backend() != "gpu"))(*case)
+        split_heads=split_heads, interpret=jax.default_backend() != "gpu", **rope))(*case)
     return got, want
 
 
@@ -115,6 +120,18 @@ def test_matches_xla_path_float32(t, hq, hkv, d, rot, split):
     np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-6, rtol=2e-6)
     assert np.all(np.asarray(got[0])[:, :, t * hq // hkv:] == 0)  # padded query rows
     assert_pools_match(got, want, case, 2e-6)
+
+
+def test_matches_xla_path_yarn():
+    """A YaRN-scaled RoPE (blended frequencies, cos / sin times 1.14) as the XLA path has it."""
+    yarn = RopeScaling("yarn", factor=4.0, original_max_position_embeddings=16, beta_fast=2.0,
+                       beta_slow=0.125, attention_factor=1.1386294361)
+    case = make_case(11, b=2, t=4, hq=4, hkv=2, d=32, max_pages=8)
+    got, want = run_both(case, hq=4, rot=8, theta=100.0, split_heads=True, scaling=yarn)
+    np.testing.assert_allclose(np.asarray(got[0]), np.asarray(want[0]), atol=2e-6, rtol=2e-6)
+    assert_pools_match(got, want, case, 2e-6)
+    plain, _ = run_both(case, hq=4, rot=8, theta=100.0, split_heads=True)
+    assert np.abs(np.asarray(plain[0]) - np.asarray(got[0])).max() > 0.1  # the scaling shows
 
 
 def test_matches_xla_path_bfloat16():

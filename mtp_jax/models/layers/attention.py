@@ -4,8 +4,9 @@
     q = rope(q_norm(q)); k = rope(k_norm(k_proj x)); v = v_proj x
     out = o_proj(attention(q, k, v) * sigmoid(gate))
 
-Partial NeoX rotary on the first ``head_dim * partial_rotary_factor`` dims; GQA.
-Source: HF transformers ``qwen3_5`` (``Qwen3_5Attention``).
+Partial NeoX rotary on the first ``head_dim * partial_rotary_factor`` dims, with the config's
+RoPE scaling (``cfg.rope_scaling``: default, linear or YaRN; :mod:`mtp_jax.models.layers.rotary`)
+on both paths; GQA. Source: HF transformers ``qwen3_5`` (``Qwen3_5Attention``).
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from mtp_jax.cache.paged import AttentionBatch, write_kv
 from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import Linear, RMSNorm, as_data, merge_linears, project
-from mtp_jax.models.layers.rotary import apply_rotary
+from mtp_jax.models.layers.rotary import apply_rotary, rope_inv_freq
 from pallas_kernels.common import interpret_mode
 from pallas_kernels.paged_attention import paged_attention
 from pallas_kernels.paged_attention.api import uses_kernel
@@ -33,6 +34,7 @@ class GatedAttention(nnx.Module):
         self.num_heads, self.num_kv_heads, self.head_dim = (cfg.num_attention_heads,
                                                             cfg.num_key_value_heads, d)
         self.rotary_dim, self.rope_theta = cfg.rotary_dim, cfg.rope_theta
+        self.rope_scaling = cfg.rope_scaling  # static (frozen): one RoPE for every path
         self.backend = kernels_of(cfg).attention
         self.q_proj = Linear(h, 2 * self.num_heads * d, dtype)
         self.k_proj = Linear(h, self.num_kv_heads * d, dtype)
@@ -86,6 +88,8 @@ class GatedAttention(nnx.Module):
             y, self.q_norm.weight[...], self.k_norm.weight[...], batch.positions, batch.valid,
             batch.page_table, kv[0], kv[1], num_heads=hq, rotary_dim=self.rotary_dim,
             rope_theta=self.rope_theta, eps=self.q_norm.eps,
+            inv_freq=rope_inv_freq(self.rotary_dim, self.rope_theta, self.rope_scaling),
+            attention_factor=self.rope_scaling.attention_factor,
             rows=padded_query_rows(t, hq // self.num_kv_heads), interpret=interpret)
         o, m, l = paged_attention_partials(q_rows, k_pages, v_pages, batch.page_table,
                                            batch.positions, num_q_heads=hq, scale=d ** -0.5,
@@ -101,9 +105,10 @@ class GatedAttention(nnx.Module):
         qg, k, v = project(x, self.qkv_proj, (self.q_proj, self.k_proj, self.v_proj))
         qg = qg.reshape(b, t, self.num_heads, 2 * d)
         q, gate = qg[..., :d], qg[..., d:]
-        q = apply_rotary(self.q_norm(q), positions, self.rotary_dim, self.rope_theta)
+        q = apply_rotary(self.q_norm(q), positions, self.rotary_dim, self.rope_theta,
+                         self.rope_scaling)
         k = self.k_norm(k.reshape(b, t, self.num_kv_heads, d))
-        k = apply_rotary(k, positions, self.rotary_dim, self.rope_theta)
+        k = apply_rotary(k, positions, self.rotary_dim, self.rope_theta, self.rope_scaling)
         v = v.reshape(b, t, self.num_kv_heads, d)
         return q, gate, k, v
 

@@ -23,6 +23,7 @@ import math
 from typing import Any
 
 from mtp_jax.config import ConfigError, LayerShapes, read_config_json
+from mtp_jax.rope import DEFAULT_ROPE, RopeScaling, describe, parse_rope_scaling, rope_section
 
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
 QSA_SPELLINGS = ("full_attention", "qwen_sparse_attention", "indexed_attention",
@@ -81,6 +82,9 @@ class Qwen4ExpConfig(LayerShapes):
     split_ngram_parts: int
 
     intermediate_size: int = 0  # no dense MLP in this family
+    # rope_parameters / rope_scaling (mtp_jax.rope); the MTP layer takes it too, on its own base
+    # mtp_rope_theta
+    rope_scaling: RopeScaling = DEFAULT_ROPE
 
     # ---- derived -------------------------------------------------------------------------
     is_moe = True
@@ -122,7 +126,7 @@ class Qwen4ExpConfig(LayerShapes):
         if mt not in MODEL_TYPES:
             raise ConfigError(f"model_type {mt!r} is not a qwen4_exp config (expected one of "
                               f"{', '.join(MODEL_TYPES)}).")
-        rope = cfg.get("rope_parameters") or {}
+        rope = rope_section(cfg, raw)[0]  # refuses unsupported RoPE types and keys
 
         def get(key, default=_MISSING):
             for src in (cfg, rope, raw):
@@ -155,6 +159,8 @@ class Qwen4ExpConfig(LayerShapes):
         ple_ids = cfg.get("ple_layer_ids") or []
         mtp = cfg.get("mtp") if isinstance(cfg.get("mtp"), dict) else {}
         rope_theta = float(get("rope_theta", 10000.0))
+        max_positions = int(get("max_position_embeddings", 262144))
+        scaling = parse_rope_scaling(cfg, raw, max_positions)
         gate = cfg.get("output_gate_type") or cfg.get("hidden_act") or "silu"
         gate = {"swish": "silu"}.get(gate, gate)
         mc = cls(
@@ -184,8 +190,8 @@ class Qwen4ExpConfig(LayerShapes):
                                              raw.get("tie_word_embeddings", False))),
             mtp_num_hidden_layers=int(get("mtp_num_hidden_layers",
                                           mtp.get("num_hidden_layers", 0))),
-            mtp_rope_theta=float(mtp.get("rope_theta") or rope_theta),
-            max_position_embeddings=int(get("max_position_embeddings", 262144)),
+            mtp_rope_theta=_mtp_rope_theta(mtp, rope_theta, scaling, max_positions),
+            max_position_embeddings=max_positions,
             eos_token_ids=tuple(int(e) for e in eos_ids),
             composite=composite,
             hc_count=int(get("hc_count", 4)),
@@ -204,6 +210,7 @@ class Qwen4ExpConfig(LayerShapes):
             make_ngram_vocab_size_divisible_by=int(get("make_ngram_vocab_size_divisible_by", 128)),
             seed=int(get("seed", 1234)),
             split_ngram_parts=int(get("split_ngram_parts", 512)),
+            rope_scaling=scaling,
         )
         mc.validate(raw_ple_ids=list(ple_ids))
         return mc
@@ -268,6 +275,22 @@ class Qwen4ExpConfig(LayerShapes):
             if not self.eos_token_ids:
                 raise ConfigError("eos_token_id must be set when ple_layer_ids is non-empty (PLE "
                                   "segments n-grams at eos).")
+
+
+def _mtp_rope_theta(mtp: dict, rope_theta: float, scaling: RopeScaling,
+                    max_positions: int) -> float:
+    """The MTP layer's RoPE base: ``mtp.rope_theta`` (or the one in ``mtp.rope_parameters``),
+    else the target's. The draft runs the target's RoPE scaling, as vLLM and SGLang build an MTP
+    layer from the target's config; a different scaling under ``mtp`` is refused."""
+    if any(mtp.get(k) is not None for k in ("rope_parameters", "rope_scaling")):
+        own = parse_rope_scaling(mtp, mtp, max_positions)
+        if own != scaling:
+            raise ConfigError(f"config.json mtp.rope_parameters / mtp.rope_scaling ask for RoPE "
+                              f"{describe(own)} in the MTP layer but the model has "
+                              f"{describe(scaling)}; mtp_jax runs the draft with the target's "
+                              "scaling. Make them equal or drop the draft's.")
+    own_theta = mtp.get("rope_theta") or rope_section(mtp, mtp)[0].get("rope_theta")
+    return float(own_theta or rope_theta)
 
 
 # ---- n-gram hash constants derived from the config (checked against the stored buffers) ------

@@ -11,8 +11,10 @@ like KV: ``[num_pages, page_size, 1, d_idx]``). For a query at position p:
   (all of them if fewer) plus the open tail ``[n_complete*r, p]`` are the keys the query sees.
 
 Rope is NeoX style on the first ``rotary_dim`` (of the attention heads) channels of the index
-heads. The attention itself is the Qwen3.5 gated attention (q/k norms, partial rope, GQA,
-sigmoid output gate). Source: HF transformers ``qwen4_exp`` (``Qwen4ExpTextQSAIndexer``).
+heads, with the attention's RoPE scaling (YaRN's factor multiplies the index heads' cos and sin
+too: transformers hands the indexer the same position embeddings). The attention itself is the
+Qwen3.5 gated attention (q/k norms, partial rope, GQA, sigmoid output gate). Source: HF
+transformers ``qwen4_exp`` (``Qwen4ExpTextQSAIndexer``).
 
 Decode state: the paged raw index keys hold the rows of COMPLETE blocks only; the rows of the
 request's incomplete block live in the per-request open group ``[B, r, d_idx]`` (a slot state
@@ -36,6 +38,7 @@ from mtp_jax.models.layers.basic import Linear, RMSNorm
 from mtp_jax.models.layers.rotary import apply_rotary
 from mtp_jax.models.qwen4_exp.slot_states import (ring_commit, ring_flush, ring_positions,
                                                   ring_verify)
+from mtp_jax.rope import DEFAULT_ROPE, RopeScaling
 
 _MASKED = -1e30
 
@@ -51,13 +54,14 @@ class Indexer(nnx.Module):
 
 
 def select_visible(qi, raw_keys, k_layernorm, positions, ratio: int, block_topk: int,
-                   rotary_dim: int, theta: float):
+                   rotary_dim: int, theta: float, scaling: RopeScaling = DEFAULT_ROPE):
     """Which keys each query sees.
 
     Args:
       qi: ``[B, T, n_idx, d]`` roped index queries.
       raw_keys: ``[B, S, d]`` raw index keys at positions ``0..S-1``.
       positions: ``[B, T]`` query positions.
+      rotary_dim, theta, scaling: the RoPE of the block keys (that of the queries).
     Returns ``(visible [B, T, S] bool, scores [B, T, nb] f32, n_complete [B, T])``.
     """
     b, s, d = raw_keys.shape
@@ -67,7 +71,8 @@ def select_visible(qi, raw_keys, k_layernorm, positions, ratio: int, block_topk:
     pooled = jnp.mean(rk.reshape(b, nb, ratio, d).astype(jnp.float32), axis=2)
     pooled = k_layernorm(pooled.astype(raw_keys.dtype))
     starts = jnp.broadcast_to(jnp.arange(nb, dtype=jnp.int32) * ratio, (b, nb))
-    kb = apply_rotary(pooled[:, :, None, :], starts, rotary_dim, theta)[:, :, 0]  # [B, nb, d]
+    kb = apply_rotary(pooled[:, :, None, :], starts, rotary_dim, theta,
+                      scaling)[:, :, 0]  # [B, nb, d]
     sc = jnp.einsum("btnd,bjd->btnj", qi.astype(jnp.float32), kb.astype(jnp.float32))
     scores = jnp.sum(jax.nn.relu(sc), axis=2) / jnp.sqrt(jnp.float32(d))  # [B, T, nb]
     n_complete = (positions + 1) // ratio  # [B, T]
@@ -115,7 +120,7 @@ class QSAAttention(GatedAttention):
         qk = ix.index_qk_proj(x)
         di = ix.head_dim
         qi = ix.q_layernorm(qk[..., :ix.n_heads * di].reshape(b, t, ix.n_heads, di))
-        qi = apply_rotary(qi, pos, self.rotary_dim, self.rope_theta)
+        qi = apply_rotary(qi, pos, self.rotary_dim, self.rope_theta, self.rope_scaling)
         rk = qk[..., ix.n_heads * di:].reshape(b, t, 1, di)
         k_pages, v_pages = write_kv(kv[0], k, batch), write_kv(kv[1], v, batch)
         if open_group is None:
@@ -134,7 +139,7 @@ class QSAAttention(GatedAttention):
         vals = v_pages[batch.page_table].reshape(b, -1, hkv, d)
         raw = idx_pages[batch.page_table].reshape(b, -1, di)
         visible, _, _ = select_visible(qi, raw, ix.k_layernorm, pos, ix.ratio, ix.block_topk,
-                                       self.rotary_dim, self.rope_theta)
+                                       self.rotary_dim, self.rope_theta, self.rope_scaling)
         group = self.num_heads // hkv
         qr = q.reshape(b, t, hkv, group, d)
         s = jnp.einsum("btkgd,bskd->btkgs", qr, keys,
