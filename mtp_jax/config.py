@@ -415,8 +415,8 @@ class EngineConfig:
     # vLLM's --num-scheduler-steps. The host's cost of a call (argument buffers, launch,
     # readback, stop checks) is paid once for that many rounds; tokens surface in groups of
     # that many rounds, and up to 2N - 1 rounds past a stop (N - 1 without overlap) are
-    # computed and discarded.
-    num_scheduler_steps: int = 1
+    # computed and discarded. None: the engine chooses (auto_rounds_per_call).
+    num_scheduler_steps: int | None = None
 
     def validate(self) -> None:
         for key in ("max_running_requests", "page_size", "max_model_len"):
@@ -442,11 +442,11 @@ class EngineConfig:
             raise ConfigError(f"overlap_schedule {self.overlap_schedule!r} must be True or "
                               "False.")
         n = self.num_scheduler_steps
-        if isinstance(n, bool) or not isinstance(n, int) or not 1 <= n <= MAX_SCHEDULER_STEPS:
+        if n is not None and (isinstance(n, bool) or not isinstance(n, int)
+                              or not 1 <= n <= MAX_SCHEDULER_STEPS):
             raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) {n!r} must be an "
-                              f"int in 1..{MAX_SCHEDULER_STEPS}; use 1 (the default: one round "
-                              "per program call) or e.g. 4 for small models whose rounds are "
-                              "shorter than the host's per-call work.")
+                              f"int in 1..{MAX_SCHEDULER_STEPS}, or None (auto, the default: "
+                              "the engine chooses the rounds per program call).")
         t = self.max_total_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ConfigError(f"max_total_tokens (--max-total-tokens) {t!r} must be an int >= 1 "
@@ -464,9 +464,30 @@ class EngineConfig:
 
 def check_scheduler_steps(speculative: SpeculativeConfig, engine: EngineConfig) -> None:
     """Multi-step calls need drafts made on the device (not by a host proposer); raises
-    :class:`ConfigError` otherwise."""
-    if speculative.algorithm == "external" and engine.num_scheduler_steps > 1:
-        raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) "
-                          f"{engine.num_scheduler_steps} needs drafts made on the device; "
-                          "speculative_algorithm='external' takes them from the host every "
-                          "round: use num_scheduler_steps=1 (the default).")
+    :class:`ConfigError` when ``num_scheduler_steps > 1`` is asked of a host proposer (auto
+    chooses 1 for it)."""
+    n = engine.num_scheduler_steps
+    if speculative.algorithm == "external" and n is not None and n > 1:
+        raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) {n} needs drafts made "
+                          "on the device; speculative_algorithm='external' takes them from the "
+                          "host every round: use 1 or leave it automatic (the default).")
+
+
+# Rounds per program call the engine chooses: on the H200 the 2B decode step took 1.58 ms at
+# one per call (the host sets the pace) and 1.29 ms at 4, and 8 ran no faster than 4
+# (docs/benchmarks.md).
+AUTO_SCHEDULER_STEPS = 4
+
+
+def auto_rounds_per_call(k: int, algorithm: str, snapshot_tokens: int | None) -> int:
+    """The rounds per program call when ``num_scheduler_steps`` is automatic:
+    :data:`AUTO_SCHEDULER_STEPS`; 1 for a host proposer (its drafts come with each round);
+    with the prefix cache (``snapshot_tokens``: tokens between snapshot boundaries, ``None``
+    when off), lowered so that two overlapped calls commit at most ``snapshot_tokens``
+    (``2 n (k + 1)``), so none passes a boundary without saving its snapshot."""
+    if algorithm == "external":
+        return 1
+    n = AUTO_SCHEDULER_STEPS
+    if snapshot_tokens is not None:
+        n = min(n, max(1, snapshot_tokens // (2 * (k + 1))))
+    return n

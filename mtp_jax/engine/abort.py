@@ -31,7 +31,7 @@ def discard_inflight(sched: Scheduler) -> None:
     after it, and the pages it writes may be handed out again."""
     f, sched.inflight = sched.inflight, None
     if f is not None and sched.prefix is not None:
-        sched.prefix.give_back_snapshots(f.snap_id[f.snap_row >= 0].tolist())
+        sched.prefix.give_back_snapshots(f.snap_id[f.snap_at >= 0].tolist())
 
 
 def abort(sched: Scheduler, requests: Iterable[Request] | None = None) -> list[Request]:

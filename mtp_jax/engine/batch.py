@@ -54,9 +54,11 @@ class RoundBatch:
     sampling: ``[B]``;
     tokens: ``[B, k+1]`` int32 ``[pending, d_1..d_k]`` supplied by the host (external proposer);
       ignored by MTP / plain rounds, which read the slot's ``next_tokens``;
-    snap_row: ``[B]`` int32, verify row after which the GDN state reaches a prefix-cache
-      boundary (-1: none); snap_id: ``[B]`` int32 snapshot id to save it in (0 = trash). The host
-      keeps the snapshot only if that row was accepted.
+    snap_at: ``[B]`` int32, a prefix-cache boundary (a position: the committed length whose
+      GDN state is saved; -1: none); snap_id: ``[B]`` int32 snapshot id to save it in (0 =
+      trash). Each round of the call whose verify rows reach the boundary saves the state after
+      row ``snap_at - 1 - position`` (the round's start); the host keeps the snapshot only if
+      a round committed that row (a later round overwrites one saved from a rejected row).
 
     A round takes no host-looked-up inputs: a family with such inputs looks them up from
     inside its program (qwen4_exp: :mod:`~mtp_jax.models.qwen4_exp.ple_callback`), so rounds
@@ -70,7 +72,7 @@ class RoundBatch:
     max_step: jax.Array
     sampling: SamplingTensors
     tokens: jax.Array
-    snap_row: jax.Array
+    snap_at: jax.Array
     snap_id: jax.Array
 
 

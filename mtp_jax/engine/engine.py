@@ -26,7 +26,8 @@ from typing import Callable, Iterable
 import jax
 
 from mtp_jax.cache.allocator import pages_needed
-from mtp_jax.config import ConfigError, EngineConfig, SpeculativeConfig, check_scheduler_steps
+from mtp_jax.config import (ConfigError, EngineConfig, SpeculativeConfig, auto_rounds_per_call,
+                            check_scheduler_steps)
 from mtp_jax.engine import abort as abort_ops
 from mtp_jax.engine import warmup as warmup_ops
 from mtp_jax.engine.batch import sampling_rows
@@ -51,21 +52,19 @@ class MultiStepWarning(UserWarning):
 
 
 def _warn_multistep_near_snapshots(n: int, k: int, prefix: PrefixStore | None) -> None:
-    """Warn when multi-step calls would often fall back to single, waited-for rounds: calls
-    within ``2 n (k + 1)`` tokens of a prefix-cache snapshot boundary do, and boundaries come
-    every ``snapshot_tokens``."""
+    """Warn when two overlapped calls of ``n`` rounds may commit more than the tokens between
+    prefix-cache snapshot boundaries (``2 n (k + 1) > snapshot_tokens``): a call saves only
+    the first boundary it reaches, so some are passed unsaved (fewer cache hits)."""
     if prefix is None or n == 1:
         return
     reach, every = 2 * n * (k + 1), prefix.snapshot_tokens
-    if 4 * reach > every:
+    if reach > every:
         warnings.warn(f"num_scheduler_steps {n} with {k} drafts per round and the prefix cache "
-                      f"on: calls within {reach} tokens of a snapshot boundary (every {every} "
-                      f"tokens) run one round without overlap, about {min(1, reach / every):.0%}"
-                      " of them, which loses much of the gain. Lower num_scheduler_steps "
-                      "(--num-scheduler-steps), turn the prefix cache off "
-                      "(--disable-prefix-cache, enable_prefix_cache=False), or, using the "
-                      "Engine directly, raise EngineConfig.snapshot_interval_pages.",
-                      MultiStepWarning, stacklevel=4)
+                      f"on: two overlapped calls may commit {reach} tokens, more than the "
+                      f"{every} between snapshot boundaries, so some boundaries pass unsaved "
+                      "(fewer prefix-cache hits). Leave num_scheduler_steps automatic (the "
+                      "default), lower it, or, using the Engine directly, raise "
+                      "EngineConfig.snapshot_interval_pages.", MultiStepWarning, stacklevel=4)
 
 
 class Engine:
@@ -127,7 +126,12 @@ class Engine:
         slots = engine_cfg.max_running_requests + 1
         self.prefix = (PrefixStore(self.page_size, engine_cfg.snapshot_interval_pages, n_snap)
                        if engine_cfg.enable_prefix_cache else None)
-        _warn_multistep_near_snapshots(engine_cfg.num_scheduler_steps, self.k, self.prefix)
+        rounds = engine_cfg.num_scheduler_steps
+        if rounds is None:
+            rounds = auto_rounds_per_call(self.k, speculative.algorithm,
+                                          self.prefix.snapshot_tokens if self.prefix else None)
+        else:
+            _warn_multistep_near_snapshots(rounds, self.k, self.prefix)
         self.book = PageBook(num_pages, slots, self.page_size, self.max_pages_per_req,
                              self.prefix)
         self.device = DeviceState(model, PoolShape(mc, self.page_size, self.k, mtp,
@@ -138,7 +142,7 @@ class Engine:
                                   max_model_len=self.max_model_len)
         self.scheduler = Scheduler(
             LoopSettings(k=self.k, proposer=speculative.algorithm,
-                         rounds_per_call=engine_cfg.num_scheduler_steps,
+                         rounds_per_call=rounds,
                          chunk_size=engine_cfg.chunked_prefill_size,
                          max_model_len=self.max_model_len,
                          # Host drafts come with each round's batch: no round runs ahead.

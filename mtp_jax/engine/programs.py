@@ -84,17 +84,26 @@ class RoundOutput:
         return self.readback[..., self._k1 + 2:]
 
 
-def _save_round_snapshots(model, pools: Pools, rows, batch: RoundBatch) -> Pools:
-    """Save the GDN state after verify row ``snap_row[b]`` into ``snap_id[b]`` (rows with
-    ``snap_row < 0`` write the trash snapshot 0). A second replay: the host traces this only
-    into the round variant it calls when some row crosses a prefix-cache boundary, so other
-    rounds carry neither its cost nor a conditional."""
+def _save_round_snapshots(model, pools: Pools, rows, batch: RoundBatch, position: jax.Array,
+                          num_draft: jax.Array, decode: bool) -> Pools:
+    """Save the GDN state after verify row ``batch.snap_at - 1 - position`` into ``snap_id``
+    for rows whose boundary this round's verify rows reach (``0 <= row <= num_draft``, live);
+    the others write the trash snapshot 0. ``position [B]`` is the round's start. Decode form
+    (``decode``): ``rows`` are the new states of the one row, saved as they are; else a second
+    replay. The host traces this only into the variant it calls when some row may reach a
+    prefix-cache boundary within the call, so other calls carry neither its cost nor a
+    conditional."""
     leaves = jax.tree_util.tree_leaves(pools.snapshots)
     if not leaves or leaves[0].shape[0] == 0:
         return pools
-    view = pools.gdn.gather(batch.slot)
-    state = model.commit(view, rows, jnp.maximum(batch.snap_row + 1, 0))
-    snapshots = pools.snapshots.scatter(jnp.where(batch.snap_row >= 0, batch.snap_id, 0), state)
+    row = batch.snap_at - 1 - position
+    save = (batch.snap_at >= 0) & batch.live & (row >= 0) & (row <= num_draft)
+    if decode:
+        state = rows.gather(batch.slot)
+    else:
+        view = pools.gdn.gather(batch.slot)
+        state = model.commit(view, rows, jnp.where(save, row + 1, 0))
+    snapshots = pools.snapshots.scatter(jnp.where(save, batch.snap_id, 0), state)
     return dataclasses.replace(pools, snapshots=snapshots)
 
 
@@ -181,11 +190,11 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
     valid = batch.live[:, None] & (rows_idx <= num_draft[:, None]) & (
         pos < batch.limit[:, None])
     abatch = AttentionBatch(pos, valid, batch.page_table)
-    # k = 0 (no snapshot replay): the GDN layers' decode form returns the new states directly,
-    # equal to verify + commit of the one row (not-valid rows keep theirs), so no commit runs.
-    # The layers address the state pools by slot (the fused Pallas kernels in place; the XLA
-    # path gathers and scatters per layer).
-    decode = k == 0 and not snapshot and "decode" in getattr(model, "gdn_modes", ())
+    # k = 0: the GDN layers' decode form returns the new states directly, equal to verify +
+    # commit of the one row (not-valid rows keep theirs), so no commit runs (a snapshot saves
+    # those states). The layers address the state pools by slot (the fused Pallas kernels in
+    # place; the XLA path gathers and scatters per layer).
+    decode = k == 0 and "decode" in getattr(model, "gdn_modes", ())
     hidden, kv, rows = model(tokens, abatch, pools.kv, pools.gdn,
                              "decode" if decode else "verify", slots=batch.slot)
     logits = model.logits(hidden)  # [B, k+1, V]
@@ -199,7 +208,7 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
                          greedy_only=greedy_only, filtering=filtering)[:, None]
     commit_len = jnp.where(batch.live, n + 1, 0)
     if snapshot:
-        pools = _save_round_snapshots(model, pools, rows, batch)
+        pools = _save_round_snapshots(model, pools, rows, batch, position, num_draft, decode)
     gdn = rows if decode else model.commit(pools.gdn, rows, commit_len, slots=batch.slot)
     pools = dataclasses.replace(pools, kv=kv, gdn=gdn)
     bonus = row_at(emitted, n)

@@ -2,7 +2,7 @@
 
 Pure helpers of the step loop (:mod:`mtp_jax.engine.scheduler`), each a function of its inputs:
 what a call of ``rounds`` rounds may write past a request's position (:func:`span`), which
-prefix-cache snapshot a single round saves (:func:`snapshot_rows`), the drafts of a host
+prefix-cache snapshot a call may save (:func:`snapshot_targets`), the drafts of a host
 proposer (:func:`external_tokens`), and the padded :class:`~mtp_jax.engine.batch.RoundBatch`
 (:func:`round_batch`).
 """
@@ -17,21 +17,20 @@ from mtp_jax.engine.batch import RoundBatch, sampling_rows
 from mtp_jax.engine.pages import PageBook
 from mtp_jax.engine.prefix import PrefixStore
 from mtp_jax.engine.requests import Request
-from mtp_jax.speculative.clamp import clamp_num_draft
 from mtp_jax.speculative.external import Proposer, propose
 
-__all__ = ["InFlightRound", "span", "next_pow2", "batch_bucket", "snapshot_rows",
+__all__ = ["InFlightRound", "span", "next_pow2", "batch_bucket", "snapshot_targets",
            "external_tokens", "round_batch"]
 
 
 @dataclasses.dataclass
 class InFlightRound:
     """A dispatched call of ``rounds`` rounds: its rows (requests, in batch order), its device
-    output, the snapshot rows/ids it was given and the host time it was dispatched at."""
+    output, the snapshot boundaries/ids it was given and the host time it was dispatched at."""
 
     rows: list[Request]
     out: object
-    snap_row: np.ndarray
+    snap_at: np.ndarray
     snap_id: np.ndarray
     t0: float
     rounds: int = 1
@@ -59,25 +58,24 @@ def max_step(req: Request, max_model_len: int) -> int:
     return min(req.params.max_tokens, max_model_len - len(req.prompt_ids))
 
 
-def snapshot_rows(running: list[Request], limit: np.ndarray, k: int, max_model_len: int,
-                  prefix: PrefixStore, b: int) -> tuple[np.ndarray, np.ndarray]:
-    """For a single round with nothing in flight: the verify row after which each request's GDN
-    state reaches its next prefix-cache boundary, when the round can reach it (``k`` clamped as
-    the program clamps it), and a snapshot id to save it in. Returns ``(snap_row [b], snap_id
-    [b])`` int32 (-1 / 0: none)."""
-    snap_row = np.full((b,), -1, np.int32)
+def snapshot_targets(running: list[Request], limit: np.ndarray, reach: int,
+                     prefix: PrefixStore, b: int) -> tuple[np.ndarray, np.ndarray]:
+    """For a call that may commit up to ``reach`` tokens past each request's position (its
+    own rounds plus those of a call still in flight): each request's next prefix-cache
+    boundary when the call may reach it (below ``limit``, not already saved), and a snapshot id
+    to save it in. The program saves the state at the boundary in whichever round commits
+    past it (:class:`~mtp_jax.engine.batch.RoundBatch`); a call reaches at most the first
+    boundary. Returns ``(snap_at [b], snap_id [b])`` int32 (-1 / 0: none)."""
+    snap_at = np.full((b,), -1, np.int32)
     snap_id = np.zeros((b,), np.int32)
     st = prefix.snapshot_tokens
     for i, r in enumerate(running):
-        n = clamp_num_draft(k, r.position, int(limit[i]), len(r.output_ids),
-                            r.params.max_tokens, len(r.prompt_ids), max_model_len)
-        # A boundary p with c < p <= c + num_draft + 1 is reached after row p - 1 - c.
-        p = (r.position // st + 1) * st
-        if p <= r.position + n + 1 and p not in r.snapshots:
+        p = (r.position // st + 1) * st  # committed length at the next boundary
+        if p <= min(r.position + reach, int(limit[i])) and p not in r.snapshots:
             sid = prefix.take_snapshot_id()
             if sid is not None:
-                snap_row[i], snap_id[i] = p - 1 - r.position, sid
-    return snap_row, snap_id
+                snap_at[i], snap_id[i] = p, sid
+    return snap_at, snap_id
 
 
 def external_tokens(running: list[Request], proposer: Proposer, k: int, vocab_size: int,
@@ -95,7 +93,7 @@ def external_tokens(running: list[Request], proposer: Proposer, k: int, vocab_si
 def round_batch(running: list[Request], book: PageBook, *, b: int, reach: int,
                 max_model_len: int, tokens: np.ndarray) -> RoundBatch:
     """The padded batch of a round call over ``running`` (``b`` rows, padding last), saving no
-    snapshot (set ``snap_row`` / ``snap_id`` after, :func:`snapshot_rows`). Each request first
+    snapshot (set ``snap_at`` / ``snap_id`` after, :func:`snapshot_targets`). Each request first
     takes pages for ``reach`` positions past its position, when it can
     (:meth:`PageBook.grow`); ``limit`` is then the end of its pages. ``tokens``: ``[b, k+1]``
     host drafts (zeros when the drafts are on the device)."""
@@ -111,4 +109,4 @@ def round_batch(running: list[Request], book: PageBook, *, b: int, reach: int,
         live=np.asarray([r is not None for r in rows], bool),
         page_table=book.table(rows), limit=limit, max_step=steps,
         sampling=sampling_rows(rows), tokens=tokens,
-        snap_row=np.full((b,), -1, np.int32), snap_id=np.zeros((b,), np.int32))
+        snap_at=np.full((b,), -1, np.int32), snap_id=np.zeros((b,), np.int32))

@@ -43,7 +43,7 @@ from mtp_jax.engine.prefix import PrefixStore
 from mtp_jax.engine.programs import RoundOutput
 from mtp_jax.engine.requests import ABORT, Request
 from mtp_jax.engine.rounds import (InFlightRound, batch_bucket, external_tokens, next_pow2,
-                                   round_batch, snapshot_rows, span)
+                                   round_batch, snapshot_targets, span)
 from mtp_jax.engine.token_logprobs import call_top, record, record_first, round_logprobs
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant, sampling_choice
 from mtp_jax.speculative.external import Proposer
@@ -234,39 +234,25 @@ class Scheduler:
         self.prefilling.remove(req)
 
     # ---- rounds ------------------------------------------------------------------------------
-    def rounds_for(self, running: list[Request], ahead: int) -> int:
-        """Rounds of the next call: ``rounds_per_call``, or 1 when the prefix cache is on and
-        some row may reach a snapshot boundary within the call (snapshots are saved in single
-        rounds)."""
-        n, k = self.settings.rounds_per_call, self.settings.k
-        if n == 1:
-            return n
-        return 1 if self.near_snapshot(running, ahead + n * (k + 1)) else n
-
-    def near_snapshot(self, running: list[Request], reach: int) -> bool:
-        """Whether the prefix cache is on and some row's next snapshot boundary lies within
-        ``reach`` tokens of its position."""
-        return self.prefix is not None and any(
-            self.prefix.boundary_reached(r.position, reach) for r in running)
-
     def dispatch(self, running: list[Request], chained: bool = False) -> InFlightRound:
-        """Dispatch one call (``rounds_per_call`` rounds, or 1: :meth:`rounds_for`) over
-        ``running`` without waiting for it. ``chained``: the previous call is still in flight
-        (its result not yet read); it may commit up to ``rounds_per_call * (k + 1)`` tokens per
-        row."""
+        """Dispatch one call of ``rounds_per_call`` rounds over ``running`` without waiting
+        for it. ``chained``: the previous call is still in flight (its result not yet read); it
+        may commit up to ``rounds_per_call * (k + 1)`` tokens per row. With the prefix cache,
+        rows whose next snapshot boundary the two calls may reach get a snapshot id, and the
+        call runs the variant that saves it."""
         s = self.settings
-        ahead = s.rounds_per_call * (s.k + 1) if chained else 0
-        rounds = self.rounds_for(running, ahead)
+        rounds = s.rounds_per_call
+        ahead = rounds * (s.k + 1) if chained else 0
         b = batch_bucket(len(running), self.book.max_requests)
         tokens = (external_tokens(running, self.proposer, s.k, s.vocab_size, b)
                   if s.proposer == "external" else np.zeros((b, s.k + 1), np.int32))
         batch = round_batch(running, self.book, b=b, reach=ahead + span(s.k, rounds),
                             max_model_len=s.max_model_len, tokens=tokens)
-        if self.prefix is not None and not ahead and rounds == 1:
-            batch.snap_row, batch.snap_id = snapshot_rows(running, batch.limit, s.k,
-                                                          s.max_model_len, self.prefix, b)
+        if self.prefix is not None:
+            batch.snap_at, batch.snap_id = snapshot_targets(
+                running, batch.limit, ahead + rounds * (s.k + 1), self.prefix, b)
         variant = RoundVariant(k=s.k, proposer=s.proposer, rounds=rounds,
-                               snapshot=bool(np.any(batch.snap_row >= 0)),
+                               snapshot=bool(np.any(batch.snap_at >= 0)),
                                logprobs=call_top(running),
                                **sampling_choice([r.params.greedy for r in running],
                                                  batch.sampling, s.vocab_size))
@@ -276,15 +262,16 @@ class Scheduler:
         self.stats.rounds += rounds
         self.stats.round_calls += 1
         self.stats.chained_rounds += rounds if chained else 0
-        return InFlightRound(list(running), out, batch.snap_row, batch.snap_id, t0, rounds)
+        return InFlightRound(list(running), out, batch.snap_at, batch.snap_id, t0, rounds)
 
     def collect(self, f: InFlightRound, later: InFlightRound | None = None
                 ) -> dict[Request, list[int]]:
         """Read call ``f``'s result and apply its rounds in order on the host: append the
-        committed tokens (stops checked per token), keep or give back its snapshots, free pages
-        past the committed length, except those that ``later`` (a call dispatched after ``f``,
-        still in flight) may use. Rows of requests that had already finished (in an earlier
-        call, or an earlier round of this one) are ignored."""
+        committed tokens (stops checked per token), keep each snapshot whose boundary a round
+        committed past (give back the others), free pages past the committed length, except
+        those that ``later`` (a call dispatched after ``f``, still in flight) may use. Rows of
+        requests that had already finished (in an earlier call, or an earlier round of this
+        one) are ignored."""
         host = RoundOutput(np.asarray(f.out.readback), f.out.top)  # the one device-to-host copy
         emitted, accepted, num_draft = host.emitted, host.num_accepted, host.num_draft
         lps = round_logprobs(host)  # None: no row asked for log-probabilities
@@ -293,18 +280,16 @@ class Scheduler:
         self._round_clock = now
         new: dict[Request, list[int]] = {}
         active = [r for r in f.rows if not r.finished]
+        unsaved = {i for i in range(len(f.rows)) if f.snap_at[i] >= 0}
         for j in range(f.rounds):
             for i, r in enumerate(f.rows):
                 if r.finished:  # stopped or aborted earlier; this row ran on, discarded
-                    if f.snap_row[i] >= 0:  # aborted while its single round was in flight
-                        self.prefix.give_back_snapshots([int(f.snap_id[i])])
                     continue
                 n = int(accepted[j, i])
-                if f.snap_row[i] >= 0:  # single rounds only: keep it if its row was committed
-                    if f.snap_row[i] <= n:
-                        r.snapshots[int(r.position + f.snap_row[i] + 1)] = int(f.snap_id[i])
-                    else:
-                        self.prefix.give_back_snapshots([int(f.snap_id[i])])
+                p = int(f.snap_at[i])
+                if i in unsaved and r.position < p <= r.position + n + 1:  # saved this round
+                    r.snapshots[p] = int(f.snap_id[i])
+                    unsaved.discard(i)
                 before = len(r.output_ids)
                 kept = self.stops(r, emitted[j, i, :n + 1].tolist())
                 new.setdefault(r, []).extend(r.output_ids[before:])
@@ -314,6 +299,8 @@ class Scheduler:
                 r.num_draft_tokens += int(num_draft[j, i])
                 r.num_accepted_tokens += min(n, kept)
                 r.position += n + 1
+        if unsaved:  # boundaries not reached (or saved by an earlier call), rows finished
+            self.prefix.give_back_snapshots([int(f.snap_id[i]) for i in sorted(unsaved)])
         in_later = set(later.rows) if later is not None else set()
         for r in active:
             extra = span(self.settings.k, later.rounds) if r in in_later else 0
@@ -326,13 +313,8 @@ class Scheduler:
 
     def can_chain(self, running: list[Request], prev: InFlightRound) -> bool:
         """Whether the next call over ``running`` may be dispatched before ``prev``'s result
-        is read: overlap on, drafts not from the host, every row in ``prev`` and none able to
-        reach a prefix-cache snapshot boundary in either call (those rounds run waited for,
-        with the exact snapshot row)."""
-        s = self.settings
-        if not s.overlap or not set(running) <= set(prev.rows):
-            return False
-        return not self.near_snapshot(running, 2 * s.rounds_per_call * (s.k + 1))
+        is read: overlap on, drafts not from the host, every row in ``prev``."""
+        return self.settings.overlap and set(running) <= set(prev.rows)
 
     def drain(self, new: dict[Request, list[int]]) -> None:
         """Wait for the call in flight, if any, and apply it (tokens added to ``new``)."""

@@ -45,8 +45,7 @@ class RoundVariant:
     the snapshot replay is traced; rounds: rounds per call (multi-step scheduling); logprobs:
     -1, or the top alternatives whose log-probabilities every emitted token reports
     (:class:`~mtp_jax.engine.programs.RoundOutput`; rounds without them compute none).
-    Raises ``ValueError`` for an unknown proposer, ``rounds < 1`` or a multi-round snapshot
-    call (the host saves snapshots in single rounds)."""
+    Raises ``ValueError`` for an unknown proposer or ``rounds < 1``."""
 
     k: int
     proposer: str
@@ -60,9 +59,8 @@ class RoundVariant:
         if self.proposer not in PROPOSERS:
             raise ValueError(f"RoundVariant proposer {self.proposer!r} is not one of "
                              f"{', '.join(PROPOSERS)}.")
-        if self.rounds < 1 or (self.rounds > 1 and self.snapshot):
-            raise ValueError(f"RoundVariant rounds={self.rounds} must be >= 1, and 1 with "
-                             "snapshot.")
+        if self.rounds < 1:
+            raise ValueError(f"RoundVariant rounds={self.rounds} must be >= 1.")
 
 
 def sampling_choice(greedy: Iterable[bool], sampling: SamplingTensors,

@@ -52,16 +52,13 @@ def batch_buckets(max_requests: int) -> list[int]:
 
 def round_variants(sched: Scheduler) -> list[RoundVariant]:
     """The round variants ``sched`` calls per batch bucket, before the sampling fields are
-    set: ``rounds_per_call`` rounds per call, plus, with the prefix cache, single rounds
-    without and with a snapshot (calls that may reach a snapshot boundary)."""
+    set: ``rounds_per_call`` rounds per call, and, with the prefix cache, the same with the
+    snapshot replay (calls that may reach a snapshot boundary)."""
     s = sched.settings
     base = RoundVariant(k=s.k, proposer=s.proposer, rounds=s.rounds_per_call)
-    out = [base]
-    if sched.prefix is not None:
-        single = dataclasses.replace(base, rounds=1)
-        out += ([single] if s.rounds_per_call > 1 else []) + [
-            dataclasses.replace(single, snapshot=True)]
-    return out
+    if sched.prefix is None:
+        return [base]
+    return [base, dataclasses.replace(base, snapshot=True)]
 
 
 def padding_round_batch(b: int, k: int, max_pages_per_req: int) -> RoundBatch:
@@ -72,7 +69,7 @@ def padding_round_batch(b: int, k: int, max_pages_per_req: int) -> RoundBatch:
                       limit=zi, max_step=zi,
                       sampling=SamplingTensors.from_params([], pad_to=b, host=True),
                       tokens=np.zeros((b, k + 1), np.int32),
-                      snap_row=np.full((b,), -1, np.int32), snap_id=zi)
+                      snap_at=np.full((b,), -1, np.int32), snap_id=zi)
 
 
 def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,

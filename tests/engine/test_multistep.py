@@ -29,24 +29,21 @@ def _run(model, specs, k, steps, **kw):
 
 
 def test_warmup_covers_multistep_calls(model):
-    """After ``warmup()``, serving with multi-step calls (and the single rounds near snapshot
-    boundaries) compiles nothing. (The first test here: ``run_engine``'s settings with the
-    prefix cache and 4 rounds per call, those of
+    """After ``warmup()``, serving with multi-step calls (with and without the snapshot
+    replay) compiles nothing. (The first test here: ``run_engine``'s settings with the prefix
+    cache and the automatic rounds per call, 4, those of
     ``test_multistep_with_prefix_cache_snapshots``, which then runs on the programs compiled
     here; chunks of 16 tokens, the snapshot interval, which no chunk crosses with the cache.)"""
-    from mtp_jax.engine.engine import MultiStepWarning
     from mtp_jax.engine.variants import RoundVariant
     from mtp_jax.engine.warmup import batch_buckets, prefill_buckets, round_variants
 
-    with pytest.warns(MultiStepWarning):  # 2 * 4 tokens against a 16-token interval
-        eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32",
-                                         max_model_len=96, enable_prefix_cache=True,
-                                         chunked_prefill_size=16, snapshot_interval_pages=1,
-                                         num_scheduler_steps=4),
-                     SpeculativeConfig(algorithm="none"))
+    eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32",
+                                     max_model_len=96, enable_prefix_cache=True,
+                                     chunked_prefill_size=16, snapshot_interval_pages=1),
+                 SpeculativeConfig(algorithm="none"))
+    assert eng.rounds_per_call == 4  # automatic: 2 * 4 * 1 tokens <= the 16-token interval
     assert round_variants(eng.scheduler) == [RoundVariant(0, "none", rounds=4),
-                                             RoundVariant(0, "none"),
-                                             RoundVariant(0, "none", snapshot=True)]
+                                             RoundVariant(0, "none", rounds=4, snapshot=True)]
     assert prefill_buckets(16, eng.max_model_len) == [16]
     assert batch_buckets(eng.book.max_requests) == [1, 2]
     eng.warmup(sampled=False)
@@ -87,19 +84,26 @@ def test_multistep_equals_single_rounds(model, k):
 
 
 def test_multistep_with_prefix_cache_snapshots(model):
-    """Snapshot boundaries every 16 tokens: calls that may reach one run a single round (and
-    save the snapshot); a second pass hits the cache and gives the same tokens."""
+    """Snapshot boundaries every 16 tokens, 4 decode steps per call: each call saves the
+    boundary it reaches from whichever of its steps commits past it, so every one is saved.
+    A second pass hits the cache and gives the same tokens, and follow-ups whose prompts
+    hold a first turn's prompt and output reuse the snapshots taken while decoding (the
+    deepest boundary of the output)."""
     base = random_prompts(1, seed=5, lo=40, hi=41)[0]
     specs = [(p, greedy(30)) for p in (base + [7, 8, 9], base[:33], base)]
-    from mtp_jax.engine.engine import MultiStepWarning
 
     want, _ = _run(model, specs, 0, steps=1, prefix=True)
-    with pytest.warns(MultiStepWarning):  # 2 * 4 tokens against a 16-token interval
-        got, eng = _run(model, specs, 0, steps=4, prefix=True)
+    got, eng = _run(model, specs, 0, steps=None, prefix=True, max_prefix_snapshots=32)
     assert got == want and eng.stats.round_calls < eng.stats.rounds
     again = eng.run(make_requests(specs, seed=200))
     assert [(r.output_ids, r.finish_reason) for r in again] == want
     assert sum(r.cached_tokens for r in again) > 0
+    follow = [(p + out + [5, 6], greedy(6)) for (p, _), (out, _) in zip(specs, want)]
+    turns = eng.run(make_requests(follow, seed=200))
+    for (p, _), (out, _), r in zip(specs, want, turns):
+        assert r.cached_tokens == (len(p) + len(out) - 1) // 16 * 16 > len(p)
+    plain, _ = _run(model, follow, 0, steps=1)
+    assert [(r.output_ids, r.finish_reason) for r in turns] == plain
 
 
 def test_multistep_under_page_pressure(model):
@@ -113,7 +117,7 @@ def test_multistep_under_page_pressure(model):
     assert got == want
 
 
-@pytest.mark.parametrize("bad", [0, -1, MAX_SCHEDULER_STEPS + 1, True, 2.0, "4"])
+@pytest.mark.parametrize("bad", [0, -1, MAX_SCHEDULER_STEPS + 1, True, 2.0, "4", "auto"])
 def test_num_scheduler_steps_checked(bad):
     with pytest.raises(ConfigError, match="num_scheduler_steps"):
         EngineConfig(num_scheduler_steps=bad).validate()
@@ -126,22 +130,35 @@ def test_external_proposer_refuses_multistep():
                        EngineConfig(num_scheduler_steps=2), has_proposer=True)
 
 
-def test_warns_when_snapshots_would_undo_multistep(model):
-    """2 N (k + 1) tokens against the snapshot interval: 2 * 4 * 4 = 32 > 64 / 4 warns (most
-    calls near a boundary run one round); 2 * 4 * 1 = 8 <= 16 does not, nor the cache off."""
+def test_warns_when_calls_would_pass_snapshot_boundaries(model):
+    """2 N (k + 1) tokens (two overlapped calls) against the snapshot interval: 2 * 10 * 4 = 80
+    > 64 warns (a call saves only the first boundary it reaches); 2 * 4 * 4 = 32 <= 64 does
+    not, nor the automatic choice (4 there, 2 with 16-token intervals), nor the cache off."""
     from mtp_jax.engine.engine import MultiStepWarning
 
-    def make(k, steps, prefix=True):
+    def make(k, steps, prefix=True, interval=4):
         return Engine(model, EngineConfig(max_running_requests=1, dtype="float32",
                                           max_model_len=64, enable_prefix_cache=prefix,
+                                          snapshot_interval_pages=interval,
                                           num_scheduler_steps=steps),
                       SpeculativeConfig(algorithm="mtp" if k else "none", num_steps=k or 3))
 
-    with pytest.warns(MultiStepWarning, match=r"num_scheduler_steps 4 with 3 drafts.*within "
-                                              r"32 tokens of a snapshot boundary \(every 64"):
-        make(3, 4)
+    with pytest.warns(MultiStepWarning, match=r"num_scheduler_steps 10 with 3 drafts.*commit "
+                                              r"80 tokens, more than the 64 between"):
+        make(3, 10)
     import warnings
     with warnings.catch_warnings():
         warnings.simplefilter("error", MultiStepWarning)
-        make(0, 2)
-        make(3, 4, prefix=False)
+        make(3, 4)
+        assert make(3, None).rounds_per_call == 4 and make(3, None, interval=1).rounds_per_call == 2
+        assert make(0, None, prefix=False).rounds_per_call == 4
+        make(3, 10, prefix=False)
+
+
+def test_auto_rounds_per_call():
+    from mtp_jax.config import auto_rounds_per_call
+
+    assert [auto_rounds_per_call(k, "mtp", 64) for k in (0, 1, 3, 7, 40)] == [4, 4, 4, 4, 1]
+    assert [auto_rounds_per_call(k, "mtp", 16) for k in (0, 1, 3)] == [4, 4, 2]
+    assert auto_rounds_per_call(3, "mtp", None) == 4
+    assert auto_rounds_per_call(3, "external", None) == 1

@@ -124,7 +124,7 @@ def test_the_fixture_drafts_well(prompts, plain, drafts):
 @pytest.mark.parametrize("variant", [
     dict(max_running_requests=8, enable_prefix_cache=True, chunked_prefill_size=64),
     dict(chunked_prefill_size=5),
-    dict(overlap_schedule=False),
+    dict(overlap_schedule=False, num_scheduler_steps=1),
     dict(num_scheduler_steps=3),
 ], ids=["batch-prefix-cache", "chunk-5", "no-overlap", "3-rounds-per-call"])
 def test_accept_counts_under_engine_settings(model, prompts, plain, drafts, variant):
@@ -173,18 +173,22 @@ def test_stops_inside_an_accepted_mtp_chunk(model, prompts, plain, drafts):
     assert r.output_ids == plain[i][:first + len(stop)]
 
 
+@pytest.mark.parametrize("interval,rounds", [(2, 1), (4, 2)],
+                         ids=["one-round-per-call", "2-rounds-per-call"])
 def test_second_turn_reuses_snapshots_taken_inside_accepted_rounds(model, prompts, plain,
-                                                                   drafts):
+                                                                   drafts, interval, rounds):
     """A follow-up whose prompt holds a first request's prompt and output reuses the GDN
     snapshots taken while that output was decoded by MTP rounds; the snapshot boundaries fall
     on verify rows >= 1 of rounds that accepted drafts (checked from the expected rounds), and
-    the follow-up's output equals plain decoding of its prompt."""
+    the follow-up's output equals plain decoding of its prompt. Snapshots every 8 tokens, the
+    engine's automatic choice of one round per call; every 16, two rounds per call, where a
+    boundary may fall in either round of a call."""
     k, i = 3, 0
-    interval = 2  # snapshots every PAGE * 2 = 8 tokens
+    every = PAGE * interval
     first = prompts[i]
     follow = first + plain[i] + motif_prompts(1, seed=5)[0][:5]
     rows = [b - 1 - p for p, _, n in _expected(prompts, plain, drafts, k)[i]
-            for b in range(8, len(first) + MAX_NEW + 1, 8) if p <= b - 1 <= p + n]
+            for b in range(every, len(first) + MAX_NEW + 1, every) if p <= b - 1 <= p + n]
     assert any(row >= 1 for row in rows), rows
     outs = {}
     for algo, kk in (("none", 0), ("mtp", k)):
@@ -198,5 +202,9 @@ def test_second_turn_reuses_snapshots_taken_inside_accepted_rounds(model, prompt
         (b,) = _requests([follow], max_new=8)
         engine.run([b])
         outs[algo] = (a.output_ids, b.output_ids, b.cached_tokens)
+        if algo == "mtp":
+            assert engine.rounds_per_call == rounds  # automatic: 2 n (k + 1) <= every
+            assert a.num_accepted_tokens > 0
     assert outs["mtp"][:2] == outs["none"][:2]
-    assert outs["mtp"][2] > len(first) + 8, outs  # reuse reaches into the decoded output
+    # reuse reaches the last boundary of the decoded output
+    assert outs["mtp"][2] == (len(first) + MAX_NEW - 1) // every * every > len(first), outs
