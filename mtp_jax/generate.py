@@ -10,13 +10,18 @@ import sys
 import time
 import warnings
 
-DEFAULT_PROMPT = "Explain speculative decoding in one paragraph."
+from mtp_jax.cli_prompts import DEFAULT_PROMPT, read_prompts_file
+
+__all__ = ["main", "build_parser", "add_engine_flags", "llm_kwargs", "read_prompts_file",
+           "DEFAULT_PROMPT"]
+
 DEFAULT_MODEL_LINE = ("built-in default (tiny: layers and MTP head trained on the docs, "
                       "random embedding and LM head; real Qwen3.5 tokenizer)")
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mtp_jax.generate", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m mtp_jax.generate", description=__doc__,
+                                allow_abbrev=False)  # --max-token is an error, not --max-tokens
     prompts = p.add_mutually_exclusive_group()  # one source of prompts, never one ignored
     prompts.add_argument("--prompt", action="append", default=None,
                          help="prompt text; repeat for several prompts (default: a demo "
@@ -30,6 +35,13 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 or 0 = off")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the checkpoint's EOS tokens")
+    p.add_argument("--stop", action="append", default=None, metavar="TEXT",
+                   help="stop string (repeat for several): the output ends before the first "
+                        "one it produces, which the text leaves out (SamplingParams.stop; a "
+                        "--prompts-file line's own \"stop\" replaces these)")
+    p.add_argument("--stream", action="store_true",
+                   help="print the text as it is generated (one prompt; not with --json), "
+                        "then the stats line")
     prompts.add_argument("--prompts-file", default=None,
                          help="JSONL file, one request per line: {\"prompt\": text or token "
                               "ids, and optional temperature, top_p, top_k, max_tokens, seed, "
@@ -154,40 +166,6 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 norm_backend=args.norm_backend, gemv_backend=args.gemv_backend)
 
 
-_FILE_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids",
-              "ignore_eos")
-
-
-def read_prompts_file(path: str, defaults: dict) -> tuple[list, list[dict]]:
-    """Prompts and per-request sampling fields from a JSONL file; ``ValueError`` naming the
-    line for a malformed one (bad sampling values are reported per request by ``main``)."""
-    prompts, fields = [], []
-    try:
-        f = open(path)
-    except OSError as e:
-        raise OSError(f"--prompts-file {path}: {e.strerror or e}; pass an existing JSONL "
-                      "file (one {\"prompt\": ...} object per line).") from None
-    with f:
-        for n, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                rec = json.loads(line)
-            except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e}).") from None
-            if not isinstance(rec, dict) or "prompt" not in rec:
-                raise ValueError(f"{path}:{n}: each line must be an object with a \"prompt\".")
-            unknown = sorted(set(rec) - {"prompt", *_FILE_KEYS})
-            if unknown:
-                raise ValueError(f"{path}:{n}: unknown keys {unknown}; allowed: prompt, "
-                                 f"{', '.join(_FILE_KEYS)}.")
-            prompts.append(rec["prompt"])
-            fields.append({**defaults, **{k: rec[k] for k in _FILE_KEYS if k in rec}})
-    if not prompts:
-        raise ValueError(f"{path} holds no requests.")
-    return prompts, fields
-
-
 def _stats_line(out, seconds: float) -> str:
     n = len(out.token_ids)
     al = "n/a" if out.accept_length is None else f"{out.accept_length:.2f}"
@@ -205,88 +183,150 @@ def _show_warning(message, category, filename, lineno, file=None, line=None) -> 
 
 def main(argv=None) -> int:
     """Run the CLI; returns the exit status: 0 all prompts done, 1 some prompt refused (its
-    ``error`` printed), 2 bad settings, files or a lone bad prompt (message on stderr), 130
-    interrupted (Ctrl-C: one ``interrupted`` line, no traceback, nothing of the run printed).
-    Warnings print as ``warning: ...`` lines on stderr."""
+    ``error`` printed), 2 bad settings, files or prompts when none can run (message on
+    stderr, before the model loads), 130 interrupted (Ctrl-C: one ``interrupted`` line, no
+    traceback). Warnings print as ``warning: ...`` lines on stderr."""
     with warnings.catch_warnings():  # restores the process's warning display afterwards
         warnings.showwarning = _show_warning
         try:
             return _main(argv)
         except KeyboardInterrupt:
-            print("\ninterrupted (Ctrl-C): the run stopped; nothing of it was printed.",
+            print("\ninterrupted (Ctrl-C): the run stopped before its results were printed.",
                   file=sys.stderr)
             return 130
 
 
+def _flag_params(defaults: dict):
+    """The ``SamplingParams`` of the sampling flags; a ``ValueError`` naming the flag of a bad
+    field."""
+    from mtp_jax import SamplingParams
+
+    try:
+        return SamplingParams(**defaults)
+    except ValueError as e:  # name the flag that set the bad field
+        field, rest = (str(e).split(" ", 1) + [""])[:2]
+        flag = f" (--{field.replace('_', '-')})" if field in defaults else ""
+        raise ValueError(f"{field}{flag} {rest}") from None
+
+
+def _file_params(fields: list[dict], labels: list[str]) -> tuple[list, dict[int, str]]:
+    """Each prompts-file request's ``SamplingParams`` (None where refused) and the message of
+    each refused one: a bad line's request fails alone."""
+    from mtp_jax import SamplingParams
+
+    params, errors = [], {}
+    for i, f in enumerate(fields):
+        try:
+            params.append(SamplingParams(**f))
+        except (TypeError, ValueError) as e:
+            errors[i] = f"{labels[i]}: {e}"
+            params.append(None)
+    return params, errors
+
+
+def _read_run(args) -> tuple[list, list[str], list, dict[int, str]]:
+    """The run's prompts, their labels, their sampling params (one per prompt; None where
+    refused) and the message of each refused one (its prompts-file line's sampling fields)."""
+    from mtp_jax.cli_prompts import prompt_labels
+
+    if not 0 <= args.seed < 2**32:
+        raise ValueError(f"seed (--seed) {args.seed} must be an int in [0, 2**32); pass a "
+                         f"non-negative one such as {args.seed % 2**32} (the same 32 bits).")
+    # Requests without their own seed take one from LLM(seed=--seed) and their index.
+    defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
+                    max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop)
+    flag_params = _flag_params(defaults)
+    if args.prompts_file:
+        prompts, fields, lines = read_prompts_file(args.prompts_file, defaults)
+        labels = prompt_labels(args.prompts_file, None, lines)
+        params, errors = _file_params(fields, labels)
+    else:
+        prompts = args.prompt or [DEFAULT_PROMPT]
+        labels = prompt_labels(None, args.prompt, None)
+        params, errors = [flag_params] * len(prompts), {}
+    return prompts, labels, params, errors
+
+
+class _NothingToRun(Exception):
+    """Every prompt of several was refused before the model loaded (each has its output)."""
+
+
+def _load(args, prompts: list, labels: list[str], params: list, errors: dict[int, str]):
+    """``(llm, run)``: the ``LLM`` of the flags and the run's prompts
+    (:class:`~mtp_jax.cli_prompts.CliPrompts`), checked once its settings and config passed
+    their checks and before its weights load (:func:`mtp_jax.cli_prompts.prepare_prompts`, as
+    ``LLM(before_load=...)``). ``(None, run)`` when every prompt of several was refused:
+    nothing loads."""
+    from mtp_jax import LLM
+    from mtp_jax.cli_prompts import prepare_prompts
+
+    checked = {}
+
+    def check(tokenizer, limits) -> None:
+        checked["run"] = run = prepare_prompts(args, prompts, labels, params, errors,
+                                               tokenizer, limits)
+        if not run.runnable:
+            raise _NothingToRun
+
+    try:
+        return LLM(**llm_kwargs(args), before_load=check), checked["run"]
+    except _NothingToRun:
+        return None, checked["run"]
+
+
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
-    from mtp_jax import LLM, RequestOutput, SamplingParams
     from mtp_jax.config import ConfigError
 
     try:
-        if not 0 <= args.seed < 2**32:
-            raise ValueError(f"seed (--seed) {args.seed} must be an int in [0, 2**32); pass a "
-                             f"non-negative one such as {args.seed % 2**32} (the same 32 "
-                             "bits).")
-        # Requests without their own seed take one from LLM(seed=--seed) and their index.
-        defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                        max_tokens=args.max_tokens, ignore_eos=args.ignore_eos)
-        try:
-            params = SamplingParams(**defaults)
-        except ValueError as e:  # name the flag that set the bad field
-            field = str(e).split(" ", 1)[0]
-            flag = f" (--{field.replace('_', '-')})" if field in defaults else ""
-            raise ValueError(f"{field}{flag} {str(e).split(' ', 1)[1]}") from None
-        line_errors: dict[int, str] = {}
-        if args.prompts_file:
-            file_prompts, file_fields = read_prompts_file(args.prompts_file, defaults)
-            params = []
-            for i, f in enumerate(file_fields):
-                try:
-                    params.append(SamplingParams(**f))
-                except (TypeError, ValueError) as e:  # this request fails alone
-                    line_errors[i] = f"{args.prompts_file}: request {i + 1}: {e}"
-                    params.append(None)
-        llm = LLM(**llm_kwargs(args))
+        prompts, labels, params, errors = _read_run(args)
+        llm, run = _load(args, prompts, labels, params, errors)
     except (ConfigError, ValueError, OSError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        for line in str(e).splitlines() or [""]:
+            print(f"error: {line}", file=sys.stderr)
         return 2
-    prompts = file_prompts if args.prompts_file else (args.prompt or [DEFAULT_PROMPT])
-    if llm.tokenizer is None and not (args.prompt or args.prompts_file):
-        print(f"error: no --prompt was given, and the demo prompt {DEFAULT_PROMPT!r} is text, "
-              f"which {args.model!r} cannot encode: it has no tokenizer files. Pass token ids "
-              "with --prompts-file FILE (lines like {\"prompt\": [1, 2, 3]}).",
-              file=sys.stderr)
-        return 2
-    if args.chat:
-        if llm.tokenizer is None:
-            print("error: --chat needs a tokenizer (its chat template) in the checkpoint "
-                  "folder, which has none; drop --chat and pass token ids with --prompts-file.",
-                  file=sys.stderr)
-            return 2
-        prompts = [llm.tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                   if isinstance(p, str) else p for p in prompts]
-    run = [i for i in range(len(prompts)) if i not in line_errors]
+    if llm is None:  # several prompts, all refused: each one's error, and no model loaded
+        _print_outputs(args, _outputs(run, []), run.labels, 0.0)
+        return 1
+    todo = run.runnable
+    prompts, todo_params = [run.prompts[i] for i in todo], [params[i] for i in todo]
     if sys.stderr.isatty():  # a progress note for a person waiting; logs get the line below
         print("[warm-up] compiling the programs this run calls (the compilation cache makes "
               "the next start faster) ...", file=sys.stderr, flush=True)
     # Compile every program the run can call first, so that its seconds and tokens/s do not
     # include compilation (which the persistent cache makes fast on the next start).
-    warm_s = llm.warmup([prompts[i] for i in run],
-                        [params[i] for i in run] if isinstance(params, list) else params)
+    warm_s = llm.warmup(prompts, todo_params)
     before = llm.prefix_cache_stats()
+    _print_model_line(args, llm, warm_s)
     try:
         t0 = time.perf_counter()
-        done = llm.generate([prompts[i] for i in run],
-                            [params[i] for i in run] if isinstance(params, list) else params,
-                            # a bar for a person watching; a log would fill with redraws
-                            use_tqdm=bool(args.prompts_file) and sys.stderr.isatty()
-                            ) if run else []
+        if args.stream:
+            done = _stream(llm, prompts, todo_params, sys.stdout)
+        else:  # a bar for a person watching; a log would fill with redraws
+            done = llm.generate(prompts, todo_params,
+                                use_tqdm=bool(args.prompts_file) and sys.stderr.isatty())
         seconds = time.perf_counter() - t0
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
-    # Printed once the run is accepted, so that a refusal is the only thing on stderr.
+    outs = _outputs(run, done)
+    failed = _print_outputs(args, outs, run.labels, seconds)
+    served = [o for o in done if o.finish_reason != "error"]
+    if len(served) > 1 and not args.json:
+        total = sum(len(o.token_ids) for o in served)
+        print(f"[total] requests={len(served)} output_tokens={total} seconds={seconds:.2f} "
+              f"tokens/s={total / max(seconds, 1e-9):.1f} (all requests together; each "
+              "[stats] line's seconds is this batch's wall time)")
+    stats = {k: v - before.get(k, 0) for k, v in llm.prefix_cache_stats().items()}
+    if stats and not args.json:
+        print(f"[prefix-cache] lookups={stats['lookups']} hits={stats['hits']} "
+              f"reused_tokens={stats['reused_tokens']} of prompt_tokens={stats['prompt_tokens']}")
+    return 1 if failed else 0
+
+
+def _print_model_line(args, llm, warm_s: float) -> None:
+    """The ``[model]`` and ``[warm-up]`` lines on stderr, once the run is accepted (so that a
+    refusal is the only thing on stderr)."""
     print(f"[model] {args.model or DEFAULT_MODEL_LINE}"
           f"; speculative_algorithm={llm.speculative.algorithm}"
           + (f" (k={llm.speculative.num_steps})" if llm.speculative.enabled else "")
@@ -302,49 +342,76 @@ def _main(argv) -> int:
           file=sys.stderr)
     print(f"[warm-up] programs compiled or loaded from the compilation cache in {warm_s:.1f}s",
           file=sys.stderr)
-    outs = [None] * len(prompts)
-    for i, out in zip(run, done):
+
+
+def _stream(llm, prompts: list, params: list, out) -> list:
+    """Generate through ``LLM.generate_stream``, writing the text deltas to ``out`` as they
+    come (held back while they could be the start of a stop string, as the server's stream:
+    :class:`mtp_jax.serve.text.TextStream`), then a newline. Returns the outputs."""
+    from mtp_jax.serve.text import TextStream
+
+    texts = [TextStream(llm.tokenizer, p.stop) for p in params]
+    done = [None] * len(prompts)
+    for chunk in llm.generate_stream(prompts, params):
+        if chunk.finished:  # the final text, cut at a stop string its last tokens made
+            done[chunk.index] = chunk.output
+            delta = texts[chunk.index].finish(chunk.output.text)
+        else:
+            delta = texts[chunk.index].push(chunk.new_token_ids)
+        if delta:
+            out.write(delta)
+            out.flush()
+    out.write("\n")
+    return done
+
+
+def _outputs(run, done: list) -> list:
+    """Every prompt's output, in order: the run's, and an error output for each refused."""
+    from mtp_jax import RequestOutput
+
+    outs = [None] * len(run.prompts)
+    for i, out in zip(run.runnable, done):
         outs[i] = out
-    for i, msg in line_errors.items():
-        outs[i] = RequestOutput(request_id=f"line{i + 1}", prompt=prompts[i] if isinstance(
-            prompts[i], str) else None, prompt_token_ids=[], token_ids=[], text="",
-            finish_reason="error", error=msg)
+    for i, msg in run.errors.items():
+        p = run.prompts[i]
+        outs[i] = RequestOutput(request_id=f"request{i + 1}", prompt=p if isinstance(p, str)
+                                else None, prompt_token_ids=[], token_ids=[], text="",
+                                finish_reason="error", error=msg)
+    return outs
+
+
+def _print_outputs(args, outs: list, labels: list[str], seconds: float) -> int:
+    """Print each output (its text, or the streamed text's stats line; JSON with ``--json``;
+    ``error: ...`` on stderr for a refused one); returns how many were refused."""
     failed = 0
     for i, out in enumerate(outs):
-        if out.finish_reason == "error" and args.prompts_file and i not in line_errors:
-            out = dataclasses.replace(out, error=f"{args.prompts_file}: request {i + 1}: "
-                                                 f"{out.error}")
+        if out.finish_reason == "error" and not out.error.startswith(labels[i]):
+            out = dataclasses.replace(out, error=f"{labels[i]}: {out.error}")
         if args.json:
-            print(json.dumps({
-                "prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
-                "prompt_tokens": (None if out.finish_reason == "error"  # ids not known
-                                  and not out.prompt_token_ids else len(out.prompt_token_ids)),
-                "output_tokens": len(out.token_ids),
-                "finish_reason": out.finish_reason, "error": out.error,
-                "seconds": round(seconds, 4),
-                "tokens_per_second": round(len(out.token_ids) / max(seconds, 1e-9), 2),
-                "accept_length": out.accept_length, "acceptance_rate": out.acceptance_rate,
-                "num_rounds": out.num_rounds, "cached_tokens": out.cached_tokens}))
+            print(json.dumps(_json_record(out, seconds)))
         elif out.finish_reason == "error":
             print(f"error: {out.error}", file=sys.stderr)
         else:
             if len(outs) > 1:
                 print(f"--- request {i + 1} of {len(outs)} ---")
-            print(out.text if out.text or not out.token_ids
-                  else f"(no tokenizer) token ids: {out.token_ids}")
+            if not args.stream:
+                print(out.text if out.text or not out.token_ids
+                      else f"(no tokenizer) token ids: {out.token_ids}")
             print(_stats_line(out, seconds))
         failed += out.finish_reason == "error"
-    served = [o for o in done if o.finish_reason != "error"]
-    if len(served) > 1 and not args.json:
-        total = sum(len(o.token_ids) for o in served)
-        print(f"[total] requests={len(served)} output_tokens={total} seconds={seconds:.2f} "
-              f"tokens/s={total / max(seconds, 1e-9):.1f} (all requests together; each "
-              "[stats] line's seconds is this batch's wall time)")
-    stats = {k: v - before.get(k, 0) for k, v in llm.prefix_cache_stats().items()}
-    if stats and not args.json:
-        print(f"[prefix-cache] lookups={stats['lookups']} hits={stats['hits']} "
-              f"reused_tokens={stats['reused_tokens']} of prompt_tokens={stats['prompt_tokens']}")
-    return 1 if failed else 0
+    return failed
+
+
+def _json_record(out, seconds: float) -> dict:
+    return {"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
+            "prompt_tokens": (None if out.finish_reason == "error"  # ids not known
+                              and not out.prompt_token_ids else len(out.prompt_token_ids)),
+            "output_tokens": len(out.token_ids),
+            "finish_reason": out.finish_reason, "error": out.error,
+            "seconds": round(seconds, 4),
+            "tokens_per_second": round(len(out.token_ids) / max(seconds, 1e-9), 2),
+            "accept_length": out.accept_length, "acceptance_rate": out.acceptance_rate,
+            "num_rounds": out.num_rounds, "cached_tokens": out.cached_tokens}
 
 
 if __name__ == "__main__":

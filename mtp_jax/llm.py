@@ -8,7 +8,7 @@ from __future__ import annotations
 import contextlib
 import dataclasses
 import warnings
-from typing import Iterator, Sequence
+from typing import Callable, Iterator, Sequence
 
 from tqdm.auto import tqdm
 
@@ -24,6 +24,7 @@ from mtp_jax.engine.serving import check_memory_before_load, make_engine
 from mtp_jax.models.checks import check_backends
 from mtp_jax.models.loaded import resolve_dtype
 from mtp_jax.models.loader import load_model, load_request
+from mtp_jax.prompt_checks import PromptLimits, check_prompts_before_load, load_tokenizer
 from mtp_jax.prompts import (check_stops, error_output, params_list, prompt_ids,
                              prompt_list, request_output)
 from mtp_jax.sampling import SamplingParams
@@ -91,7 +92,6 @@ class LLM:
       max_total_tokens: KV positions for all requests together (wins over ``mem_fraction``).
       ple_backend: qwen4_exp only (a ConfigError for other families): where the PLE n-gram
         tables live, ``"disk"`` (memory-mapped, the default) or ``"memory"`` (host RAM).
-        qwen4_exp runs plain decoding, one request at a time, for now.
       attention_backend, gdn_backend, moe_backend, norm_backend, gemv_backend: ``"auto"``
         (default), ``"xla"`` or ``"pallas"``: the implementation of paged attention, the GDN
         decode/verify/commit step form, the MoE experts and router, the decoder layers'
@@ -107,6 +107,11 @@ class LLM:
         dequantize them to ``dtype`` at load for now (docs/quantization.md).
       dummy_weight: random weights of the checkpoint's shapes instead of its weights (benchmarks,
         tests of the non-speculative path); refused with ``speculative_algorithm="mtp"``.
+      before_load: ``fn(tokenizer, limits)``, called once the settings and the config passed
+        their checks and the tokenizer is read, before any weight loads: what it raises stops
+        the construction there. ``limits`` (:class:`~mtp_jax.prompt_checks.PromptLimits`): the
+        vocabulary and context limit. The CLI checks its prompts here
+        (:mod:`mtp_jax.cli_prompts`); Python callers can use :meth:`check_prompts`.
     Raises:
       ConfigError: bad settings, before any weight is read (:func:`mtp_jax.checks.check_before_load`);
       CheckpointError: bad weight files, before any tensor data is read.
@@ -127,7 +132,8 @@ class LLM:
                  ple_backend: str | None = None, attention_backend: str = "auto",
                  gdn_backend: str = "auto", moe_backend: str = "auto",
                  compilation_cache_dir: str | None = None, norm_backend: str = "auto",
-                 gemv_backend: str = "auto", quantization: str = "auto"):
+                 gemv_backend: str = "auto", quantization: str = "auto",
+                 before_load: Callable[[Tokenizer | None, PromptLimits], None] | None = None):
         enable_compilation_cache(compilation_cache_dir)  # before anything compiles
         check_quantization_mode(quantization)
         backends = dict(attention=attention_backend, gdn=gdn_backend, moe=moe_backend,
@@ -162,7 +168,9 @@ class LLM:
                                       dummy_weight=dummy_weight,
                                       has_proposer=proposer is not None, request=request)
         check_memory_before_load(model_cfg, engine_cfg, speculative)
-        self.tokenizer = Tokenizer.from_folder(model)
+        self.tokenizer = load_tokenizer(model)  # the one a check_prompts call just read
+        if before_load is not None:
+            before_load(self.tokenizer, PromptLimits.of(model_cfg, engine_cfg.max_model_len))
         self.model = load_model(model, engine_cfg.dtype, with_mtp=algorithm == "mtp",
                                 dummy_weight=dummy_weight, cfg=model_cfg,
                                 draft_path=speculative_draft_model_path, ple_backend=ple_backend,
@@ -186,6 +194,21 @@ class LLM:
         :func:`mtp_jax.cache_admin.cache_status`."""
         return cache_status(self.engine)
 
+    @staticmethod
+    def check_prompts(prompts, model: str | None = None, *, max_model_len: int = 4096,
+                      sampling_params=None) -> list[list[int]]:
+        """Tokenize and check ``prompts`` (as for :meth:`generate`) before any weight loads:
+        reads only the checkpoint's ``config.json`` and tokenizer files (``model`` None: the
+        built-in default model), so a bad prompt is refused in seconds, not after the load.
+        Returns each prompt's token ids. Raises ``ValueError`` naming every refused prompt
+        (``prompts[i]``): empty, too long for the context limit (``min(max_model_len,
+        max_position_embeddings)``: its token count, the limit and the fix), ids outside the
+        vocabulary, text without a tokenizer, or, with ``sampling_params``, stops that cannot
+        fire; ``ConfigError`` for a folder ``LLM(model)`` would refuse. ``LLM(model)`` then
+        reuses the tokenizer read here; :meth:`generate` checks every prompt again."""
+        return check_prompts_before_load(prompts, default_model_path() if model is None
+                                         else model, max_model_len, sampling_params)
+
     # ---- requests ----------------------------------------------------------------------------
     def new_requests(self, prompt, params: SamplingParams) -> list[Request]:
         """The ``params.n`` engine requests (:class:`Request`, the samples) of one prompt
@@ -201,7 +224,8 @@ class LLM:
         """The ``params.n`` requests of ``prompt``: sample i seeded ``params.seed + i`` when a
         seed is given (else by its own request index), samples 1..n-1 linked to sample 0."""
         vocab = self.model.cfg.vocab_size
-        text, ids = prompt_ids(prompt, self.tokenizer, vocab, self.engine.max_model_len)
+        text, ids = prompt_ids(prompt, self.tokenizer, vocab, self.engine.max_model_len,
+                               max_positions=self.model.cfg.max_position_embeddings)
         check_stops(params, vocab, self.tokenizer)
         out: list[Request] = []
         for i in range(params.n):
@@ -394,7 +418,9 @@ class LLM:
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None):
         """Apply the chat template to ``messages`` and generate one reply."""
         if self.tokenizer is None:
-            raise ValueError("this checkpoint folder has no tokenizer, so it has no chat template.")
+            raise ValueError("this checkpoint folder has no tokenizer, so it has no chat "
+                             "template; use generate() with token-id prompts, or a checkpoint "
+                             "with its tokenizer files.")
         prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
         return self.generate([prompt], sampling_params)[0]
 

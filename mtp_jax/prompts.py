@@ -14,22 +14,24 @@ from collections.abc import Iterable
 from mtp_jax.engine.requests import Request, RequestOutput
 from mtp_jax.sampling import SamplingParams
 
-__all__ = ["prompt_ids", "check_stops", "prompt_list", "params_list", "request_output",
-           "error_output"]
+__all__ = ["prompt_ids", "too_long_message", "check_stops", "prompt_list", "params_list",
+           "request_output", "error_output"]
 
 
-def prompt_ids(prompt, tokenizer, vocab_size: int,
-               max_model_len: int) -> tuple[str | None, list[int]]:
+def prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int, *,
+               max_positions: int | None = None) -> tuple[str | None, list[int]]:
     """``(text or None, token ids)`` of one prompt: a string (encoded with ``tokenizer``) or a
     list / 1-D array of ints. Raises ``ValueError`` for text without a tokenizer, non-int ids,
     an empty prompt, ids outside ``[0, vocab_size)``, or a prompt that leaves no room in
-    ``max_model_len`` for one output token."""
+    ``max_model_len`` (the context limit) for one output token; ``max_positions`` (the model's
+    ``max_position_embeddings``, when known) says whether raising ``max_model_len`` can help."""
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this checkpoint folder has no tokenizer files; pass prompts "
                              "as lists of token ids (Python: LLM.generate([[1, 2, 3]]); "
                              "CLI: --prompts-file FILE with lines like "
                              "{\"prompt\": [1, 2, 3]}).")
+        check_text(prompt)
         ids, text = tokenizer.encode(prompt), prompt
     elif isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist")
                                                and getattr(prompt, "ndim", 0) == 1):
@@ -42,16 +44,42 @@ def prompt_ids(prompt, tokenizer, vocab_size: int,
     else:
         raise ValueError(f"prompt {prompt!r} is neither a string nor a list of token ids.")
     if not ids:
-        raise ValueError("empty prompt: a prompt needs at least one token.")
+        raise ValueError("empty prompt: a prompt needs at least one token; pass some text "
+                         "or token ids.")
     bad = [t for t in ids if not 0 <= t < vocab_size]
     if bad:
         raise ValueError(f"prompt token ids {bad[:5]} are outside the vocabulary "
                          f"[0, {vocab_size}); use ids from this checkpoint's tokenizer.")
     if len(ids) >= max_model_len:
-        raise ValueError(f"prompt of {len(ids)} tokens does not fit max_model_len "
-                         f"{max_model_len} (it needs room for one output token); "
-                         "raise max_model_len (--max-model-len) or shorten the prompt.")
+        raise ValueError(too_long_message(len(ids), max_model_len, max_positions))
     return text, ids
+
+
+def check_text(text: str) -> None:
+    """Refuse prompt text that is not Unicode (a lone surrogate: what Python makes of a byte
+    that was not UTF-8 in a command line or file), which the tokenizer cannot encode."""
+    try:
+        text.encode("utf-8")
+    except UnicodeEncodeError as e:
+        c = ord(text[e.start])
+        what = f"byte 0x{c - 0xDC00:02x}" if 0xDC80 <= c <= 0xDCFF else f"U+{c:04X}"
+        raise ValueError(f"prompt text holds {what} at character {e.start}, which is not UTF-8 "
+                         "(a command line or file in another encoding); pass UTF-8 text.") from None
+
+
+def too_long_message(num_tokens: int, max_model_len: int, max_positions: int | None) -> str:
+    """The refusal of a prompt of ``num_tokens`` tokens under the context limit
+    ``max_model_len``: its count, the limit and the fix (a larger ``--max-model-len``, unless
+    the model's ``max_positions`` is what caps it)."""
+    head = (f"prompt of {num_tokens} tokens does not fit max_model_len {max_model_len} (it "
+            "needs room for one output token); ")
+    shorten = f"shorten the prompt to at most {max_model_len - 1} tokens"
+    if max_positions is not None and max_model_len >= max_positions:
+        return (head + f"the model's max_position_embeddings ({max_positions}) caps "
+                f"max_model_len, so {shorten}.")
+    room = "" if max_positions is None else f" (the model allows up to {max_positions})"
+    return (head + f"raise max_model_len (--max-model-len) to at least {num_tokens + 1}{room}, "
+            f"or {shorten}.")
 
 
 def check_stops(params: SamplingParams, vocab_size: int, tokenizer) -> None:

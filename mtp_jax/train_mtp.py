@@ -17,7 +17,8 @@ from mtp_jax.train.prepare import TrainSettings
 
 def build_parser() -> argparse.ArgumentParser:
     d = TrainSettings.__dataclass_fields__
-    p = argparse.ArgumentParser(prog="python -m mtp_jax.train_mtp", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m mtp_jax.train_mtp", description=__doc__,
+                                allow_abbrev=False)
     p.add_argument("--model", required=True, help="checkpoint folder (HF layout) to train the "
                    "draft of; a checkpoint without mtp.* gets a fresh head")
     p.add_argument("--out", required=True, help="new folder for the trained checkpoint")

@@ -32,7 +32,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     """The engine benchmark's flags; ``description`` is its ``--help`` text."""
     p = argparse.ArgumentParser(prog="python -m mtp_jax.bench [engine]",
                                 description=plain_text(description),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--config", action="append", required=True,
                    help="configs/<name>.json (repeat for several shapes)")
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes")

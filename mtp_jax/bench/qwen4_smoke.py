@@ -79,7 +79,7 @@ def device_profile(model, k: int, prompt_len: int, out: str) -> str:
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mtp_jax.bench.qwen4_smoke",
-                                description=__doc__.split("\n\n")[0])
+                                description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--config", default="configs/Qwen3.8-Flash-Next.json")
     p.add_argument("--layers", type=int, default=8)
     p.add_argument("--experts", type=int, default=64)

@@ -42,7 +42,8 @@ def parser(name: str, doc: str | None) -> argparse.ArgumentParser:
     """The parser of subcommand ``name`` (``python -m mtp_jax.bench NAME``), ``doc`` its help
     text, with ``--out`` and ``--hbm-tbps``."""
     p = argparse.ArgumentParser(prog=f"{PROG} {name}", description=plain_text(doc),
-                                formatter_class=argparse.RawDescriptionHelpFormatter)
+                                formatter_class=argparse.RawDescriptionHelpFormatter,
+                                allow_abbrev=False)
     p.add_argument("--out", default=f"bench-{name}.json",
                    help="JSON results, rewritten after each row (default %(default)s)")
     p.add_argument("--hbm-tbps", type=positive(float), default=4.2,

@@ -17,7 +17,8 @@ def build_parser() -> argparse.ArgumentParser:
     the HTTP ones."""
     from mtp_jax.generate import add_engine_flags
 
-    p = argparse.ArgumentParser(prog="python -m mtp_jax.serve", description=__doc__)
+    p = argparse.ArgumentParser(prog="python -m mtp_jax.serve", description=__doc__,
+                                allow_abbrev=False)
     add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default %(default)s; 0.0.0.0 for every "

@@ -99,12 +99,13 @@ async def _stream(call: Call, state, body, model: str, chat: bool):
                                          {"role": "assistant", "content": ""}))
         try:
             async for ev in call.events():
-                delta = texts[ev.index].push(ev.token_ids)
                 reason = None
-                if ev.finished:
+                if ev.finished:  # the final text, cut at a stop string its last tokens made
                     outs[ev.index] = ev.output
-                    delta += texts[ev.index].finish(ev.output.text)
+                    delta = texts[ev.index].finish(ev.output.text)
                     reason = R.finish_reason(ev.output)
+                else:
+                    delta = texts[ev.index].push(ev.token_ids)
                 if not (delta or ev.token_ids or reason):
                     continue
                 lps = _logprobs(ev.logprobs, state, chat, offsets[ev.index])

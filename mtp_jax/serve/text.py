@@ -11,8 +11,10 @@ __all__ = ["TextStream"]
 
 
 class TextStream:
-    """Deltas of one choice: :meth:`push` the new token ids, :meth:`finish` with the final
-    text. ``tokenizer`` None gives empty text."""
+    """Deltas of one choice: :meth:`push` the new token ids of each update but the last, and
+    :meth:`finish` with the final text at the last (not :meth:`push` then: its tokens may
+    complete a stop string, whose first characters push would give out). ``tokenizer`` None
+    gives empty text."""
 
     def __init__(self, tokenizer, stops: list[str] | None):
         self.tokenizer = tokenizer

@@ -280,7 +280,7 @@ def write_tokenizer_files(out_dir: str, cache_dir: str | None = None) -> list[st
 
 
 def main(argv: list[str] | None = None) -> None:
-    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    ap = argparse.ArgumentParser(description=__doc__.split("\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, help="folder to write the tokenizer files into")
     ap.add_argument("--cache-dir", default=None, help="conversion cache (default: cache_root())")
     args = ap.parse_args(argv)

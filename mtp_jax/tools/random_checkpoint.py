@@ -90,7 +90,8 @@ def write_random_checkpoint(config: dict | str, out_dir: str, dtype: str = "bflo
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(prog="python -m mtp_jax.tools.random_checkpoint",
                                  description="Write a random-weight checkpoint of a "
-                                             "registered family.")
+                                             "registered family.",
+                                 allow_abbrev=False)
     ap.add_argument("--config", required=True,
                     help="config.json, or a folder holding one (a checkpoint's, e.g. a test "
                          "fixture under tests/fixtures/ for a small model; configs/*.json are "

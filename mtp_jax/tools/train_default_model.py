@@ -230,7 +230,7 @@ def greedy_samples(base: str, model: LoadedModel, params, prompts, max_tokens: i
 
 def main(argv: list[str] | None = None) -> int:
     ap = argparse.ArgumentParser(prog="python -m mtp_jax.tools.train_default_model",
-                                 description=__doc__.split("\n\n")[0])
+                                 description=__doc__.split("\n\n")[0], allow_abbrev=False)
     ap.add_argument("--out", required=True, help="the safetensors file to write")
     ap.add_argument("--steps", type=int, default=500, help="optimizer steps (%(default)s)")
     ap.add_argument("--batch", type=int, default=16, help="rows per step (%(default)s)")

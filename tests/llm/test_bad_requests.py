@@ -12,7 +12,7 @@ from mtp_jax import LLM, SamplingParams
 from tests.helpers.paths import fixture_path
 
 CKPT = fixture_path("tiny_moe_fused")
-MAX_LEN = 4096  # the default max_model_len of the tiny checkpoint
+MAX_LEN = 4096  # the default max_model_len, and the tiny checkpoint's max_position_embeddings
 VOCAB = 300
 
 
@@ -37,8 +37,9 @@ def run_spy(llm, monkeypatch):
 
 BAD_PROMPTS = [
     ("empty", [], r"empty prompt: a prompt needs at least one token"),
-    ("too_long", [2 + i % 250 for i in range(MAX_LEN)], rf"prompt of {MAX_LEN} tokens does not fit "
-                                              rf"max_model_len {MAX_LEN}.*raise max_model_len"),
+    ("too_long", [2 + i % 250 for i in range(MAX_LEN)],
+     rf"prompt of {MAX_LEN} tokens does not fit max_model_len {MAX_LEN}.*the model's "
+     rf"max_position_embeddings \({MAX_LEN}\) caps max_model_len"),
     ("id_too_large", [5, VOCAB, 7], rf"prompt token ids \[{VOCAB}\] are outside the vocabulary "
                                     rf"\[0, {VOCAB}\)"),
     ("negative_id", [5, -1], r"prompt token ids \[-1\] are outside the vocabulary"),

@@ -1,0 +1,253 @@
+"""Newcomer friction (issue 32, item 7): prompts are tokenized and checked before the weights
+load (CLI and ``LLM.check_prompts``), each refusal naming the prompt, its token count, the limit
+and the fix; a non-UTF-8 prompts file names its line; ``--stop`` and ``--stream``; no argparse
+abbreviations. Every test here but the last runs no JAX program: the weights must not load
+(``no_load`` makes loading them fail the test)."""
+
+import ast
+import json
+import os
+
+import pytest
+
+from mtp_jax import LLM, generate
+from mtp_jax.cli_prompts import read_prompts_file
+from mtp_jax.prompt_checks import load_tokenizer, read_limits
+from mtp_jax.prompts import prompt_ids, too_long_message
+from tests.helpers.paths import REPO, fixture_path
+from tests.helpers.tiny_folders import folder_with_tokenizer
+
+CKPT = fixture_path("tiny_moe_fused")  # no tokenizer files
+ENGINE = ["--dtype", "float32", "--speculative-num-steps", "2", "--max-running-requests", "2"]
+
+
+@pytest.fixture(scope="module")
+def words(tmp_path_factory) -> str:
+    """tiny_moe_fused with a word-level tokenizer: ``"t5 t6"`` is ``[5, 6]``."""
+    return folder_with_tokenizer(str(tmp_path_factory.mktemp("words")))
+
+
+@pytest.fixture
+def no_load(monkeypatch):
+    """Loading weights fails the test (an AssertionError the CLI does not catch)."""
+    import mtp_jax.llm as llm_module
+
+    def refuse(*args, **kwargs):
+        raise AssertionError("the weights were loaded")
+
+    monkeypatch.setattr(llm_module, "load_model", refuse)
+
+
+def _text(n: int) -> str:
+    return " ".join(f"t{5 + i % 200}" for i in range(n))
+
+
+def _err(capsys) -> str:
+    return capsys.readouterr().err
+
+
+# ---- prompts checked before the load ---------------------------------------------------------
+def test_cli_empty_prompt_refused_before_load(words, no_load, capsys):
+    assert generate.main(["--model", words, "--prompt", ""]) == 2
+    assert "error: --prompt: empty prompt: a prompt needs at least one token; pass some" \
+           in _err(capsys)
+
+
+def test_cli_too_long_prompts_name_file_line_count_limit_and_flag(words, no_load, tmp_path,
+                                                                    capsys):
+    f = tmp_path / "reqs.jsonl"
+    f.write_text("\n" + json.dumps({"prompt": _text(20)}) + "\n"
+                 + json.dumps({"prompt": [5] * 30}) + "\n")
+    assert generate.main(["--model", words, "--prompts-file", str(f),
+                          "--max-model-len", "16"]) == 1  # several refused: each reported
+    err = _err(capsys)
+    assert (f"error: {f}:2 (request 1): prompt of 20 tokens does not fit max_model_len 16 (it "
+            "needs room for one output token); raise max_model_len (--max-model-len) to at least "
+            "21 (the model allows up to 4096), or shorten the prompt to at most 15 tokens."
+            ) in err
+    assert f"error: {f}:3 (request 2): prompt of 30 tokens does not fit max_model_len 16" in err
+
+
+def test_cli_checks_the_prompt_the_chat_template_makes(words, no_load, capsys):
+    # "t1 t5 t6 t7 t2 t3": 6 tokens, where the bare prompt has 3.
+    assert generate.main(["--model", words, "--chat", "--prompt", "t5 t6 t7",
+                          "--max-model-len", "6"]) == 2
+    assert "--prompt: prompt of 6 tokens does not fit max_model_len 6" in _err(capsys)
+
+
+def test_cli_limit_capped_by_the_model_says_to_shorten(tmp_path, no_load, capsys):
+    capped = folder_with_tokenizer(str(tmp_path / "capped"), max_position_embeddings=8)
+    assert generate.main(["--model", capped, "--prompt", _text(10)]) == 2
+    err = _err(capsys)
+    assert ("prompt of 10 tokens does not fit max_model_len 8 (it needs room for one output "
+            "token); the model's max_position_embeddings (8) caps max_model_len, so shorten the "
+            "prompt to at most 7 tokens.") in err
+    assert "--max-model-len" not in err
+
+
+def test_cli_good_prompt_among_bad_ones_goes_on_to_load(words, no_load, capsys):
+    """A bad prompt among several fails alone: the run goes on to load the model."""
+    with pytest.raises(AssertionError, match="weights were loaded"):
+        generate.main(["--model", words, "--prompt", "t5 t6", "--prompt", ""])
+
+
+def test_cli_several_prompts_all_refused_report_each_without_loading(words, no_load, capsys):
+    assert generate.main(["--model", words, "--prompt", "", "--prompt", _text(20),
+                          "--max-model-len", "16", "--json"]) == 1
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["finish_reason"] for r in recs] == ["error", "error"]
+    assert recs[0]["error"].startswith("--prompt 1 of 2: empty prompt")
+    assert recs[1]["error"].startswith("--prompt 2 of 2: prompt of 20 tokens does not fit "
+                                       "max_model_len 16")
+
+
+def test_llm_check_prompts_before_construction(words, no_load):
+    assert LLM.check_prompts(["t5 t6", [7, 8, 9]], words) == [[5, 6], [7, 8, 9]]
+    with pytest.raises(ValueError) as e:
+        LLM.check_prompts(["t5", "", _text(10), [5, 300]], words, max_model_len=8)
+    lines = str(e.value).splitlines()
+    assert lines[0].startswith("prompts[1]: empty prompt")
+    assert lines[1].startswith("prompts[2]: prompt of 10 tokens does not fit max_model_len 8")
+    assert lines[2].startswith("prompts[3]: prompt token ids [300] are outside the vocabulary")
+    with pytest.raises(ValueError, match=r"prompts\[0\]: stop strings \['x'\] need a tokenizer"):
+        from mtp_jax import SamplingParams
+
+        LLM.check_prompts([[5]], CKPT, sampling_params=SamplingParams(stop=["x"]))
+
+
+def test_limits_and_tokenizer_are_the_loaded_engines(tmp_path):
+    """The limit known before the load is the engine's (max_position_embeddings caps
+    max_model_len), the tokenizer read by the check is the one LLM keeps, and generate after
+    the load still refuses with the same advice (no program runs: the prompt is refused first)."""
+    capped = folder_with_tokenizer(str(tmp_path / "capped"), max_position_embeddings=64)
+    before = load_tokenizer(capped)
+    llm = LLM(capped, dtype="float32", speculative_num_steps=2, max_running_requests=2)
+    assert llm.engine.max_model_len == read_limits(capped, 4096).context == 64
+    assert llm.tokenizer is before
+    with pytest.raises(ValueError, match=r"prompt of 70 tokens .* max_position_embeddings \(64\) "
+                                         r"caps max_model_len"):
+        llm.generate([_text(70)])
+
+
+def test_too_long_message_fix_depends_on_what_caps_the_limit():
+    assert "raise max_model_len (--max-model-len) to at least 11 (the model allows up to 64)" \
+           in too_long_message(10, 8, 64)
+    assert "caps max_model_len, so shorten the prompt to at most 63" in too_long_message(70, 64,
+                                                                                          64)
+    assert "raise max_model_len (--max-model-len) to at least 11, or" in too_long_message(10, 8,
+                                                                                           None)
+
+
+def test_prompt_text_that_is_not_utf8_is_refused(words):
+    with pytest.raises(ValueError, match="holds byte 0xff at character 2, which is not UTF-8"):
+        prompt_ids("t5\udcff", load_tokenizer(words), 300, 4096)
+
+
+# ---- prompts file encoding ---------------------------------------------------------------------
+def test_non_utf8_prompts_file_names_file_line_and_fix(tmp_path, no_load, capsys):
+    f = tmp_path / "latin1.jsonl"
+    f.write_bytes(b'{"prompt": [1, 2]}\n{"prompt": "caf\xe9"}\n')
+    with pytest.raises(ValueError, match=rf"{f}:2: not UTF-8 text \(byte 0xe9 at byte 16 of the "
+                                         r"line\).*save the file as UTF-8 \(e\.g\. iconv"):
+        read_prompts_file(str(f), {})
+    assert generate.main(["--model", CKPT, "--prompts-file", str(f)]) == 2
+    assert f"error: {f}:2: not UTF-8 text" in _err(capsys)
+    f.write_bytes(b'\xef\xbb\xbf{"prompt": [1, 2]}\n\n{"prompt": [3]}\n')  # a BOM, a blank line
+    assert read_prompts_file(str(f), {"max_tokens": 2}) == (
+        [[1, 2], [3]], [{"max_tokens": 2}, {"max_tokens": 2}], [1, 3])
+
+
+# ---- --stop and --stream -----------------------------------------------------------------------
+def test_stop_flags_are_sampling_params_stop(words, tmp_path):
+    parse = generate.build_parser().parse_args
+    _, _, params, errors = generate._read_run(parse(["--model", words, "--prompt", "t5",
+                                                     "--stop", "t9", "--stop", "t8 t7"]))
+    assert params[0].stop == ["t9", "t8 t7"] and errors == {}
+    f = tmp_path / "reqs.jsonl"
+    f.write_text(json.dumps({"prompt": "t5"}) + "\n"
+                 + json.dumps({"prompt": "t6", "stop": "t4"}) + "\n")
+    _, _, params, _ = generate._read_run(parse(["--model", words, "--prompts-file", str(f),
+                                                "--stop", "t9"]))
+    assert [p.stop for p in params] == [["t9"], ["t4"]]  # a line's own stop replaces the flag's
+
+
+@pytest.mark.parametrize("argv, message", [
+    (["--model", "WORDS", "--stop", ""], "error: stop (--stop) [''] must hold non-empty strings"),
+    (["--model", CKPT, "--prompts-file", "IDS", "--stop", "x"],
+     "(request 1): stop strings ['x'] need a tokenizer to match the text"),
+    (["--model", "WORDS", "--stream", "--json"], "error: --stream prints text as it is generated "
+                                                 "and --json prints one object"),
+    (["--model", "WORDS", "--stream", "--prompt", "t5", "--prompt", "t6"],
+     "this run has 2 prompts; pass one --prompt (or a one-line --prompts-file), or drop --stream"),
+    (["--model", CKPT, "--stream", "--prompts-file", "IDS"],
+     "--stream prints text, and this checkpoint folder has no tokenizer files"),
+], ids=["empty_stop", "stop_without_tokenizer", "stream_json", "stream_two", "stream_ids"])
+def test_stop_and_stream_refusals_before_load(words, tmp_path, no_load, capsys, argv, message):
+    ids = tmp_path / "ids.jsonl"
+    ids.write_text(json.dumps({"prompt": [5, 6]}) + "\n")
+    argv = [words if a == "WORDS" else str(ids) if a == "IDS" else a for a in argv]
+    assert generate.main(argv) == 2
+    assert message in _err(capsys)
+
+
+# ---- argparse abbreviations ----------------------------------------------------------------------
+def test_every_argument_parser_refuses_abbreviations():
+    missing = []
+    for folder, _, files in os.walk(os.path.join(REPO, "mtp_jax")):
+        for name in files:
+            if not name.endswith(".py"):
+                continue
+            path = os.path.join(folder, name)
+            for node in ast.walk(ast.parse(open(path).read())):
+                if (isinstance(node, ast.Call) and getattr(node.func, "attr", None)
+                        == "ArgumentParser" and not any(
+                            k.arg == "allow_abbrev" and getattr(k.value, "value", None) is False
+                            for k in node.keywords)):
+                    missing.append(f"{os.path.relpath(path, REPO)}:{node.lineno}")
+    assert missing == [], f"ArgumentParser without allow_abbrev=False: {missing}"
+
+
+def test_abbreviated_flag_is_an_error(capsys):
+    from mtp_jax.serve.cli import build_parser as serve_parser
+
+    for parser in (generate.build_parser(), serve_parser()):
+        with pytest.raises(SystemExit):
+            parser.parse_args(["--max-model-le", "64"])
+        assert "unrecognized arguments: --max-model-le" in _err(capsys)
+    with pytest.raises(SystemExit):
+        generate.build_parser().parse_args(["--max-token", "3"])
+
+
+# ---- a run: --stream prints the final text as it comes, --stop cuts it (compiles) --------------
+def test_cli_stream_and_stop(words, monkeypatch, capsys):
+    args = ["--model", words, "--prompt", "t5 t6 t7", "--max-tokens", "12", "--ignore-eos",
+            *ENGINE]
+    assert generate.main(args + ["--json"]) == 0
+    full = json.loads(capsys.readouterr().out.strip().splitlines()[-1])["text"]
+    words_out = full.split(" ")
+    assert len(words_out) == 12
+    stop = " ".join(words_out[4:6])
+    assert generate.main(args + ["--json", "--stop", stop]) == 0
+    cut = json.loads(capsys.readouterr().out.strip().splitlines()[-1])
+    assert cut["text"] == full[:full.index(stop)] and cut["finish_reason"] == "stop"
+
+    class Writes:  # stdout, keeping each write
+        def __init__(self):
+            self.parts = []
+
+        def write(self, s):
+            self.parts.append(s)
+
+        def flush(self):
+            pass
+
+    for extra, want in (([], full), (["--stop", stop], cut["text"])):
+        out = Writes()
+        monkeypatch.setattr("sys.stdout", out)
+        assert generate.main(args + ["--stream"] + extra) == 0
+        text = "".join(out.parts)
+        assert text[:text.index("\n[stats] ")] == want  # the text, then the stats line
+        deltas = out.parts[:out.parts.index("\n")]
+        assert "".join(deltas) == want
+        if not extra:
+            assert len(deltas) > 2  # written as it came, not at the end
