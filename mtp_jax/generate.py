@@ -118,11 +118,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--disable-overlap-schedule", action="store_true",
                    help="wait for each round's result before dispatching the next (by default "
                         "the next round is dispatched first, overlapping host and device work)")
-    p.add_argument("--num-scheduler-steps", type=int, default=1,
-                   help="rounds (decode steps, or speculative rounds) per program call, 1..16 "
-                        "(multi-step scheduling; default %(default)s). Above 1 the host's "
-                        "per-call work is paid once for that many rounds: faster when the host "
-                        "bounds a round (small models at batch 1); outputs are identical")
+    p.add_argument("--num-scheduler-steps", type=scheduler_steps, default=None,
+                   help="rounds (decode steps, or speculative rounds) per program call: "
+                        "'auto' (the default: the engine chooses, 4, fewer with speculation "
+                        "and the prefix cache, 1 with an external proposer) or 1..16 "
+                        "(multi-step scheduling). Above 1 the host's per-call work is paid once "
+                        "for that many rounds: faster when the host bounds a round (small "
+                        "models at batch 1); outputs are identical")
     p.add_argument("--mem-fraction", type=float, default=0.9,
                    help="fraction of device memory for weights and pools, in (0, 1] "
                         "(default %(default)s)")
@@ -324,6 +326,17 @@ def _main(argv) -> int:
     return 1 if failed else 0
 
 
+def scheduler_steps(text: str) -> int | None:
+    """``--num-scheduler-steps`` value: ``auto`` (``None``: the engine chooses) or an int
+    (checked with the other settings)."""
+    if text == "auto":
+        return None
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor an int") from None
+
+
 def _print_model_line(args, llm, warm_s: float) -> None:
     """The ``[model]`` and ``[warm-up]`` lines on stderr, once the run is accepted (so that a
     refusal is the only thing on stderr)."""
@@ -336,8 +349,8 @@ def _print_model_line(args, llm, warm_s: float) -> None:
              else "")
           + (f"; draft layer {llm.speculative.draft_layer_dtype}" if llm.speculative.draft_layer_dtype
              else "")
-          + (f"; {args.num_scheduler_steps} rounds per call" if args.num_scheduler_steps > 1
-             else "")
+          + (f"; {llm.engine.rounds_per_call} rounds per call"
+             if llm.engine.rounds_per_call > 1 else "")
           + ("" if args.prompt or args.prompts_file else f"; prompt {DEFAULT_PROMPT!r}"),
           file=sys.stderr)
     print(f"[warm-up] programs compiled or loaded from the compilation cache in {warm_s:.1f}s",

@@ -84,10 +84,12 @@ class LLM:
         host's per-round work runs while the device computes (default True; tokens surface
         one round later, outputs are identical; ``False`` waits for every round).
       num_scheduler_steps: rounds (decode steps, or speculative rounds) per program call
-        (default 1; multi-step scheduling as vLLM's). Above 1 the host's per-call work is paid
-        once for that many rounds: faster where the host, not the device, bounds a round (a
-        small model at batch 1); tokens surface in groups, outputs are identical. Not with
-        ``speculative_algorithm="external"``.
+        (multi-step scheduling as vLLM's); ``None`` (the default): the engine chooses
+        (:func:`~mtp_jax.config.auto_rounds_per_call`: 4, fewer with speculation and the
+        prefix cache so that no snapshot boundary passes unsaved, 1 for an external proposer).
+        Above 1 the host's per-call work is paid once for that many rounds: faster where the
+        host, not the device, bounds a round (a small model at batch 1); tokens surface in
+        groups, outputs are identical. Not above 1 with ``speculative_algorithm="external"``.
       mem_fraction: fraction of device memory for weights and pools (default 0.9);
       max_total_tokens: KV positions for all requests together (wins over ``mem_fraction``).
       ple_backend: qwen4_exp only (a ConfigError for other families): where the PLE n-gram
@@ -127,7 +129,7 @@ class LLM:
                  proposer: Proposer | None = None, seed: int = 0, max_model_len: int = 4096,
                  page_size: int = 16, dummy_weight: bool = False,
                  chunked_prefill_size: int = 2048, enable_prefix_cache: bool = True,
-                 overlap_schedule: bool = True, num_scheduler_steps: int = 1,
+                 overlap_schedule: bool = True, num_scheduler_steps: int | None = None,
                  mem_fraction: float = 0.9, max_total_tokens: int | None = None,
                  ple_backend: str | None = None, attention_backend: str = "auto",
                  gdn_backend: str = "auto", moe_backend: str = "auto",

@@ -72,13 +72,17 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "int8 (speculative_draft_layer_dtype); with --draft-head-dtype, a set "
                         "of k > 0 rows per (head, layer) pair; the floor counts their bytes "
                         "(default: model)")
-    p.add_argument("--num-scheduler-steps", type=int, nargs="+", default=[1],
+    p.add_argument("--disable-prefix-cache", action="store_true",
+                   help="run the rows with the prefix cache off (on by default, as for every "
+                        "user: prefills end on snapshot boundaries, rounds save snapshots)")
+    p.add_argument("--num-scheduler-steps", type=_steps_arg, nargs="+", default=[0],
                    help="rounds per program call (multi-step scheduling, "
-                        "EngineConfig.num_scheduler_steps; times are reported per round), one "
-                        "row per value. k > 0: the forced-draft row always runs one round per "
-                        "call (its drafts are forced between rounds); each value above 1 adds "
-                        "a row with the drafts as drafted (round time and exactness; the "
-                        "accept length is the model's); default 1")
+                        "EngineConfig.num_scheduler_steps; times are reported per round): "
+                        "'auto' (the engine's choice, as users get it) or N, one row per value. "
+                        "k > 0: the forced-draft row always runs one round per call (its drafts "
+                        "are forced between rounds); each other value adds a row with the "
+                        "drafts as drafted (round time and exactness; the accept length is the "
+                        "model's); default auto")
     p.add_argument("--temperature", type=float, nargs="+", default=[0.0],
                    help="0: greedy rows (forced drafts, exactness checked); above 0: sampled "
                         "rows with that temperature and --top-p / --top-k (every request "
@@ -154,9 +158,19 @@ def row_plan(ks: list[int], steps: tuple[int, ...], heads: list[str] = ("model",
             continue
         for head in dict.fromkeys(heads):
             for layer in dict.fromkeys(layers):
-                plan = (1, *sorted({n for n in steps if n > 1})) if forced else steps
+                plan = (1, *sorted({n for n in steps if n != 1})) if forced else steps
                 rows += [(k, n, _dtype(head), _dtype(layer)) for n in dict.fromkeys(plan)]
     return rows
+
+
+def _steps_arg(text: str) -> int:
+    """``--num-scheduler-steps`` value: ``auto`` (0: the engine's choice) or an int."""
+    if text == "auto":
+        return 0
+    try:
+        return int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not 'auto' or an int") from None
 
 
 def _dtype(name: str) -> str | None:
@@ -216,7 +230,8 @@ def main(argv=None, description: str | None = None) -> int:
                      engine_warmup=args.engine_warmup, draft_vocab_size=args.draft_vocab_size,
                      draft_head_dtype=_dtype(args.draft_head_dtype[0]),
                      draft_layer_dtype=_dtype(args.draft_layer_dtype[0]),
-                     num_scheduler_steps=tuple(args.num_scheduler_steps))
+                     num_scheduler_steps=tuple(args.num_scheduler_steps),
+                     prefix_cache=not args.disable_prefix_cache)
         s.validate()
         for t in args.temperature:
             dataclasses.replace(s, temperature=t, top_p=args.top_p, top_k=args.top_k).validate()

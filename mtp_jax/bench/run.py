@@ -95,7 +95,8 @@ def bench_one(model, batch: int, k: int, s: Settings, refs: dict,
         eng = make_engine(model, batch, k, s, steps)
     names = bucket_names(eng, batch, k, s)
     res: dict = {"batch": batch, "k": k, "prompt_len": s.prompt_len,
-                 "decode_tokens": s.decode_tokens, "steps_per_call": steps,
+                 "decode_tokens": s.decode_tokens, "steps_per_call": eng.rounds_per_call,
+                 "prefix_cache": s.prefix_cache,
                  "draft_vocab_size": s.draft_vocab_size if k else None,
                  "draft_head_dtype": s.draft_head_dtype if k else None,
                  "draft_layer_dtype": s.draft_layer_dtype if k else None,
@@ -116,7 +117,7 @@ def bench_one(model, batch: int, k: int, s: Settings, refs: dict,
             prefill_s = measure_prefill(eng, s, cfg.vocab_size)
         row = _sampled_row(eng, reqs, k, s, ledger, names)
         release_all(eng, reqs)
-    elif k and steps == 1:
+    elif k and eng.rounds_per_call == 1:
         row, prefill_s = _forced_row(eng, reqs, k, s, refs, ledger, names)
     else:
         prefill_all(eng, reqs, ledger, "warmup", names[0])

@@ -9,7 +9,7 @@ import dataclasses
 import numpy as np
 
 from mtp_jax.cache.allocator import pages_needed
-from mtp_jax.config import EngineConfig, SpeculativeConfig
+from mtp_jax.config import AUTO_SCHEDULER_STEPS, EngineConfig, SpeculativeConfig
 from mtp_jax.engine.requests import Request
 from mtp_jax.sampling import SamplingParams, is_greedy
 
@@ -31,10 +31,14 @@ class Settings:
     draft_vocab_size: int | None = None  # k > 0 rows: the MTP draft scores the N lowest ids
     draft_head_dtype: str | None = None  # k > 0 rows: "int8": the draft's LM head in int8
     draft_layer_dtype: str | None = None  # k > 0 rows: "int8": the draft's projections in int8
-    # Rounds per program call (EngineConfig.num_scheduler_steps), one row per value. k > 0:
-    # the forced-draft row always runs one round per call (its drafts are written on the
-    # device between rounds); each value above 1 adds a row with the drafts as drafted.
-    num_scheduler_steps: tuple[int, ...] = (1,)
+    # Rounds per program call (EngineConfig.num_scheduler_steps), one row per value; 0: the
+    # engine's automatic choice (the default). k > 0: the forced-draft row always runs one
+    # round per call (its drafts are written on the device between rounds); each other value
+    # adds a row with the drafts as drafted.
+    num_scheduler_steps: tuple[int, ...] = (0,)
+    # The prefix cache on (the engine's default): prefills end on snapshot boundaries and
+    # rounds that reach one save the GDN state, as every user's do.
+    prefix_cache: bool = True
     # Sampled rows when temperature > 0 (every request samples with these, seeded); 0: greedy
     temperature: float = 0.0
     top_p: float = 1.0
@@ -62,7 +66,7 @@ class Settings:
         if not self.num_scheduler_steps:
             raise ValueError("--num-scheduler-steps needs at least one value.")
         for n in self.num_scheduler_steps:
-            EngineConfig(num_scheduler_steps=n).validate()
+            EngineConfig(num_scheduler_steps=n or None).validate()
         if self.draft_vocab_size is not None and self.draft_vocab_size < 1:
             raise ValueError(f"--draft-vocab-size {self.draft_vocab_size} must be >= 1 (hot "
                              "token ids of the draft's LM head), or omitted for the full "
@@ -91,7 +95,8 @@ class Settings:
         """Room for the reference plus slack, minus 2 max_k + 1 so that every k gets the same
         page-table width (``pages_needed(max_model_len + 2k + 1)`` for k <= max_k)."""
         k, ps = self.max_k, self.page_size
-        slack = 4 * k + 8 + 8 * max(self.num_scheduler_steps)  # multi-round overshoot
+        most = max(n or AUTO_SCHEDULER_STEPS for n in self.num_scheduler_steps)
+        slack = 4 * k + 8 + 8 * most  # multi-round overshoot
         pages = pages_needed(self.prompt_len + self.reference_len + slack, ps)
         return pages * ps - (2 * k + 1)
 

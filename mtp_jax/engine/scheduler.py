@@ -11,7 +11,8 @@ Each :meth:`Scheduler.step`:
    call when it is above 1 (multi-step scheduling). With ``overlap`` that call is dispatched
    before the previous call's result is read: each slot's position and generated-token count
    advance on the device, so the host's readback, stop checks and next batch run while the
-   device computes.
+   device computes. With the prefix cache, a row whose next snapshot boundary the call may
+   reach carries it and a snapshot id; the round that reaches it saves the GDN state there.
 
 Pages: a request's guaranteed pages cover its committed tokens; before a round it also takes
 pages for the k+1 verify positions and the k-1 chained draft positions from the free pool when
@@ -326,8 +327,7 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> dict[Request, list[int]]:
         """One scheduler iteration (see the module docstring). Returns the tokens each request
-        gained in it. Admission, prefill and rounds that may save a prefix-cache snapshot wait
-        for the call in flight first. Errors go to the caller (:meth:`Engine.step` recovers)."""
+        gained in it. Admission and prefill wait for the call in flight first. Errors go to the caller (:meth:`Engine.step` recovers)."""
         new: dict[Request, list[int]] = {}
         if self.inflight is not None and (self.prefilling or (
                 self.waiting and self.book.can_admit(self.waiting[0]))):

@@ -41,7 +41,7 @@ TINY = {
 DECODE = 8
 ARGS = ["--batch", "2", "--prompt-len", "16", "--decode-tokens", str(DECODE),
         "--warmup-rounds", "2", "--prefill-reps", "1", "--dtype", "float32",
-        "--accept-lengths", "2.5", "3.0", "3.5"]
+        "--accept-lengths", "2.5", "3.0", "3.5", "--disable-prefix-cache"]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -67,8 +67,13 @@ def _own_cache_folder():
 
 
 def _bench(workdir, capsys, name, *extra):
+    """A bench run of the tiny config with ``ARGS`` (prefix cache off) and ``extra`` flags;
+    one round per call unless ``extra`` says otherwise (the bench's mechanics; the defaults
+    have their own test)."""
     from mtp_jax.bench import main
 
+    if "--num-scheduler-steps" not in extra:
+        extra = (*extra, "--num-scheduler-steps", "1")
     out = workdir / f"{name}.json"
     with _own_cache_folder():
         rc = main(["--config", str(workdir / "tiny.json"), *ARGS, "--out", str(out),
@@ -526,10 +531,36 @@ def test_qwen4_exp_config_rows(workdir, capsys):
         rc = main(["--config", config, "--batch", "1", "--k", "2", "--prompt-len", "16",
                    "--decode-tokens", "6", "--warmup-rounds", "1", "--prefill-reps", "1",
                    "--dtype", "float32", "--accept-lengths", "2.0", "--out", str(out),
-                   "--compilation-cache-dir", "none"])
+                   "--compilation-cache-dir", "none", "--num-scheduler-steps", "1"])
     err = capsys.readouterr().err
     assert rc == 0, err
     (row,) = json.loads(out.read_text())["results"]
     assert row["k"] == 2 and row["exact"] is True and row["compiles_timed"] == 0
     assert all(f["exact"] for f in row["forced"])
     assert row["bytes"]["weights"] > 0 and row["bytes"]["draft_weights"] > 0
+
+
+def test_default_rows_use_the_prefix_cache_and_the_engines_rounds_per_call(workdir, capsys):
+    """Without --num-scheduler-steps / --disable-prefix-cache the rows run as a user's engine
+    does: the prefix cache on and the engine's rounds per call (4 here; k > 0 adds its forced
+    row at one per call). The round variants, with the snapshot replay among them, compile
+    while the engine is set up, so a call that reaches a boundary in the timed phase compiles
+    nothing; the drafted row still equals plain decoding."""
+    from mtp_jax.bench import main
+
+    out = workdir / "defaults.json"
+    args = [a for a in ARGS if a != "--disable-prefix-cache"]
+    with _own_cache_folder():
+        rc = main(["--config", str(workdir / "tiny.json"), *args, "--batch", "1",
+                   "--decode-tokens", "64", "--k", "0", "2", "--out", str(out),
+                   "--compilation-cache-dir", str(workdir / "xla")])
+    err = capsys.readouterr().err
+    assert rc == 0, err
+    rows = json.loads(out.read_text())["results"]
+    assert [(r["k"], r["steps_per_call"], r["prefix_cache"]) for r in rows] == [
+        (0, 4, True), (2, 1, True), (2, 4, True)]
+    for r in rows:
+        assert r["compiles_timed"] == 0
+        assert r["compiles"]["engine_setup"]["compiles"] >= 1
+        assert r["context"]["end"] > 64  # the timed calls passed a snapshot boundary
+    assert rows[1]["exact"] is True and rows[2]["exact"] is True

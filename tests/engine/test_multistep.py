@@ -162,3 +162,16 @@ def test_auto_rounds_per_call():
     assert [auto_rounds_per_call(k, "mtp", 16) for k in (0, 1, 3)] == [4, 4, 2]
     assert auto_rounds_per_call(3, "mtp", None) == 4
     assert auto_rounds_per_call(3, "external", None) == 1
+
+
+def test_cli_flag_takes_auto_and_ints():
+    """``--num-scheduler-steps``: ``auto`` (the default) is the engine's choice (None), an int
+    is passed on (checked later with the settings), other text is refused by the parser."""
+    from mtp_jax.generate import build_parser, llm_kwargs
+
+    p = build_parser()
+    assert llm_kwargs(p.parse_args([]))["num_scheduler_steps"] is None
+    assert llm_kwargs(p.parse_args(["--num-scheduler-steps", "auto"]))["num_scheduler_steps"] is None
+    assert llm_kwargs(p.parse_args(["--num-scheduler-steps", "3"]))["num_scheduler_steps"] == 3
+    with pytest.raises(SystemExit):
+        p.parse_args(["--num-scheduler-steps", "four"])
