@@ -1,11 +1,14 @@
 """Prefix cache: a radix tree over committed tokens at page granularity, with one token of
 lookahead (host side).
 
-Each node is one full KV page: the ``page_size`` tokens it holds and the token that follows
-them. The lookahead is part of the key because the page's last MTP draft-KV row (position
-``end - 1``) pairs the target hidden at ``end - 1`` with token ``end``: a request may reuse the
-page's draft rows only when its own token ``end`` is the same. Keyed this way, one reuse length
-serves the target KV, the draft KV and the GDN state.
+Each node is one full KV page: the ``page_size`` tokens it holds and, with MTP draft KV in the
+pages (``lookahead=True``), the token that follows them. The lookahead is part of the key then
+because the page's last MTP draft-KV row (position ``end - 1``) pairs the target hidden at
+``end - 1`` with token ``end``: a request may reuse the page's draft rows only when its own
+token ``end`` is the same. Keyed this way, one reuse length serves the target KV, the draft KV
+and the GDN state. Without draft KV (speculation off, or drafts from the host) the target KV
+and the GDN state depend on the page's tokens alone, so the key holds no lookahead (-1) and a
+prompt sharing exactly a snapshot boundary's tokens reuses them all.
 
 GDN layers cannot resume from KV pages alone; they need the recurrent and conv state at the
 reuse point. Snapshots of that state are taken at aligned boundaries, every
@@ -52,8 +55,8 @@ class PrefixStats:
 
 
 class RadixCache:
-    def __init__(self, page_size: int, snapshot_interval_pages: int):
-        self.page_size = page_size
+    def __init__(self, page_size: int, snapshot_interval_pages: int, lookahead: bool = True):
+        self.page_size, self.lookahead = page_size, lookahead
         self.snapshot_tokens = page_size * snapshot_interval_pages
         self.root = Node(key=((), -1), page=-1, parent=None)
         self._clock = itertools.count(1)
@@ -66,7 +69,7 @@ class RadixCache:
             end = (i + 1) * ps
             if end >= len(tokens):
                 return
-            yield (tuple(tokens[i * ps:end]), int(tokens[end]))
+            yield (tuple(tokens[i * ps:end]), int(tokens[end]) if self.lookahead else -1)
 
     def match(self, tokens: Sequence[int]) -> list[Node]:
         """Nodes of the longest reusable prefix of ``tokens``: it ends at the deepest matched

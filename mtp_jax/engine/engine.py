@@ -124,7 +124,9 @@ class Engine:
                                 snapshots=n_snap)
         num_pages = engine_cfg.num_pages or self.plan.num_pages
         slots = engine_cfg.max_running_requests + 1
-        self.prefix = (PrefixStore(self.page_size, engine_cfg.snapshot_interval_pages, n_snap)
+        # Pages hold draft KV only with MTP: only then is a page keyed with its next token.
+        self.prefix = (PrefixStore(self.page_size, engine_cfg.snapshot_interval_pages, n_snap,
+                                   lookahead=mtp)
                        if engine_cfg.enable_prefix_cache else None)
         rounds = engine_cfg.num_scheduler_steps
         if rounds is None:

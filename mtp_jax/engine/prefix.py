@@ -27,11 +27,14 @@ class PrefixStore:
     0 is the trash snapshot; ``None`` without snapshots) of one engine.
 
     Args: ``page_size`` tokens per page; GDN snapshots every ``snapshot_interval_pages`` pages;
-    ``num_snapshots`` snapshot slots in the pools."""
+    ``num_snapshots`` snapshot slots in the pools; ``lookahead``: the pages hold MTP draft KV,
+    so each is keyed with the token after it too (:mod:`~mtp_jax.cache.radix`)."""
 
-    def __init__(self, page_size: int, snapshot_interval_pages: int, num_snapshots: int):
+    def __init__(self, page_size: int, snapshot_interval_pages: int, num_snapshots: int,
+                 lookahead: bool = True):
         self.page_size, self.interval = page_size, snapshot_interval_pages
-        self.tree = RadixCache(page_size, snapshot_interval_pages)
+        self.lookahead = lookahead
+        self.tree = RadixCache(page_size, snapshot_interval_pages, lookahead)
         self.snapshot_ids = (FreeList(num_snapshots + 1, "prefix snapshots")
                              if num_snapshots else None)
 
@@ -136,7 +139,7 @@ class PrefixStore:
     def clear(self) -> None:
         """An empty tree (its stats kept) and every snapshot id free: for pools made anew."""
         stats = self.tree.stats
-        self.tree = RadixCache(self.page_size, self.interval)
+        self.tree = RadixCache(self.page_size, self.interval, self.lookahead)
         self.tree.stats = stats
         if self.snapshot_ids is not None:
             self.snapshot_ids.reset()

@@ -1,6 +1,6 @@
 """Prefix cache: a request sharing a prefix with an earlier one gives the same output with the
 cache on and off, with speculation on and off; reuse happens exactly where a GDN snapshot and
-the draft lookahead allow it; eviction and flush return every page."""
+the draft lookahead (with MTP) allow it; eviction and flush return every page."""
 
 import numpy as np
 import pytest
@@ -41,11 +41,20 @@ def _pair(share):
     return a, b
 
 
+def _expected_reuse(share: int, algo: str) -> int:
+    """Tokens reused by a prompt sharing ``share`` tokens with a cached one: up to the deepest
+    snapshot boundary (every 8) within the share. With MTP a page is keyed with the token after
+    it too (its last draft-KV row reads that token), so a boundary at exactly ``share`` does
+    not count; without draft KV it does."""
+    return (share if algo == "none" else share - 1) // (PAGE * INTERVAL) * PAGE * INTERVAL
+
+
 @pytest.mark.parametrize("algo", ["none", "mtp"])
 def test_shared_prefix_same_output_cache_on_and_off(model, algo):
-    # shares: 1 token, below / at / above a page boundary (12) and a snapshot boundary (8, 16)
-    for share, reuse in [(1, 0), (7, 0), (8, 0), (9, 8), (11, 8), (12, 8), (13, 8), (16, 8),
-                         (17, 16)]:
+    # shares: 1 token, below / at / above a page boundary (12) and snapshot boundaries (8, 16,
+    # 24; b is 25 tokens, so 24 leaves it one token to prefill)
+    for share in (1, 7, 8, 9, 12, 15, 16, 17, 24):
+        reuse = _expected_reuse(share, algo)
         a, b = _pair(share)
         outs = {}
         for cache in (False, True):
@@ -79,6 +88,19 @@ def test_radix_lookahead_and_lru_eviction():
     assert pages == [11] and snaps == [101]  # the older leaf goes first
     pages, snaps = rc.flush()
     assert sorted(pages) == [10, 12, 13] and snaps == [100]
+
+
+def test_radix_without_lookahead_keys_pages_by_their_tokens():
+    """No draft KV in the pages: the token after a page is not part of its key, so a prompt
+    that shares a page but not the token after it reuses the page, and a second insert of the
+    same page under another next token finds the first node."""
+    rc = RadixCache(page_size=2, snapshot_interval_pages=1, lookahead=False)
+    held, owned, _ = rc.insert([1, 2, 3, 4, 5], 4, [10, 11], {2: 100, 4: 101})
+    rc.release(held)
+    assert [n.page for n in rc.match([1, 2, 3, 4, 9, 6])] == [10, 11]
+    assert [n.page for n in rc.match([1, 2, 7])] == [10]
+    held2, owned2, _ = rc.insert([1, 2, 3, 4, 8], 4, [13, 12], {})
+    assert owned2 == [] and [n.page for n in held2] == [10, 11]
 
 
 def test_eviction_under_page_pressure(model):
