@@ -11,12 +11,12 @@ from __future__ import annotations
 import sys
 import textwrap
 
-from mtp_jax.bench import ab_backends, cli, profile_round
+from mtp_jax.bench import ab_backends, cli, prefix_hits, profile_round
 from mtp_jax.bench.ops import attention, draft_head, gdn, gemv, moe, sampling
 
 SUBCOMMANDS = {"engine": cli, "attention": attention, "gdn": gdn, "moe": moe, "gemv": gemv,
                "sampling": sampling, "draft-head": draft_head, "ab": ab_backends,
-               "profile": profile_round}
+               "profile": profile_round, "prefix-hits": prefix_hits}
 
 
 def subcommand_list() -> str:
