@@ -103,13 +103,18 @@ class RadixCache:
 
     # ---- insert --------------------------------------------------------------------------------
     def insert(self, tokens: Sequence[int], num_committed: int, pages: Sequence[int],
-               snapshots: dict[int, int]) -> tuple[list[Node], list[int], list[int]]:
+               snapshots: dict[int, int]) -> tuple[list[Node], list[int], list[int], list[int]]:
         """Insert the full pages of ``tokens[:num_committed]`` (``tokens`` must hold the token
         after them). ``pages[i]`` holds page i; ``snapshots`` maps an end position to a snapshot
         id. Returns ``(nodes the caller now references, pages now owned by the tree,
-        snapshot ids the tree did not take)``; the caller keeps (and later frees) every page not
-        returned as owned."""
-        node, held, owned = self.root, [], []
+        snapshot ids the tree did not take, pages the tree let go)``; the caller keeps (and
+        later frees) every page not returned as owned, and frees those let go.
+
+        A node already holding another page of the same tokens that no request uses takes the
+        caller's page instead and lets its own go: referencing it as it was would pin a second
+        copy of the tokens that the caller's page guarantee counted as evictable (a request
+        that re-prefilled tokens past its reuse point could then run out of pages)."""
+        node, held, owned, freed = self.root, [], [], []
         taken = set()
         now = next(self._clock)
         for i, key in enumerate(self._keys(tokens, num_committed)):
@@ -118,8 +123,12 @@ class RadixCache:
                 child = Node(key=key, page=pages[i], parent=node)
                 node.children[key] = child
                 owned.append(pages[i])
+            elif child.page != pages[i] and child.ref == 0:
+                freed.append(child.page)
+                child.page = pages[i]
+                owned.append(pages[i])
             elif child.page != pages[i]:
-                # Another request cached the same page first; keep ours private.
+                # A running request uses the tree's copy; keep ours private.
                 pass
             end = (i + 1) * self.page_size
             if end in snapshots and child.snapshot is None and child.page == pages[i]:
@@ -130,7 +139,7 @@ class RadixCache:
             held.append(child)
             node = child
         unused = [sid for end, sid in snapshots.items() if end not in taken]
-        return held, owned, unused
+        return held, owned, unused, freed
 
     # ---- eviction ------------------------------------------------------------------------------
     def _leaves(self):

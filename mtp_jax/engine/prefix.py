@@ -106,28 +106,32 @@ class PrefixStore:
             req.snapshots[end] = sid
         return sid
 
-    def insert_prompt(self, req: Request) -> None:
+    def insert_prompt(self, req: Request) -> list[int]:
         """Insert the prompt's full pages (committed; the first output token is the lookahead
-        of a page ending at the prompt's end)."""
+        of a page ending at the prompt's end). Returns the pages the tree let go (for the
+        book's free list)."""
         tokens = req.prompt_ids + req.output_ids[:1]
-        held = self._insert(req, tokens, len(req.prompt_ids))
+        held, freed = self._insert(req, tokens, len(req.prompt_ids))
         req.prefix_nodes += held
+        return freed
 
-    def insert_committed(self, req: Request) -> None:
+    def insert_committed(self, req: Request) -> list[int]:
         """At a request's end, insert the full pages of its committed tokens (prompt and kept
         output; the last output token is the lookahead), with the snapshots taken on the way.
         Nothing past a stop is inserted: the committed count is the kept tokens minus the
-        pending one."""
+        pending one. Returns the pages the tree let go."""
         tokens = req.prompt_ids + req.output_ids
-        held = self._insert(req, tokens, min(len(tokens) - 1, req.position))
+        held, freed = self._insert(req, tokens, min(len(tokens) - 1, req.position))
         self.tree.release(held)  # the request is leaving; the tree keeps the pages
+        return freed
 
-    def _insert(self, req: Request, tokens: list[int], committed: int) -> list:
-        held, owned, unused = self.tree.insert(tokens, committed, req.pages, req.snapshots)
+    def _insert(self, req: Request, tokens: list[int], committed: int) -> tuple[list, list]:
+        held, owned, unused, freed = self.tree.insert(tokens, committed, req.pages,
+                                                      req.snapshots)
         req.tree_pages |= set(owned)
         self.give_back_snapshots(unused)
         req.snapshots = {}
-        return held
+        return held, freed
 
     def release(self, req: Request) -> None:
         """Drop ``req``'s references to tree nodes and give back its snapshot ids."""

@@ -150,7 +150,7 @@ class Scheduler:
             return
         if (self.prefix is not None and req.finish_reason != ABORT
                 and req.prefilled == len(req.prompt_ids) and req.output_ids):
-            self.prefix.insert_committed(req)
+            self.book.pages.give_back(self.prefix.insert_committed(req))
         self.book.release(req)
         if self.prefix is not None:
             self.prefix.release(req)
@@ -226,7 +226,7 @@ class Scheduler:
         """After ``req``'s last chunk: insert its prompt into the prefix cache, then release it
         (it stopped at its first token) or move it to ``decoding``."""
         if self.prefix is not None:
-            self.prefix.insert_prompt(req)
+            self.book.pages.give_back(self.prefix.insert_prompt(req))
         if req.finished:
             self.release(req)
         else:

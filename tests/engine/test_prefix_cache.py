@@ -74,14 +74,14 @@ def test_shared_prefix_same_output_cache_on_and_off(model, algo):
 
 def test_radix_lookahead_and_lru_eviction():
     rc = RadixCache(page_size=2, snapshot_interval_pages=1)
-    held, owned, unused = rc.insert([1, 2, 3, 4, 5], 4, [10, 11], {2: 100, 4: 101})
-    assert owned == [10, 11] and unused == []
+    held, owned, unused, freed = rc.insert([1, 2, 3, 4, 5], 4, [10, 11], {2: 100, 4: 101})
+    assert owned == [10, 11] and unused == [] and freed == []
     rc.release(held)
     assert [n.page for n in rc.match([1, 2, 3, 4, 5, 6])] == [10, 11]
     assert [n.page for n in rc.match([1, 2, 3, 4, 9, 6])] == [10]  # lookahead 5 != 9
     assert rc.match([1, 2, 7, 4, 5]) == []  # page 0's lookahead is 3
     assert rc.match([1, 2, 3, 4]) == [rc.match([1, 2, 3])[0]]  # one token left to prefill
-    held2, owned2, _ = rc.insert([1, 2, 8, 8, 8], 4, [13, 12], {})  # same page, other lookahead
+    held2, owned2, _, _ = rc.insert([1, 2, 8, 8, 8], 4, [13, 12], {})  # same page, other lookahead
     assert owned2 == [13, 12]
     rc.release(held2)
     pages, snaps = rc.evict(1)
@@ -95,12 +95,18 @@ def test_radix_without_lookahead_keys_pages_by_their_tokens():
     that shares a page but not the token after it reuses the page, and a second insert of the
     same page under another next token finds the first node."""
     rc = RadixCache(page_size=2, snapshot_interval_pages=1, lookahead=False)
-    held, owned, _ = rc.insert([1, 2, 3, 4, 5], 4, [10, 11], {2: 100, 4: 101})
-    rc.release(held)
+    held, owned, _, _ = rc.insert([1, 2, 3, 4, 5], 4, [10, 11], {2: 100, 4: 101})
     assert [n.page for n in rc.match([1, 2, 3, 4, 9, 6])] == [10, 11]
     assert [n.page for n in rc.match([1, 2, 7])] == [10]
-    held2, owned2, _ = rc.insert([1, 2, 3, 4, 8], 4, [13, 12], {})
-    assert owned2 == [] and [n.page for n in held2] == [10, 11]
+    # the same tokens in other pages while a request uses the tree's: ours stay private
+    held2, owned2, _, freed2 = rc.insert([1, 2, 3, 4, 8], 4, [13, 12], {})
+    assert owned2 == freed2 == [] and [n.page for n in held2] == [10, 11]
+    rc.release(held2)
+    rc.release(held)
+    # no request uses them: the tree takes ours and lets its own go (nothing pinned twice)
+    held3, owned3, _, freed3 = rc.insert([1, 2, 3, 4, 8], 4, [13, 12], {})
+    assert owned3 == [13, 12] and freed3 == [10, 11]
+    assert [n.page for n in rc.match([1, 2, 3, 4, 9])] == [13, 12]
 
 
 def test_eviction_under_page_pressure(model):
@@ -158,3 +164,25 @@ def test_snapshot_pool_exists_only_with_the_prefix_cache(model):
     assert on.snapshots.recurrent[0].shape[0] == 4 * 2 + 1  # 4 per running request, + trash
     assert (len(jax.tree_util.tree_leaves(on)) - len(jax.tree_util.tree_leaves(off))
             == 2 * layers)
+
+
+def test_multi_turn_chat_up_to_the_context_limit_keeps_its_page_guarantee(model):
+    """Each turn's prompt is the previous prompt, its answer and new text, until the last turn
+    nearly fills ``max_model_len`` in a pool of one request's pages. A turn re-prefills the
+    tokens past its deepest snapshot into its own pages; the tree's copies of them must not stay
+    pinned (they were counted as evictable in the turn's guarantee), or the turn runs out of
+    pages mid-decode (it did: MemoryError)."""
+    eng = Engine(model, EngineConfig(max_running_requests=1, dtype="float32", page_size=PAGE,
+                                     max_model_len=64, snapshot_interval_pages=INTERVAL,
+                                     num_pages=64 // PAGE + 1),
+                 SpeculativeConfig(algorithm="none"))
+    rng = np.random.default_rng(3)
+    prompt, turns = rng.integers(2, 300, 5).tolist(), 0
+    while len(prompt) + 6 <= 64:
+        r = _req(f"t{turns}", prompt)
+        eng.run([r])
+        assert r.finish_reason == "length" and len(r.output_ids) == 6
+        assert turns == 0 or r.cached_tokens > 0
+        prompt = prompt + r.output_ids + rng.integers(2, 300, 3).tolist()
+        turns += 1
+    assert turns >= 5
