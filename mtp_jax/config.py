@@ -445,8 +445,9 @@ class EngineConfig:
         if n is not None and (isinstance(n, bool) or not isinstance(n, int)
                               or not 1 <= n <= MAX_SCHEDULER_STEPS):
             raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) {n!r} must be an "
-                              f"int in 1..{MAX_SCHEDULER_STEPS}, or None (auto, the default: "
-                              "the engine chooses the rounds per program call).")
+                              f"int in 1..{MAX_SCHEDULER_STEPS}, or automatic (the default: "
+                              "the engine chooses the rounds per program call; None in Python, "
+                              "auto on the command line).")
         t = self.max_total_tokens
         if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
             raise ConfigError(f"max_total_tokens (--max-total-tokens) {t!r} must be an int >= 1 "

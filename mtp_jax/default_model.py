@@ -148,8 +148,9 @@ def default_model_path(cache_dir: str | None = None) -> str:
     from mtp_jax.tools.random_checkpoint import write_random_checkpoint
 
     os.makedirs(root, exist_ok=True)
-    print(f"[model] building the built-in random-weight model in {final} (once; under a minute)",
-          file=sys.stderr, flush=True)
+    print(f"[model] building the built-in default model in {final} (trained layers and MTP "
+          "head, random embedding and LM head; once, under a minute)", file=sys.stderr,
+          flush=True)
     qwen_vocab.converted_tokenizer_json(root)  # cached beside the model, reused by other builds
     tmp = tempfile.mkdtemp(dir=root, prefix=f".{DEFAULT_MODEL_NAME}-")
     try:

@@ -334,7 +334,8 @@ def scheduler_steps(text: str) -> int | None:
     try:
         return int(text)
     except ValueError:
-        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor an int") from None
+        raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor an int (use auto, "
+                                         "the default, or 1..16)") from None
 
 
 def _print_model_line(args, llm, warm_s: float) -> None:
