@@ -64,11 +64,40 @@ class PrefixStore:
         self.give_back_snapshots(snapshots)
         return pages
 
-    def take_snapshot_id(self) -> int | None:
-        """A free snapshot id, else one evicted from the tree, else ``None``."""
+    def take_snapshot_id(self, req: Request | None = None, end: int = 0) -> int | None:
+        """A free snapshot id, else one evicted from the tree, else (``req`` given) the id of
+        ``req``'s own shallowest snapshot below ``end`` (the deeper boundary is worth more: a
+        follow-up turn or a longer shared prefix resumes from the deepest one it matches),
+        else ``None``."""
         if self.snapshot_ids is not None and self.snapshot_ids.num_free:
             return self.snapshot_ids.take()[0]
-        return self.tree.evict_snapshot()
+        sid = self.tree.evict_snapshot()
+        if sid is None and req is not None:
+            sid = self._own_shallowest(req, end)
+        return sid
+
+    def _own_shallowest(self, req: Request, end: int) -> int | None:
+        """Take the id of ``req``'s shallowest snapshot below ``end``: one it saved and holds
+        (``req.snapshots``), or one on a tree node only it references (a conversation's
+        earlier turns: every snapshot of the chain is on the running turn's path), but not at
+        or above a point where the tree branches (a prefix other sequences share, such as a
+        system prompt, keeps its snapshots)."""
+        holds: dict[int, int] = {}
+        for n in req.prefix_nodes:
+            holds[id(n)] = holds.get(id(n), 0) + 1
+        shared = max((n.depth_tokens for n in req.prefix_nodes if len(n.children) > 1),
+                     default=0)
+        nodes = {n.depth_tokens: n for n in req.prefix_nodes
+                 if n.snapshot is not None and n.ref == holds[id(n)]
+                 and n.depth_tokens > shared}
+        own = [p for p in req.snapshots if p < end] + [p for p in nodes if p < end]
+        if not own:
+            return None
+        p = min(own)
+        if p in req.snapshots:
+            return req.snapshots.pop(p)
+        sid, nodes[p].snapshot = nodes[p].snapshot, None
+        return sid
 
     def give_back_snapshots(self, ids) -> None:
         if ids:
@@ -101,7 +130,7 @@ class PrefixStore:
         end = req.prefilled
         if end % self.snapshot_tokens or end in req.snapshots:
             return None
-        sid = self.take_snapshot_id()
+        sid = self.take_snapshot_id(req, end)
         if sid is not None:
             req.snapshots[end] = sid
         return sid

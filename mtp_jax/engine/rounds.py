@@ -72,7 +72,10 @@ def snapshot_targets(running: list[Request], limit: np.ndarray, reach: int,
     for i, r in enumerate(running):
         p = (r.position // st + 1) * st  # committed length at the next boundary
         if p <= min(r.position + reach, int(limit[i])) and p not in r.snapshots:
-            sid = prefix.take_snapshot_id()
+            # out of ids: give up a shallower own snapshot only for a boundary max_tokens lets
+            # the request commit past (a call that stops short gives the id back, lost)
+            sure = p <= len(r.prompt_ids) + r.params.max_tokens - 1
+            sid = prefix.take_snapshot_id(r if sure else None, p)
             if sid is not None:
                 snap_at[i], snap_id[i] = p, sid
     return snap_at, snap_id

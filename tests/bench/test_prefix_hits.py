@@ -41,3 +41,28 @@ def test_workloads_reuse_to_the_deepest_boundary(engine):
     assert all(r["shared"] >= 20 for r in system["per_request"][1:])  # the system prompt
     table = prefix_hits.hit_table([{"workload": "w", "speculation": "off", **chat}])
     assert f"| w | off | {chat['prompt_tokens']} | {chat['shared_tokens']} |" in table
+
+
+def _engine(model, snapshots):
+    return Engine(model, EngineConfig(max_running_requests=1, dtype="float32", page_size=4,
+                                      snapshot_interval_pages=2, max_model_len=128,
+                                      max_prefix_snapshots=snapshots),
+                  SpeculativeConfig(algorithm="none"))
+
+
+def test_few_snapshot_ids_keep_the_deepest_boundaries(engine):
+    """Few snapshot ids, many boundaries. A conversation (two ids): a turn out of ids gives up
+    the shallowest snapshot of its own chain for each deeper boundary, so every follow-up
+    resumes at the deepest boundary it shares (keeping the first ids instead, reuse stopped at
+    the second boundary, 16 tokens). A shared 44-token system prompt (four ids): the first
+    request, alone in the tree, gives up its shallow snapshots (40 among them) while decoding
+    past two more boundaries, so the second misses; once the second's prompt branches off the
+    first's, the snapshots at or above the branch are kept, and later requests resume at the
+    system prompt's deepest boundary, 40."""
+    vocab = engine.model.cfg.vocab_size
+    chat = prefix_hits.multi_turn(_engine(engine.model, 2), 3, (20, 30), 6, vocab, seed=4)
+    for r in chat["per_request"][1:]:
+        assert r["shared"] > 3 * EVERY and r["cached"] == r["shared"] // EVERY * EVERY
+    system = prefix_hits.shared_system(_engine(engine.model, 4), 4, 44, (10, 18), 12, vocab,
+                                       seed=4)
+    assert [r["cached"] for r in system["per_request"]] == [0, 0, 40, 40]

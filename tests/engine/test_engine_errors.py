@@ -43,8 +43,9 @@ def _free_counts(eng):
 
 @pytest.fixture(scope="module")
 def llm():
+    # one round per call: the failure scenarios below are timed in rounds
     return LLM(CKPT, dtype="float32", speculative_algorithm="mtp", speculative_num_steps=2,
-               max_running_requests=2)
+               max_running_requests=2, num_scheduler_steps=1)
 
 
 @pytest.fixture(scope="module")

@@ -77,7 +77,8 @@ def test_ple_table_served_from_the_file(models, files):
 
 def _engine(model, k):
     cfg = EngineConfig(max_running_requests=1, dtype="float32", page_size=4, max_model_len=96,
-                       enable_prefix_cache=False, chunked_prefill_size=16, overlap_schedule=False)
+                       enable_prefix_cache=False, chunked_prefill_size=16, overlap_schedule=False,
+                       num_scheduler_steps=1)  # rounds observed one by one
     return Engine(model, cfg, SpeculativeConfig(algorithm="mtp" if k else "none",
                                                 num_steps=k or 3))
 

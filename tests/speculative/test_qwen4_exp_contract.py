@@ -32,7 +32,8 @@ def _prompts(vocab):
 
 def _engine(model, spec, proposer=None, **cfg):
     settings = dict(max_running_requests=4, dtype="float32", overlap_schedule=False,
-                    page_size=4, max_model_len=64, enable_prefix_cache=False)
+                    page_size=4, max_model_len=64, enable_prefix_cache=False,
+                    num_scheduler_steps=1)
     settings.update(cfg)
     return Engine(model, EngineConfig(**settings), spec, proposer=proposer)
 

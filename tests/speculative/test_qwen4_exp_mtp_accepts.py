@@ -53,7 +53,8 @@ def _engine(model, algo, k=0, **cfg):
     """One request at a time, prompts prefilled in chunks of up to 16 tokens, no prefix cache,
     one round per call, rounds observed one by one (overlap off)."""
     settings = dict(max_running_requests=1, dtype="float32", page_size=PAGE, max_model_len=96,
-                    enable_prefix_cache=False, chunked_prefill_size=16, overlap_schedule=False)
+                    enable_prefix_cache=False, chunked_prefill_size=16, overlap_schedule=False,
+                    num_scheduler_steps=1)
     settings.update(cfg)
     return Engine(model, EngineConfig(**settings), SpeculativeConfig(algorithm=algo, num_steps=k))
 
@@ -159,7 +160,8 @@ def test_reduced_draft_vocabulary_drafts_its_hot_ids(model, prompts, plain, draf
         expected.append(expected_rounds(hot, seq, len(p), 3, MAX_NEW))
     engine = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", page_size=PAGE,
                                         max_model_len=96, enable_prefix_cache=False,
-                                        chunked_prefill_size=16, overlap_schedule=False),
+                                        chunked_prefill_size=16, overlap_schedule=False,
+                                        num_scheduler_steps=1),
                     SpeculativeConfig(algorithm="mtp", num_steps=3, draft_vocab_size=n))
     reqs = _requests(prompts)
     _check(reqs, plain, expected, run_per_round(engine, reqs))

@@ -53,7 +53,8 @@ def model():
 @pytest.fixture(scope="module")
 def reference(model):
     prompts = _prompts(model.cfg.vocab_size)
-    eng = Engine(model, EngineConfig(max_running_requests=4, dtype="float32", overlap_schedule=False),
+    eng = Engine(model, EngineConfig(max_running_requests=4, dtype="float32", overlap_schedule=False,
+                                     num_scheduler_steps=1),
                  SpeculativeConfig(algorithm="none"))
     reqs = greedy_requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS + 8)
     states = _run_recording(eng, reqs)
@@ -99,7 +100,8 @@ def test_external_drafts_reproduce_plain_decoding(model, reference, k):
         truth = ref_out[pi][done:done + kk]
         return [t if i < j else (t + 1) % vocab for i, t in enumerate(truth)]
 
-    eng = Engine(model, EngineConfig(max_running_requests=8, dtype="float32", overlap_schedule=False),
+    eng = Engine(model, EngineConfig(max_running_requests=8, dtype="float32", overlap_schedule=False,
+                                     num_scheduler_steps=1),
                  SpeculativeConfig(algorithm="external", num_steps=k), proposer=proposer)
     reqs = greedy_requests(req_prompts, tags, MAX_TOKENS)
     states = _run_recording(eng, reqs)
@@ -120,7 +122,8 @@ def test_external_drafts_reproduce_plain_decoding(model, reference, k):
 @pytest.mark.parametrize("k", [3])
 def test_mtp_reproduces_plain_decoding(model, reference, k):
     prompts, ref_out, ref_states = reference
-    eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", overlap_schedule=False),
+    eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", overlap_schedule=False,
+                                     num_scheduler_steps=1),
                  SpeculativeConfig(algorithm="mtp", num_steps=k))
     reqs = greedy_requests(prompts, [f"p{i}" for i in range(len(prompts))], MAX_TOKENS)
     states = _run_recording(eng, reqs)

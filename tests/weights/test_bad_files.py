@@ -152,7 +152,9 @@ def test_bad_file_through_cli(case, tmp_path, capsys):
 
     name, src, corrupt, etype, pattern = case
     d = _corrupted(tmp_path, src, corrupt)
-    assert generate.main(["--model", d, "--spec-algo", "none"]) == 2
+    ids = tmp_path / "prompts.jsonl"  # the checkpoint has no tokenizer: token ids
+    ids.write_text('{"prompt": [1, 2, 3]}\n')
+    assert generate.main(["--model", d, "--spec-algo", "none", "--prompts-file", str(ids)]) == 2
     err = capsys.readouterr().err
     assert err.startswith("error: ") and "Traceback" not in err
     assert re.search(pattern, err), err
