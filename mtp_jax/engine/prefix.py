@@ -103,11 +103,6 @@ class PrefixStore:
         if ids:
             self.snapshot_ids.give_back(list(ids))
 
-    def boundary_reached(self, position: int, reach: int) -> bool:
-        """Whether the next snapshot boundary after ``position`` lies within ``reach`` tokens."""
-        st = self.snapshot_tokens
-        return (position // st + 1) * st <= position + reach
-
     # ---- a request ----------------------------------------------------------------------------
     def admit(self, req: Request) -> int | None:
         """Reuse the longest cached prefix of ``req``'s prompt: its pages become the request's
