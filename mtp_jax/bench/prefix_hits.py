@@ -23,6 +23,7 @@ import sys
 
 import numpy as np
 
+from mtp_jax.bench.subcommand import plain_text
 from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, SamplingParams
@@ -105,7 +106,8 @@ def hit_table(results: list[dict]) -> str:
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mtp_jax.bench prefix-hits", description=__doc__,
+    p = argparse.ArgumentParser(prog="python -m mtp_jax.bench prefix-hits",
+                                description=plain_text(__doc__),
                                 formatter_class=argparse.RawDescriptionHelpFormatter,
                                 allow_abbrev=False)
     p.add_argument("--model", default=None, help="checkpoint folder (default: the built-in "
