@@ -19,8 +19,17 @@ def pytest_configure(config):
     import jax
 
     # LLM() turns on the persistent compilation cache; keep the suite's out of the user's home
-    # (one folder per session, so later tests reuse programs that earlier ones compiled).
-    os.environ.setdefault("MTP_JAX_COMPILATION_CACHE", tempfile.mkdtemp(prefix="mtp_jax_xla_"))
+    # (one folder per session, so later tests reuse programs that earlier ones compiled), and
+    # one subfolder per pytest-xdist worker, so that no worker reads an entry the other is
+    # writing (reuse across workers is small: --dist loadfile keeps a file in one worker; a
+    # worker once died of a segmentation fault inside a jitted call, cause not established).
+    # The workers inherit the session's root from the controller.
+    if "MTP_JAX_COMPILATION_CACHE" not in os.environ or "MTP_JAX_TEST_XLA_ROOT" in os.environ:
+        root = os.environ.setdefault("MTP_JAX_TEST_XLA_ROOT",
+                                     tempfile.mkdtemp(prefix="mtp_jax_xla_"))
+        folder = os.path.join(root, os.environ.get("PYTEST_XDIST_WORKER", "main"))
+        os.makedirs(folder, exist_ok=True)
+        os.environ["MTP_JAX_COMPILATION_CACHE"] = folder
 
     # CPU runs (CI): the suite's time is mostly XLA compiling tiny programs; LLVM at -O0 cuts
     # about a fifth of it and changes no float result (no fast-math either way). Read when the
