@@ -300,6 +300,12 @@ class SpeculativeConfig:
     ``"int8"`` runs an int8 copy of them (one float32 scale per row,
     :func:`mtp_jax.models.layers.basic.quantize_projections`): about half the draft layer's
     bytes per draft step, and drafts that may differ a little from the model dtype's.
+    ``adaptive`` (``--disable-adaptive-speculation`` turns it off): each call drafts only when
+    the requests' accepted tokens pay for the round, else it runs a plain decode step, so
+    speculation is never much slower than plain decoding (:mod:`mtp_jax.speculative.adaptive`);
+    ``num_steps`` is then the most a round drafts. ``adaptive_round_cost``
+    (``--speculative-adaptive-round-cost``): a round's time in decode steps that drafting must
+    beat; None derives it from the bytes each reads (per batch bucket).
     """
 
     algorithm: str = "mtp"
@@ -309,6 +315,8 @@ class SpeculativeConfig:
     token_map_path: str | None = None
     draft_head_dtype: str | None = None
     draft_layer_dtype: str | None = None
+    adaptive: bool = True
+    adaptive_round_cost: float | None = None
 
     @property
     def enabled(self) -> bool:
@@ -360,6 +368,16 @@ class SpeculativeConfig:
                 raise ConfigError(f"{flag} {value!r} was given but speculative_algorithm is "
                                   f"{self.algorithm!r}; it sets the MTP {what}. Drop it "
                                   "or use --speculative-algorithm mtp.")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative adaptive {self.adaptive!r} must be True or False "
+                              "(--disable-adaptive-speculation turns it off).")
+        c = self.adaptive_round_cost
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                              or not 1.0 <= c <= 100.0):
+            raise ConfigError(f"speculative_adaptive_round_cost "
+                              f"(--speculative-adaptive-round-cost) {c!r} must be a number in "
+                              "1..100 (a round's time in decode steps, e.g. 1.5), or unset to "
+                              "derive it from the bytes a round reads.")
         if model is not None and self.algorithm == "mtp":
             if not model.has_mtp and not self.draft_model_path:
                 raise ConfigError("speculative_algorithm='mtp' but the checkpoint's config declares "

@@ -99,6 +99,14 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "layer's routed experts) run from an int8 copy with a scale per row: "
                         "about half the draft layer's bytes per draft step; output stays exact, "
                         "the drafts may change a little (default: model, the model dtype)")
+    p.add_argument("--disable-adaptive-speculation", action="store_true",
+                   help="draft in every round; by default a call drafts only when the "
+                        "requests' accepted drafts pay for the round, else it runs plain "
+                        "decode steps (and drafts again when a probe finds they pay), so "
+                        "speculation is never much slower than plain decoding")
+    p.add_argument("--speculative-adaptive-round-cost", type=float, default=None,
+                   help="a round's time in decode steps that drafting must beat (e.g. 1.5; "
+                        "default: the ratio of the bytes a round and a decode step read)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto = bfloat16 on GPU, float32 on CPU")
     p.add_argument("--max-running-requests", type=int, default=8,
@@ -155,6 +163,8 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 speculative_token_map=args.speculative_token_map,
                 speculative_draft_head_dtype=args.speculative_draft_head_dtype,
                 speculative_draft_layer_dtype=args.speculative_draft_layer_dtype,
+                speculative_adaptive=not args.disable_adaptive_speculation,
+                speculative_adaptive_round_cost=args.speculative_adaptive_round_cost,
                 seed=args.seed, max_model_len=args.max_model_len, page_size=args.page_size,
                 dummy_weight=args.dummy_weight, chunked_prefill_size=args.chunked_prefill_size,
                 enable_prefix_cache=not args.disable_prefix_cache,

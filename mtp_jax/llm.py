@@ -73,6 +73,12 @@ class LLM:
         that copy (out x (in + 4) bytes per projection). Output stays exact; the drafts, hence
         the accept length, may change a little. Default ``None`` (or ``"model"``): the model
         dtype.
+      speculative_adaptive: draft only when it pays (default True): a call whose requests'
+        accepted drafts do not pay for a round runs plain decode steps, and drafts again when
+        a probe finds they pay; ``speculative_num_steps`` is the most a round drafts. Output
+        is exact either way. See :mod:`mtp_jax.speculative.adaptive`.
+      speculative_adaptive_round_cost: a round's time in decode steps that drafting must
+        beat; None (default) derives it from the bytes a round and a step read.
       proposer: for ``"external"``: ``(request_id, token_ids_so_far, k) -> k token ids``.
       seed: base seed of sampled requests without their own seed.
       max_model_len, page_size: KV sizing (tokens).
@@ -126,6 +132,8 @@ class LLM:
                  speculative_token_map: str | None = None,
                  speculative_draft_head_dtype: str | None = None,
                  speculative_draft_layer_dtype: str | None = None,
+                 speculative_adaptive: bool = True,
+                 speculative_adaptive_round_cost: float | None = None,
                  proposer: Proposer | None = None, seed: int = 0, max_model_len: int = 4096,
                  page_size: int = 16, dummy_weight: bool = False,
                  chunked_prefill_size: int = 2048, enable_prefix_cache: bool = True,
@@ -149,7 +157,8 @@ class LLM:
             draft_model_path=speculative_draft_model_path,
             draft_vocab_size=speculative_draft_vocab_size, token_map_path=speculative_token_map,
             draft_head_dtype=normalize_draft_dtype(speculative_draft_head_dtype),
-            draft_layer_dtype=normalize_draft_dtype(speculative_draft_layer_dtype))
+            draft_layer_dtype=normalize_draft_dtype(speculative_draft_layer_dtype),
+            adaptive=speculative_adaptive, adaptive_round_cost=speculative_adaptive_round_cost)
         engine_cfg = EngineConfig(max_running_requests=max_running_requests, page_size=page_size,
                                   max_model_len=max_model_len, dtype=resolve_dtype(dtype),
                                   chunked_prefill_size=chunked_prefill_size,

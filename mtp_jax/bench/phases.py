@@ -55,7 +55,8 @@ def make_engine(model, batch: int, k: int, s: Settings, steps: int = 1) -> Engin
     speculative = SpeculativeConfig(algorithm="mtp" if k else "none", num_steps=k or 3,
                                     draft_vocab_size=s.draft_vocab_size if k else None,
                                     draft_head_dtype=s.draft_head_dtype if k else None,
-                                    draft_layer_dtype=s.draft_layer_dtype if k else None)
+                                    draft_layer_dtype=s.draft_layer_dtype if k else None,
+                                    adaptive=False)  # forced and timed rounds draft every time
     eng = Engine(model, EngineConfig(max_running_requests=batch + 1, page_size=s.page_size,
                                      max_model_len=s.max_model_len,
                                      chunked_prefill_size=s.prompt_len,

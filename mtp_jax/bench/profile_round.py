@@ -169,7 +169,8 @@ def profile(a, model, cfg, k: int) -> tuple[float, dict, str]:
     eng = Engine(model, EngineConfig(max_running_requests=a.batch, max_model_len=room,
                                      chunked_prefill_size=a.prompt_len, dtype=model.dtype,
                                      enable_prefix_cache=False),
-                 SpeculativeConfig(algorithm="mtp" if k else "none", num_steps=k or 3))
+                 SpeculativeConfig(algorithm="mtp" if k else "none", num_steps=k or 3,
+                                   adaptive=False))
     reqs = requests(a.batch, a.prompt_len, 10**6, cfg.vocab_size, 0)
     prefill_all(eng, reqs, Ledger(), "warmup", None)
     for _ in range(5):

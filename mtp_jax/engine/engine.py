@@ -24,6 +24,7 @@ import warnings
 from typing import Callable, Iterable
 
 import jax
+import jax.numpy as jnp
 
 from mtp_jax.cache.allocator import pages_needed
 from mtp_jax.config import (ConfigError, EngineConfig, SpeculativeConfig, auto_rounds_per_call,
@@ -41,6 +42,7 @@ from mtp_jax.engine.stops import append_tokens
 from mtp_jax.models.draft_head import with_draft_head
 from mtp_jax.models.loaded import DTYPES, LoadedModel
 from mtp_jax.models.registry import entry_of
+from mtp_jax.speculative.adaptive import policy_for
 from mtp_jax.speculative.draft_vocab import hot_token_ids
 from mtp_jax.speculative.external import Proposer
 
@@ -151,7 +153,9 @@ class Engine:
                          overlap=(engine_cfg.overlap_schedule
                                   and speculative.algorithm != "external"),
                          vocab_size=mc.vocab_size),
-            self.book, self.prefix, self.device, stops, proposer)
+            self.book, self.prefix, self.device, stops, proposer,
+            adaptive=policy_for(mc, speculative, jnp.dtype(DTYPES[model.dtype]).itemsize,
+                                self.draft_vocab_size))
 
     # ---- views -------------------------------------------------------------------------------
     @property

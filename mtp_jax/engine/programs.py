@@ -107,6 +107,23 @@ def _save_round_snapshots(model, pools: Pools, rows, batch: RoundBatch, position
     return dataclasses.replace(pools, snapshots=snapshots)
 
 
+def _plain_round_drafts(model, pools: Pools, hidden, emitted, abatch: AttentionBatch, slot,
+                        bonus, proposer: str, pool_k: int) -> Pools:
+    """After a plain round (k = 0) of an engine whose rounds draft ``pool_k`` tokens: with
+    MTP, write the draft's KV of the committed row (its hidden paired with the token just
+    emitted; the draft's output is unused, so XLA keeps only the KV projection) so that the
+    draft attends to every position when drafting resumes; then ``next_tokens[slot] =
+    [bonus, -1 x pool_k]``: the drafts are stale, and the next drafting round verifies none
+    of them (:func:`one_round`)."""
+    if proposer == "mtp":
+        _, draft_kv = model.mtp(model.embed_tokens, hidden, emitted[:, :1], abatch,
+                                pools.draft_kv)
+        pools = dataclasses.replace(pools, draft_kv=draft_kv)
+    stale = jnp.full((bonus.shape[0], pool_k), -1, jnp.int32)
+    row = jnp.concatenate([bonus[:, None], stale], 1)
+    return dataclasses.replace(pools, next_tokens=pools.next_tokens.at[slot].set(row))
+
+
 def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: PrefillVariant):
     """Prefill one chunk per row (the GDN state starts at zero when ``start == 0``, else from
     the slot); sample the first token; with MTP (``variant.mtp``), write the draft KV over the
@@ -169,7 +186,10 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
     Row b starts at the slot's ``Pools.position`` and verifies ``num_draft[b] <= k`` drafts
     (:func:`~mtp_jax.speculative.clamp.clamp_drafts`): verify rows past it, and every write at
     or past ``limit[b]``, go to the trash page, and the acceptance ignores those drafts. The
-    slot's position and step advance by the tokens committed (live rows only). With ``k = 0``
+    slot's position and step advance by the tokens committed (live rows only). ``variant.k``
+    may be below the engine's k (the width of ``Pools.next_tokens`` less one): a plain call
+    of adaptive speculation (:func:`_plain_round_drafts`); a drafting round after one verifies
+    no stale draft. With ``k = 0``
     and no snapshot, a model whose ``gdn_modes`` has ``"decode"`` runs its GDN layers in the
     decode form (new states returned directly, equal to verify + commit of the row), so no
     commit is traced; other models take the verify + commit path.
@@ -179,12 +199,16 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
     greedy_only, filtering = variant.greedy_only, variant.filtering
     model = nnx.merge(graphdef, params)
     b = batch.slot.shape[0]
+    pool_k = pools.next_tokens.shape[1] - 1  # the engine's k; a plain call has k = 0
     if proposer == "external":
         tokens = batch.tokens
     else:
-        tokens = pools.next_tokens[batch.slot]
+        tokens = pools.next_tokens[batch.slot][:, :k + 1]
     position, step = pools.position[batch.slot], pools.step[batch.slot]
     num_draft = clamp_drafts(k, position, step, batch.limit, batch.max_step)
+    if k and proposer == "mtp":  # drafts a plain round left stale (-1): verify none of them
+        num_draft = jnp.where(tokens[:, 1] < 0, 0, num_draft)
+        tokens = jnp.maximum(tokens, 0)
     rows_idx = jnp.arange(k + 1, dtype=jnp.int32)[None, :]
     pos = position[:, None] + rows_idx
     valid = batch.live[:, None] & (rows_idx <= num_draft[:, None]) & (
@@ -213,13 +237,17 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
     pools = dataclasses.replace(pools, kv=kv, gdn=gdn)
     bonus = row_at(emitted, n)
     drafts = None
-    if proposer == "mtp":
+    if proposer == "mtp" and k:
         next_ids = jnp.maximum(emitted, 0)  # x_{c+i+1} for rows i <= n; later rows are rewritten
         live_limit = jnp.where(batch.live, batch.limit, 0)
         drafts, pools = mtp_drafts(model, pools, hidden, next_ids, abatch, n,
                                    step + n + 1, position + n + 1, live_limit,
                                    batch.sampling, k, greedy_only, filtering)
-    pools = store_next_tokens(pools, batch.slot, bonus, drafts, k)
+    if k < pool_k:  # a plain call of a speculative engine (adaptive speculation)
+        pools = _plain_round_drafts(model, pools, hidden, emitted, abatch, batch.slot, bonus,
+                                    proposer, pool_k)
+    else:
+        pools = store_next_tokens(pools, batch.slot, bonus, drafts, k)
     advance = jnp.where(batch.live, n + 1, 0)
     pools = dataclasses.replace(pools, position=pools.position.at[batch.slot].add(advance),
                                 step=pools.step.at[batch.slot].add(advance))

@@ -7,6 +7,7 @@ from __future__ import annotations
 import dataclasses
 
 from mtp_jax.sampling.params import SamplingParams
+from mtp_jax.speculative.adaptive import RequestAcceptance
 
 __all__ = ["ABORT", "Request", "RequestOutput", "SamplingParams", "StreamOutput",
            "TokenLogprob"]
@@ -112,6 +113,7 @@ class Request:
     num_rounds: int = 0
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
+    acceptance: RequestAcceptance | None = None  # adaptive speculation's estimate
     sample_index: int = 0  # which of the prompt's SamplingParams.n samples
     first: "Request | None" = None  # sample 0 of the prompt, for samples 1..n-1 (else None)
     logprobs: list[TokenLogprob] = dataclasses.field(default_factory=list)  # per output token

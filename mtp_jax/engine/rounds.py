@@ -25,8 +25,9 @@ __all__ = ["InFlightRound", "span", "next_pow2", "batch_bucket", "snapshot_targe
 
 @dataclasses.dataclass
 class InFlightRound:
-    """A dispatched call of ``rounds`` rounds: its rows (requests, in batch order), its device
-    output, the snapshot boundaries/ids it was given and the host time it was dispatched at."""
+    """A dispatched call of ``rounds`` rounds of ``k`` drafts each: its rows (requests, in
+    batch order), its device output, the snapshot boundaries/ids it was given and the host
+    time it was dispatched at."""
 
     rows: list[Request]
     out: object
@@ -34,6 +35,7 @@ class InFlightRound:
     snap_id: np.ndarray
     t0: float
     rounds: int = 1
+    k: int = 0
 
 
 def next_pow2(n: int) -> int:

@@ -47,6 +47,7 @@ from mtp_jax.engine.rounds import (InFlightRound, batch_bucket, external_tokens,
                                    round_batch, snapshot_targets, span)
 from mtp_jax.engine.token_logprobs import call_top, record, record_first, round_logprobs
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant, sampling_choice
+from mtp_jax.speculative.adaptive import AdaptivePolicy, RequestAcceptance
 from mtp_jax.speculative.external import Proposer
 
 __all__ = ["EngineStats", "LoopSettings", "Scheduler", "MIN_PREFILL_BUCKET",
@@ -78,6 +79,7 @@ class EngineStats:
     rounds: int = 0
     chained_rounds: int = 0  # rounds dispatched before the previous round's result was read
     round_calls: int = 0  # program calls that ran the rounds (fewer with num_scheduler_steps)
+    plain_rounds: int = 0  # rounds adaptive speculation ran as plain decode steps (k = 0)
 
 
 @dataclasses.dataclass(frozen=True)
@@ -101,13 +103,15 @@ class Scheduler:
 
     ``stops(req, tokens) -> kept``: appends committed tokens applying every stop
     (:func:`mtp_jax.engine.stops.append_tokens` with the engine's EOS ids, tokenizer and
-    ``max_model_len``); ``proposer``: the host drafter of ``proposer="external"``."""
+    ``max_model_len``); ``proposer``: the host drafter of ``proposer="external"``;
+    ``adaptive``: the policy that chooses each call's k (:mod:`mtp_jax.speculative.adaptive`;
+    None: every call drafts ``settings.k``)."""
 
     def __init__(self, settings: LoopSettings, book: PageBook, prefix: PrefixStore | None,
                  device: DeviceState, stops: Callable[[Request, list[int]], int],
-                 proposer: Proposer | None = None):
+                 proposer: Proposer | None = None, adaptive: AdaptivePolicy | None = None):
         self.settings, self.book, self.prefix, self.device = settings, book, prefix, device
-        self.stops, self.proposer = stops, proposer
+        self.stops, self.proposer, self.adaptive = stops, proposer, adaptive
         self.waiting: deque[Request] = deque()
         self.prefilling: list[Request] = []
         self.decoding: list[Request] = []
@@ -245,14 +249,15 @@ class Scheduler:
         rounds = s.rounds_per_call
         ahead = rounds * (s.k + 1) if chained else 0
         b = batch_bucket(len(running), self.book.max_requests)
-        tokens = (external_tokens(running, self.proposer, s.k, s.vocab_size, b)
-                  if s.proposer == "external" else np.zeros((b, s.k + 1), np.int32))
-        batch = round_batch(running, self.book, b=b, reach=ahead + span(s.k, rounds),
+        k = self.call_k(running, b, rounds)
+        tokens = (external_tokens(running, self.proposer, k, s.vocab_size, b)
+                  if s.proposer == "external" else np.zeros((b, k + 1), np.int32))
+        batch = round_batch(running, self.book, b=b, reach=ahead + span(k, rounds),
                             max_model_len=s.max_model_len, tokens=tokens)
         if self.prefix is not None:
             batch.snap_at, batch.snap_id = snapshot_targets(
-                running, batch.limit, ahead + rounds * (s.k + 1), self.prefix, b)
-        variant = RoundVariant(k=s.k, proposer=s.proposer, rounds=rounds,
+                running, batch.limit, ahead + rounds * (k + 1), self.prefix, b)
+        variant = RoundVariant(k=k, proposer=s.proposer, rounds=rounds,
                                snapshot=bool(np.any(batch.snap_at >= 0)),
                                logprobs=call_top(running),
                                **sampling_choice([r.params.greedy for r in running],
@@ -263,7 +268,18 @@ class Scheduler:
         self.stats.rounds += rounds
         self.stats.round_calls += 1
         self.stats.chained_rounds += rounds if chained else 0
-        return InFlightRound(list(running), out, batch.snap_at, batch.snap_id, t0, rounds)
+        self.stats.plain_rounds += rounds if k < s.k else 0
+        return InFlightRound(list(running), out, batch.snap_at, batch.snap_id, t0, rounds, k)
+
+    def call_k(self, running: list[Request], bucket: int, rounds: int) -> int:
+        """The drafts per round of the next call over ``running``: ``settings.k``, or 0 (plain
+        decode steps) where the adaptive policy finds that drafting does not pay."""
+        if self.adaptive is None:
+            return self.settings.k
+        for r in running:
+            if r.acceptance is None:
+                r.acceptance = RequestAcceptance.fresh(self.settings.k)
+        return self.adaptive.choose([r.acceptance for r in running], bucket, rounds)
 
     def collect(self, f: InFlightRound, later: InFlightRound | None = None
                 ) -> dict[Request, list[int]]:
@@ -298,13 +314,15 @@ class Scheduler:
                     record(r, *(a[j, i] for a in lps), r.output_ids[before:])
                 r.num_rounds += 1
                 r.num_draft_tokens += int(num_draft[j, i])
+                if r.acceptance is not None and f.k and num_draft[j, i] == f.k:
+                    r.acceptance.observe(n + 1)  # a round that verified all its drafts
                 r.num_accepted_tokens += min(n, kept)
                 r.position += n + 1
         if unsaved:  # boundaries not reached (or saved by an earlier call), rows finished
             self.prefix.give_back_snapshots([int(f.snap_id[i]) for i in sorted(unsaved)])
         in_later = set(later.rows) if later is not None else set()
         for r in active:
-            extra = span(self.settings.k, later.rounds) if r in in_later else 0
+            extra = span(later.k, later.rounds) if r in in_later else 0
             self.book.shrink(r, r.position + extra)
         return new
 

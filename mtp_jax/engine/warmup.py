@@ -53,12 +53,15 @@ def batch_buckets(max_requests: int) -> list[int]:
 def round_variants(sched: Scheduler) -> list[RoundVariant]:
     """The round variants ``sched`` calls per batch bucket, before the sampling fields are
     set: ``rounds_per_call`` rounds per call, and, with the prefix cache, the same with the
-    snapshot replay (calls that may reach a snapshot boundary)."""
+    snapshot replay (calls that may reach a snapshot boundary); with adaptive speculation,
+    each also as plain decode steps (``k = 0``)."""
     s = sched.settings
-    base = RoundVariant(k=s.k, proposer=s.proposer, rounds=s.rounds_per_call)
+    base = [RoundVariant(k=s.k, proposer=s.proposer, rounds=s.rounds_per_call)]
+    if sched.adaptive is not None and sched.adaptive.enabled and s.k:
+        base.append(dataclasses.replace(base[0], k=0))
     if sched.prefix is None:
-        return [base]
-    return [base, dataclasses.replace(base, snapshot=True)]
+        return base
+    return [w for v in base for w in (v, dataclasses.replace(v, snapshot=True))]
 
 
 def padding_round_batch(b: int, k: int, max_pages_per_req: int) -> RoundBatch:
@@ -104,7 +107,7 @@ def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None =
                 step=np.zeros((1,), np.int32)), sched.prefill_variant())
         for choice in sampling:
             for b, variant in itertools.product(buckets, round_variants(sched)):
-                sched.device.round(padding_round_batch(b, s.k, max_pages),
+                sched.device.round(padding_round_batch(b, variant.k, max_pages),
                                    dataclasses.replace(variant, **choice))
     return run
 

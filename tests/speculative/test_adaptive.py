@@ -1,0 +1,155 @@
+"""Adaptive speculation (mtp_jax.speculative.adaptive): the policy's arithmetic, and engines
+whose external proposer is right with probability 0, 0.5 and 1. The output always equals plain
+greedy decoding; the rounds' draft counts follow the acceptance: every round drafts when the
+drafts are right, rounds turn plain (with probes) when they are never right, and at 0.5 the
+choice follows the round cost the drafts must beat."""
+
+import numpy as np
+import pytest
+
+from mtp_jax.config import ConfigError, EngineConfig, SpeculativeConfig
+from mtp_jax.engine.engine import Engine
+from mtp_jax.models.loader import load_model
+from mtp_jax.speculative.adaptive import (DECAY, PROBE_FIRST, PROBE_MAX, PROBE_ROUNDS,
+                                          AdaptivePolicy, RequestAcceptance, round_cost)
+from mtp_jax.train.synthetic import motif_prompts
+from tests.helpers.engine_runs import greedy_requests, run_per_round
+from tests.helpers.paths import fixture_path
+
+K = 3
+MAX_NEW = 72
+
+
+# ---- the policy alone ---------------------------------------------------------------------
+
+def test_acceptance_estimate_is_the_decayed_mean():
+    est = RequestAcceptance.fresh(K)
+    seen = [1, 4, 2, 1, 1]
+    for t in seen:
+        est.observe(t)
+    values = [K + 1] + seen
+    w = [DECAY ** (len(values) - 1 - i) for i in range(len(values))]
+    assert est.tokens_per_round == pytest.approx(np.dot(w, values) / sum(w))
+
+
+def test_policy_drafts_while_it_pays_and_probes_with_doubling_gaps():
+    cost = 2.0
+    pol = AdaptivePolicy(K, lambda b: cost)
+    good, bad = RequestAcceptance(2.5), RequestAcceptance(1.2)
+    assert pol.choose([good], 1, 1) == K
+    assert pol.choose([good, bad], 2, 1) == 0  # mean 1.85 < 2
+    pol = AdaptivePolicy(K, lambda b: cost)
+    calls = [pol.choose([bad], 1, 1) for _ in range(PROBE_FIRST * 16 + 20)]
+    runs = "".join("d" if k else "." for k in calls).split("d" * PROBE_ROUNDS)
+    # plain rounds between probes of PROBE_ROUNDS rounds: the gap doubles (the probe's first
+    # round is the gap's last count)
+    assert [len(r) for r in runs[:4]] == [PROBE_FIRST - 1, 2 * PROBE_FIRST - 1,
+                                          4 * PROBE_FIRST - 1, 8 * PROBE_FIRST - 1], runs
+    # drafting that pays again resets the gap
+    assert pol.choose([good], 1, 1) == K and pol.probe_interval == PROBE_FIRST
+    # several rounds per call: plain rounds counted per round, probes as one call
+    pol = AdaptivePolicy(K, lambda b: cost)
+    calls = [pol.choose([bad], 1, 4) for _ in range(8)]
+    assert calls == [0, 0, 0, K, 0, 0, 0, 0]
+    assert PROBE_MAX >= 16 * PROBE_FIRST
+
+
+def test_round_cost_is_the_byte_ratio_of_the_released_shapes():
+    from mtp_jax.bench.floor import load_config
+    two = round_cost(load_config("configs/Qwen3.5-2B.json"), 3, 1, 2)
+    big = round_cost(load_config("configs/Qwen3.6-27B.json"), 3, 1, 2)
+    # the 2B's draft re-reads its 1 GB LM head per draft step; the 27B's head is a smaller
+    # part of its bytes (the H200's measured round / step: 2B 1.98-2.2, 27B 1.30)
+    assert 1.8 < two < 2.3 and 1.2 < big < 1.5, (two, big)
+
+
+def test_settings_are_checked():
+    for bad in ("yes", 0.5, 1000.0, True):
+        kw = {"adaptive": bad} if bad == "yes" else {"adaptive_round_cost": bad}
+        with pytest.raises(ConfigError, match="adaptive"):
+            SpeculativeConfig(**kw).validate()
+
+
+# ---- engines with external proposers ------------------------------------------------------
+
+@pytest.fixture(scope="module")
+def model():
+    return load_model(fixture_path("tiny_trained"), "float32", with_mtp=True)
+
+
+@pytest.fixture(scope="module")
+def prompts():
+    return motif_prompts(3, seed=4)
+
+
+def _engine(model, algo, proposer=None, **spec):
+    return Engine(model, EngineConfig(max_running_requests=4, dtype="float32", page_size=4,
+                                      max_model_len=160, enable_prefix_cache=False,
+                                      chunked_prefill_size=64),
+                  SpeculativeConfig(algorithm=algo, num_steps=K, **spec), proposer=proposer)
+
+
+@pytest.fixture(scope="module")
+def plain(model, prompts):
+    reqs = greedy_requests(prompts, [f"r{i}" for i in range(len(prompts))], MAX_NEW)
+    _engine(model, "none").run(reqs)
+    return {r.request_id: r.prompt_ids + r.output_ids for r in reqs}
+
+
+def right_with(p: float, truth: dict, vocab: int):
+    """A proposer whose draft j is the plain continuation's token with probability ``p``
+    (independently, seeded by request and position), else another token."""
+
+    def proposer(request_id, ids, k):
+        seq = truth[request_id]
+        out = []
+        for j in range(k):
+            at = len(ids) + j
+            right = seq[at] if at < len(seq) else 0
+            rng = np.random.default_rng([int(request_id[1:]), at, j])
+            out.append(right if rng.random() < p else (right + 1) % vocab)
+        return out
+
+    return proposer
+
+
+def _run(model, prompts, plain, p, **spec):
+    eng = _engine(model, "external", right_with(p, plain, model.cfg.vocab_size), **spec)
+    reqs = greedy_requests(prompts, [f"r{i}" for i in range(len(prompts))], MAX_NEW)
+    seen = run_per_round(eng, reqs)
+    for r in reqs:
+        assert r.prompt_ids + r.output_ids == plain[r.request_id], r.request_id
+    drafted = [np.diff([0] + [d for d, _ in seen[r.request_id]]) for r in reqs]
+    return eng, reqs, drafted
+
+
+def test_always_right_drafts_every_round(model, prompts, plain):
+    eng, reqs, drafted = _run(model, prompts, plain, 1.0)
+    assert eng.stats.plain_rounds == 0
+    for r, d in zip(reqs, drafted):
+        assert r.num_accepted_tokens == r.num_draft_tokens and (d[:-K] == K).all()
+
+
+def test_never_right_turns_plain_and_probes(model, prompts, plain):
+    eng, reqs, drafted = _run(model, prompts, plain, 0.0)
+    assert eng.stats.plain_rounds >= 0.7 * eng.stats.rounds
+    for r, d in zip(reqs, drafted):
+        assert r.num_accepted_tokens == 0
+        full = np.flatnonzero(d)
+        # the optimistic start drafts a few rounds, then plain rounds with probes
+        start = int(np.argmin(d > 0))
+        assert 1 <= start <= 10 and full[-1] > start + PROBE_FIRST, d.tolist()
+        assert len(full) <= start + 3 * PROBE_ROUNDS, d.tolist()
+
+
+def test_half_right_follows_the_round_cost(model, prompts, plain):
+    # k = 3 drafts each right with probability 0.5: 1.875 tokens per round expected
+    cheap = _run(model, prompts, plain, 0.5, adaptive_round_cost=1.4)[0]
+    dear = _run(model, prompts, plain, 0.5, adaptive_round_cost=2.6)[0]
+    assert cheap.stats.plain_rounds < 0.3 * cheap.stats.rounds
+    assert dear.stats.plain_rounds > 0.6 * dear.stats.rounds
+
+
+def test_adaptation_off_drafts_every_round(model, prompts, plain):
+    eng, reqs, drafted = _run(model, prompts, plain, 0.0, adaptive=False)
+    assert eng.stats.plain_rounds == 0 and all((d[:-K] == K).all() for d in drafted)
