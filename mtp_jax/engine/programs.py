@@ -111,13 +111,19 @@ def _plain_round_drafts(model, pools: Pools, hidden, emitted, abatch: AttentionB
                         bonus, proposer: str, pool_k: int) -> Pools:
     """After a plain round (k = 0) of an engine whose rounds draft ``pool_k`` tokens: with
     MTP, write the draft's KV of the committed row (its hidden paired with the token just
-    emitted; the draft's output is unused, so XLA keeps only the KV projection) so that the
+    emitted; ``model.mtp.write_kv`` where the family has it, else the whole draft step with
+    its output unused) so that the
     draft attends to every position when drafting resumes; then ``next_tokens[slot] =
     [bonus, -1 x pool_k]``: the drafts are stale, and the next drafting round verifies none
     of them (:func:`one_round`)."""
     if proposer == "mtp":
-        _, draft_kv = model.mtp(model.embed_tokens, hidden, emitted[:, :1], abatch,
-                                pools.draft_kv)
+        write = getattr(model.mtp, "write_kv", None)
+        if write is not None:  # the KV projections only
+            draft_kv = write(model.embed_tokens, hidden, emitted[:, :1], abatch,
+                             pools.draft_kv)
+        else:  # the whole draft step; XLA drops what the KV does not need
+            _, draft_kv = model.mtp(model.embed_tokens, hidden, emitted[:, :1], abatch,
+                                    pools.draft_kv)
         pools = dataclasses.replace(pools, draft_kv=draft_kv)
     stale = jnp.full((bonus.shape[0], pool_k), -1, jnp.int32)
     row = jnp.concatenate([bonus[:, None], stale], 1)

@@ -43,7 +43,7 @@ __all__ = ["DECAY", "ROUND_OVERHEAD", "PROBE_FIRST", "PROBE_MAX", "PROBE_ROUNDS"
            "RequestAcceptance", "AdaptivePolicy", "round_cost", "policy_for"]
 
 DECAY = 0.8  # weight of the past per observed round (about the last 5 rounds count)
-PROBE_FIRST = 16  # plain rounds before the first probe
+PROBE_FIRST = 64  # plain rounds before the first probe
 PROBE_MAX = 512  # the longest gap between probes, in plain rounds
 PROBE_ROUNDS = 2  # rounds of a probe (the first verifies no draft after plain rounds)
 ROUND_COST_CONTEXT = 1024  # tokens of context the cost ratio is computed at

@@ -19,7 +19,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.cache.paged import AttentionBatch, PagedKV
+from mtp_jax.cache.paged import AttentionBatch, PagedKV, write_kv
 from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import Embed, Linear, RMSNorm
@@ -58,3 +58,20 @@ class MTPDraft(nnx.Module):
         ks, vs = list(kv.k), list(kv.v)
         ks[i], vs[i] = k, v
         return self.norm.add_norm(y, delta)[1], PagedKV(tuple(ks), tuple(vs))
+
+    def write_kv(self, embed: Embed, hidden: jax.Array, next_ids: jax.Array,
+                 batch: AttentionBatch, kv: PagedKV) -> PagedKV:
+        """The draft KV that :meth:`__call__` (step 0) writes for these rows, and nothing else:
+        the projections of ``fc``'s output up to the layer's K/V (no attention, MLP or final
+        norm). A plain round of adaptive speculation keeps the draft's KV whole with it
+        (:mod:`mtp_jax.engine.programs`). Arguments as :meth:`__call__`'s; returns the new
+        draft kv."""
+        e = self.pre_fc_norm_embedding(embed(next_ids))
+        h = self.pre_fc_norm_hidden(hidden.astype(e.dtype))
+        u = self.fc(jnp.concatenate([e, h], axis=-1))
+        layer = self.layers[0]
+        _, hn = layer.input_layernorm.add_norm(u, None)
+        _, _, k, v = layer.self_attn.project(hn, batch.positions)
+        ks, vs = list(kv.k), list(kv.v)
+        ks[0], vs[0] = write_kv(kv.k[0], k, batch), write_kv(kv.v[0], v, batch)
+        return PagedKV(tuple(ks), tuple(vs))
