@@ -58,7 +58,10 @@ class RoundBatch:
       GDN state is saved; -1: none); snap_id: ``[B]`` int32 snapshot id to save it in (0 =
       trash). Each round of the call whose verify rows reach the boundary saves the state after
       row ``snap_at - 1 - position`` (the round's start); the host keeps the snapshot only if
-      a round committed that row (a later round overwrites one saved from a rejected row).
+      a round committed that row (a later round overwrites one saved from a rejected row);
+    first_cap, draft_cap: ``[B]`` int32, the most drafts each row verifies in the call's first
+      round and in its other rounds (adaptive speculation: 0 for a request that does not
+      draft in this call, and in the first round after a call it did not draft in; else k).
 
     A round takes no host-looked-up inputs: a family with such inputs looks them up from
     inside its program (qwen4_exp: :mod:`~mtp_jax.models.qwen4_exp.ple_callback`), so rounds
@@ -74,6 +77,8 @@ class RoundBatch:
     tokens: jax.Array
     snap_at: jax.Array
     snap_id: jax.Array
+    first_cap: jax.Array
+    draft_cap: jax.Array
 
 
 def sampling_rows(reqs: list) -> SamplingTensors:

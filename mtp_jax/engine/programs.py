@@ -36,7 +36,7 @@ from mtp_jax.engine.executable_cache import ExecutableTable
 from mtp_jax.engine.packing import pack, unpack
 from mtp_jax.engine.param_packing import ParamPacking
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant
-from mtp_jax.sampling import SALT_SAMPLE, sample
+from mtp_jax.sampling import SALT_RESIDUAL, SALT_SAMPLE, sample
 from mtp_jax.sampling.logprobs import columns_per_token, logprob_columns
 from mtp_jax.speculative.accept import accept
 from mtp_jax.speculative.clamp import clamp_drafts
@@ -178,8 +178,11 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
     return out, pools
 
 
-def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundVariant):
-    """One verify/accept/commit(/draft) round (``variant.rounds`` is not read here).
+def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundVariant,
+              first=True):
+    """One verify/accept/commit(/draft) round (``variant.rounds`` is not read here);
+    ``first``: whether it is the call's first round (``batch.first_cap`` caps its drafts,
+    ``batch.draft_cap`` those of the others).
 
     The variant's static choices (:class:`~mtp_jax.engine.variants.RoundVariant`):
     ``proposer`` (``none | mtp | external``), ``greedy_only`` (every row greedy: no sampling
@@ -212,6 +215,7 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
         tokens = pools.next_tokens[batch.slot][:, :k + 1]
     position, step = pools.position[batch.slot], pools.step[batch.slot]
     num_draft = clamp_drafts(k, position, step, batch.limit, batch.max_step)
+    num_draft = jnp.minimum(num_draft, jnp.where(first, batch.first_cap, batch.draft_cap))
     if k and proposer == "mtp":  # drafts a plain round left stale (-1): verify none of them
         num_draft = jnp.where(tokens[:, 1] < 0, 0, num_draft)
         tokens = jnp.maximum(tokens, 0)
@@ -234,7 +238,11 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
                             num_draft=num_draft, greedy_only=greedy_only, filtering=filtering)
     else:
         n = jnp.zeros((b,), jnp.int32)
-        emitted = sample(logits[:, 0], batch.sampling, step, salt=SALT_SAMPLE,
+        # a plain call of a speculative engine draws as a round that verified no draft
+        # (accept's residual stream), so that a request's tokens do not depend on whether
+        # another request drafted in the call
+        salt = SALT_RESIDUAL if pool_k else SALT_SAMPLE
+        emitted = sample(logits[:, 0], batch.sampling, step, salt=salt,
                          greedy_only=greedy_only, filtering=filtering)[:, None]
     commit_len = jnp.where(batch.live, n + 1, 0)
     if snapshot:
@@ -277,12 +285,12 @@ def rounds(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundVari
         out, pools = one_round(graphdef, params, pools, batch, variant)
         return RoundOutput(out.readback[None], out.top), pools
 
-    def body(pools, _):
-        out, pools = one_round(graphdef, params, pools, batch, variant)
+    def body(pools, index):
+        out, pools = one_round(graphdef, params, pools, batch, variant, first=index == 0)
         return pools, out.readback
 
     # One compiled round body; unrolling ran no faster on the H200 (docs/benchmarks.md).
-    pools, readback = jax.lax.scan(body, pools, None, length=variant.rounds)
+    pools, readback = jax.lax.scan(body, pools, jnp.arange(variant.rounds))
     return RoundOutput(readback, variant.logprobs), pools
 
 

@@ -98,7 +98,8 @@ def external_tokens(running: list[Request], proposer: Proposer, k: int, vocab_si
 def round_batch(running: list[Request], book: PageBook, *, b: int, reach: int,
                 max_model_len: int, tokens: np.ndarray) -> RoundBatch:
     """The padded batch of a round call over ``running`` (``b`` rows, padding last), saving no
-    snapshot (set ``snap_at`` / ``snap_id`` after, :func:`snapshot_targets`). Each request first
+    snapshot (set ``snap_at`` / ``snap_id`` after, :func:`snapshot_targets`) and every row
+    verifying up to k drafts in every round (``first_cap`` / ``draft_cap``). Each request first
     takes pages for ``reach`` positions past its position, when it can
     (:meth:`PageBook.grow`); ``limit`` is then the end of its pages. ``tokens``: ``[b, k+1]``
     host drafts (zeros when the drafts are on the device)."""
@@ -114,4 +115,6 @@ def round_batch(running: list[Request], book: PageBook, *, b: int, reach: int,
         live=np.asarray([r is not None for r in rows], bool),
         page_table=book.table(rows), limit=limit, max_step=steps,
         sampling=sampling_rows(rows), tokens=tokens,
-        snap_at=np.full((b,), -1, np.int32), snap_id=np.zeros((b,), np.int32))
+        snap_at=np.full((b,), -1, np.int32), snap_id=np.zeros((b,), np.int32),
+        first_cap=np.full((b,), tokens.shape[1] - 1, np.int32),
+        draft_cap=np.full((b,), tokens.shape[1] - 1, np.int32))

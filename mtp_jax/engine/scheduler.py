@@ -249,11 +249,13 @@ class Scheduler:
         rounds = s.rounds_per_call
         ahead = rounds * (s.k + 1) if chained else 0
         b = batch_bucket(len(running), self.book.max_requests)
-        k = self.call_k(running, b, rounds)
+        first_cap, draft_cap = self.draft_caps(running, b, rounds)
+        k = s.k if (first_cap.any() or draft_cap.any()) else 0
         tokens = (external_tokens(running, self.proposer, k, s.vocab_size, b)
                   if s.proposer == "external" else np.zeros((b, k + 1), np.int32))
         batch = round_batch(running, self.book, b=b, reach=ahead + span(k, rounds),
                             max_model_len=s.max_model_len, tokens=tokens)
+        batch.first_cap, batch.draft_cap = first_cap, draft_cap
         if self.prefix is not None:
             batch.snap_at, batch.snap_id = snapshot_targets(
                 running, batch.limit, ahead + rounds * (k + 1), self.prefix, b)
@@ -271,15 +273,22 @@ class Scheduler:
         self.stats.plain_rounds += rounds if k < s.k else 0
         return InFlightRound(list(running), out, batch.snap_at, batch.snap_id, t0, rounds, k)
 
-    def call_k(self, running: list[Request], bucket: int, rounds: int) -> int:
-        """The drafts per round of the next call over ``running``: ``settings.k``, or 0 (plain
-        decode steps) where the adaptive policy finds that drafting does not pay."""
-        if self.adaptive is None:
-            return self.settings.k
-        for r in running:
+    def draft_caps(self, running: list[Request], bucket: int, rounds: int
+                   ) -> tuple[np.ndarray, np.ndarray]:
+        """``(first_cap, draft_cap)``, ``[bucket]`` int32 each: the most drafts each row of
+        the next call verifies in its first round and in the others: ``settings.k``, or 0
+        where the adaptive policy finds that the request's drafting does not pay (padding
+        rows 0). The call runs plain decode steps when every cap is 0."""
+        k = self.settings.k
+        first, later = np.zeros((bucket,), np.int32), np.zeros((bucket,), np.int32)
+        for i, r in enumerate(running):
+            if self.adaptive is None:
+                first[i] = later[i] = k
+                continue
             if r.acceptance is None:
-                r.acceptance = RequestAcceptance.fresh(self.settings.k)
-        return self.adaptive.choose([r.acceptance for r in running], bucket, rounds)
+                r.acceptance = RequestAcceptance.fresh(k)
+            first[i], later[i] = self.adaptive.plan(r.acceptance, rounds)
+        return first, later
 
     def collect(self, f: InFlightRound, later: InFlightRound | None = None
                 ) -> dict[Request, list[int]]:
@@ -315,7 +324,8 @@ class Scheduler:
                 r.num_rounds += 1
                 r.num_draft_tokens += int(num_draft[j, i])
                 if r.acceptance is not None and f.k and num_draft[j, i] == f.k:
-                    r.acceptance.observe(n + 1)  # a round that verified all its drafts
+                    # a round that verified all its drafts (its index: the rounds before it)
+                    r.acceptance.observe(r.num_rounds - 1, n + 1)
                 r.num_accepted_tokens += min(n, kept)
                 r.position += n + 1
         if unsaved:  # boundaries not reached (or saved by an earlier call), rows finished

@@ -72,7 +72,8 @@ def padding_round_batch(b: int, k: int, max_pages_per_req: int) -> RoundBatch:
                       limit=zi, max_step=zi,
                       sampling=SamplingTensors.from_params([], pad_to=b, host=True),
                       tokens=np.zeros((b, k + 1), np.int32),
-                      snap_at=np.full((b,), -1, np.int32), snap_id=zi)
+                      snap_at=np.full((b,), -1, np.int32), snap_id=zi, first_cap=zi,
+                      draft_cap=zi)
 
 
 def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,

@@ -6,35 +6,35 @@ costs 1 and commits 1. Drafting pays when the tokens a round commits exceed ``c`
 
 Per request, the host keeps an estimate of the tokens a full round commits
 (:class:`RequestAcceptance`: an exponentially weighted mean over its rounds that verified all
-k drafts, started at the optimistic ``k + 1`` so that every request first drafts). Per call,
-:class:`AdaptivePolicy` picks the call's k: the engine's k when the batch's mean estimate
-exceeds ``c`` of its batch bucket, else 0, a plain decode step (the round program's ``k = 0``
-variant: one verify row, no draft chain; with MTP it still writes the draft's KV of the
-committed row, so that the draft is ready when drafting resumes). A compiled round verifies
-its k drafts for every row whatever the row's acceptance, so a per-row k below the program's
-would save no time: the choice is per call, and a request with poor drafts only turns a
-batch plain when the batch as a whole gains nothing from drafting.
+k drafts, started at the optimistic ``k + 1`` so that every request first drafts), and
+:class:`AdaptivePolicy` decides per request and call whether it drafts. A call in which no
+request drafts runs the round program's ``k = 0`` variant: plain decode steps, no draft chain
+(with MTP it still writes the draft's KV of the committed row, so that the draft is ready when
+drafting resumes); a call in which some request drafts runs the k-draft program, and the
+requests that do not draft verify no draft in it (``RoundBatch.draft_cap``). Either way such
+a request's token is drawn the same: a plain round of a speculative engine samples with the
+stream of a round that verified no draft. So a request's tokens depend on its own history
+only, not on the requests it shares a batch with, nor (below) on the schedule.
 
-While a batch decodes plainly, no draft is verified and nothing is learnt; every
-``probe_interval`` plain rounds (doubling after each probe that finds drafting still unpaid,
-from :data:`PROBE_FIRST` to :data:`PROBE_MAX` rounds, reset when drafting pays) the batch
-drafts for :data:`PROBE_ROUNDS` rounds to measure again. The first round after plain rounds
-verifies no draft (the MTP drafts of plain rounds are not made; the program marks them stale),
-so a probe is at least two rounds.
+While a request does not draft, nothing is learnt; every ``probe_interval`` plain rounds
+(doubling after each probe that finds drafting still unpaid, from :data:`PROBE_FIRST` to
+:data:`PROBE_MAX` rounds, reset when drafting pays) it drafts for :data:`PROBE_ROUNDS` rounds
+to measure again. The first round after a call it did not draft in verifies no draft (its
+drafts are stale), so a probe is at least two rounds. An observation counts for decisions one
+call later than it could (the call in flight under overlap scheduling), with and without
+overlap, so that both schedules make the same choices.
 
-``c`` comes from the bytes the round and the decode step must read
-(:func:`round_cost`, :func:`~mtp_jax.models.round_bytes.round_bytes`), not from timings, so
-that the choice and therefore a seeded sampled output do not depend on the machine's speed;
-on the H200 those ratios match the measured ones (2B 1.9 vs 2.0-2.2, 35B-A3B 2.5 vs 2.4,
-docs/benchmarks.md). The output is exact either way: a plain step and a round commit
-target-verified tokens only.
+``c`` comes from the bytes the round and the decode step must read at batch 1
+(:func:`round_cost`, :func:`~mtp_jax.models.round_bytes.round_bytes`), not from timings or the
+batch, so that the choices and therefore a seeded sampled output do not depend on the
+machine's speed or on other requests; on the H200 those ratios plus :data:`ROUND_OVERHEAD`
+match the measured ones within 0.1 (docs/benchmarks.md, 2026-12-04). The output is exact
+either way: plain steps and rounds commit target-verified tokens only.
 """
 
 from __future__ import annotations
 
 import dataclasses
-import functools
-from typing import Callable
 
 from mtp_jax.config import ModelConfig, SpeculativeConfig
 from mtp_jax.models.round_bytes import round_bytes
@@ -55,26 +55,49 @@ ROUND_OVERHEAD = 0.15
 
 @dataclasses.dataclass
 class RequestAcceptance:
-    """A request's estimate of the tokens a full round (all ``k`` drafts verified) commits:
+    """A request's adaptive-speculation state (host side, one per request).
+
+    The estimate of the tokens a full round (all ``k`` drafts verified) commits is
     ``weighted_tokens / weight``, an exponentially weighted mean (decay :data:`DECAY` per
-    observed round) started at ``k + 1`` with weight 1."""
+    observed round) started at ``k + 1`` with weight 1. An observation of the request's round
+    ``r`` counts only for calls that start at round ``r + rounds + 1`` or later
+    (:meth:`AdaptivePolicy.plan`): with overlap scheduling the call before is still in flight
+    when the next is dispatched, and without it the result is held back as long, so that the
+    choices, and with them a seeded sampled output, do not depend on the schedule.
+    ``dispatched``: rounds dispatched so far; ``drafting``: whether the request's last call
+    drafted; the probe state: plain rounds since the last probe, the current gap, the probe
+    rounds still to run."""
 
     weighted_tokens: float
     weight: float = 1.0
+    dispatched: int = 0
+    drafting: bool = True
+    plain_rounds: int = 0
+    probe_interval: int = PROBE_FIRST
+    probe_left: int = 0
+    pending: list = dataclasses.field(default_factory=list)  # (round index, tokens), in order
 
     @classmethod
     def fresh(cls, k: int) -> "RequestAcceptance":
-        """The optimistic start: every draft accepted."""
+        """The optimistic start: every draft accepted (prefill drafts, so the first call's
+        drafts are fresh)."""
         return cls(float(k + 1))
 
     @property
     def tokens_per_round(self) -> float:
         return self.weighted_tokens / self.weight
 
-    def observe(self, tokens: int) -> None:
-        """One full round that committed ``tokens`` (accepted drafts + 1)."""
-        self.weighted_tokens = DECAY * self.weighted_tokens + tokens
-        self.weight = DECAY * self.weight + 1.0
+    def observe(self, round_index: int, tokens: int) -> None:
+        """The request's round ``round_index`` verified all its drafts and committed
+        ``tokens`` (accepted drafts + 1); it counts from the call :meth:`settle` allows."""
+        self.pending.append((round_index, tokens))
+
+    def settle(self, before: int) -> None:
+        """Fold the observations of rounds ``< before`` into the estimate."""
+        while self.pending and self.pending[0][0] < before:
+            tokens = self.pending.pop(0)[1]
+            self.weighted_tokens = DECAY * self.weighted_tokens + tokens
+            self.weight = DECAY * self.weight + 1.0
 
 
 def round_cost(cfg: ModelConfig, k: int, batch: int, itemsize: int,
@@ -98,57 +121,60 @@ def round_cost(cfg: ModelConfig, k: int, batch: int, itemsize: int,
 
 @dataclasses.dataclass
 class AdaptivePolicy:
-    """Chooses each round call's k (see the module docstring).
+    """Chooses, per request and call, whether the request drafts (see the module docstring).
 
-    ``k``: the engine's k (``speculative_num_steps``, the most a call drafts); ``cost(b)``:
-    the round's time in decode steps at batch bucket ``b`` (:func:`round_cost`, or a fixed
-    ratio); ``enabled``: False keeps every call at ``k``. The probe state is the policy's own:
-    plain rounds since the last probe, the current gap and the probe rounds still to run."""
+    ``k``: the engine's k (``speculative_num_steps``, the most a round drafts); ``cost``: the
+    round's time in decode steps that drafting must beat (:func:`round_cost` at batch 1, or a
+    fixed ratio; one figure for every batch, so that a request's choices do not depend on the
+    others); ``enabled``: False drafts in every call."""
 
     k: int
-    cost: Callable[[int], float]
+    cost: float
     enabled: bool = True
-    probe_interval: int = PROBE_FIRST
-    plain_rounds: int = 0
-    probe_left: int = 0
 
-    def choose(self, rows: list[RequestAcceptance], bucket: int, rounds: int) -> int:
-        """The k of the next call of ``rounds`` rounds over requests with estimates ``rows``
-        at batch bucket ``bucket``: ``self.k`` or 0."""
-        if not self.enabled or self.k == 0 or not rows:
-            return self.k
-        if self.probe_left > 0:
-            self.probe_left = max(0, self.probe_left - rounds)
-            return self.k
-        mean = sum(r.tokens_per_round for r in rows) / len(rows)
-        if mean > self.cost(bucket):
-            self.probe_interval, self.plain_rounds = PROBE_FIRST, 0
-            return self.k
-        self.plain_rounds += rounds
-        if self.plain_rounds < self.probe_interval:
-            return 0
-        self.plain_rounds = 0
-        self.probe_interval = min(2 * self.probe_interval, PROBE_MAX)
-        self.probe_left = max(0, PROBE_ROUNDS - rounds)
-        return self.k
+    def plan(self, st: RequestAcceptance, rounds: int) -> tuple[int, int]:
+        """The drafts ``st``'s request verifies in the next call of ``rounds`` rounds: ``(in
+        its first round, in the others)``, each ``k`` or 0. A request that drafts verifies
+        ``k`` drafts per round, but none in the first round after a call it did not draft in
+        (its drafts are stale). Advances ``st`` past the call."""
+        start = st.dispatched
+        st.dispatched += rounds
+        if not self.enabled or self.k == 0:
+            return self.k, self.k
+        st.settle(start - rounds)
+        draft = self._drafts(st, rounds)
+        first = self.k if draft and st.drafting else 0
+        st.drafting = draft
+        return first, self.k if draft else 0
+
+    def _drafts(self, st: RequestAcceptance, rounds: int) -> bool:
+        if st.probe_left > 0:
+            st.probe_left = max(0, st.probe_left - rounds)
+            return True
+        if st.tokens_per_round > self.cost:
+            st.probe_interval, st.plain_rounds = PROBE_FIRST, 0
+            return True
+        st.plain_rounds += rounds
+        if st.plain_rounds < st.probe_interval:
+            return False
+        st.plain_rounds = 0
+        st.probe_interval = min(2 * st.probe_interval, PROBE_MAX)
+        st.probe_left = max(0, PROBE_ROUNDS - rounds)
+        return True
 
 
 def policy_for(cfg: ModelConfig, speculative: SpeculativeConfig, itemsize: int,
                draft_vocab_size: int | None = None) -> AdaptivePolicy | None:
     """The engine's policy for ``speculative`` (None with speculation off or adaptation off):
-    its ``adaptive_round_cost`` when set, else per batch bucket the byte ratio of
-    :func:`round_cost` (with the draft options; for a host proposer, only the verify's
-    bytes: its drafts cost no device time). ``itemsize``: bytes per model-dtype weight."""
+    its ``adaptive_round_cost`` when set, else the byte ratio of :func:`round_cost` at batch
+    1 (with the draft options; for a host proposer, only the verify's bytes: its drafts cost
+    no device time). ``itemsize``: bytes per model-dtype weight."""
     if not speculative.enabled or not speculative.adaptive:
         return None
     k, fixed = speculative.k, speculative.adaptive_round_cost
     if fixed is not None:
-        return AdaptivePolicy(k, lambda bucket: float(fixed))
-
-    @functools.lru_cache(maxsize=None)
-    def cost(bucket: int) -> float:
-        return round_cost(cfg, k, bucket, itemsize, draft_vocab_size,
-                          speculative.draft_head_dtype, speculative.draft_layer_dtype,
-                          host_drafts=speculative.algorithm != "mtp")
-
-    return AdaptivePolicy(k, cost)
+        return AdaptivePolicy(k, float(fixed))
+    return AdaptivePolicy(k, round_cost(cfg, k, 1, itemsize, draft_vocab_size,
+                                        speculative.draft_head_dtype,
+                                        speculative.draft_layer_dtype,
+                                        host_drafts=speculative.algorithm != "mtp"))

@@ -102,7 +102,7 @@ def _engine(model, k=2, chunk=16):
     return Engine(model, EngineConfig(max_running_requests=2, dtype="float32", max_model_len=64,
                                       chunked_prefill_size=chunk, enable_prefix_cache=False,
                                       num_pages=24),
-                  SpeculativeConfig(algorithm="mtp", num_steps=k))
+                  SpeculativeConfig(algorithm="mtp", num_steps=k, adaptive=False))
 
 
 def _generate(eng):

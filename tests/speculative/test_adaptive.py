@@ -9,6 +9,7 @@ import pytest
 
 from mtp_jax.config import ConfigError, EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
+from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
 from mtp_jax.speculative.adaptive import (DECAY, PROBE_FIRST, PROBE_MAX, PROBE_ROUNDS,
                                           AdaptivePolicy, RequestAcceptance, round_cost)
@@ -22,37 +23,64 @@ MAX_NEW = 100
 
 # ---- the policy alone ---------------------------------------------------------------------
 
-def test_acceptance_estimate_is_the_decayed_mean():
+def test_acceptance_estimate_is_the_decayed_mean_of_settled_rounds():
     est = RequestAcceptance.fresh(K)
     seen = [1, 4, 2, 1, 1]
-    for t in seen:
-        est.observe(t)
-    values = [K + 1] + seen
+    for i, t in enumerate(seen):
+        est.observe(i, t)
+    est.settle(3)  # rounds 0..2 count, 3 and 4 wait
+    values = [K + 1] + seen[:3]
     w = [DECAY ** (len(values) - 1 - i) for i in range(len(values))]
     assert est.tokens_per_round == pytest.approx(np.dot(w, values) / sum(w))
+    assert [i for i, _ in est.pending] == [3, 4]
+
+
+def _states(pol, tokens, calls, rounds):
+    """The (first, later) caps of ``calls`` calls of a request whose every observed round
+    commits ``tokens``."""
+    st, out = RequestAcceptance.fresh(K), []
+    for _ in range(calls):
+        first, later = pol.plan(st, rounds)
+        out.append((first, later))
+        for j in range(rounds):
+            if (first if j == 0 else later) == K:
+                st.observe(st.dispatched - rounds + j, tokens)
+    return out
 
 
 def test_policy_drafts_while_it_pays_and_probes_with_doubling_gaps():
-    cost = 2.0
-    pol = AdaptivePolicy(K, lambda b: cost)
-    good, bad = RequestAcceptance(2.5), RequestAcceptance(1.2)
-    assert pol.choose([good], 1, 1) == K
-    assert pol.choose([good, bad], 2, 1) == 0  # mean 1.85 < 2
-    pol = AdaptivePolicy(K, lambda b: cost)
-    calls = [pol.choose([bad], 1, 1) for _ in range(PROBE_FIRST + 2 * PROBE_FIRST + 4 * PROBE_FIRST + 2 * PROBE_MAX + 20)]
-    runs = "".join("d" if k else "." for k in calls).split("d" * PROBE_ROUNDS)
+    pol = AdaptivePolicy(K, 2.0)
+    assert set(_states(pol, 3, 50, 1)) == {(K, K)}  # 3 tokens a round beat 2 steps
+    caps = _states(pol, 1, PROBE_FIRST + 2 * PROBE_FIRST + 4 * PROBE_FIRST + 2 * PROBE_MAX
+                   + 40, 1)
+    drafts = "".join("d" if later else "." for _, later in caps)
+    start = drafts.index(".")
+    assert 1 <= start <= 8  # the optimistic start, then the rounds show 1 token each
+    runs = drafts[start:].split("d" * PROBE_ROUNDS)
     # plain rounds between probes of PROBE_ROUNDS rounds: the gap doubles (the probe's first
-    # round is the gap's last count)
+    # round is the gap's last count) up to PROBE_MAX
     assert [len(r) for r in runs[:5]] == [PROBE_FIRST - 1, 2 * PROBE_FIRST - 1,
                                           4 * PROBE_FIRST - 1, PROBE_MAX - 1,
                                           PROBE_MAX - 1], runs
-    # drafting that pays again resets the gap
-    assert pol.choose([good], 1, 1) == K and pol.probe_interval == PROBE_FIRST
-    # several rounds per call: plain rounds counted per round, probes as one call
-    pol = AdaptivePolicy(K, lambda b: cost)
-    calls = [pol.choose([bad], 1, 4) for _ in range(PROBE_FIRST // 4 + 4)]
-    assert calls == [0] * (PROBE_FIRST // 4 - 1) + [K] + [0] * 4
-    assert PROBE_MAX == 8 * PROBE_FIRST
+    # a probe's first round verifies no draft (stale), its second verifies k
+    i = start + PROBE_FIRST - 1
+    assert caps[i] == (0, K) and caps[i + 1] == (K, K)
+    # several rounds per call: plain rounds counted per round, a probe is one call
+    caps = _states(AdaptivePolicy(K, 2.0), 1, 60, 4)
+    drafts = "".join("d" if later else "." for _, later in caps)
+    assert drafts.startswith("dd.") and drafts[:40].count("d") == 3, drafts
+    assert drafts.index("d", 2) == 2 + PROBE_FIRST // 4 - 1 and PROBE_MAX == 8 * PROBE_FIRST
+
+
+def test_observations_count_one_call_late():
+    pol = AdaptivePolicy(K, 2.0)
+    st = RequestAcceptance.fresh(K)
+    assert pol.plan(st, 2) == (K, K)
+    st.observe(0, 1)
+    st.observe(1, 1)
+    assert pol.plan(st, 2) == (K, K)  # the first call's rounds are not counted yet
+    assert pol.plan(st, 2) == (0, 0)  # now they are: 4 * 0.64 + 1.8 over 2.44 < 2
+    assert AdaptivePolicy(K, 2.0, enabled=False).plan(RequestAcceptance(1.0), 1) == (K, K)
 
 
 def test_round_cost_is_the_byte_ratio_of_the_released_shapes():
@@ -154,3 +182,35 @@ def test_half_right_follows_the_round_cost(model, prompts, plain):
 def test_adaptation_off_drafts_every_round(model, prompts, plain):
     eng, reqs, drafted = _run(model, prompts, plain, 0.0, adaptive=False)
     assert eng.stats.plain_rounds == 0 and all((d[:-K] == K).all() for d in drafted)
+
+
+def test_a_sampled_request_draws_the_same_alone_and_beside_one_that_drafts(model, prompts,
+                                                                           plain):
+    """Request r0 (sampled) is served alone, and beside r1 (greedy, drafts always right):
+    r0's drafts are never right, so it stops drafting, while the calls it shares with r1
+    run the drafting program (r0 verifying none). r0 draws the same tokens both times."""
+    vocab = model.cfg.vocab_size
+    never, always = right_with(0.0, plain, vocab), right_with(1.0, plain, vocab)
+
+    def proposer(request_id, ids, k):
+        return (never if request_id == "r0" else always)(request_id, ids, k)
+
+    def reqs(ids):
+        sampled = SamplingParams(temperature=3.0, top_k=50, max_tokens=MAX_NEW,
+                                 ignore_eos=True)
+        greedy = SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True)
+        return [Request(request_id=f"r{i}", index=i, prompt=None, prompt_ids=list(prompts[i]),
+                        params=sampled if i == 0 else greedy, seed=7) for i in ids]
+
+    together = reqs([0, 1])
+    eng = _engine(model, "external", proposer)
+    eng.run(together)
+    assert together[1].num_accepted_tokens == together[1].num_draft_tokens >= 60
+    shared = together[1].num_rounds  # calls r0 shared with the drafting r1
+    assert together[0].num_draft_tokens < K * shared  # r0 skipped drafting in some
+    alone = reqs([0])
+    eng = _engine(model, "external", proposer)
+    eng.run(alone)
+    assert eng.stats.plain_rounds > 0.7 * eng.stats.rounds
+    assert together[0].output_ids == alone[0].output_ids
+    assert together[0].num_draft_tokens == alone[0].num_draft_tokens  # the same choices

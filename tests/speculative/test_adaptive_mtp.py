@@ -25,15 +25,19 @@ PLAN = [K, 0, 0, 0, K, K, K, 0, K, K, 0, 0, 0, 0, 0, K, K, K, K, 0, K]
 
 
 class Scripted:
-    """A policy double: the k of each call from ``plan``, then the engine's k."""
+    """A policy double: whether each call drafts from ``plan`` (then always), the caps as the
+    engine's policy sets them (none in the first round after a call without drafts)."""
 
     enabled = True
 
     def __init__(self, plan):
-        self.plan = list(plan)
+        self.ks, self.drafting = list(plan), True
 
-    def choose(self, rows, bucket, rounds):
-        return self.plan.pop(0) if self.plan else K
+    def plan(self, st, rounds):
+        k = self.ks.pop(0) if self.ks else K
+        first = k if self.drafting else 0
+        self.drafting = k > 0
+        return first, k
 
 
 def expected(drafts, seq, prompt_len, plan):

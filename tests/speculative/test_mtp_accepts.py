@@ -52,7 +52,8 @@ def _engine(model, algo, k=0, tokenizer=None, **cfg):
                     enable_prefix_cache=False, chunked_prefill_size=16)
     settings.update(cfg)
     return Engine(model, EngineConfig(**settings),
-                  SpeculativeConfig(algorithm=algo, num_steps=k), tokenizer=tokenizer)
+                  SpeculativeConfig(algorithm=algo, num_steps=k, adaptive=False),
+                  tokenizer=tokenizer)
 
 
 def _run(engine, reqs, per_round: bool):

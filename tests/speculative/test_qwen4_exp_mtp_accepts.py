@@ -56,7 +56,8 @@ def _engine(model, algo, k=0, **cfg):
                     enable_prefix_cache=False, chunked_prefill_size=16, overlap_schedule=False,
                     num_scheduler_steps=1)
     settings.update(cfg)
-    return Engine(model, EngineConfig(**settings), SpeculativeConfig(algorithm=algo, num_steps=k))
+    return Engine(model, EngineConfig(**settings), SpeculativeConfig(algorithm=algo, num_steps=k,
+                                                                     adaptive=False))
 
 
 @pytest.fixture(scope="module")
@@ -162,7 +163,8 @@ def test_reduced_draft_vocabulary_drafts_its_hot_ids(model, prompts, plain, draf
                                         max_model_len=96, enable_prefix_cache=False,
                                         chunked_prefill_size=16, overlap_schedule=False,
                                         num_scheduler_steps=1),
-                    SpeculativeConfig(algorithm="mtp", num_steps=3, draft_vocab_size=n))
+                    SpeculativeConfig(algorithm="mtp", num_steps=3, draft_vocab_size=n,
+                                      adaptive=False))
     reqs = _requests(prompts)
     _check(reqs, plain, expected, run_per_round(engine, reqs))
     accepted = sum(r.num_accepted_tokens for r in reqs)
@@ -198,7 +200,8 @@ def test_int8_draft_layer(model, prompts, plain):
     from mtp_jax.engine.memory import planned_weights_bytes
     from mtp_jax.models.params import param_name
 
-    spec = SpeculativeConfig(algorithm="mtp", num_steps=3, draft_layer_dtype="int8")
+    spec = SpeculativeConfig(algorithm="mtp", num_steps=3, draft_layer_dtype="int8",
+                             adaptive=False)
     engine = Engine(model, EngineConfig(max_running_requests=2, dtype="float32", page_size=PAGE,
                                         max_model_len=96, enable_prefix_cache=False),
                     spec)
@@ -206,7 +209,7 @@ def test_int8_draft_layer(model, prompts, plain):
     int8 = {n: a for n, a in flat.items() if a.dtype == np.int8}
     assert int8 and all(n.startswith("mtp.") and a.ndim == 2 for n, a in int8.items())
     held = sum(a.size + 4 * flat[n[:-len("weight")] + "scale"].size for n, a in int8.items())
-    plain_spec = SpeculativeConfig(algorithm="mtp", num_steps=3)
+    plain_spec = SpeculativeConfig(algorithm="mtp", num_steps=3, adaptive=False)
     assert (planned_weights_bytes(model.cfg, "float32", True, spec)
             - planned_weights_bytes(model.cfg, "float32", True, plain_spec)) == held
     reqs = _requests(prompts)
