@@ -2,7 +2,8 @@
 (adaptive, the default) and on without adaptation, on a random-weight model of a real shape.
 
 Random weights accept no draft, so this is the case adaptive speculation exists for: MTP on
-should be within a few percent of MTP off. For each ``--batch`` and setting, an engine with
+should be within a few percent of MTP off (each request stops drafting after a few rounds and
+probes now and then). For each ``--batch`` and setting, an engine with
 the defaults (prefix cache on, automatic rounds per call) is warmed up on the batch's buckets,
 then serves ``batch`` greedy requests of ``--prompt-len`` random tokens for
 ``--decode-tokens`` tokens each. Reports decode tokens/s (generated tokens / the rounds' time,
