@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 
 import jax
+import numpy as np
 
 from mtp_jax.sampling import SamplingTensors
 
@@ -20,7 +21,13 @@ class PrefillBatch:
     start: ``[B]`` int32 position of the chunk's first token (0 resets the slot's GDN state);
     length: ``[B]`` int32 chunk tokens; prompt_len: ``[B]`` int32 whole prompt;
     slot: ``[B]`` int32; page_table: ``[B, max_pages]`` int32; sampling: ``[B]``;
-    step: ``[B]`` int32 random-stream step of the first sampled token (0).
+    step: ``[B]`` int32 random-stream step of the first sampled token (0);
+    snap_at: ``[B, S]`` int32 prefix-cache boundaries inside the chunk (positions: the committed
+      length whose slot state is saved, in ``start+1 .. start+length``; -1: none);
+      snap_id: ``[B, S]`` int32 snapshot ids to save them in (0: the trash snapshot). ``S`` is
+      :func:`snapshot_slots` of ``T`` (0 without the prefix cache), so it adds no program.
+      A family without ``ModelEntry.prefill_snapshots`` saves only a boundary at the chunk's
+      end (its chunks end on boundaries).
     The first token and drafts are only meaningful for a row whose chunk ends the prompt.
     """
 
@@ -33,6 +40,25 @@ class PrefillBatch:
     page_table: jax.Array
     sampling: SamplingTensors
     step: jax.Array
+    snap_at: jax.Array
+    snap_id: jax.Array
+
+
+def snapshot_slots(t: int, snapshot_tokens: int | None) -> int:
+    """``S``, the snapshot targets of a prefill chunk bucket of ``t`` tokens: the most
+    boundaries (every ``snapshot_tokens``) that ``t`` consecutive positions can cross,
+    ``ceil(t / snapshot_tokens)``; 0 without the prefix cache (``None``)."""
+    return 0 if snapshot_tokens is None else -(-t // snapshot_tokens)
+
+
+def snapshot_rows(targets: dict[int, int], s: int) -> tuple:
+    """One row's ``(snap_at [1, s], snap_id [1, s])`` int32 numpy arrays of ``targets``
+    (boundary position -> snapshot id, at most ``s``), padded with ``-1`` / ``0``."""
+    snap_at = np.full((1, s), -1, np.int32)
+    snap_id = np.zeros((1, s), np.int32)
+    for j, (p, sid) in enumerate(sorted(targets.items())):
+        snap_at[0, j], snap_id[0, j] = p, sid
+    return snap_at, snap_id
 
 
 @jax.tree_util.register_dataclass

@@ -16,7 +16,7 @@ import jax.numpy as jnp
 
 from mtp_jax.cache.pools import Pools
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
-from mtp_jax.engine.programs import LOAD_SNAPSHOT, SAVE_SNAPSHOT, RoundOutput, programs_for
+from mtp_jax.engine.programs import LOAD_SNAPSHOT, RoundOutput, programs_for
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant
 from mtp_jax.models.registry import entry_of
 
@@ -65,6 +65,12 @@ class DeviceState:
         self.programs, self.leaves, self.shape = mp.programs, mp.leaves, shape
         self.pools: Pools | None = shape.make(num_pages, slots, num_snapshots)
 
+    @property
+    def prefill_snapshots(self) -> bool:
+        """Whether a prefill call saves prefix-cache snapshots at boundaries inside its chunk
+        (the family's ``ModelEntry.prefill_snapshots``); else only at the chunk's end."""
+        return entry_of(self.shape.cfg).prefill_snapshots
+
     # ---- programs -----------------------------------------------------------------------------
     def prefill(self, batch: PrefillBatch, variant: PrefillVariant) -> jax.Array:
         """Run a prefill call; returns its first tokens and drafts ``[B, k+1]`` int32 (on the
@@ -76,11 +82,6 @@ class DeviceState:
         """Dispatch a round call; returns its :class:`RoundOutput` (on the device)."""
         out, self.pools = self.programs.round(self.leaves, self.pools, batch, variant)
         return out
-
-    def save_snapshot(self, slot: int, snapshot: int) -> None:
-        """Copy the GDN state of ``slot`` into prefix-cache snapshot ``snapshot``."""
-        self.pools = SAVE_SNAPSHOT(self.pools, jnp.asarray([slot], jnp.int32),
-                                   jnp.asarray([snapshot], jnp.int32))
 
     def load_snapshot(self, snapshot: int, slot: int) -> None:
         """Copy prefix-cache snapshot ``snapshot`` into the GDN state of ``slot``."""

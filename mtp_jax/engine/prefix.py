@@ -7,7 +7,8 @@ store never holds the book). What it does for a request:
 
 * admission: reuse the longest cached prefix (shared pages, the GDN snapshot to load into the
   slot, prefill resuming after it; :meth:`admit`);
-* snapshot ids for prefill chunks ending on a boundary and for rounds that cross one;
+* snapshot ids for the boundaries inside (or at the end of) prefill chunks and for rounds
+  that cross one;
 * insertion of committed tokens only: the prompt's full pages when its prefill completes, the
   committed output's when the request ends (never past a stop);
 * release of its references and unused snapshot ids.
@@ -118,17 +119,22 @@ class PrefixStore:
         req.prefilled = req.cached_tokens = len(path) * self.page_size
         return path[-1].snapshot
 
-    def chunk_snapshot(self, req: Request) -> int | None:
-        """After a prefill chunk: a snapshot id to save the slot's GDN state into when the
-        chunk ended on a boundary not saved yet (recorded in ``req.snapshots``), else
-        ``None``."""
-        end = req.prefilled
-        if end % self.snapshot_tokens or end in req.snapshots:
-            return None
-        sid = self.take_snapshot_id(req, end)
-        if sid is not None:
-            req.snapshots[end] = sid
-        return sid
+    def chunk_snapshots(self, req: Request, start: int, end: int) -> dict[int, int]:
+        """Before a prefill chunk of positions ``start .. end-1``: a snapshot id for each
+        boundary in ``start+1 .. end`` not saved yet (:meth:`take_snapshot_id`; a boundary
+        left without one when none can be had is not saved), recorded in ``req.snapshots``.
+        Returns ``{boundary: id}`` of the chunk's boundaries that still hold their id (one
+        that went to a deeper boundary of the same chunk, out of ids, is not saved twice)."""
+        st = self.snapshot_tokens
+        taken = []
+        for p in range((start // st + 1) * st, end + 1, st):
+            if p in req.snapshots:
+                continue
+            sid = self.take_snapshot_id(req, p)
+            if sid is not None:
+                req.snapshots[p] = sid
+                taken.append(p)
+        return {p: req.snapshots[p] for p in taken if p in req.snapshots}
 
     def insert_prompt(self, req: Request) -> list[int]:
         """Insert the prompt's full pages (committed; the first output token is the lookahead

@@ -36,6 +36,7 @@ from mtp_jax.engine.executable_cache import ExecutableTable
 from mtp_jax.engine.packing import pack, unpack
 from mtp_jax.engine.param_packing import ParamPacking
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant
+from mtp_jax.models.registry import entry_of
 from mtp_jax.sampling import SALT_RESIDUAL, SALT_SAMPLE, sample
 from mtp_jax.sampling.logprobs import columns_per_token, logprob_columns
 from mtp_jax.speculative.accept import accept
@@ -93,8 +94,7 @@ def _save_round_snapshots(model, pools: Pools, rows, batch: RoundBatch, position
     replay. The host traces this only into the variant it calls when some row may reach a
     prefix-cache boundary within the call, so other calls carry neither its cost nor a
     conditional."""
-    leaves = jax.tree_util.tree_leaves(pools.snapshots)
-    if not leaves or leaves[0].shape[0] == 0:
+    if not _has_snapshots(pools):
         return pools
     row = batch.snap_at - 1 - position
     save = (batch.snap_at >= 0) & batch.live & (row >= 0) & (row <= num_draft)
@@ -130,12 +130,44 @@ def _plain_round_drafts(model, pools: Pools, hidden, emitted, abatch: AttentionB
     return dataclasses.replace(pools, next_tokens=pools.next_tokens.at[slot].set(row))
 
 
+def _has_snapshots(pools: Pools) -> bool:
+    """Whether the pools hold prefix-cache snapshots (static: their leaves' shapes)."""
+    leaves = jax.tree_util.tree_leaves(pools.snapshots)
+    return bool(leaves) and leaves[0].shape[0] > 0
+
+
+def _prefill_targets(batch: PrefillBatch):
+    """``(rows, save)`` ``[B, S]``: the chunk rows before each boundary ``snap_at`` (int32)
+    and whether it is saved (a boundary in ``start+1 .. start+length``)."""
+    rows = batch.snap_at - batch.start[:, None]
+    save = (batch.snap_at >= 0) & (rows > 0) & (rows <= batch.length[:, None])
+    return rows, save
+
+
+def _save_prefill_snapshots(pools: Pools, batch: PrefillBatch, view, states) -> Pools:
+    """Write the prefix-cache snapshots of a prefill chunk: ``states`` (the slot states after
+    each target's rows, ``[B, S, ...]`` leaves) into ``snap_id``, or, for a family without
+    them (``states`` None), the chunk's final states ``view`` into the id of a boundary at the
+    chunk's end. Targets not saved write the trash snapshot 0."""
+    rows, save = _prefill_targets(batch)
+    if states is None:
+        end = save & (rows == batch.length[:, None])
+        ids = jnp.max(jnp.where(end, batch.snap_id, 0), axis=1)
+        return dataclasses.replace(pools, snapshots=pools.snapshots.scatter(ids, view))
+    ids = jnp.where(save, batch.snap_id, 0).reshape(-1)
+    flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), states)
+    return dataclasses.replace(pools, snapshots=pools.snapshots.scatter(ids, flat))
+
+
 def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: PrefillVariant):
     """Prefill one chunk per row (the GDN state starts at zero when ``start == 0``, else from
     the slot); sample the first token; with MTP (``variant.mtp``), write the draft KV over the
     chunk's rows and draft ``d_1..d_k``. Writes ``next_tokens[slot] = [x_T, d_1..d_k]`` (final
     chunk only matters). ``variant.greedy_only``: every row is greedy, so no sampling path is
-    traced.
+    traced. With prefix-cache snapshots (``batch.snap_at`` has ``S > 0`` columns and the pools
+    hold snapshots), saves the slot states at the boundaries inside the chunk: from the
+    model's prefill forward at those rows (``ModelEntry.prefill_snapshots``), else the
+    chunk's final states at a boundary at its end (:func:`_save_prefill_snapshots`).
 
     Returns ``(next_tokens [B, k+1] int32: the first token and the drafts, pools)``; a
     logprobs variant appends the first token's ``1 + 2 * variant.logprobs`` columns
@@ -151,13 +183,22 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
     view = pools.gdn.gather(batch.slot)
     fresh = batch.start == 0
     view = jax.tree.map(lambda a: jnp.where(fresh.reshape(-1, *([1] * (a.ndim - 1))), 0, a), view)
-    hidden, kv, view = model(batch.input_ids, abatch, pools.kv, view, "prefill")
+    snapshot = batch.snap_at.shape[1] > 0 and _has_snapshots(pools)
+    states = None
+    if snapshot and entry_of(model.cfg).prefill_snapshots:
+        rows = jnp.clip(_prefill_targets(batch)[0], 0, t)
+        hidden, kv, view, states = model(batch.input_ids, abatch, pools.kv, view, "prefill",
+                                         state_rows=rows)
+    else:
+        hidden, kv, view = model(batch.input_ids, abatch, pools.kv, view, "prefill")
     last = jnp.maximum(batch.length - 1, 0)
     h_last = row_at(hidden, last)
     logits_last = model.logits(h_last)
     first = sample(logits_last, batch.sampling, batch.step, salt=SALT_SAMPLE,
                    greedy_only=greedy_only)
     pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, view))
+    if snapshot:
+        pools = _save_prefill_snapshots(pools, batch, view, states)
     drafts = None
     if variant.mtp:
         is_final = pos == (batch.prompt_len - 1)[:, None]
@@ -294,19 +335,12 @@ def rounds(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundVari
     return RoundOutput(readback, variant.logprobs), pools
 
 
-def save_snapshot(pools: Pools, slot: jax.Array, snapshot: jax.Array) -> Pools:
-    """Copy the GDN state of ``slot [n]`` into snapshot ids ``snapshot [n]``."""
-    return dataclasses.replace(pools, snapshots=pools.snapshots.scatter(
-        snapshot, pools.gdn.gather(slot)))
-
-
 def load_snapshot(pools: Pools, snapshot: jax.Array, slot: jax.Array) -> Pools:
     """Copy snapshot ids ``snapshot [n]`` into the GDN state of ``slot [n]``."""
     return dataclasses.replace(pools, gdn=pools.gdn.scatter(
         slot, pools.snapshots.gather(snapshot)))
 
 
-SAVE_SNAPSHOT = jax.jit(save_snapshot, donate_argnums=(0,))
 LOAD_SNAPSHOT = jax.jit(load_snapshot, donate_argnums=(0,))
 
 

@@ -5,7 +5,11 @@ Each :meth:`Scheduler.step`:
 1. admits waiting requests (first come, first served) while a slot is free and the page pool can
    guarantee the pages of their final length (prompt + max_tokens, capped at max_model_len);
 2. prefills up to ``chunk_size`` prompt tokens (chunks of the oldest prefilling request; a
-   prompt longer than that takes several steps, interleaved with rounds);
+   prompt longer than that takes several steps, interleaved with rounds). With the prefix
+   cache, each chunk's call saves the GDN state at every snapshot boundary inside it (or at
+   its end) into snapshot ids the host gives it, so chunks are cut by ``chunk_size`` and the
+   prompt only (a family whose prefill cannot give states inside a chunk, qwen4_exp, ends
+   its chunks on boundaries instead: ``ModelEntry.prefill_snapshots``);
 3. runs one speculative round (a decode step when k = 0) for every decoding request in one
    program call over a power-of-two batch bucket; ``rounds_per_call`` rounds in a row in one
    call when it is above 1 (multi-step scheduling). With ``overlap`` that call is dispatched
@@ -37,7 +41,7 @@ from typing import Callable
 
 import numpy as np
 
-from mtp_jax.engine.batch import PrefillBatch, sampling_rows
+from mtp_jax.engine.batch import PrefillBatch, sampling_rows, snapshot_rows, snapshot_slots
 from mtp_jax.engine.device import DeviceState
 from mtp_jax.engine.pages import PageBook
 from mtp_jax.engine.prefix import PrefixStore
@@ -181,16 +185,22 @@ class Scheduler:
         self.waiting.remove(req)
 
     def prefill_chunk(self, req: Request, budget: int) -> int:
-        """Prefill the next chunk (at most ``budget`` tokens, ending on a snapshot boundary with
-        the prefix cache) of ``req``; the last chunk samples the first token. Returns its
-        length."""
+        """Prefill the next chunk of ``req`` (at most ``budget`` tokens); the last chunk
+        samples the first token. Returns its length. With the prefix cache, the call saves the
+        slot state at every snapshot boundary inside the chunk or at its end, into the ids
+        :meth:`PrefixStore.chunk_snapshots` takes (recorded in ``req.snapshots``); for a
+        family whose prefill cannot give states inside a chunk
+        (``DeviceState.prefill_snapshots`` False) the chunk ends on the next boundary."""
         s = self.settings
         n_prompt, start = len(req.prompt_ids), req.prefilled
         n = min(budget, n_prompt - start)
-        if self.prefix is not None:  # end chunks on snapshot boundaries
-            st = self.prefix.snapshot_tokens
-            n = min(n, (start // st + 1) * st - start)
+        st = self.prefix.snapshot_tokens if self.prefix is not None else None
+        if st is not None and not self.device.prefill_snapshots:
+            n = min(n, (start // st + 1) * st - start)  # end the chunk on the boundary
         t = prefill_bucket(n, s.chunk_size)
+        targets = (self.prefix.chunk_snapshots(req, start, start + n)
+                   if self.prefix is not None else {})
+        snap_at, snap_id = snapshot_rows(targets, snapshot_slots(t, st))
         ids = np.zeros((1, t), np.int32)
         nxt = np.zeros((1, t), np.int32)
         ids[0, :n] = req.prompt_ids[start:start + n]
@@ -201,15 +211,12 @@ class Scheduler:
             input_ids=ids, next_ids=nxt, start=np.asarray([start], np.int32),
             length=np.asarray([n], np.int32), prompt_len=np.asarray([n_prompt], np.int32),
             slot=np.asarray([req.slot], np.int32), page_table=self.book.table([req]),
-            sampling=sampling_rows([req]), step=np.zeros((1,), np.int32))
+            sampling=sampling_rows([req]), step=np.zeros((1,), np.int32),
+            snap_at=snap_at, snap_id=snap_id)
         t0 = time.perf_counter()
         variant = self.prefill_variant([req] if start + n == n_prompt else [])
         out = self.device.prefill(batch, variant)
         req.prefilled += n
-        if self.prefix is not None:
-            sid = self.prefix.chunk_snapshot(req)
-            if sid is not None:
-                self.device.save_snapshot(req.slot, sid)
         if req.prefilled == n_prompt:
             req.position = n_prompt
             self.stops(req, [int(np.asarray(out)[0, 0])])  # the first token

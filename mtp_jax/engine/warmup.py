@@ -20,7 +20,7 @@ import numpy as np
 
 from mtp_jax.engine import startup
 from mtp_jax.engine.abort import pools_guard
-from mtp_jax.engine.batch import PrefillBatch, RoundBatch
+from mtp_jax.engine.batch import PrefillBatch, RoundBatch, snapshot_rows, snapshot_slots
 from mtp_jax.engine.rounds import next_pow2
 from mtp_jax.engine.scheduler import MIN_PREFILL_BUCKET, Scheduler
 from mtp_jax.engine.variants import RoundVariant
@@ -85,8 +85,8 @@ def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None =
     prefill = prefill_buckets(s.chunk_size, s.max_model_len)
     if max_prompt_len is not None:
         longest = min(max_prompt_len, s.chunk_size)
-        if sched.prefix is not None:  # chunks end on snapshot boundaries
-            longest = min(longest, sched.prefix.snapshot_tokens)
+        if sched.prefix is not None and not sched.device.prefill_snapshots:
+            longest = min(longest, sched.prefix.snapshot_tokens)  # chunks end on boundaries
         prefill = [t for t in prefill if t <= max(MIN_PREFILL_BUCKET, next_pow2(longest))]
     buckets = batch_buckets(sched.book.max_requests)
     if max_batch is not None:
@@ -96,16 +96,19 @@ def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None =
         sampling += [{"greedy_only": False, "filtering": f}
                      for f in ((False, True) if filtering is None else (filtering,))]
     max_pages = sched.book.max_pages_per_req
+    st = sched.prefix.snapshot_tokens if sched.prefix is not None else None
 
     def run() -> None:
         for t in prefill:
             z = np.zeros((1, t), np.int32)
+            snap_at, snap_id = snapshot_rows({}, snapshot_slots(t, st))
             sched.device.prefill(PrefillBatch(
                 input_ids=z, next_ids=z, start=np.zeros((1,), np.int32),
                 length=np.zeros((1,), np.int32), prompt_len=np.ones((1,), np.int32),
                 slot=np.zeros((1,), np.int32), page_table=np.zeros((1, max_pages), np.int32),
                 sampling=SamplingTensors.from_params([], pad_to=1, host=True),
-                step=np.zeros((1,), np.int32)), sched.prefill_variant())
+                step=np.zeros((1,), np.int32), snap_at=snap_at, snap_id=snap_id),
+                sched.prefill_variant())
         for choice in sampling:
             for b, variant in itertools.product(buckets, round_variants(sched)):
                 sched.device.round(padding_round_batch(b, variant.k, max_pages),

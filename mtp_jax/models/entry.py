@@ -114,7 +114,12 @@ class ModelEntry:
       training the draft (``python -m mtp_jax.train_mtp``); None: its draft cannot be trained;
     check_engine: ``(cfg, engine_cfg, speculative) -> None``, the family's own config-time
       checks of the engine settings (raises ``ConfigError``; run before any weight loads and
-      again by the engine); None: none.
+      again by the engine); None: none;
+    prefill_snapshots: the module's prefill forward takes ``state_rows [B, S]`` and also
+      returns its slot states after those rows (``module(ids, batch, kv, gdn, "prefill",
+      state_rows=) -> (hidden, kv, gdn, states [B, S, ...])``), so one prefill chunk saves
+      the prefix-cache snapshots of every boundary inside it; False: the engine ends prefill
+      chunks on snapshot boundaries and saves the chunk's final states there.
     """
 
     model_type: str
@@ -134,6 +139,7 @@ class ModelEntry:
     write_random: Callable | None = None
     draft_chain: Callable | None = None
     check_engine: Callable | None = None
+    prefill_snapshots: bool = False
 
     def __post_init__(self):
         if self.serving not in SERVING:

@@ -87,6 +87,43 @@ def gdn_chunked_reference(q, k, v, g, beta, state, chunk_size: int | None = None
     ``chunk_size``: rows per chunk; default :data:`MAX_CHUNK`, or the next power of two of
     ``T`` (at least 16) when that is smaller.
     """
+    o, state, _ = _chunked(q, k, v, g, beta, state, chunk_size, keep=False)
+    return o, state
+
+
+def gdn_chunked_states(q, k, v, g, beta, state, at, chunk_size: int | None = None):
+    """:func:`gdn_chunked_reference` that also gives the state after the first ``at [B, S]``
+    int32 rows (``0 <= at <= T``; 0: the initial ``state``) of each request, e.g. at the
+    prefix-cache boundaries inside a prefill chunk.
+
+    Row ``j`` of chunk ``n`` (start state ``S0_n``, written values ``u`` of the scan) leaves
+    ``S = exp(G_j) S0_n + sum_{s<=j} exp(G_j - G_s) k_s u_s^T`` (``S_end`` of the chunk cut
+    after row ``j``): one masked ``[C] x [C, Dk] x [C, Dv]`` contraction per requested row,
+    no second pass over the rows.
+
+    Returns ``(o [B, T, H, Dv], final state [B, H, Dk, Dv], states [B, S, H, Dk, Dv])``
+    float32.
+    """
+    o, final, (s0, u, kc, cum) = _chunked(q, k, v, g, beta, state, chunk_size, keep=True)
+    n_chunks, _, _, c = cum.shape
+    at = jnp.asarray(at, jnp.int32)
+    last = at - 1  # the last row consumed; -1: none
+    n = jnp.clip(last // c, 0, n_chunks - 1)  # [B, S]
+    j = last - n * c  # row within chunk n (-1 for at = 0)
+    bi = jnp.arange(at.shape[0])[:, None]
+    cum_n = cum[n, bi]  # [B, S, H, C]
+    cum_j = jnp.take_along_axis(cum_n, jnp.maximum(j, 0)[:, :, None, None], axis=-1)
+    upto = jnp.arange(c)[None, None, None, :] <= j[:, :, None, None]
+    w = jnp.where(upto, jnp.exp(jnp.where(upto, cum_j - cum_n, 0.0)), 0.0)
+    states = (jnp.exp(cum_j)[..., None] * s0[n, bi]
+              + jnp.einsum("bshc,bshck,bshcv->bshkv", w, kc[n, bi], u[n, bi]))
+    states = jnp.where((at == 0)[:, :, None, None, None], state[:, None], states)
+    return o, final, states
+
+
+def _chunked(q, k, v, g, beta, state, chunk_size, keep: bool):
+    """The chunked form; ``keep``: also return ``(S0 [N, B, H, Dk, Dv], u [N, B, H, C, Dv],
+    k [N, B, H, C, Dk], G [N, B, H, C])`` of every chunk (else ``None``)."""
     b, t, h, dk = k.shape
     dv = v.shape[-1]
     if chunk_size is None:  # short inputs (prefill tails, tests): a chunk of their own size
@@ -124,8 +161,12 @@ def gdn_chunked_reference(q, k, v, g, beta, state, chunk_size: int | None = None
         o = (jnp.einsum("bhtk,bhkv->bhtv", q_decayed, s0)
              + jnp.einsum("bhts,bhsv->bhtv", qk, u))
         s1 = s0 * jnp.exp(last)[..., None, None] + jnp.einsum("bhsk,bhsv->bhkv", k_decayed, u)
-        return s1, o
+        return s1, ((o, s0, u) if keep else o)
 
     state, o = jax.lax.scan(chunk, state, (w_v, w_k, qk, q_decayed, k_decayed, last))
+    kept = None
+    if keep:
+        o, s0, u = o
+        kept = (s0, u, kc, cum)
     o = jnp.moveaxis(o, (0, 2), (1, 3)).reshape(b, n * chunk_size, h, dv)
-    return o[:, :t], state
+    return o[:, :t], state, kept

@@ -5,8 +5,10 @@ import jax.numpy as jnp
 import numpy as np
 import pytest
 
+from mtp_jax.models.layers.conv_state import advance, advance_at
 from mtp_jax.models.layers.gdn import GDNRows, commit, conv_window
-from pallas_kernels.gdn.reference import gdn_chunked_reference, gdn_recurrent_reference
+from pallas_kernels.gdn.reference import (gdn_chunked_reference, gdn_chunked_states,
+                                          gdn_recurrent_reference)
 
 
 def _inputs(seed, b=2, t=70, h=3, dk=8, dv=6):
@@ -80,3 +82,40 @@ def test_chunked_default_chunk_of_a_short_input_matches_float64():
     o, s = gdn_chunked_reference(*(jnp.asarray(a, jnp.float32) for a in args))
     np.testing.assert_allclose(np.asarray(o), ref_o, atol=2e-5, rtol=1e-4)
     np.testing.assert_allclose(np.asarray(s), ref_s, atol=2e-5, rtol=1e-4)
+
+
+def test_chunked_states_at_rows_match_float64():
+    """States after any number of rows (0, mid-chunk, a chunk end, the last row, per request)
+    equal the float64 loop over those rows; outputs and the final state equal the plain
+    chunked form's. T = 70 in chunks of 16: rows 16 and 32 end chunks, 70 is the padded end."""
+    args = _inputs(4)
+    at = np.asarray([[0, 5, 16, 33, 70], [1, 15, 32, 64, 69]], np.int32)
+    o, final, states = jax.jit(gdn_chunked_states, static_argnames="chunk_size")(
+        *(jnp.asarray(a, jnp.float32) for a in args), jnp.asarray(at), chunk_size=16)
+    ref_o, ref_final = gdn_chunked_reference(*(jnp.asarray(a, jnp.float32) for a in args),
+                                             chunk_size=16)
+    np.testing.assert_array_equal(np.asarray(o), np.asarray(ref_o))
+    np.testing.assert_array_equal(np.asarray(final), np.asarray(ref_final))
+    q, k, v, g, beta, s = args
+    for b in range(2):
+        for j, r in enumerate(at[b]):
+            _, ref = _numpy_gdn(*(a[b:b + 1, :r] for a in (q, k, v, g, beta)), s[b:b + 1])
+            np.testing.assert_allclose(np.asarray(states[b, j]), ref[0], atol=2e-5, rtol=1e-4,
+                                       err_msg=f"request {b}, {r} rows")
+
+
+@pytest.mark.parametrize("ring", [True, False])
+def test_conv_state_after_rows_equals_advance_by_that_many(ring):
+    """``advance_at`` gives, per requested row count, the conv state ``advance`` leaves after
+    consuming that many rows (ring keyed by position, or shift register)."""
+    rng = np.random.default_rng(5)
+    cols = 4 if ring else 3
+    conv = jnp.asarray(rng.standard_normal((2, 6, cols)), jnp.float32)
+    qkv = jnp.asarray(rng.standard_normal((2, 12, 6)), jnp.float32)
+    start = jnp.asarray([3, 9], jnp.int32) if ring else None
+    rows = jnp.asarray([[0, 2, 4], [7, 12, 1]], jnp.int32)
+    got = np.asarray(advance_at(conv, 4, qkv, rows, start))
+    for b in range(2):
+        for j in range(3):
+            want = advance(conv, 4, qkv, jnp.full((2,), rows[b, j]), start)[b]
+            np.testing.assert_array_equal(got[b, j], np.asarray(want), err_msg=f"{b}, {j}")

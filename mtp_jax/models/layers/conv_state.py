@@ -14,7 +14,8 @@ slot's state ``[..., C, columns]``:
   position, so a fresh request needs no alignment.
 
 Both hold the same inputs: :func:`ordered_window` reads a ring as the shift register at a
-position, :func:`store_rows` writes rows into it.
+position, :func:`store_rows` writes rows into it; :func:`advance_at` gives the state after each
+of several row counts of one chunk (prefix-cache snapshots inside a prefill chunk).
 """
 
 from __future__ import annotations
@@ -91,6 +92,24 @@ def advance(state: jax.Array, kernel: int, qkv: jax.Array, length: jax.Array,
     if not is_ring(state, kernel):
         return conv_window(state, qkv, length)
     return store_rows(state, qkv, length, _need_start(start))
+
+
+def advance_at(state: jax.Array, kernel: int, qkv: jax.Array, rows: jax.Array,
+               start: jax.Array | None) -> jax.Array:
+    """The state of either layout after each of several row counts: ``[B, S, C, columns]``,
+    entry ``[b, s]`` equal to :func:`advance` of the first ``rows[b, s]`` rows of
+    ``qkv [B, T, C]`` (``0 <= rows <= T``; row 0 at position ``start [B]``, needed for a ring).
+    Only the last ``K`` rows before each count can be in it, so those are gathered
+    (``[B, S, K, C]``) and consumed from ``state`` (all K of them replace it entirely)."""
+    b, s = rows.shape
+    rows = rows.astype(jnp.int32)
+    lo = jnp.maximum(rows - kernel, 0)  # [B, S] first of the rows that can be in the state
+    idx = jnp.minimum(lo[..., None] + jnp.arange(kernel, dtype=jnp.int32), qkv.shape[1] - 1)
+    tail = qkv[jnp.arange(b)[:, None, None], idx]  # [B, S, K, C]
+    flat = lambda a: a.reshape(b * s, *a.shape[2:])
+    first = None if start is None else flat(jnp.asarray(start, jnp.int32)[:, None] + lo)
+    out = advance(jnp.repeat(state, s, axis=0), kernel, flat(tail), flat(rows - lo), first)
+    return out.reshape(b, s, *out.shape[1:])
 
 
 def _need_start(start):

@@ -41,12 +41,13 @@ from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import (Linear, as_data, merge_linears, project,
                                          rms_normalize)
-from mtp_jax.models.layers.conv_state import advance, conv_window, is_ring, window_before
+from mtp_jax.models.layers.conv_state import (advance, advance_at, conv_window, is_ring,
+                                              window_before)
 from pallas_kernels.gdn.api import gdn_commit, gdn_decode, gdn_verify
 from pallas_kernels.gdn.fused import gdn_conv_rows, gdn_step
 from pallas_kernels.gdn.fused_decode import OutputNorm, gdn_decode_ring
 from pallas_kernels.gdn.fused_verify import gdn_verify_ring
-from pallas_kernels.gdn.reference import gdn_chunked_reference
+from pallas_kernels.gdn.reference import gdn_chunked_reference, gdn_chunked_states
 
 
 @jax.tree_util.register_dataclass
@@ -202,19 +203,30 @@ class GatedDeltaNet(nnx.Module):
                              f"request's row 0 (got {got}).")
         return jnp.asarray(start, jnp.int32)
 
-    def prefill(self, x, state, valid, start=None):
+    def prefill(self, x, state, valid, start=None, at=None):
         """Chunked form over ``x [B, T, H]``; rows where ``valid [B, T]`` is False (a padded
         tail) change nothing. ``state = (recurrent [B,Hv,Dk,Dv], conv)``, conv a ring
         ``[B,C,K]`` (then ``start [B]``, the position of row 0, is needed) or a shift register
-        ``[B,C,K-1]``. Returns ``(out [B, T, H], new state)``."""
+        ``[B,C,K-1]``. Returns ``(out [B, T, H], new state)``; with ``at [B, S]`` int32 (row
+        counts, ``0..T``) also the states after the first ``at[b, s]`` rows,
+        ``(recurrent [B, S, Hv, Dk, Dv] f32, conv [B, S, C, columns])``
+        (:func:`~pallas_kernels.gdn.reference.gdn_chunked_states`,
+        :func:`~mtp_jax.models.layers.conv_state.advance_at`): ``(out, new state, states at)``.
+        """
         recurrent, conv = state
         start = self._start(conv, start, x.shape[0])
         proj = self._project(x)
         rows = self._rows(proj, window_before(conv, self.kernel, start), valid)
-        o, recurrent = gdn_chunked_reference(rows.q, rows.k, rows.v, rows.g, rows.beta, recurrent)
         length = jnp.sum(valid, axis=1).astype(jnp.int32)
-        return self._output(o, proj[1]), (recurrent,
-                                          advance(conv, self.kernel, rows.qkv, length, start))
+        new_conv = advance(conv, self.kernel, rows.qkv, length, start)
+        if at is None:
+            o, new_rec = gdn_chunked_reference(rows.q, rows.k, rows.v, rows.g, rows.beta,
+                                               recurrent)
+            return self._output(o, proj[1]), (new_rec, new_conv)
+        o, new_rec, rec_at = gdn_chunked_states(rows.q, rows.k, rows.v, rows.g, rows.beta,
+                                                recurrent, at)
+        conv_at = advance_at(conv, self.kernel, rows.qkv, at, start)
+        return self._output(o, proj[1]), (new_rec, new_conv), (rec_at, conv_at)
 
     def verify(self, x, state, valid, slots=None, start=None):
         """Step form over the rows of a verify window from the live state, which it does not

@@ -50,16 +50,21 @@ class DecoderLayer(nnx.Module):
          self.linear_attn).merge_projections()
         self.mlp.merge_projections()
 
-    def mix(self, hn, batch: AttentionBatch, kv, gdn, gdn_mode: str, slots=None):
+    def mix(self, hn, batch: AttentionBatch, kv, gdn, gdn_mode: str, slots=None,
+            state_rows=None):
         """Run the token mixer on ``hn`` (the input after ``input_layernorm``). ``kv``: this
         layer's ``(k_pages, v_pages)`` (attention layers); ``gdn``: its ``(recurrent, conv)``
         batch view, or its pools with ``slots`` (GDN layers). Returns ``(out, new kv or None,
-        new gdn state or verify rows or None)``."""
+        new gdn state or verify rows or None)``; a GDN prefill with ``state_rows [B, S]``
+        int32 returns ``(new state, states after those rows)`` as its state
+        (:meth:`GatedDeltaNet.prefill` ``at``)."""
         if self.layer_type == "full_attention":
             out, kv = self.self_attn(hn, batch, kv)
             return out, kv, None
         start = batch.positions[:, 0]  # the conv ring's position of row 0
-        if gdn_mode == "prefill":
+        if gdn_mode == "prefill" and state_rows is not None:
+            out, *gdn = self.linear_attn.prefill(hn, gdn, batch.valid, start, at=state_rows)
+        elif gdn_mode == "prefill":
             out, gdn = self.linear_attn.prefill(hn, gdn, batch.valid, start)
         elif gdn_mode == "decode":
             out, gdn = self.linear_attn.decode(hn, gdn, batch.valid, slots, start)
@@ -72,12 +77,14 @@ class DecoderLayer(nnx.Module):
         h, delta, kv, gdn = self.forward(x, None, batch, kv, gdn, gdn_mode, slots)
         return h + delta, kv, gdn
 
-    def forward(self, x, delta, batch, kv=None, gdn=None, gdn_mode="prefill", slots=None):
+    def forward(self, x, delta, batch, kv=None, gdn=None, gdn_mode="prefill", slots=None,
+                state_rows=None):
         """The layer on the residual stream ``x + delta`` (``delta``: the previous layer's MLP
         output, not yet added, or ``None``). Returns ``(h, mlp_out, new kv, new gdn)``; the
-        layer's output is ``h + mlp_out``, left for the next :meth:`RMSNorm.add_norm`."""
+        layer's output is ``h + mlp_out``, left for the next :meth:`RMSNorm.add_norm`.
+        ``state_rows``: see :meth:`mix`."""
         x, hn = self.input_layernorm.add_norm(x, delta)
-        out, kv, gdn = self.mix(hn, batch, kv, gdn, gdn_mode, slots)
+        out, kv, gdn = self.mix(hn, batch, kv, gdn, gdn_mode, slots, state_rows)
         if self._fuses_mlp(x):
             norm, mlp = self.post_attention_layernorm, self.mlp
             h, act = norm_gemv(x, out, norm.weight[...], mlp.gate_up_proj.weight[...],

@@ -39,7 +39,8 @@ def _entry(model_type: str) -> ModelEntry:
                       config_class=ModelConfig, build=build, load=load,
                       tensor_shapes=tensor_shapes, drafts=("mtp", "external"),
                       slot_states=SLOT_STATES, serving="rounds", make_pools=make_pools,
-                      write_random=write_random, draft_chain=draft_chain)
+                      write_random=write_random, draft_chain=draft_chain,
+                      prefill_snapshots=True)
 
 
 ENTRIES = (_entry("qwen3_5"), _entry("qwen3_5_moe"))

@@ -84,7 +84,8 @@ class Qwen35Model(nnx.Module):
         return (self.lm_head if self.lm_head is not None else self.embed_tokens).weight[...]
 
     def __call__(self, input_ids: jax.Array, batch: AttentionBatch, kv: PagedKV,
-                 gdn: LinearState, gdn_mode: str = "prefill", slots: jax.Array | None = None):
+                 gdn: LinearState, gdn_mode: str = "prefill", slots: jax.Array | None = None,
+                 state_rows: jax.Array | None = None):
         """Target forward.
 
         Args:
@@ -100,23 +101,30 @@ class Qwen35Model(nnx.Module):
           slots: ``[B]`` int32 (``"verify"``, ``"decode"``): ``gdn`` is the state pool and row b
             reads (and a decode writes) slot ``slots[b]`` in place; the returned state is then
             the new pool. ``None``: ``gdn`` is a batch view.
+          state_rows: ``[B, S]`` int32 row counts (``0..T``; ``"prefill"`` only): also return
+            the GDN states after the first ``state_rows[b, s]`` rows of each request (the
+            prefix-cache snapshots at boundaries inside a prefill chunk).
         Returns:
           ``(hidden [B, T, H] after the final norm, new kv, new LinearState | tuple of verify
-          rows)``.
+          rows)``, plus with ``state_rows`` a ``LinearState`` of ``[B, S, ...]`` leaves.
         Raises:
-          ValueError: an unknown ``gdn_mode``, ``"decode"`` with ``T != 1``, or ``slots`` with
-            ``"prefill"``.
+          ValueError: an unknown ``gdn_mode``, ``"decode"`` with ``T != 1``, or ``slots`` or
+            ``state_rows`` with a mode they do not go with.
         """
         if gdn_mode not in self.gdn_modes:
             raise ValueError(f"gdn_mode {gdn_mode!r} is unknown; use one of {self.gdn_modes}.")
         if slots is not None and gdn_mode == "prefill":
             raise ValueError("slots: prefill takes a batch view of the GDN states (gather them "
                              "first); slots are for 'verify' and 'decode'.")
+        if state_rows is not None and gdn_mode != "prefill":
+            raise ValueError(f"state_rows: states after given rows come from 'prefill' only "
+                             f"(got gdn_mode {gdn_mode!r}).")
         writes_state = gdn_mode != "verify"
         x, delta = self.embed_tokens(input_ids), None
         ks, vs = list(kv.k), list(kv.v)
         rec, conv = list(gdn.recurrent), list(gdn.conv)
         rows: list = [None] * len(rec)  # GDNRows, or GDNConvRows (fused Pallas path)
+        rec_at, conv_at = list(rec), list(conv)  # states after state_rows (prefill)
         # One zeroed scratch for every GDN layer's one-kernel decode or verify with the output
         # norm folded in (GatedDeltaNet.decode / verify), which leave it zero.
         sync = (jnp.zeros((input_ids.shape[0], self.cfg.linear_num_value_heads), jnp.int32)
@@ -128,8 +136,10 @@ class Qwen35Model(nnx.Module):
                 continue
             state = (rec[i], conv[i]) if sync is None else (rec[i], conv[i], sync)
             x, delta, _, out = layer.forward(x, delta, batch, gdn=state, gdn_mode=gdn_mode,
-                                             slots=slots)
-            if not writes_state:
+                                             slots=slots, state_rows=state_rows)
+            if state_rows is not None:
+                (rec[i], conv[i]), (rec_at[i], conv_at[i]) = out
+            elif not writes_state:
                 rows[i], sync = (out, None) if sync is None else out
             elif sync is None:
                 rec[i], conv[i] = out
@@ -137,7 +147,10 @@ class Qwen35Model(nnx.Module):
                 rec[i], conv[i], sync = out
         new_kv = PagedKV(tuple(ks), tuple(vs))
         new_gdn = LinearState(tuple(rec), tuple(conv)) if writes_state else tuple(rows)
-        return self.norm.add_norm(x, delta)[1], new_kv, new_gdn
+        hidden = self.norm.add_norm(x, delta)[1]
+        if state_rows is not None:
+            return hidden, new_kv, new_gdn, LinearState(tuple(rec_at), tuple(conv_at))
+        return hidden, new_kv, new_gdn
 
     def commit(self, gdn: LinearState, rows: tuple, length: jax.Array,
                slots: jax.Array | None = None) -> LinearState:

@@ -96,7 +96,11 @@ def make_entry() -> ModelEntry:
                           for s in check_slot_states()),
         serving="rounds", kernel_ops=(), dummy_weight=True, draft_folder=False,
         load_options=(("ple_backend", PLE_BACKENDS),), make_pools=make_qwen4_pools,
-        write_random=write_random)
+        write_random=write_random,
+        # Its snapshots hold the PLE conv windows, n-gram context and QSA open index groups
+        # too, which its prefill does not give at rows inside a chunk: prefill chunks end on
+        # snapshot boundaries (the chunk's final states are saved there).
+        prefill_snapshots=False)
 
 
 ENTRY = make_entry()
