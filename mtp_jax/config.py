@@ -300,12 +300,8 @@ class SpeculativeConfig:
     ``"int8"`` runs an int8 copy of them (one float32 scale per row,
     :func:`mtp_jax.models.layers.basic.quantize_projections`): about half the draft layer's
     bytes per draft step, and drafts that may differ a little from the model dtype's.
-    ``adaptive`` (``--disable-adaptive-speculation`` turns it off): each call drafts only when
-    the requests' accepted tokens pay for the round, else it runs a plain decode step, so
-    speculation is never much slower than plain decoding (:mod:`mtp_jax.speculative.adaptive`);
-    ``num_steps`` is then the most a round drafts. ``adaptive_round_cost``
-    (``--speculative-adaptive-round-cost``): a round's time in decode steps that drafting must
-    beat; None derives it from the bytes each reads (per batch bucket).
+    ``adaptive`` / ``adaptive_round_cost`` (a round's time in decode steps; None: from bytes):
+    a request drafts only while it pays (:mod:`mtp_jax.speculative.adaptive`).
     """
 
     algorithm: str = "mtp"
@@ -368,16 +364,12 @@ class SpeculativeConfig:
                 raise ConfigError(f"{flag} {value!r} was given but speculative_algorithm is "
                                   f"{self.algorithm!r}; it sets the MTP {what}. Drop it "
                                   "or use --speculative-algorithm mtp.")
-        if not isinstance(self.adaptive, bool):
-            raise ConfigError(f"speculative adaptive {self.adaptive!r} must be True or False "
-                              "(--disable-adaptive-speculation turns it off).")
         c = self.adaptive_round_cost
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
-                              or not 1.0 <= c <= 100.0):
-            raise ConfigError(f"speculative_adaptive_round_cost "
-                              f"(--speculative-adaptive-round-cost) {c!r} must be a number in "
-                              "1..100 (a round's time in decode steps, e.g. 1.5), or unset to "
-                              "derive it from the bytes a round reads.")
+        if not isinstance(self.adaptive, bool) or c is not None and (
+                isinstance(c, bool) or not isinstance(c, (int, float)) or not 1 <= c <= 100):
+            raise ConfigError(f"speculative_adaptive {self.adaptive!r} must be True or False, "
+                              f"speculative_adaptive_round_cost {c!r} a number in 1..100 (a "
+                              "round's time in decode steps, e.g. 1.5) or None (from bytes).")
         if model is not None and self.algorithm == "mtp":
             if not model.has_mtp and not self.draft_model_path:
                 raise ConfigError("speculative_algorithm='mtp' but the checkpoint's config declares "
@@ -490,23 +482,3 @@ def check_scheduler_steps(speculative: SpeculativeConfig, engine: EngineConfig) 
         raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) {n} needs drafts made "
                           "on the device; speculative_algorithm='external' takes them from the "
                           "host every round: use 1 or leave it automatic (the default).")
-
-
-# Rounds per program call the engine chooses: on the H200 the 2B decode step took 1.58 ms at
-# one per call (the host sets the pace) and 1.29 ms at 4, and 8 ran no faster than 4
-# (docs/benchmarks.md).
-AUTO_SCHEDULER_STEPS = 4
-
-
-def auto_rounds_per_call(k: int, algorithm: str, snapshot_tokens: int | None) -> int:
-    """The rounds per program call when ``num_scheduler_steps`` is automatic:
-    :data:`AUTO_SCHEDULER_STEPS`; 1 for a host proposer (its drafts come with each round);
-    with the prefix cache (``snapshot_tokens``: tokens between snapshot boundaries, ``None``
-    when off), lowered so that two overlapped calls commit at most ``snapshot_tokens``
-    (``2 n (k + 1)``), so none passes a boundary without saving its snapshot."""
-    if algorithm == "external":
-        return 1
-    n = AUTO_SCHEDULER_STEPS
-    if snapshot_tokens is not None:
-        n = min(n, max(1, snapshot_tokens // (2 * (k + 1))))
-    return n

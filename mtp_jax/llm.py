@@ -91,7 +91,7 @@ class LLM:
         one round later, outputs are identical; ``False`` waits for every round).
       num_scheduler_steps: rounds (decode steps, or speculative rounds) per program call
         (multi-step scheduling as vLLM's); ``None`` (the default): the engine chooses
-        (:func:`~mtp_jax.config.auto_rounds_per_call`: 4, fewer with speculation and the
+        (:func:`~mtp_jax.engine.rounds.auto_rounds_per_call`: 4, fewer with speculation and the
         prefix cache so that no snapshot boundary passes unsaved, 1 for an external proposer).
         Above 1 the host's per-call work is paid once for that many rounds: faster where the
         host, not the device, bounds a round (a small model at batch 1); tokens surface in

@@ -9,7 +9,8 @@ import dataclasses
 import numpy as np
 
 from mtp_jax.cache.allocator import pages_needed
-from mtp_jax.config import AUTO_SCHEDULER_STEPS, EngineConfig, SpeculativeConfig
+from mtp_jax.config import EngineConfig, SpeculativeConfig
+from mtp_jax.engine.rounds import AUTO_SCHEDULER_STEPS
 from mtp_jax.engine.requests import Request
 from mtp_jax.sampling import SamplingParams, is_greedy
 

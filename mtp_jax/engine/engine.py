@@ -27,8 +27,7 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax.cache.allocator import pages_needed
-from mtp_jax.config import (ConfigError, EngineConfig, SpeculativeConfig, auto_rounds_per_call,
-                            check_scheduler_steps)
+from mtp_jax.config import ConfigError, EngineConfig, SpeculativeConfig, check_scheduler_steps
 from mtp_jax.engine import abort as abort_ops
 from mtp_jax.engine import warmup as warmup_ops
 from mtp_jax.engine.batch import sampling_rows
@@ -37,6 +36,7 @@ from mtp_jax.engine.memory import plan_memory, planned_weights_bytes
 from mtp_jax.engine.pages import PageBook
 from mtp_jax.engine.prefix import PrefixStore
 from mtp_jax.engine.requests import Request
+from mtp_jax.engine.rounds import auto_rounds_per_call
 from mtp_jax.engine.scheduler import LoopSettings, Scheduler
 from mtp_jax.engine.stops import append_tokens
 from mtp_jax.models.draft_head import with_draft_head

@@ -19,8 +19,28 @@ from mtp_jax.engine.prefix import PrefixStore
 from mtp_jax.engine.requests import Request
 from mtp_jax.speculative.external import Proposer, propose
 
-__all__ = ["InFlightRound", "span", "next_pow2", "batch_bucket", "snapshot_targets",
+__all__ = ["AUTO_SCHEDULER_STEPS", "auto_rounds_per_call", "InFlightRound", "span", "next_pow2", "batch_bucket", "snapshot_targets",
            "external_tokens", "round_batch"]
+
+
+# Rounds per program call the engine chooses: on the H200 the 2B decode step took 1.58 ms at
+# one per call (the host sets the pace) and 1.29 ms at 4, and 8 ran no faster than 4
+# (docs/benchmarks.md).
+AUTO_SCHEDULER_STEPS = 4
+
+
+def auto_rounds_per_call(k: int, algorithm: str, snapshot_tokens: int | None) -> int:
+    """The rounds per program call when ``num_scheduler_steps`` is automatic:
+    :data:`AUTO_SCHEDULER_STEPS`; 1 for a host proposer (its drafts come with each round);
+    with the prefix cache (``snapshot_tokens``: tokens between snapshot boundaries, ``None``
+    when off), lowered so that two overlapped calls commit at most ``snapshot_tokens``
+    (``2 n (k + 1)``), so none passes a boundary without saving its snapshot."""
+    if algorithm == "external":
+        return 1
+    n = AUTO_SCHEDULER_STEPS
+    if snapshot_tokens is not None:
+        n = min(n, max(1, snapshot_tokens // (2 * (k + 1))))
+    return n
 
 
 @dataclasses.dataclass

@@ -156,7 +156,7 @@ def test_warns_when_calls_would_pass_snapshot_boundaries(model):
 
 
 def test_auto_rounds_per_call():
-    from mtp_jax.config import auto_rounds_per_call
+    from mtp_jax.engine.rounds import auto_rounds_per_call
 
     assert [auto_rounds_per_call(k, "mtp", 64) for k in (0, 1, 3, 7, 40)] == [4, 4, 4, 4, 1]
     assert [auto_rounds_per_call(k, "mtp", 16) for k in (0, 1, 3)] == [4, 4, 2]
