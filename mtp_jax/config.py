@@ -365,11 +365,15 @@ class SpeculativeConfig:
                                   f"{self.algorithm!r}; it sets the MTP {what}. Drop it "
                                   "or use --speculative-algorithm mtp.")
         c = self.adaptive_round_cost
-        if not isinstance(self.adaptive, bool) or c is not None and (
-                isinstance(c, bool) or not isinstance(c, (int, float)) or not 1 <= c <= 100):
-            raise ConfigError(f"speculative_adaptive {self.adaptive!r} must be True or False, "
-                              f"speculative_adaptive_round_cost {c!r} a number in 1..100 (a "
-                              "round's time in decode steps, e.g. 1.5) or None (from bytes).")
+        if not isinstance(self.adaptive, bool):
+            raise ConfigError(f"speculative_adaptive {self.adaptive!r} must be True or False "
+                              "(--disable-adaptive-speculation turns it off).")
+        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
+                              or not 1 <= c <= 100 or not (self.adaptive and self.enabled)):
+            raise ConfigError(f"speculative_adaptive_round_cost (--speculative-adaptive-round-"
+                              f"cost) {c!r} must be a number in 1..100 (a round's time in decode "
+                              "steps, e.g. 1.5) with speculation and its adaptation on; omit it "
+                              "to derive it from the bytes a round reads.")
         if model is not None and self.algorithm == "mtp":
             if not model.has_mtp and not self.draft_model_path:
                 raise ConfigError("speculative_algorithm='mtp' but the checkpoint's config declares "

@@ -100,13 +100,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "about half the draft layer's bytes per draft step; output stays exact, "
                         "the drafts may change a little (default: model, the model dtype)")
     p.add_argument("--disable-adaptive-speculation", action="store_true",
-                   help="draft in every round; by default a call drafts only when the "
-                        "requests' accepted drafts pay for the round, else it runs plain "
-                        "decode steps (and drafts again when a probe finds they pay), so "
-                        "speculation is never much slower than plain decoding")
+                   help="draft in every round; by default each request drafts only while its "
+                        "accepted drafts pay for a round, else it decodes plainly and probes "
+                        "again now and then (output exact either way)")
     p.add_argument("--speculative-adaptive-round-cost", type=float, default=None,
-                   help="a round's time in decode steps that drafting must beat (e.g. 1.5; "
-                        "default: the ratio of the bytes a round and a decode step read)")
+                   help="a round's time in decode steps that a request's drafting must beat "
+                        "(1..100, e.g. 1.5; default: the ratio of the bytes a round and a "
+                        "decode step read at batch 1, plus 0.15; the [model] line shows it)")
     p.add_argument("--dtype", default="auto", choices=["auto", "bfloat16", "float16", "float32"],
                    help="auto = bfloat16 on GPU, float32 on CPU")
     p.add_argument("--max-running-requests", type=int, default=8,
@@ -348,6 +348,19 @@ def scheduler_steps(text: str) -> int | None:
                                          "the default, or 1..16)") from None
 
 
+def _adaptive_note(llm) -> str:
+    """The ``[model]`` line's note on adaptive speculation: the round cost a request's drafting
+    must beat, and a warning when no round can (k + 1 tokens at most)."""
+    policy = llm.engine.scheduler.adaptive
+    if policy is None:
+        return ""
+    note = f"; adaptive (drafts while a round commits > {policy.cost:.2f} tokens"
+    if policy.cost >= policy.k + 1:
+        note += (f": more than the k + 1 = {policy.k + 1} a round can, so no request drafts; "
+                 "--disable-adaptive-speculation drafts anyway")
+    return note + ")"
+
+
 def _print_model_line(args, llm, warm_s: float) -> None:
     """The ``[model]`` and ``[warm-up]`` lines on stderr, once the run is accepted (so that a
     refusal is the only thing on stderr)."""
@@ -360,6 +373,7 @@ def _print_model_line(args, llm, warm_s: float) -> None:
              else "")
           + (f"; draft layer {llm.speculative.draft_layer_dtype}" if llm.speculative.draft_layer_dtype
              else "")
+          + _adaptive_note(llm)
           + (f"; {llm.engine.rounds_per_call} rounds per call"
              if llm.engine.rounds_per_call > 1 else "")
           + ("" if args.prompt or args.prompts_file else f"; prompt {DEFAULT_PROMPT!r}"),

@@ -73,12 +73,14 @@ class LLM:
         that copy (out x (in + 4) bytes per projection). Output stays exact; the drafts, hence
         the accept length, may change a little. Default ``None`` (or ``"model"``): the model
         dtype.
-      speculative_adaptive: draft only when it pays (default True): a call whose requests'
-        accepted drafts do not pay for a round runs plain decode steps, and drafts again when
-        a probe finds they pay; ``speculative_num_steps`` is the most a round drafts. Output
-        is exact either way. See :mod:`mtp_jax.speculative.adaptive`.
-      speculative_adaptive_round_cost: a round's time in decode steps that drafting must
-        beat; None (default) derives it from the bytes a round and a step read.
+      speculative_adaptive: draft only when it pays (default True): each request drafts only
+        while its accepted drafts pay for a round, else it decodes plainly and probes again
+        now and then; ``speculative_num_steps`` is the most a round drafts. Output is exact
+        either way, and a request's tokens do not depend on the requests beside it. See
+        :mod:`mtp_jax.speculative.adaptive`.
+      speculative_adaptive_round_cost: a round's time in decode steps (1..100) that a
+        request's drafting must beat; None (default): the byte ratio of a round and a step
+        at batch 1, plus 0.15.
       proposer: for ``"external"``: ``(request_id, token_ids_so_far, k) -> k token ids``.
       seed: base seed of sampled requests without their own seed.
       max_model_len, page_size: KV sizing (tokens).

@@ -95,8 +95,10 @@ def test_round_cost_is_the_byte_ratio_of_the_released_shapes():
 def test_settings_are_checked():
     for bad in ("yes", 0.5, 1000.0, True):
         kw = {"adaptive": bad} if bad == "yes" else {"adaptive_round_cost": bad}
-        with pytest.raises(ConfigError, match="adaptive"):
+        with pytest.raises(ConfigError, match="adaptive") as e:
             SpeculativeConfig(**kw).validate()
+        # the message names only the bad setting
+        assert ("round_cost" in str(e.value)) == ("adaptive_round_cost" in kw), str(e.value)
 
 
 # ---- engines with external proposers ------------------------------------------------------
@@ -214,3 +216,9 @@ def test_a_sampled_request_draws_the_same_alone_and_beside_one_that_drafts(model
     assert eng.stats.plain_rounds > 0.7 * eng.stats.rounds
     assert together[0].output_ids == alone[0].output_ids
     assert together[0].num_draft_tokens == alone[0].num_draft_tokens  # the same choices
+
+
+def test_round_cost_needs_adaptation_on():
+    for kw in (dict(adaptive=False), dict(algorithm="none", num_steps=0)):
+        with pytest.raises(ConfigError, match="--speculative-adaptive-round-cost"):
+            SpeculativeConfig(adaptive_round_cost=1.5, **kw).validate()
