@@ -12,7 +12,9 @@ Each :meth:`Scheduler.step`:
    its chunks on boundaries instead: ``ModelEntry.prefill_snapshots``);
 3. runs one speculative round (a decode step when k = 0) for every decoding request in one
    program call over a power-of-two batch bucket; ``rounds_per_call`` rounds in a row in one
-   call when it is above 1 (multi-step scheduling). With ``overlap`` that call is dispatched
+   call when it is above 1 (multi-step scheduling); with adaptive speculation, a request whose
+   drafts do not pay verifies none, and a call where no request drafts runs plain decode
+   steps (:mod:`mtp_jax.speculative.adaptive`). With ``overlap`` that call is dispatched
    before the previous call's result is read: each slot's position and generated-token count
    advance on the device, so the host's readback, stop checks and next batch run while the
    device computes. With the prefix cache, a row whose next snapshot boundary the call may
@@ -254,7 +256,9 @@ class Scheduler:
         call runs the variant that saves it."""
         s = self.settings
         rounds = s.rounds_per_call
-        ahead = rounds * (s.k + 1) if chained else 0
+        # the call in flight commits at most its own k + 1 tokens a round (a plain call: 1)
+        prev_k = self.inflight.k if self.inflight is not None else s.k
+        ahead = rounds * (prev_k + 1) if chained else 0
         b = batch_bucket(len(running), self.book.max_requests)
         first_cap, draft_cap = self.draft_caps(running, b, rounds)
         k = s.k if (first_cap.any() or draft_cap.any()) else 0
