@@ -10,8 +10,8 @@ import pytest
 
 from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
-from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
+from tests.helpers.engine_runs import greedy_requests
 from tests.helpers.paths import fixture_path
 
 PAGE, INTERVAL = 16, 4  # the defaults: snapshots every 64 tokens
@@ -23,9 +23,7 @@ def model():
 
 
 def _req(tag, prompt, max_tokens=4):
-    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
-    return Request(request_id=tag, index=0, prompt=None, prompt_ids=list(prompt), params=params,
-                   seed=0)
+    return greedy_requests([prompt], [tag], max_tokens)[0]
 
 
 def _engine(model, cache, chunk=256, algo="mtp"):
