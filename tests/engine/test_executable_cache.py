@@ -232,10 +232,13 @@ def test_key_holds_after_a_pallas_kernel_in_interpret_mode():
     assert lines[-1][len("CONFIG "):] == ek.config_description()
 
 
-def test_loaded_program_consumes_donated_pools_and_takes_the_cpp_path(model, cold, monkeypatch):
+def test_loaded_program_consumes_donated_pools_and_takes_the_cpp_path(model, cold, tmp_path,
+                                                                     monkeypatch):
     from jax._src import stages
 
-    _use_cache(cold[0])
+    folder = tmp_path / "xla"  # a copy: the direct round call below saves a fourth program
+    shutil.copytree(cold[0], folder)
+    _use_cache(folder)
     m = _fresh(model)
     eng = _engine(m)
     eng.warmup(sampled=False)
@@ -317,6 +320,7 @@ def test_corrupt_entries_warn_and_are_rebuilt(model, cold, tmp_path):
     _use_cache(folder)
     sub = folder / xc.SUBFOLDER
     names = _files(folder)
+    assert len(names) == 3  # those the warm-up loads (no other test adds to the shared folder)
     data = (sub / names[0]).read_bytes()
     (sub / names[0]).write_bytes(data[:len(data) // 2])  # truncated
     data = bytearray((sub / names[1]).read_bytes())
