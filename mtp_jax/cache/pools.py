@@ -15,6 +15,10 @@ padding rows write to):
 * ``snapshots``: GDN states saved at prefix-cache boundaries, ``[num_snapshots + 1, ...]`` per
   layer like ``gdn`` (id 0 is the trash snapshot); no arrays at all without the prefix cache
   (every pool array is an argument buffer of every program call, which costs host time).
+* ``snapshot_hidden``: ``[num_snapshots + 1, H]`` float32, the target's hidden at the position
+  before each snapshot's boundary, and ``slot_hidden``: ``[slots, H]`` float32, the one loaded
+  with a slot's snapshot: with MTP draft KV and the prefix cache only (``None`` otherwise), so
+  that a hit may rewrite the draft row its next token changes (:mod:`mtp_jax.engine.snapshots`).
 * ``position``: ``[slots]`` int32, the position of each slot's pending token (= tokens in its
   target KV); ``step``: ``[slots]`` int32, tokens the slot's request has generated (the
   random-stream step of its next sampled token). Both are set by the final prefill chunk and
@@ -45,10 +49,23 @@ class Pools:
     snapshots: LinearState
     position: jax.Array
     step: jax.Array
+    snapshot_hidden: jax.Array | None = None
+    slot_hidden: jax.Array | None = None
 
     @property
     def nbytes(self) -> int:
         return sum(a.size * a.dtype.itemsize for a in jax.tree_util.tree_leaves(self))
+
+
+def hidden_pools(width: int, *, slots: int, mtp: bool, num_snapshots: int) -> dict:
+    """``snapshot_hidden`` and ``slot_hidden`` (:class:`Pools` keywords): zeroed float32
+    ``[num_snapshots + 1, width]`` and ``[slots, width]`` (``width``: the last axis of the
+    hidden the target hands its MTP draft) with MTP draft KV and snapshots; no keyword (the
+    fields stay ``None``, no buffer at all) otherwise."""
+    if not (mtp and num_snapshots):
+        return {}
+    return dict(snapshot_hidden=jnp.zeros((num_snapshots + 1, width), jnp.float32),
+                slot_hidden=jnp.zeros((slots, width), jnp.float32))
 
 
 def make_pools(cfg: ModelConfig, *, num_pages: int, page_size: int, slots: int, k: int,
@@ -67,4 +84,5 @@ def make_pools(cfg: ModelConfig, *, num_pages: int, page_size: int, slots: int, 
                  next_tokens=jnp.zeros((slots, k + 1), jnp.int32),
                  draft_probs=jnp.zeros(probs_shape, jnp.float32),
                  snapshots=gdn_of(num_snapshots + 1) if num_snapshots else LinearState((), ()),
-                 position=jnp.zeros((slots,), jnp.int32), step=jnp.zeros((slots,), jnp.int32))
+                 position=jnp.zeros((slots,), jnp.int32), step=jnp.zeros((slots,), jnp.int32),
+                 **hidden_pools(cfg.hidden_size, slots=slots, mtp=mtp, num_snapshots=num_snapshots))

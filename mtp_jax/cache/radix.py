@@ -10,6 +10,13 @@ and the GDN state. Without draft KV (speculation off, or drafts from the host) t
 and the GDN state depend on the page's tokens alone, so the key holds no lookahead (-1) and a
 prompt sharing exactly a snapshot boundary's tokens reuses them all.
 
+A prompt whose tokens match a cached page but whose next token differs still reuses it (and
+everything below) when the page ends on a snapshot boundary (:meth:`RadixCache.lookup`): its
+target KV, GDN snapshot and every draft row but the last depend on the shared tokens only, so
+the engine copies the page and rewrites that one row from the hidden kept with the snapshot
+(:mod:`mtp_jax.engine.snapshots`). Likewise a matched node without a snapshot of its own
+resumes from a same-token sibling's (the GDN state depends on the tokens alone).
+
 GDN layers cannot resume from KV pages alone; they need the recurrent and conv state at the
 reuse point. Snapshots of that state are taken at aligned boundaries, every
 ``page_size * snapshot_interval_pages`` tokens (during prefill and during decoding rounds), and
@@ -44,6 +51,18 @@ class Node:
             d += len(n.key[0])
             n = n.parent
         return d
+
+
+@dataclasses.dataclass
+class PrefixMatch:
+    """What a prompt reuses (:meth:`RadixCache.lookup`): ``path``, the nodes of its reused
+    pages in order; ``snapshot``, the id of the GDN snapshot at their end (``None`` on a
+    miss); ``redraft``: the last node's lookahead differs from the prompt's next token, so
+    its final draft-KV row must be rewritten (in a copy of the page) before use."""
+
+    path: list
+    snapshot: int | None = None
+    redraft: bool = False
 
 
 @dataclasses.dataclass
@@ -83,6 +102,42 @@ class RadixCache:
         while path and path[-1].snapshot is None:
             path.pop()
         return path
+
+    def lookup(self, tokens: Sequence[int]) -> PrefixMatch:
+        """The longest reusable prefix of ``tokens`` (:class:`PrefixMatch`), leaving at least
+        one token to prefill. As :meth:`match`, and with lookahead keys two more ways to end
+        on a snapshot: where the keyed walk stops at a page whose tokens match a child's but
+        whose next token does not, that child, if it holds a snapshot, ends the match with
+        ``redraft``; a matched node without a snapshot takes a same-token sibling's."""
+        path, node = [], self.root
+        for key in self._keys(tokens, len(tokens) - 1):
+            child = node.children.get(key)
+            if child is None:
+                other = self._same_tokens_with_snapshot(node, key[0])
+                if other is not None:
+                    return PrefixMatch(path + [other], other.snapshot, redraft=True)
+                break
+            path.append(child)
+            node = child
+        while path:
+            last = path[-1]
+            if last.snapshot is not None:
+                return PrefixMatch(path, last.snapshot)
+            other = self._same_tokens_with_snapshot(last.parent, last.key[0])
+            if other is not None:
+                return PrefixMatch(path, other.snapshot)
+            path.pop()
+        return PrefixMatch([])
+
+    def _same_tokens_with_snapshot(self, parent: Node, page_tokens: tuple) -> Node | None:
+        """A child of ``parent`` holding ``page_tokens`` (any lookahead) and a snapshot; only
+        with lookahead keys (without them a page has one node)."""
+        if not self.lookahead:
+            return None
+        for key, child in parent.children.items():
+            if key[0] == page_tokens and child.snapshot is not None:
+                return child
+        return None
 
     def acquire(self, path: list[Node], prompt_tokens: int) -> None:
         now = next(self._clock)

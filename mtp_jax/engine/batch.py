@@ -28,6 +28,9 @@ class PrefillBatch:
       :func:`snapshot_slots` of ``T`` (0 without the prefix cache), so it adds no program.
       A family without ``ModelEntry.prefill_snapshots`` saves only a boundary at the chunk's
       end (its chunks end on boundaries).
+    redraft: ``[B]`` bool, the chunk resumes a prefix-cache hit whose last page's final draft-KV
+      row was written for another next token: the program rewrites the draft KV at
+      ``start - 1`` from the slot's hidden (:func:`mtp_jax.engine.snapshots.redraft_row`).
     The first token and drafts are only meaningful for a row whose chunk ends the prompt.
     """
 
@@ -42,6 +45,7 @@ class PrefillBatch:
     step: jax.Array
     snap_at: jax.Array
     snap_id: jax.Array
+    redraft: jax.Array
 
 
 def snapshot_slots(t: int, snapshot_tokens: int | None) -> int:

@@ -16,7 +16,8 @@ import jax.numpy as jnp
 
 from mtp_jax.cache.pools import Pools
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
-from mtp_jax.engine.programs import LOAD_SNAPSHOT, RoundOutput, programs_for
+from mtp_jax.engine.programs import RoundOutput, programs_for
+from mtp_jax.engine.snapshots import COPY_PAGE, LOAD_SNAPSHOT
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant
 from mtp_jax.models.registry import entry_of
 
@@ -84,9 +85,15 @@ class DeviceState:
         return out
 
     def load_snapshot(self, snapshot: int, slot: int) -> None:
-        """Copy prefix-cache snapshot ``snapshot`` into the GDN state of ``slot``."""
+        """Copy prefix-cache snapshot ``snapshot`` into the GDN state (and the hidden, where
+        kept) of ``slot``."""
         self.pools = LOAD_SNAPSHOT(self.pools, jnp.asarray([snapshot], jnp.int32),
                                    jnp.asarray([slot], jnp.int32))
+
+    def copy_page(self, src: int, dst: int) -> None:
+        """Copy KV page ``src`` (target and draft) to page ``dst``."""
+        self.pools = COPY_PAGE(self.pools, jnp.asarray([src], jnp.int32),
+                               jnp.asarray([dst], jnp.int32))
 
     # ---- sizes --------------------------------------------------------------------------------
     def renew(self, num_pages: int, slots: int, num_snapshots: int) -> None:
@@ -103,8 +110,8 @@ class DeviceState:
     def replace_slots(self, slots: int) -> None:
         """New slot pools (GDN state, pending tokens, draft distributions, positions) of
         ``slots`` slots; the KV and the snapshots are kept."""
-        fresh = self.shape.make(1, slots)
-        self.pools = dataclasses.replace(self.pools, gdn=fresh.gdn,
+        fresh = self.shape.make(1, slots, 1 if self.pools.slot_hidden is not None else 0)
+        self.pools = dataclasses.replace(self.pools, gdn=fresh.gdn, slot_hidden=fresh.slot_hidden,
                                          next_tokens=fresh.next_tokens,
                                          draft_probs=fresh.draft_probs,
                                          position=fresh.position, step=fresh.step)

@@ -106,18 +106,32 @@ class PrefixStore:
 
     # ---- a request ----------------------------------------------------------------------------
     def admit(self, req: Request) -> int | None:
-        """Reuse the longest cached prefix of ``req``'s prompt: its pages become the request's
-        first pages (owned by the tree), prefill resumes after them. Returns the snapshot id
-        whose GDN state the slot must load, or ``None`` on a miss."""
-        path = self.tree.match(req.prompt_ids)
-        self.tree.acquire(path, len(req.prompt_ids))
-        if not path:
+        """Reuse the longest cached prefix of ``req``'s prompt (:meth:`RadixCache.lookup`):
+        its pages become the request's first pages (owned by the tree), prefill resumes after
+        them; ``req.redraft`` is set when the last page's final draft row was written for
+        another next token (the caller then gives the request a copy of that page,
+        :meth:`private_last_page`). Returns the snapshot id whose GDN state the slot must
+        load, or ``None`` on a miss."""
+        m = self.tree.lookup(req.prompt_ids)
+        self.tree.acquire(m.path, len(req.prompt_ids))
+        if not m.path:
             return None
-        req.prefix_nodes = list(path)
-        req.pages = [n.page for n in path]
+        req.prefix_nodes = list(m.path)
+        req.pages = [n.page for n in m.path]
         req.tree_pages = set(req.pages)
-        req.prefilled = req.cached_tokens = len(path) * self.page_size
-        return path[-1].snapshot
+        req.prefilled = req.cached_tokens = len(m.path) * self.page_size
+        req.redraft = m.redraft
+        return m.snapshot
+
+    def private_last_page(self, req: Request, page: int) -> int:
+        """Swap the last reused page of ``req`` for ``page`` (the request's own; the caller
+        copies the tree's page into it before anything writes there) and drop the request's
+        reference to the tree's node. Returns the tree's page (the copy's source)."""
+        node = req.prefix_nodes.pop()
+        self.tree.release([node])
+        req.tree_pages.discard(node.page)
+        req.pages[-1] = page
+        return node.page
 
     def chunk_snapshots(self, req: Request, start: int, end: int) -> dict[int, int]:
         """Before a prefill chunk of positions ``start .. end-1``: a snapshot id for each

@@ -35,6 +35,8 @@ from mtp_jax.engine.batch import PrefillBatch, RoundBatch
 from mtp_jax.engine.executable_cache import ExecutableTable
 from mtp_jax.engine.packing import pack, unpack
 from mtp_jax.engine.param_packing import ParamPacking
+from mtp_jax.engine.snapshots import (has_snapshots, prefill_targets, redraft_row,
+                                     save_prefill_snapshots, save_round_snapshots)
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant
 from mtp_jax.models.registry import entry_of
 from mtp_jax.sampling import SALT_RESIDUAL, SALT_SAMPLE, sample
@@ -85,28 +87,6 @@ class RoundOutput:
         return self.readback[..., self._k1 + 2:]
 
 
-def _save_round_snapshots(model, pools: Pools, rows, batch: RoundBatch, position: jax.Array,
-                          num_draft: jax.Array, decode: bool) -> Pools:
-    """Save the GDN state after verify row ``batch.snap_at - 1 - position`` into ``snap_id``
-    for rows whose boundary this round's verify rows reach (``0 <= row <= num_draft``, live);
-    the others write the trash snapshot 0. ``position [B]`` is the round's start. Decode form
-    (``decode``): ``rows`` are the new states of the one row, saved as they are; else a second
-    replay. The host traces this only into the variant it calls when some row may reach a
-    prefix-cache boundary within the call, so other calls carry neither its cost nor a
-    conditional."""
-    if not _has_snapshots(pools):
-        return pools
-    row = batch.snap_at - 1 - position
-    save = (batch.snap_at >= 0) & batch.live & (row >= 0) & (row <= num_draft)
-    if decode:
-        state = rows.gather(batch.slot)
-    else:
-        view = pools.gdn.gather(batch.slot)
-        state = model.commit(view, rows, jnp.where(save, row + 1, 0))
-    snapshots = pools.snapshots.scatter(jnp.where(save, batch.snap_id, 0), state)
-    return dataclasses.replace(pools, snapshots=snapshots)
-
-
 def _plain_round_drafts(model, pools: Pools, hidden, emitted, abatch: AttentionBatch, slot,
                         bonus, proposer: str, pool_k: int) -> Pools:
     """After a plain round (k = 0) of an engine whose rounds draft ``pool_k`` tokens: with
@@ -130,35 +110,6 @@ def _plain_round_drafts(model, pools: Pools, hidden, emitted, abatch: AttentionB
     return dataclasses.replace(pools, next_tokens=pools.next_tokens.at[slot].set(row))
 
 
-def _has_snapshots(pools: Pools) -> bool:
-    """Whether the pools hold prefix-cache snapshots (static: their leaves' shapes)."""
-    leaves = jax.tree_util.tree_leaves(pools.snapshots)
-    return bool(leaves) and leaves[0].shape[0] > 0
-
-
-def _prefill_targets(batch: PrefillBatch):
-    """``(rows, save)`` ``[B, S]``: the chunk rows before each boundary ``snap_at`` (int32)
-    and whether it is saved (a boundary in ``start+1 .. start+length``)."""
-    rows = batch.snap_at - batch.start[:, None]
-    save = (batch.snap_at >= 0) & (rows > 0) & (rows <= batch.length[:, None])
-    return rows, save
-
-
-def _save_prefill_snapshots(pools: Pools, batch: PrefillBatch, view, states) -> Pools:
-    """Write the prefix-cache snapshots of a prefill chunk: ``states`` (the slot states after
-    each target's rows, ``[B, S, ...]`` leaves) into ``snap_id``, or, for a family without
-    them (``states`` None), the chunk's final states ``view`` into the id of a boundary at the
-    chunk's end. Targets not saved write the trash snapshot 0."""
-    rows, save = _prefill_targets(batch)
-    if states is None:
-        end = save & (rows == batch.length[:, None])
-        ids = jnp.max(jnp.where(end, batch.snap_id, 0), axis=1)
-        return dataclasses.replace(pools, snapshots=pools.snapshots.scatter(ids, view))
-    ids = jnp.where(save, batch.snap_id, 0).reshape(-1)
-    flat = jax.tree.map(lambda a: a.reshape(-1, *a.shape[2:]), states)
-    return dataclasses.replace(pools, snapshots=pools.snapshots.scatter(ids, flat))
-
-
 def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: PrefillVariant):
     """Prefill one chunk per row (the GDN state starts at zero when ``start == 0``, else from
     the slot); sample the first token; with MTP (``variant.mtp``), write the draft KV over the
@@ -167,7 +118,10 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
     traced. With prefix-cache snapshots (``batch.snap_at`` has ``S > 0`` columns and the pools
     hold snapshots), saves the slot states at the boundaries inside the chunk: from the
     model's prefill forward at those rows (``ModelEntry.prefill_snapshots``), else the
-    chunk's final states at a boundary at its end (:func:`_save_prefill_snapshots`).
+    chunk's final states at a boundary at its end
+    (:func:`~mtp_jax.engine.snapshots.save_prefill_snapshots`). With MTP, a row with
+    ``batch.redraft`` first rewrites the draft KV at ``start - 1``
+    (:func:`~mtp_jax.engine.snapshots.redraft_row`).
 
     Returns ``(next_tokens [B, k+1] int32: the first token and the drafts, pools)``; a
     logprobs variant appends the first token's ``1 + 2 * variant.logprobs`` columns
@@ -183,10 +137,10 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
     view = pools.gdn.gather(batch.slot)
     fresh = batch.start == 0
     view = jax.tree.map(lambda a: jnp.where(fresh.reshape(-1, *([1] * (a.ndim - 1))), 0, a), view)
-    snapshot = batch.snap_at.shape[1] > 0 and _has_snapshots(pools)
+    snapshot = batch.snap_at.shape[1] > 0 and has_snapshots(pools)
     states = None
     if snapshot and entry_of(model.cfg).prefill_snapshots:
-        rows = jnp.clip(_prefill_targets(batch)[0], 0, t)
+        rows = jnp.clip(prefill_targets(batch)[0], 0, t)
         hidden, kv, view, states = model(batch.input_ids, abatch, pools.kv, view, "prefill",
                                          state_rows=rows)
     else:
@@ -198,9 +152,10 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
                    greedy_only=greedy_only)
     pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, view))
     if snapshot:
-        pools = _save_prefill_snapshots(pools, batch, view, states)
+        pools = save_prefill_snapshots(pools, batch, view, states, hidden)
     drafts = None
     if variant.mtp:
+        pools = redraft_row(model, pools, batch, hidden.dtype)
         is_final = pos == (batch.prompt_len - 1)[:, None]
         next_ids = jnp.where(is_final, first[:, None], batch.next_ids)
         end = batch.start + batch.length
@@ -287,7 +242,8 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
                          greedy_only=greedy_only, filtering=filtering)[:, None]
     commit_len = jnp.where(batch.live, n + 1, 0)
     if snapshot:
-        pools = _save_round_snapshots(model, pools, rows, batch, position, num_draft, decode)
+        pools = save_round_snapshots(model, pools, rows, batch, position, num_draft, decode,
+                                     hidden)
     gdn = rows if decode else model.commit(pools.gdn, rows, commit_len, slots=batch.slot)
     pools = dataclasses.replace(pools, kv=kv, gdn=gdn)
     bonus = row_at(emitted, n)
@@ -333,15 +289,6 @@ def rounds(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundVari
     # One compiled round body; unrolling ran no faster on the H200 (docs/benchmarks.md).
     pools, readback = jax.lax.scan(body, pools, jnp.arange(variant.rounds))
     return RoundOutput(readback, variant.logprobs), pools
-
-
-def load_snapshot(pools: Pools, snapshot: jax.Array, slot: jax.Array) -> Pools:
-    """Copy snapshot ids ``snapshot [n]`` into the GDN state of ``slot [n]``."""
-    return dataclasses.replace(pools, gdn=pools.gdn.scatter(
-        slot, pools.snapshots.gather(snapshot)))
-
-
-LOAD_SNAPSHOT = jax.jit(load_snapshot, donate_argnums=(0,))
 
 
 @dataclasses.dataclass(frozen=True, eq=False)

@@ -107,6 +107,7 @@ class Request:
     tree_pages: set = dataclasses.field(default_factory=set)  # pages owned by the prefix cache
     snapshots: dict = dataclasses.field(default_factory=dict)  # end position -> snapshot id
     cached_tokens: int = 0  # prompt tokens reused from the prefix cache
+    redraft: bool = False  # its first prefill chunk rewrites the draft row before the reuse
     output_ids: list[int] = dataclasses.field(default_factory=list)
     finish_reason: str | None = None
     stop_text_len: int | None = None  # text length to keep when a stop string matched

@@ -181,6 +181,9 @@ class Scheduler:
         self.book.admit(req)
         if self.prefix is not None:
             sid = self.prefix.admit(req)
+            if req.redraft:  # the last cached page's final draft row is for another token
+                page = self.book.take(1)[0]
+                self.device.copy_page(self.prefix.private_last_page(req, page), page)
             if sid is not None:
                 self.device.load_snapshot(sid, req.slot)
         self.prefilling.append(req)  # in one queue or both at every moment, never in none
@@ -214,7 +217,8 @@ class Scheduler:
             length=np.asarray([n], np.int32), prompt_len=np.asarray([n_prompt], np.int32),
             slot=np.asarray([req.slot], np.int32), page_table=self.book.table([req]),
             sampling=sampling_rows([req]), step=np.zeros((1,), np.int32),
-            snap_at=snap_at, snap_id=snap_id)
+            snap_at=snap_at, snap_id=snap_id, redraft=np.asarray([req.redraft], bool))
+        req.redraft = False  # the first chunk rewrites the row
         t0 = time.perf_counter()
         variant = self.prefill_variant([req] if start + n == n_prompt else [])
         out = self.device.prefill(batch, variant)

@@ -107,7 +107,8 @@ def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None =
                 length=np.zeros((1,), np.int32), prompt_len=np.ones((1,), np.int32),
                 slot=np.zeros((1,), np.int32), page_table=np.zeros((1, max_pages), np.int32),
                 sampling=SamplingTensors.from_params([], pad_to=1, host=True),
-                step=np.zeros((1,), np.int32), snap_at=snap_at, snap_id=snap_id),
+                step=np.zeros((1,), np.int32), snap_at=snap_at, snap_id=snap_id,
+                redraft=np.zeros((1,), bool)),
                 sched.prefill_variant())
         for choice in sampling:
             for b, variant in itertools.product(buckets, round_variants(sched)):

@@ -2,6 +2,7 @@
 cache on and off, with speculation on and off; reuse happens exactly where a GDN snapshot and
 the draft lookahead (with MTP) allow it; eviction and flush return every page."""
 
+import jax
 import numpy as np
 import pytest
 
@@ -10,6 +11,7 @@ from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
+from mtp_jax.train.synthetic import motif_prompts
 from tests.helpers.paths import fixture_path
 
 PAGE, INTERVAL = 4, 2  # snapshots every 8 tokens
@@ -41,12 +43,13 @@ def _pair(share):
     return a, b
 
 
-def _expected_reuse(share: int, algo: str) -> int:
+def _expected_reuse(share: int) -> int:
     """Tokens reused by a prompt sharing ``share`` tokens with a cached one: up to the deepest
-    snapshot boundary (every 8) within the share. With MTP a page is keyed with the token after
-    it too (its last draft-KV row reads that token), so a boundary at exactly ``share`` does
-    not count; without draft KV it does."""
-    return (share if algo == "none" else share - 1) // (PAGE * INTERVAL) * PAGE * INTERVAL
+    snapshot boundary (every 8) within the share, a boundary at exactly ``share`` included.
+    With MTP the page before that boundary holds a draft-KV row that read the cached prompt's
+    next token; the engine copies the page and rewrites that row
+    (:func:`test_a_share_ending_on_a_boundary_rewrites_its_draft_row` checks the rows)."""
+    return share // (PAGE * INTERVAL) * PAGE * INTERVAL
 
 
 @pytest.mark.parametrize("algo", ["none", "mtp"])
@@ -54,7 +57,7 @@ def test_shared_prefix_same_output_cache_on_and_off(model, algo):
     # shares: 1 token, below / at / above a page boundary (12) and snapshot boundaries (8, 16,
     # 24; b is 25 tokens, so 24 leaves it one token to prefill)
     for share in (1, 7, 8, 9, 12, 15, 16, 17, 24):
-        reuse = _expected_reuse(share, algo)
+        reuse = _expected_reuse(share)
         a, b = _pair(share)
         outs = {}
         for cache in (False, True):
@@ -70,6 +73,90 @@ def test_shared_prefix_same_output_cache_on_and_off(model, algo):
                 assert ids.num_free == ids.size - 1
         assert outs[True][:2] == outs[False][:2], share
         assert outs[True][2] == reuse, (share, outs[True][2])
+
+
+def _draft_rows(eng, pages, n):
+    """The draft KV (every leaf of every MTP layer, side by side) of positions ``0..n-1`` held in ``pages``: ``[n, X]``."""
+    leaves = jax.tree_util.tree_leaves(eng.device.pools.draft_kv)
+    return np.concatenate([np.asarray(a)[pages].reshape(len(pages) * a.shape[1], -1)[:n]
+                           for a in leaves], axis=-1)
+
+
+def _capture_prefill(eng, store):
+    """Record each request's prompt draft rows when its prefill completes (before any round)."""
+    sch = eng.scheduler
+    real = sch.finish_prefill
+
+    def wrapped(req):
+        store[req.request_id] = (_draft_rows(eng, list(req.pages), len(req.prompt_ids)),
+                                 list(req.pages))
+        real(req)
+    sch.finish_prefill = wrapped
+
+
+def test_a_share_ending_on_a_boundary_rewrites_its_draft_row(model):
+    """MTP on, a prompt sharing exactly 8 / 16 / 24 tokens (snapshot boundaries) with a cached
+    one whose next token differs: it reuses them all, and its draft KV after prefill equals a
+    cache-off prefill's, row ``share - 1`` (rewritten from the snapshot's hidden) included;
+    the cached prompt's page, copied rather than written, keeps its own row."""
+    for share in (8, 16, 24):
+        a, b = _pair(share)
+        rows = {}
+        for cache in (False, True):
+            eng = _engine(model, "mtp", cache)
+            got = {}
+            _capture_prefill(eng, got)
+            ra, rb = _req("a", a, max_tokens=1), _req("b", b, max_tokens=1)
+            eng.run([ra])
+            eng.run([rb])
+            rows[cache] = got
+            if cache:
+                assert rb.cached_tokens == share
+                a_pages = got["a"][1][:share // PAGE]
+                assert got["b"][1][:share // PAGE - 1] == a_pages[:-1]  # shared as they are
+                assert got["b"][1][share // PAGE - 1] != a_pages[-1]  # the last one copied
+                np.testing.assert_array_equal(_draft_rows(eng, a_pages, share),
+                                              got["a"][0][:share])
+        np.testing.assert_allclose(rows[True]["b"][0], rows[False]["b"][0], rtol=1e-5,
+                                   atol=1e-5, err_msg=f"share {share}")
+        np.testing.assert_allclose(rows[True]["a"][0], rows[False]["a"][0], rtol=1e-5,
+                                   atol=1e-5)
+        assert not np.allclose(rows[False]["a"][0][share - 1], rows[False]["b"][0][share - 1])
+
+
+def _decoded_boundary_rows(model, a, tail):
+    """Draft rows after prefill of ``b``: ``a``'s prompt and output up to 16 (a boundary its
+    rounds committed), another token 16, then ``tail``; the prefix cache on, then off.
+    Returns ``(rows on, rows off, b's cached tokens)``."""
+    rows, cached = {}, None
+    for cache in (True, False):
+        eng = _engine(model, "mtp", cache)
+        ra = _req("a", a, max_tokens=14)
+        eng.run([ra])
+        seq = a + ra.output_ids
+        b = seq[:16] + [(seq[16] + 5) % 250 + 2] + tail
+        got = {}
+        _capture_prefill(eng, got)
+        rb = _req("b", b, max_tokens=1)
+        eng.run([rb])
+        rows[cache] = got["b"][0]
+        cached = rb.cached_tokens if cache else cached
+    return rows[True], rows[False], cached
+
+
+def test_a_boundary_saved_while_decoding_rewrites_its_draft_row(model):
+    """As above, with the boundary (16) committed by a decoding round: the snapshot's hidden
+    comes from a verify row, and the rewritten row equals a cache-off prefill's. The trained
+    head (tests/fixtures/tiny_trained) accepts drafts, so the boundary falls on verify rows
+    past the first too."""
+    trained = load_model(fixture_path("tiny_trained"), "float32", with_mtp=True)
+    rng = np.random.default_rng(5)
+    cases = [(model, rng.integers(2, 250, 10).tolist())]
+    cases += [(trained, p[:10]) for p in motif_prompts(3, seed=3)]
+    for m, a in cases:
+        on, off, cached = _decoded_boundary_rows(m, a, rng.integers(2, 250, 4).tolist())
+        assert cached == 16
+        np.testing.assert_allclose(on, off, rtol=1e-5, atol=1e-5)
 
 
 def test_radix_lookahead_and_lru_eviction():
@@ -88,6 +175,32 @@ def test_radix_lookahead_and_lru_eviction():
     assert pages == [11] and snaps == [101]  # the older leaf goes first
     pages, snaps = rc.flush()
     assert sorted(pages) == [10, 12, 13] and snaps == [100]
+
+
+def test_radix_lookup_ends_on_a_same_token_page_with_a_snapshot():
+    """With lookahead keys: a walk that stops at a page whose tokens match but whose next
+    token does not ends there (``redraft``) when that page holds a snapshot, else at the
+    boundary below; a matched node without a snapshot takes its same-token sibling's."""
+    rc = RadixCache(page_size=2, snapshot_interval_pages=1)
+    held, _, _, _ = rc.insert([1, 2, 3, 4, 5], 4, [10, 11], {2: 100, 4: 101})
+    rc.release(held)
+    m = rc.lookup([1, 2, 3, 4, 9, 6])  # page 1's lookahead 5 != 9
+    assert ([n.page for n in m.path], m.snapshot, m.redraft) == ([10, 11], 101, True)
+    assert [n.page for n in rc.match([1, 2, 3, 4, 9, 6])] == [10]  # keyed only
+    m = rc.lookup([1, 2, 3, 4, 5, 6])
+    assert ([n.page for n in m.path], m.snapshot, m.redraft) == ([10, 11], 101, False)
+    assert rc.lookup([1, 2, 3, 4]).path == rc.match([1, 2, 3])  # one token left to prefill
+    # a second node of page 1's tokens (lookahead 9) without a snapshot: the sibling's serves
+    held2, owned2, _, _ = rc.insert([1, 2, 3, 4, 9], 4, [10, 12], {})
+    rc.release(held2)
+    m = rc.lookup([1, 2, 3, 4, 9, 6])
+    assert ([n.page for n in m.path], m.snapshot, m.redraft) == ([10, 12], 101, False)
+    m = rc.lookup([1, 2, 3, 7, 5])  # page 1's tokens differ: the boundary below
+    assert ([n.page for n in m.path], m.snapshot, m.redraft) == ([10], 100, False)
+    no_snap = RadixCache(page_size=2, snapshot_interval_pages=1)
+    no_snap.insert([1, 2, 3, 4, 5], 4, [10, 11], {2: 100})
+    m = no_snap.lookup([1, 2, 3, 4, 9])  # same tokens, no snapshot at their end
+    assert ([n.page for n in m.path], m.snapshot, m.redraft) == ([10], 100, False)
 
 
 def test_radix_without_lookahead_keys_pages_by_their_tokens():

@@ -29,7 +29,7 @@ import jax.numpy as jnp
 
 from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import PagedKV
-from mtp_jax.cache.pools import Pools
+from mtp_jax.cache.pools import Pools, hidden_pools
 
 __all__ = ["QSAPaged", "Qwen4Slots", "make_qwen4_pools"]
 
@@ -108,4 +108,5 @@ def make_qwen4_pools(cfg, *, num_pages: int, page_size: int, slots: int, k: int,
                  gdn=Qwen4Slots.zeros(cfg, slots, dtype),
                  next_tokens=jnp.zeros((slots, k + 1), jnp.int32),
                  draft_probs=jnp.zeros(probs_shape, jnp.float32), snapshots=snapshots,
-                 position=jnp.zeros((slots,), jnp.int32), step=jnp.zeros((slots,), jnp.int32))
+                 position=jnp.zeros((slots,), jnp.int32), step=jnp.zeros((slots,), jnp.int32),
+                 **hidden_pools(cfg.hc_hidden, slots=slots, mtp=mtp, num_snapshots=num_snapshots))
