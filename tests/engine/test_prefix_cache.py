@@ -35,10 +35,10 @@ def _engine(model, algo, cache, num_pages=None):
                   SpeculativeConfig(algorithm=algo, num_steps=2))
 
 
-def _pair(share):
+def _pair(share, vocab=300):
     rng = np.random.default_rng(share)
-    a = rng.integers(2, 300, 30).tolist()
-    b = a[:share] + [(t + 7) % 298 + 2 for t in rng.integers(2, 300, 25 - share)]
+    a = rng.integers(2, vocab, 30).tolist()
+    b = a[:share] + [(t + 7) % (vocab - 2) + 2 for t in rng.integers(2, vocab, 25 - share)]
     assert len(share and b[:share] or []) == share and (share >= 25 or b[share] != a[share])
     return a, b
 
@@ -76,7 +76,8 @@ def test_shared_prefix_same_output_cache_on_and_off(model, algo):
 
 
 def _draft_rows(eng, pages, n):
-    """The draft KV (every leaf of every MTP layer, side by side) of positions ``0..n-1`` held in ``pages``: ``[n, X]``."""
+    """The draft KV (every leaf of every MTP layer: K, V and, for qwen4_exp, index keys, side
+    by side) of positions ``0..n-1`` held in ``pages``: ``[n, X]``."""
     leaves = jax.tree_util.tree_leaves(eng.device.pools.draft_kv)
     return np.concatenate([np.asarray(a)[pages].reshape(len(pages) * a.shape[1], -1)[:n]
                            for a in leaves], axis=-1)
@@ -94,13 +95,19 @@ def _capture_prefill(eng, store):
     sch.finish_prefill = wrapped
 
 
-def test_a_share_ending_on_a_boundary_rewrites_its_draft_row(model):
+@pytest.mark.parametrize("family", ["qwen3_5", "qwen4_exp"])
+def test_a_share_ending_on_a_boundary_rewrites_its_draft_row(model, family):
     """MTP on, a prompt sharing exactly 8 / 16 / 24 tokens (snapshot boundaries) with a cached
     one whose next token differs: it reuses them all, and its draft KV after prefill equals a
     cache-off prefill's, row ``share - 1`` (rewritten from the snapshot's hidden) included;
-    the cached prompt's page, copied rather than written, keeps its own row."""
-    for share in (8, 16, 24):
-        a, b = _pair(share)
+    the cached prompt's page, copied rather than written, keeps its own row. qwen4_exp (its
+    prefill chunks end on boundaries; its draft KV holds index keys too) at share 16."""
+    shares, vocab = (8, 16, 24), 300
+    if family == "qwen4_exp":
+        model = load_model(fixture_path("tiny_qwen4_exp"), "float32", with_mtp=True)
+        shares, vocab = (16,), model.cfg.vocab_size
+    for share in shares:
+        a, b = _pair(share, vocab)
         rows = {}
         for cache in (False, True):
             eng = _engine(model, "mtp", cache)
