@@ -322,14 +322,14 @@ def _main(argv) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     outs = _outputs(run, done)
-    failed = _print_outputs(args, outs, run.labels, seconds)
+    stats = {k: v - before.get(k, 0) for k, v in llm.prefix_cache_stats().items()}
+    failed = _print_outputs(args, outs, run.labels, seconds, stats or None)
     served = [o for o in done if o.finish_reason != "error"]
     if len(served) > 1 and not args.json:
         total = sum(len(o.token_ids) for o in served)
         print(f"[total] requests={len(served)} output_tokens={total} seconds={seconds:.2f} "
               f"tokens/s={total / max(seconds, 1e-9):.1f} (all requests together; each "
               "[stats] line's seconds is this batch's wall time)")
-    stats = {k: v - before.get(k, 0) for k, v in llm.prefix_cache_stats().items()}
     if stats and not args.json:
         print(f"[prefix-cache] lookups={stats['lookups']} hits={stats['hits']} "
               f"reused_tokens={stats['reused_tokens']} of prompt_tokens={stats['prompt_tokens']}")
@@ -418,15 +418,17 @@ def _outputs(run, done: list) -> list:
     return outs
 
 
-def _print_outputs(args, outs: list, labels: list[str], seconds: float) -> int:
-    """Print each output (its text, or the streamed text's stats line; JSON with ``--json``;
-    ``error: ...`` on stderr for a refused one); returns how many were refused."""
+def _print_outputs(args, outs: list, labels: list[str], seconds: float,
+                   prefix_cache: dict | None = None) -> int:
+    """Print each output (its text, or the streamed text's stats line; JSON with ``--json``,
+    ``prefix_cache`` in each record; ``error: ...`` on stderr for a refused one); returns how
+    many were refused."""
     failed = 0
     for i, out in enumerate(outs):
         if out.finish_reason == "error" and not out.error.startswith(labels[i]):
             out = dataclasses.replace(out, error=f"{labels[i]}: {out.error}")
         if args.json:
-            print(json.dumps(_json_record(out, seconds)))
+            print(json.dumps(_json_record(out, seconds, prefix_cache)))
         elif out.finish_reason == "error":
             print(f"error: {out.error}", file=sys.stderr)
         else:
@@ -440,7 +442,11 @@ def _print_outputs(args, outs: list, labels: list[str], seconds: float) -> int:
     return failed
 
 
-def _json_record(out, seconds: float) -> dict:
+def _json_record(out, seconds: float, prefix_cache: dict | None = None) -> dict:
+    """One ``--json`` line: the request's output and stats (``seconds``: the batch's wall
+    time), and ``prefix_cache``: the run's prefix-cache counters (all requests together, the
+    ``[prefix-cache]`` line's figures: ``lookups``, ``hits``, ``prompt_tokens``,
+    ``reused_tokens``; None with the cache off or no request run)."""
     return {"prompt": out.prompt, "text": out.text, "token_ids": out.token_ids,
             "prompt_tokens": (None if out.finish_reason == "error"  # ids not known
                               and not out.prompt_token_ids else len(out.prompt_token_ids)),
@@ -449,7 +455,9 @@ def _json_record(out, seconds: float) -> dict:
             "seconds": round(seconds, 4),
             "tokens_per_second": round(len(out.token_ids) / max(seconds, 1e-9), 2),
             "accept_length": out.accept_length, "acceptance_rate": out.acceptance_rate,
-            "num_rounds": out.num_rounds, "cached_tokens": out.cached_tokens}
+            "num_rounds": out.num_rounds, "num_draft_tokens": out.num_draft_tokens,
+            "num_accepted_tokens": out.num_accepted_tokens, "cached_tokens": out.cached_tokens,
+            "prefix_cache": prefix_cache}
 
 
 if __name__ == "__main__":

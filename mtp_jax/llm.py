@@ -25,7 +25,7 @@ from mtp_jax.models.checks import check_backends
 from mtp_jax.models.loaded import resolve_dtype
 from mtp_jax.models.loader import load_model, load_request
 from mtp_jax.prompt_checks import PromptLimits, check_prompts_before_load, load_tokenizer
-from mtp_jax.prompts import (check_stops, error_output, params_list, prompt_ids,
+from mtp_jax.prompts import (chat_prompt, check_stops, error_output, params_list, prompt_ids,
                              prompt_list, request_output)
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.speculative.external import Proposer
@@ -209,18 +209,22 @@ class LLM:
 
     @staticmethod
     def check_prompts(prompts, model: str | None = None, *, max_model_len: int = 4096,
-                      sampling_params=None) -> list[list[int]]:
+                      sampling_params=None, chat: bool = False) -> list[list[int]]:
         """Tokenize and check ``prompts`` (as for :meth:`generate`) before any weight loads:
         reads only the checkpoint's ``config.json`` and tokenizer files (``model`` None: the
         built-in default model), so a bad prompt is refused in seconds, not after the load.
+        ``chat``: ``prompts`` is a conversation (``[{"role": ..., "content": ...}, ...]``, as
+        :meth:`chat` takes) or a list of them, each checked as the text :meth:`chat` renders
+        from it (the chat template, generation prompt added).
         Returns each prompt's token ids. Raises ``ValueError`` naming every refused prompt
         (``prompts[i]``): empty, too long for the context limit (``min(max_model_len,
         max_position_embeddings)``: its token count, the limit and the fix), ids outside the
-        vocabulary, text without a tokenizer, or, with ``sampling_params``, stops that cannot
-        fire; ``ConfigError`` for a folder ``LLM(model)`` would refuse. ``LLM(model)`` then
-        reuses the tokenizer read here; :meth:`generate` checks every prompt again."""
+        vocabulary, text without a tokenizer, a conversation without one (no chat template)
+        or that the template refuses, or, with ``sampling_params``, stops that cannot fire;
+        ``ConfigError`` for a folder ``LLM(model)`` would refuse. ``LLM(model)`` then reuses
+        the tokenizer read here; :meth:`generate` checks every prompt again."""
         return check_prompts_before_load(prompts, default_model_path() if model is None
-                                         else model, max_model_len, sampling_params)
+                                         else model, max_model_len, sampling_params, chat=chat)
 
     # ---- requests ----------------------------------------------------------------------------
     def new_requests(self, prompt, params: SamplingParams) -> list[Request]:
@@ -429,13 +433,10 @@ class LLM:
         return dataclasses.asdict(self.engine.prefix.stats)
 
     def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None):
-        """Apply the chat template to ``messages`` and generate one reply."""
-        if self.tokenizer is None:
-            raise ValueError("this checkpoint folder has no tokenizer, so it has no chat "
-                             "template; use generate() with token-id prompts, or a checkpoint "
-                             "with its tokenizer files.")
-        prompt = self.tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-        return self.generate([prompt], sampling_params)[0]
+        """Apply the chat template to ``messages`` (:func:`mtp_jax.prompts.chat_prompt`) and
+        generate one reply. :meth:`check_prompts` with ``chat=True`` checks a conversation
+        before the load."""
+        return self.generate([chat_prompt(messages, self.tokenizer)], sampling_params)[0]
 
 
 def _new_logprobs(r: Request, count: int):

@@ -19,7 +19,7 @@ import dataclasses
 import os
 from typing import Sequence
 
-from mtp_jax.prompts import check_stops, prompt_ids
+from mtp_jax.prompts import chat_prompt, check_stops, prompt_ids
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.tokenizer import Tokenizer
 
@@ -85,18 +85,22 @@ def load_tokenizer(folder: str) -> Tokenizer | None:
 
 
 def check_prompts(prompts: Sequence, labels: Sequence[str], tokenizer, limits: PromptLimits,
-                  params: Sequence[SamplingParams | None] | None = None
+                  params: Sequence[SamplingParams | None] | None = None, chat: bool = False
                   ) -> tuple[list[list[int] | None], dict[int, str]]:
     """``(ids, errors)``: each prompt's token ids (None where refused) and, by index, the
     message of each refused prompt (empty: every prompt fits) as ``"{labels[i]}: {what is
     wrong and the fix}"``. The checks are :func:`mtp_jax.prompts.prompt_ids` against
     ``limits`` (empty; too long: its token count, the limit and ``--max-model-len``; ids outside
     the vocabulary; text without a tokenizer) and, where ``params[i]`` is given,
-    :func:`mtp_jax.prompts.check_stops`."""
+    :func:`mtp_jax.prompts.check_stops`. ``chat``: each prompt is a conversation, checked as
+    the text :func:`mtp_jax.prompts.chat_prompt` renders (what ``LLM.chat`` generates from;
+    no tokenizer or a template refusal is that prompt's error)."""
     ids: list[list[int] | None] = []
     errors = {}
     for i, (prompt, label) in enumerate(zip(prompts, labels)):
         try:
+            if chat:
+                prompt = chat_prompt(prompt, tokenizer)
             got = prompt_ids(prompt, tokenizer, limits.vocab_size, limits.context,
                              max_positions=limits.max_positions)[1]
             if params is not None and params[i] is not None:
@@ -108,16 +112,17 @@ def check_prompts(prompts: Sequence, labels: Sequence[str], tokenizer, limits: P
 
 
 def check_prompts_before_load(prompts, model: str, max_model_len: int,
-                              sampling_params=None) -> list[list[int]]:
+                              sampling_params=None, chat: bool = False) -> list[list[int]]:
     """:meth:`mtp_jax.LLM.check_prompts`: each prompt's token ids, or one ``ValueError``
-    naming every refused prompt (``prompts[i]``)."""
-    from mtp_jax.prompts import params_list, prompt_list
+    naming every refused prompt (``prompts[i]``). ``chat``: the prompts are conversations
+    (:func:`mtp_jax.prompts.conversation_list`)."""
+    from mtp_jax.prompts import conversation_list, params_list, prompt_list
 
-    prompts = prompt_list(prompts)
+    prompts = conversation_list(prompts) if chat else prompt_list(prompts)
     params = params_list(sampling_params, len(prompts)) if sampling_params is not None else None
     tokenizer, limits = load_tokenizer(model), read_limits(model, max_model_len)
     ids, errors = check_prompts(prompts, [f"prompts[{i}]" for i in range(len(prompts))],
-                                tokenizer, limits, params)
+                                tokenizer, limits, params, chat=chat)
     if errors:
         raise ValueError("\n".join(errors[i] for i in sorted(errors)))
     return ids

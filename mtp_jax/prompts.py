@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from mtp_jax.engine.requests import Request, RequestOutput
 from mtp_jax.sampling import SamplingParams
 
-__all__ = ["prompt_ids", "too_long_message", "check_stops", "prompt_list", "params_list",
-           "request_output", "error_output"]
+__all__ = ["prompt_ids", "too_long_message", "check_stops", "chat_prompt", "prompt_list",
+           "conversation_list", "params_list", "request_output", "error_output"]
 
 
 def prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int, *,
@@ -93,6 +93,34 @@ def check_stops(params: SamplingParams, vocab_size: int, tokenizer) -> None:
         raise ValueError(f"stop strings {params.stop!r} need a tokenizer to match the text, and "
                          "this checkpoint folder has no tokenizer files; use stop_token_ids "
                          "instead, or a checkpoint with its tokenizer.")
+
+
+def chat_prompt(messages, tokenizer) -> str:
+    """The prompt text ``LLM.chat`` generates from: ``messages`` (``[{"role": ...,
+    "content": ...}, ...]``) rendered with the tokenizer's chat template, the generation prompt
+    added. Raises ``ValueError`` without a tokenizer (no template) or for messages that are
+    not a list of dicts; :class:`~mtp_jax.tokenizer.TemplateError` (a ``ValueError``) when the
+    template refuses them."""
+    if tokenizer is None:
+        raise ValueError("this checkpoint folder has no tokenizer, so it has no chat "
+                         "template; use generate() with token-id prompts, or a checkpoint "
+                         "with its tokenizer files.")
+    if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
+        raise ValueError(f"a conversation is a list of {{'role': ..., 'content': ...}} dicts; "
+                         f"got {type(messages).__name__} {str(messages)[:80]!r}.")
+    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+
+
+def conversation_list(conversations) -> list:
+    """A call's chat prompts as a list: one conversation (a list of message dicts) is one
+    prompt, else a list of conversations. Raises ``ValueError`` for what is not a list."""
+    if not isinstance(conversations, (list, tuple)):
+        raise ValueError(f"chat prompts {str(conversations)[:80]!r} "
+                         f"({type(conversations).__name__}) must be a conversation (a list of "
+                         "{'role': ..., 'content': ...} dicts) or a list of conversations.")
+    if conversations and isinstance(conversations[0], dict):
+        return [conversations]
+    return list(conversations)
 
 
 def prompt_list(prompts) -> list:

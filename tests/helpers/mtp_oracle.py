@@ -51,7 +51,7 @@ def greedy_drafts(model, ids, k: int) -> np.ndarray:
 
 
 def expected_rounds(drafts: np.ndarray, sequence, prompt_len: int, k: int,
-                    max_new: int) -> list[tuple[int, int, int]]:
+                    max_new: int, plan=()) -> list[tuple[int, int, int]]:
     """The rounds of greedy MTP decoding of ``sequence`` (the plain greedy continuation: prompt
     of ``prompt_len`` tokens then ``max_new`` generated ones), as ``(pending position p, drafts
     verified, drafts accepted)`` per round.
@@ -62,15 +62,38 @@ def expected_rounds(drafts: np.ndarray, sequence, prompt_len: int, k: int,
     that many plus one. A round near ``max_new`` verifies only as many drafts as it may still
     emit tokens besides the bonus (the engine's clamp, :func:`mtp_jax.speculative.clamp.
     clamp_drafts`). ``drafts [T, >= k]``: :func:`greedy_drafts` of ``sequence``.
+
+    ``plan``: the k of the first rounds (one round per call; later rounds draft ``k``), as
+    adaptive speculation picks them: a plain round (0) commits one token and leaves the drafts
+    stale, so the next drafting round verifies none (it drafts from its committed row); the
+    drafting rounds after that verify as if no round had been plain.
     """
-    seq = np.asarray(sequence)
+    seq, plan = np.asarray(sequence), list(plan)
     end = prompt_len + max_new  # tokens in the finished sequence
-    out, p = [], prompt_len
+    out, p, fresh = [], prompt_len, True
     while p <= end - 2:  # a round emits at least one new token past the pending one
-        room = min(k, end - 2 - p)
+        drafting = (plan.pop(0) if plan else k) > 0
+        room = min(k, end - 2 - p) if drafting and fresh else 0
         n = 0
         while n < room and drafts[p - 1, n] == seq[p + 1 + n]:
             n += 1
         out.append((p, room, n))
-        p += n + 1
+        p, fresh = p + n + 1, drafting
     return out
+
+
+class ScriptedAdaptive:
+    """A double of the engine's adaptive policy (``engine.scheduler.adaptive``) for one request
+    at a time: whether each call drafts comes from ``plan`` (then always ``k``), with the caps
+    as the policy sets them (none in the first round after a call without drafts)."""
+
+    enabled = True
+
+    def __init__(self, plan, k: int):
+        self.ks, self.k, self.drafting = list(plan), k, True
+
+    def plan(self, st, rounds):
+        k = self.ks.pop(0) if self.ks else self.k
+        first = k if self.drafting else 0
+        self.drafting = k > 0
+        return first, k

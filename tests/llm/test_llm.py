@@ -151,6 +151,9 @@ def test_generate_stream_yields_tokens_as_rounds_complete(llm_mtp):
 
 
 def test_cli_prompts_file(llm_mtp, tmp_path, capsys):
+    """``--prompts-file`` with ``--json``: each record's tokens and draft counts are a solo
+    run's, and every record carries the run's prefix-cache counters, the ``[prefix-cache]``
+    line's figures (the same run without ``--json``)."""
     from mtp_jax import generate
 
     f = tmp_path / "reqs.jsonl"
@@ -168,12 +171,21 @@ def test_cli_prompts_file(llm_mtp, tmp_path, capsys):
         solo = llm_mtp.generate([p], SamplingParams(
             temperature=0, max_tokens=rec["output_tokens"], ignore_eos=True))[0]
         assert rec["token_ids"] == solo.token_ids
+        assert (rec["num_draft_tokens"], rec["num_accepted_tokens"]) == (
+            solo.num_draft_tokens, solo.num_accepted_tokens)
+    assert sum(rec["num_draft_tokens"] for rec in lines) > 0
+    cache = lines[0]["prefix_cache"]
+    assert all(rec["prefix_cache"] == cache for rec in lines)
+    assert cache["lookups"] == 3 and cache["prompt_tokens"] == sum(map(len, prompts))
     # Without --json and without a tokenizer the text output shows the token ids.
     assert generate.main(["--model", CKPT, "--prompts-file", str(f), "--ignore-eos",
                           "--speculative-num-steps", "2", "--max-running-requests", "2"]) == 0
     text_out = capsys.readouterr().out
     for rec in lines:
         assert f"(no tokenizer) token ids: {rec['token_ids']}" in text_out
+    assert (f"[prefix-cache] lookups={cache['lookups']} hits={cache['hits']} "
+            f"reused_tokens={cache['reused_tokens']} of prompt_tokens={cache['prompt_tokens']}"
+            ) in text_out
     f.write_text('{"prompt": [1, 2], "bogus": 1}\n')
     assert generate.main(["--model", CKPT, "--prompts-file", str(f)]) == 2
     assert "unknown keys" in capsys.readouterr().err

@@ -115,6 +115,33 @@ def test_llm_check_prompts_before_construction(words, no_load):
         LLM.check_prompts([[5]], CKPT, sampling_params=SamplingParams(stop=["x"]))
 
 
+def test_llm_check_prompts_chat_checks_the_text_chat_generates_from(words, no_load):
+    """``chat=True``: a conversation is checked as the chat template renders it ("t1 t5 t6 t7
+    t2 t3": 6 tokens, where the message has 3), the ids :meth:`LLM.chat` would generate from;
+    one too long for the context is refused naming its count and the limit, a fitting one
+    beside it passes; without a tokenizer there is no template to render."""
+    import types
+
+    conv = [{"role": "user", "content": "t5 t6 t7"}]
+    ids = LLM.check_prompts(conv, words, max_model_len=7, chat=True)
+    assert ids == [[1, 5, 6, 7, 2, 3]]
+    tok = load_tokenizer(words)
+    rendered = LLM.chat(types.SimpleNamespace(tokenizer=tok, generate=lambda ps, sp: ps), conv)
+    assert [tok.encode(rendered)] == ids
+    short = [{"role": "user", "content": "t5"}]
+    assert LLM.check_prompts([conv, short], words, max_model_len=7, chat=True)[1] == [1, 5, 2, 3]
+    with pytest.raises(ValueError) as e:
+        LLM.check_prompts([conv, short], words, max_model_len=6, chat=True)
+    assert str(e.value).startswith("prompts[0]: prompt of 6 tokens does not fit max_model_len 6 "
+                                   "(it needs room for one output token)")
+    assert "prompts[1]" not in str(e.value)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: this checkpoint folder has no "
+                                         r"tokenizer, so it has no chat template"):
+        LLM.check_prompts(conv, CKPT, chat=True)
+    with pytest.raises(ValueError, match=r"prompts\[0\]: a conversation is a list of"):
+        LLM.check_prompts(["t5 t6"], words, chat=True)
+
+
 def test_limits_and_tokenizer_are_the_loaded_engines(tmp_path):
     """The limit known before the load is the engine's (max_position_embeddings caps
     max_model_len), the tokenizer read by the check is the one LLM keeps, and generate after

@@ -1,10 +1,11 @@
 """MTP rounds around plain ones (adaptive speculation, mtp_jax.speculative.adaptive): with the
 trained head (tests/fixtures/tiny_trained) and a scripted choice of each call's k, every round's
 draft and accept counts equal what teacher-forced ``mtp_forward`` chains imply
-(tests/helpers/mtp_oracle.py) when a plain round writes the draft's KV of its committed row and
-marks its drafts stale: the first drafting round after plain ones verifies no draft, the next
-ones accept as if no round had been plain. A plain round that left the draft's KV unwritten
-would change the later drafts, and the counts would show it."""
+(``expected_rounds`` with the plan, tests/helpers/mtp_oracle.py) when a plain round writes the
+draft's KV of its committed row and marks its drafts stale: the first drafting round after
+plain ones verifies no draft, the next ones accept as if no round had been plain. A plain round
+that left the draft's KV unwritten would change the later drafts, and the counts would show it.
+The qwen4_exp counterpart: test_qwen4_exp_mtp_accepts.py."""
 
 import numpy as np
 import pytest
@@ -15,50 +16,13 @@ from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
 from mtp_jax.train.synthetic import motif_prompts
 from tests.helpers.engine_runs import run_per_round
-from tests.helpers.mtp_oracle import greedy_drafts
+from tests.helpers.mtp_oracle import ScriptedAdaptive, expected_rounds, greedy_drafts
 from tests.helpers.paths import fixture_path
 
 K = 3
 MAX_NEW = 40
 # the k of each call: drafting, a run of plain rounds, drafting again, ...
 PLAN = [K, 0, 0, 0, K, K, K, 0, K, K, 0, 0, 0, 0, 0, K, K, K, K, 0, K]
-
-
-class Scripted:
-    """A policy double: whether each call drafts from ``plan`` (then always), the caps as the
-    engine's policy sets them (none in the first round after a call without drafts)."""
-
-    enabled = True
-
-    def __init__(self, plan):
-        self.ks, self.drafting = list(plan), True
-
-    def plan(self, st, rounds):
-        k = self.ks.pop(0) if self.ks else K
-        first = k if self.drafting else 0
-        self.drafting = k > 0
-        return first, k
-
-
-def expected(drafts, seq, prompt_len, plan):
-    """``[(drafts verified, drafts accepted)]`` per round of greedy decoding of ``seq`` when
-    call i has k = ``plan[i]``: a plain round commits one token and leaves the drafts stale, so
-    the next drafting round verifies none (it drafts from its committed row); a drafting round
-    with fresh drafts verifies the chain started at the row before its pending token."""
-    end, p, fresh, out, plan = prompt_len + MAX_NEW, prompt_len, True, [], list(plan)
-    while p <= end - 2:
-        k = plan.pop(0) if plan else K
-        if k == 0:
-            out.append((0, 0))
-            p, fresh = p + 1, False
-            continue
-        room = min(K, end - 2 - p) if fresh else 0
-        n = 0
-        while n < room and drafts[p - 1, n] == seq[p + 1 + n]:
-            n += 1
-        out.append((room, n))
-        p, fresh = p + n + 1, True
-    return out
 
 
 @pytest.fixture(scope="module")
@@ -86,10 +50,11 @@ def test_rounds_after_plain_rounds_accept_as_the_chain_implies(model, seed):
     _engine(model, "none").run([ref])
     seq = prompt + ref.output_ids
     drafts = greedy_drafts(model, np.asarray(seq, np.int32), K)
-    want = expected(drafts, seq, len(prompt), PLAN)
+    want = [(room, n) for _, room, n in expected_rounds(drafts, seq, len(prompt), K, MAX_NEW,
+                                                         PLAN)]
     assert sum(n for _, n in want[4:]) >= 4, "the fixture must accept drafts after plain rounds"
     eng = _engine(model, "mtp")
-    eng.scheduler.adaptive = Scripted(PLAN)
+    eng.scheduler.adaptive = ScriptedAdaptive(PLAN, K)
     req = _request(prompt)
     seen = run_per_round(eng, [req])["a"]
     assert req.output_ids == ref.output_ids

@@ -23,7 +23,8 @@ from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
 from tests.fixtures.make_qwen4_trained_fixture import MAX_NEW, fixture_prompts
 from tests.helpers.engine_runs import run_per_round
-from tests.helpers.mtp_oracle import chain_outputs, expected_rounds, greedy_drafts
+from tests.helpers.mtp_oracle import (ScriptedAdaptive, chain_outputs, expected_rounds,
+                                      greedy_drafts)
 from tests.helpers.paths import fixture_path
 
 CKPT = fixture_path("tiny_qwen4_trained")
@@ -142,6 +143,29 @@ def test_accept_counts_with_a_batch_of_mixed_lengths(engine_k3, prompts, plain, 
     _check(reqs, plain, _expected(prompts, plain, drafts, 3), seen)
     assert sum(r.num_accepted_tokens for r in reqs) > 0
     assert max(r.num_rounds for r in reqs) > 1
+
+
+def test_rounds_after_plain_rounds_accept_as_the_chain_implies(engine_k3, prompts, plain,
+                                                               drafts):
+    """Adaptive speculation's plain rounds (a scripted k per call, as in
+    test_adaptive_mtp.py): each writes the draft's pages of its committed row
+    (``MTPDraft.write_kv``: K/V and raw index keys) and leaves the drafts stale, so the
+    drafting rounds after them accept what the oracle's chains imply with that plan. With the
+    plain rounds writing no draft pages, 5 of the 6 prompts' counts differ (six plain rounds
+    in a row: with fewer, the tiny head's drafts hardly notice the missing rows)."""
+    plan = [3, 0, 0, 0, 0, 0, 0, 3, 3, 3]
+    expected = [expected_rounds(d, p + o, len(p), 3, MAX_NEW, plan)
+                for p, o, d in zip(prompts, plain, drafts)]
+    after_plain = sum(n for e in expected for _, _, n in e[plan.index(0):])
+    assert after_plain >= 8, "the fixture must accept drafts after plain rounds"
+    reqs, seen, policy = _requests(prompts), {}, engine_k3.scheduler.adaptive
+    try:
+        for r in reqs:
+            engine_k3.scheduler.adaptive = ScriptedAdaptive(plan, 3)
+            seen.update(run_per_round(engine_k3, [r]))
+    finally:
+        engine_k3.scheduler.adaptive = policy
+    _check(reqs, plain, expected, seen)
 
 
 def test_reduced_draft_vocabulary_drafts_its_hot_ids(model, prompts, plain, drafts):

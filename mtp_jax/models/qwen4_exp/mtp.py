@@ -47,15 +47,44 @@ class MTPDraft(nnx.Module):
         no open group: :mod:`~mtp_jax.models.qwen4_exp.pools`). Returns ``(y [B, T, hc*H]``
         the draft's pre-mixer streams (relayed by a chained step; ``draft_logits`` mixes them),
         new draft)``."""
+        u = self._fc(embed, streams, next_ids)
+        i = step % len(self.layers)
+        y, (k, v, ix, _), _, _ = self.layers[i](
+            u, batch, qsa=(draft.kv.k[i], draft.kv.v[i], draft.idx[i], None))
+        return y, _replace_layer(draft, i, k, v, ix)
+
+    def write_kv(self, embed: Embed, streams: jax.Array, next_ids: jax.Array,
+                 batch: AttentionBatch, draft: QSAPaged) -> QSAPaged:
+        """The draft pages that :meth:`__call__` (step 0) writes for these rows, and nothing
+        else: ``fc``'s streams through layer 0's attention hyper-connection to its K/V and raw
+        index keys (no index queries, attention, MoE or mixer)::
+
+            x = attn_hyper_connection(u).x;  k, v = project(x);  rk = index_qk_proj(x)[-d_idx:]
+
+        A plain round of adaptive speculation keeps the draft's pages whole with it
+        (:mod:`mtp_jax.engine.programs`). Arguments as :meth:`__call__`'s; returns the new
+        ``draft``."""
+        u = self._fc(embed, streams, next_ids)
+        layer = self.layers[0]
+        x, _ = layer.attn_hyper_connection(u)
+        (k, v), ix = layer.self_attn.write_draft(x, batch, (draft.kv.k[0], draft.kv.v[0]),
+                                                 draft.idx[0])
+        return _replace_layer(draft, 0, k, v, ix)
+
+    def _fc(self, embed: Embed, streams: jax.Array, next_ids: jax.Array) -> jax.Array:
+        """The layer's input ``u [B, T, hc*H]`` from ``streams [B, T, hc*H]`` and ``next_ids
+        [B, T]`` int32: ``fc_embedding(e) + fc_hidden(hn_s)`` on every stream s."""
         b, t, _ = streams.shape
         e = self.pre_fc_norm_embedding(embed(next_ids))
         hn = self.pre_fc_norm_hidden(streams.astype(e.dtype))
         u = (self.fc_embedding(e)[:, :, None, :]
              + self.fc_hidden(hn.reshape(b, t, self.hc, self.hidden)))
-        u = u.reshape(b, t, self.hc * self.hidden)
-        i = step % len(self.layers)
-        y, (k, v, ix, _), _, _ = self.layers[i](
-            u, batch, qsa=(draft.kv.k[i], draft.kv.v[i], draft.idx[i], None))
-        ks, vs, ixs = list(draft.kv.k), list(draft.kv.v), list(draft.idx)
-        ks[i], vs[i], ixs[i] = k, v, ix
-        return y, QSAPaged(PagedKV(tuple(ks), tuple(vs)), tuple(ixs))
+        return u.reshape(b, t, self.hc * self.hidden)
+
+
+def _replace_layer(draft: QSAPaged, i: int, k: jax.Array, v: jax.Array,
+                   ix: jax.Array) -> QSAPaged:
+    """``draft`` with MTP layer ``i``'s K, V and index pages replaced."""
+    ks, vs, ixs = list(draft.kv.k), list(draft.kv.v), list(draft.idx)
+    ks[i], vs[i], ixs[i] = k, v, ix
+    return QSAPaged(PagedKV(tuple(ks), tuple(vs)), tuple(ixs))

@@ -52,6 +52,14 @@ class Indexer(nnx.Module):
         self.q_layernorm = RMSNorm(cfg.indexer_head_dim, cfg.rms_norm_eps, dtype)
         self.k_layernorm = RMSNorm(cfg.indexer_head_dim, cfg.rms_norm_eps, dtype)
 
+    def split(self, qk: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """``index_qk_proj``'s output ``[B, T, (n_idx+1)*d_idx]`` -> ``(index queries
+        [B, T, n_idx, d_idx]`` before ``q_layernorm`` and RoPE, ``raw index keys
+        [B, T, 1, d_idx])`` (the key is the last ``d_idx`` channels)."""
+        b, t, _ = qk.shape
+        n, d = self.n_heads, self.head_dim
+        return qk[..., :n * d].reshape(b, t, n, d), qk[..., n * d:].reshape(b, t, 1, d)
+
 
 def select_visible(qi, raw_keys, k_layernorm, positions, ratio: int, block_topk: int,
                    rotary_dim: int, theta: float, scaling: RopeScaling = DEFAULT_ROPE):
@@ -117,11 +125,10 @@ class QSAAttention(GatedAttention):
         d, ix = self.head_dim, self.indexer
         pos = batch.positions
         q, gate, k, v = self.project(x, pos)
-        qk = ix.index_qk_proj(x)
         di = ix.head_dim
-        qi = ix.q_layernorm(qk[..., :ix.n_heads * di].reshape(b, t, ix.n_heads, di))
-        qi = apply_rotary(qi, pos, self.rotary_dim, self.rope_theta, self.rope_scaling)
-        rk = qk[..., ix.n_heads * di:].reshape(b, t, 1, di)
+        qi, rk = ix.split(ix.index_qk_proj(x))
+        qi = apply_rotary(ix.q_layernorm(qi), pos, self.rotary_dim, self.rope_theta,
+                          self.rope_scaling)
         k_pages, v_pages = write_kv(kv[0], k, batch), write_kv(kv[1], v, batch)
         if open_group is None:
             idx_pages = write_kv(idx_pages, rk.astype(idx_pages.dtype), batch)
@@ -149,3 +156,14 @@ class QSAAttention(GatedAttention):
         o = jnp.einsum("btkgs,bskd->btkgd", p.astype(vals.dtype), vals,
                        preferred_element_type=jnp.float32).astype(x.dtype)
         return self.gated_output(o, gate), (k_pages, v_pages), idx_pages, open_group
+
+    def write_draft(self, x: jax.Array, batch: AttentionBatch, kv, idx_pages: jax.Array):
+        """The pages :meth:`__call__` with ``open_group=None`` (the MTP draft) writes, and
+        nothing else: K/V and every valid row's raw index key at the rows' positions, without
+        the index queries or the attention. ``x [B, T, H]``; ``kv = (k_pages, v_pages)``
+        ``[P, ps, Hkv, D]``; ``idx_pages [P, ps, 1, d_idx]``. Returns ``((k_pages, v_pages),
+        idx_pages)``."""
+        _, _, k, v = self.project(x, batch.positions)
+        _, rk = self.indexer.split(self.indexer.index_qk_proj(x))
+        return ((write_kv(kv[0], k, batch), write_kv(kv[1], v, batch)),
+                write_kv(idx_pages, rk.astype(idx_pages.dtype), batch))
