@@ -38,7 +38,7 @@ class MemoryPlan:
     weights_bytes: int
     budget_bytes: int | None
     snapshots: int = 0  # prefix-cache GDN snapshots (plus one trash snapshot when > 0)
-    snapshot_bytes: int = 0  # one GDN snapshot
+    snapshot_bytes: int = 0  # one snapshot (GDN states; with MTP, the hidden)
 
     @property
     def kv_bytes(self) -> int:
@@ -75,8 +75,12 @@ def _pool_bytes(cfg, page_size: int, dtype: str, k: int, mtp: bool, *, num_pages
     return sum(int(np.prod(a.shape)) * a.dtype.itemsize for a in jax.tree_util.tree_leaves(tree))
 
 
-def _unit_bytes(cfg, page_size: int, dtype: str, k: int, mtp: bool, what: str) -> int:
-    sizes = {"num_pages": 1, "slots": 1, "num_snapshots": 1}
+def _unit_bytes(cfg, page_size: int, dtype: str, k: int, mtp: bool, what: str,
+                snapshots: bool = True) -> int:
+    """Bytes one more ``what`` (``num_pages``, ``slots`` or ``num_snapshots``) adds to the
+    pools; ``snapshots``: whether the pools hold prefix-cache snapshots (what a slot holds
+    depends on it: the hidden a hit loads)."""
+    sizes = {"num_pages": 1, "slots": 1, "num_snapshots": 1 if snapshots else 0}
     base = _pool_bytes(cfg, page_size, dtype, k, mtp, **sizes)
     sizes[what] = 2
     return _pool_bytes(cfg, page_size, dtype, k, mtp, **sizes) - base
@@ -88,16 +92,18 @@ def page_bytes(cfg: ModelConfig, page_size: int, dtype: str, mtp: bool) -> int:
     return _unit_bytes(cfg, page_size, dtype, 0, mtp, "num_pages")
 
 
-def gdn_bytes(cfg: ModelConfig, dtype: str) -> int:
-    """One request's slot states (GDN recurrent f32 and conv window; the family's other
-    per-slot states), as one prefix-cache snapshot holds them."""
-    return _unit_bytes(cfg, 16, dtype, 0, False, "num_snapshots")
+def snapshot_bytes(cfg: ModelConfig, dtype: str, mtp: bool) -> int:
+    """One prefix-cache snapshot: a request's slot states (GDN recurrent f32 and conv window;
+    the family's other per-slot states) and, with MTP draft KV, the target hidden before its
+    boundary (float32)."""
+    return _unit_bytes(cfg, 16, dtype, 0, mtp, "num_snapshots")
 
 
-def slot_bytes(cfg: ModelConfig, k: int, dtype: str, mtp: bool) -> int:
-    """One slot: its states, next_tokens (k + 1 int32), position and step, and with MTP its
-    draft distributions ``[k, V]`` f32."""
-    return _unit_bytes(cfg, 16, dtype, k, mtp, "slots")
+def slot_bytes(cfg: ModelConfig, k: int, dtype: str, mtp: bool, snapshots: bool) -> int:
+    """One slot: its states, next_tokens (k + 1 int32), position and step, with MTP its
+    draft distributions ``[k, V]`` f32 and, with prefix-cache ``snapshots`` too, the hidden a
+    hit loads (float32)."""
+    return _unit_bytes(cfg, 16, dtype, k, mtp, "slots", snapshots)
 
 
 def plan_memory(cfg: ModelConfig, *, dtype: str, page_size: int, max_running_requests: int,
@@ -116,8 +122,8 @@ def plan_memory(cfg: ModelConfig, *, dtype: str, page_size: int, max_running_req
                           "0.9 (the default) or the share of device memory to use.")
     slots = max_running_requests + 1
     pb = page_bytes(cfg, page_size, dtype, mtp)
-    sb = slot_bytes(cfg, k, dtype, mtp)
-    snap_b = gdn_bytes(cfg, dtype)
+    sb = slot_bytes(cfg, k, dtype, mtp, snapshots > 0)
+    snap_b = snapshot_bytes(cfg, dtype, mtp)
     snap_total = (snapshots + 1) * snap_b if snapshots else 0
     per_request = pages_needed(max_model_len + 2 * k + 1, page_size)
     budget = None
