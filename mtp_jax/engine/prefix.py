@@ -5,7 +5,8 @@ snapshot ids; the pages the tree owns come from the engine's :class:`~mtp_jax.en
 PageBook`, and every method that lets pages go returns them for the book to take back (the
 store never holds the book). What it does for a request:
 
-* admission: reuse the longest cached prefix (shared pages, the GDN snapshot to load into the
+* admission: hold back a request whose prefix another, still prefilling, is computing
+  (:meth:`waits_for_prefill`); reuse the longest cached prefix (shared pages, the GDN snapshot to load into the
   slot, prefill resuming after it; :meth:`admit`);
 * snapshot ids for the boundaries inside (or at the end of) prefill chunks and for rounds
   that cross one;
@@ -21,6 +22,15 @@ from mtp_jax.cache.radix import RadixCache
 from mtp_jax.engine.requests import Request
 
 __all__ = ["PrefixStore"]
+
+
+def _common_prefix(a: list[int], b: list[int]) -> int:
+    """The number of leading tokens ``a`` and ``b`` share."""
+    n = min(len(a), len(b))
+    for i in range(n):
+        if a[i] != b[i]:
+            return i
+    return n
 
 
 class PrefixStore:
@@ -122,6 +132,24 @@ class PrefixStore:
         req.prefilled = req.cached_tokens = len(m.path) * self.page_size
         req.redraft = m.redraft
         return m.snapshot
+
+    def waits_for_prefill(self, req: Request, prefilling: list[Request]) -> bool:
+        """Whether waiting request ``req`` should stay waiting until a request still
+        prefilling has inserted its prompt: their prompts share a deeper snapshot boundary
+        (leaving ``req`` one token to prefill) than the tree would give ``req`` now. Prompts
+        sharing a prefix that arrive together then compute it once (as SGLang holds back a
+        request whose prefix another in its batch is computing). The n > 1 samples of a
+        prompt are held by their callers (:mod:`mtp_jax.engine.samples`)."""
+        st = self.snapshot_tokens
+        best = 0
+        for other in prefilling:
+            if other.prefilled >= len(other.prompt_ids):
+                continue
+            n = _common_prefix(req.prompt_ids, other.prompt_ids)
+            best = max(best, min(n, len(req.prompt_ids) - 1) // st * st)
+        if best == 0:
+            return False
+        return best > len(self.tree.lookup(req.prompt_ids).path) * self.page_size
 
     def private_last_page(self, req: Request, page: int) -> int:
         """Swap the last reused page of ``req`` for ``page`` (the request's own; the caller

@@ -4,6 +4,8 @@ Each :meth:`Scheduler.step`:
 
 1. admits waiting requests (first come, first served) while a slot is free and the page pool can
    guarantee the pages of their final length (prompt + max_tokens, capped at max_model_len);
+   with the prefix cache, the head waits while a request still prefilling computes a deeper
+   part of its prompt than the cache holds (:meth:`PrefixStore.waits_for_prefill`);
 2. prefills up to ``chunk_size`` prompt tokens (chunks of the oldest prefilling request; a
    prompt longer than that takes several steps, interleaved with rounds). With the prefix
    cache, each chunk's call saves the GDN state at every snapshot boundary inside it (or at
@@ -376,7 +378,9 @@ class Scheduler:
                 self.waiting and self.book.can_admit(self.waiting[0]))):
             self.drain(new)
             self.release_finished()
-        while self.waiting and self.book.can_admit(self.waiting[0]):
+        while self.waiting and self.book.can_admit(self.waiting[0]) and not (
+                self.prefix is not None and self.waiting[0].first is None
+                and self.prefix.waits_for_prefill(self.waiting[0], self.prefilling)):
             self.admit(self.waiting[0])
         if self.waiting and not (self.prefilling or self.decoding or self.inflight):
             raise MemoryError("the next request cannot be admitted into an empty engine; "

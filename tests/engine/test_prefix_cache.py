@@ -75,6 +75,25 @@ def test_shared_prefix_same_output_cache_on_and_off(model, algo):
         assert outs[True][2] == reuse, (share, outs[True][2])
 
 
+@pytest.mark.parametrize("algo", ["none", "mtp"])
+def test_prompts_sharing_a_prefix_in_one_batch_compute_it_once(model, algo):
+    """Two prompts sharing 20 tokens, submitted together: the second waits for the first's
+    prefill and reuses 16 (the boundary at 16); a third sharing less than a boundary (6) and a
+    fourth sharing nothing do not wait. Outputs equal cache-off runs."""
+    rng = np.random.default_rng(9)
+    base = rng.integers(2, 300, 20).tolist()
+    prompts = [base + [3, 4, 5], base + [6, 7], base[:6] + [8, 9, 10], [11, 12, 13, 14]]
+    outs = {}
+    for cache in (False, True):
+        eng = _engine(model, algo, cache)
+        reqs = [_req(str(i), p) for i, p in enumerate(prompts)]
+        eng.run(reqs)
+        outs[cache] = [r.output_ids for r in reqs]
+        if cache:
+            assert [r.cached_tokens for r in reqs] == [0, 16, 0, 0]
+    assert outs[True] == outs[False]
+
+
 def _draft_rows(eng, pages, n):
     """The draft KV (every leaf of every MTP layer: K, V and, for qwen4_exp, index keys, side
     by side) of positions ``0..n-1`` held in ``pages``: ``[n, X]``."""
