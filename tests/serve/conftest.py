@@ -1,7 +1,8 @@
-"""One live server for the directory's tests (one engine build; the cache-rebuild test, which
-changes the pool shapes, runs last and puts them back): the tiny MoE fixture (float32, MTP k = 2) with a
-byte-level tokenizer and a chat template of its own (ids 0..258 of the fixture's 300), served
-by uvicorn on a free localhost port from a thread."""
+"""One live server for the directory's tests (package-scoped: its threads and engine stop when
+the directory's tests end, so no later test shares the process with them; one engine build;
+the cache-rebuild test, which changes the pool shapes, runs last and puts them back): the tiny
+MoE fixture (float32, MTP k = 2) with a byte-level tokenizer and a chat template of its own
+(ids 0..258 of the fixture's 300), served by uvicorn on a free localhost port from a thread."""
 
 from __future__ import annotations
 
@@ -39,7 +40,7 @@ def write_byte_tokenizer(folder: str) -> None:
         json.dump({"chat_template": CHAT_TEMPLATE, "eos_token": "<|im_end|>"}, f)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def model_dir(tmp_path_factory) -> str:
     """tiny_moe_fused's weights and config with the byte tokenizer."""
     out = tmp_path_factory.mktemp("tiny_served")
@@ -73,7 +74,7 @@ class Live:
                                       idle=True).result(timeout=120)
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="package")
 def live(model_dir):
     import uvicorn
 
