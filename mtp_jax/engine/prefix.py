@@ -6,8 +6,8 @@ PageBook`, and every method that lets pages go returns them for the book to take
 store never holds the book). What it does for a request:
 
 * admission: hold back a request whose prefix another, still prefilling, is computing
-  (:meth:`waits_for_prefill`); reuse the longest cached prefix (shared pages, the GDN snapshot to load into the
-  slot, prefill resuming after it; :meth:`admit`);
+  (:meth:`waits_for_prefill`); reuse the longest cached prefix (shared pages, the GDN snapshot
+  to load into the slot, prefill resuming after it; :meth:`admit`);
 * snapshot ids for the boundaries inside (or at the end of) prefill chunks and for rounds
   that cross one;
 * insertion of committed tokens only: the prompt's full pages when its prefill completes, the

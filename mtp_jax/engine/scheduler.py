@@ -372,7 +372,8 @@ class Scheduler:
     # ---- one step ----------------------------------------------------------------------------
     def step(self) -> dict[Request, list[int]]:
         """One scheduler iteration (see the module docstring). Returns the tokens each request
-        gained in it. Admission and prefill wait for the call in flight first. Errors go to the caller (:meth:`Engine.step` recovers)."""
+        gained in it. Admission and prefill wait for the call in flight first. Errors go to the
+        caller (:meth:`Engine.step` recovers)."""
         new: dict[Request, list[int]] = {}
         if self.inflight is not None and (self.prefilling or (
                 self.waiting and self.book.can_admit(self.waiting[0]))):
