@@ -307,7 +307,9 @@ def _main(argv) -> int:
               "the next start faster) ...", file=sys.stderr, flush=True)
     # Compile every program the run can call first, so that its seconds and tokens/s do not
     # include compilation (which the persistent cache makes fast on the next start).
-    warm_s = llm.warmup(prompts, todo_params)
+    # Lean: one prefill and one batch bucket, which every call pads up to (issue 32 item 5:
+    # the start-up of a one-off run is mostly compilation).
+    warm_s = llm.warmup(prompts, todo_params, lean=True)
     before = llm.prefix_cache_stats()
     _print_model_line(args, llm, warm_s)
     try:

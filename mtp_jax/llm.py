@@ -407,12 +407,15 @@ class LLM:
                           "engine (its clean-up after an error was interrupted); they were "
                           "aborted.", RuntimeWarning, stacklevel=4)
 
-    def warmup(self, prompts, sampling_params=None) -> float:
+    def warmup(self, prompts, sampling_params=None, lean: bool = False) -> float:
         """Compile, before timing anything, the programs that generating ``prompts`` with
         ``sampling_params`` (as for :meth:`generate`) can call: their prompt-length and batch
-        buckets, sampling variant and prefix-cache snapshot variants. Prompts that
-        :meth:`generate` would refuse are skipped. Returns the seconds spent (compilation,
-        or loading from the persistent cache)."""
+        buckets, sampling variant and prefix-cache snapshot variants. ``lean``: only the
+        largest prompt-chunk and batch bucket (one prefill program and one round program per
+        variant), which later calls pad up to: a faster start for a one-off run, slower
+        rounds once fewer requests run than that bucket holds (``python -m mtp_jax.generate``
+        warms up lean). Prompts that :meth:`generate` would refuse are skipped. Returns the
+        seconds spent (compilation, or loading from the persistent cache)."""
         next_id = self._next_id  # warm-up requests must not shift the default seeds
         try:
             _, requests = self._prepare(prompts, sampling_params) if prompts else ([], [])
@@ -420,7 +423,7 @@ class LLM:
             requests = []  # generate() reports it
         finally:
             self._next_id = next_id
-        return self.engine.warmup_for([r for _, r in requests])
+        return self.engine.warmup_for([r for _, r in requests], lean=lean)
 
     def flush_cache(self) -> None:
         """Empty the prefix cache (entries that running requests use stay)."""

@@ -247,16 +247,17 @@ class Engine:
     # ---- programs ----------------------------------------------------------------------------
     def warmup(self, sampled: bool = True, max_batch: int | None = None,
                max_prompt_len: int | None = None, workers: int | None = None,
-               filtering: bool | None = None) -> float:
-        """Compile every program serving can call; :func:`mtp_jax.engine.warmup.warmup`.
-        Returns seconds."""
+               filtering: bool | None = None, lean: bool = False) -> float:
+        """Compile every program serving can call (``lean``: only the largest buckets, which
+        later calls pad up to); :func:`mtp_jax.engine.warmup.warmup`. Returns seconds."""
         return warmup_ops.warmup(self.scheduler, sampled, max_batch, max_prompt_len, workers,
-                                 filtering)
+                                 filtering, lean)
 
-    def warmup_for(self, requests: list[Request]) -> float:
-        """Compile what serving ``requests`` can call: their prompt-length and batch buckets,
-        sampling variants (greedy only, or with or without the top-k / top-p filter) and
-        prefix-cache snapshot variants (:meth:`warmup`). Returns seconds."""
+    def warmup_for(self, requests: list[Request], lean: bool = False) -> float:
+        """Compile what serving ``requests`` can call: their prompt-length and batch buckets
+        (``lean``: the largest of each, which the calls then pad up to: one prefill and one
+        batch bucket compiled), sampling variants (greedy only, or with or without the top-k /
+        top-p filter) and prefix-cache snapshot variants (:meth:`warmup`). Returns seconds."""
         if not requests:
             return 0.0
         sampled = [r for r in requests if not r.params.greedy]
@@ -265,7 +266,7 @@ class Engine:
         return self.warmup(sampled=bool(sampled),
                            filtering=filters.pop() if len(filters) == 1 else None,
                            max_batch=len(requests),
-                           max_prompt_len=max(len(r.prompt_ids) for r in requests))
+                           max_prompt_len=max(len(r.prompt_ids) for r in requests), lean=lean)
 
     def warmup_calls(self, sampled: bool = True, max_batch: int | None = None,
                      max_prompt_len: int | None = None,

@@ -19,7 +19,8 @@ from mtp_jax.engine.prefix import PrefixStore
 from mtp_jax.engine.requests import Request
 from mtp_jax.speculative.external import Proposer, propose
 
-__all__ = ["AUTO_SCHEDULER_STEPS", "auto_rounds_per_call", "InFlightRound", "span", "next_pow2", "batch_bucket", "snapshot_targets",
+__all__ = ["AUTO_SCHEDULER_STEPS", "auto_rounds_per_call", "InFlightRound", "span", "next_pow2",
+           "batch_bucket", "ready_bucket", "snapshot_targets",
            "external_tokens", "round_batch"]
 
 
@@ -67,6 +68,20 @@ def batch_bucket(num_rows: int, max_requests: int) -> int:
     """The batch bucket of ``num_rows`` requests: a power of two, at most the bucket of
     ``max_requests``."""
     return min(next_pow2(num_rows), next_pow2(max_requests))
+
+
+def ready_bucket(natural: int, ready: set[int] | None) -> int:
+    """The bucket a call runs at: the smallest of ``ready`` (buckets whose programs a lean
+    warm-up compiled) that holds ``natural`` (the call's own bucket), its padding rows writing
+    only the trash page and slot; ``natural`` when ``ready`` is None (every bucket allowed) or
+    none is large enough (that bucket is compiled on this call and joins ``ready``)."""
+    if ready is None:
+        return natural
+    larger = [b for b in ready if b >= natural]
+    if larger:
+        return min(larger)
+    ready.add(natural)
+    return natural
 
 
 def span(k: int, rounds: int) -> int:

@@ -52,7 +52,7 @@ from mtp_jax.engine.prefix import PrefixStore
 from mtp_jax.engine.programs import RoundOutput
 from mtp_jax.engine.requests import ABORT, Request
 from mtp_jax.engine.rounds import (InFlightRound, batch_bucket, external_tokens, next_pow2,
-                                   round_batch, snapshot_targets, span)
+                                   ready_bucket, round_batch, snapshot_targets, span)
 from mtp_jax.engine.token_logprobs import call_top, record, record_first, round_logprobs
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant, sampling_choice
 from mtp_jax.speculative.adaptive import AdaptivePolicy, RequestAcceptance
@@ -127,6 +127,11 @@ class Scheduler:
         self.stats = EngineStats()
         self.abort_count = 0  # requests aborted so far (a caller's cue to look for them)
         self._round_clock = 0.0  # when the last round result was read
+        # After a lean warm-up (``mtp_jax.engine.warmup.warmup(lean=True)``): the batch and
+        # prefill buckets compiled; calls pad up to the smallest that fits
+        # (:func:`~mtp_jax.engine.rounds.ready_bucket`). None: each call's own bucket.
+        self.ready_batch: set[int] | None = None
+        self.ready_prefill: set[int] | None = None
 
     # ---- queues ------------------------------------------------------------------------------
     def final_len(self, req: Request) -> int:
@@ -204,7 +209,7 @@ class Scheduler:
         st = self.prefix.snapshot_tokens if self.prefix is not None else None
         if st is not None and not self.device.prefill_snapshots:
             n = min(n, (start // st + 1) * st - start)  # end the chunk on the boundary
-        t = prefill_bucket(n, s.chunk_size)
+        t = ready_bucket(prefill_bucket(n, s.chunk_size), self.ready_prefill)
         targets = (self.prefix.chunk_snapshots(req, start, start + n)
                    if self.prefix is not None else {})
         snap_at, snap_id = snapshot_rows(targets, snapshot_slots(t, st))
@@ -265,7 +270,7 @@ class Scheduler:
         # the call in flight commits at most its own k + 1 tokens a round (a plain call: 1)
         prev_k = self.inflight.k if self.inflight is not None else s.k
         ahead = rounds * (prev_k + 1) if chained else 0
-        b = batch_bucket(len(running), self.book.max_requests)
+        b = ready_bucket(batch_bucket(len(running), self.book.max_requests), self.ready_batch)
         first_cap, draft_cap = self.draft_caps(running, b, rounds)
         k = s.k if (first_cap.any() or draft_cap.any()) else 0
         tokens = (external_tokens(running, self.proposer, k, s.vocab_size, b)

@@ -27,7 +27,7 @@ from mtp_jax.engine.variants import RoundVariant
 from mtp_jax.sampling import SamplingTensors
 
 __all__ = ["prefill_buckets", "batch_buckets", "round_variants", "padding_round_batch",
-           "warmup_calls", "warmup"]
+           "warm_buckets", "warmup_calls", "warmup"]
 
 
 def prefill_buckets(chunk_size: int, max_model_len: int) -> list[int]:
@@ -76,11 +76,13 @@ def padding_round_batch(b: int, k: int, max_pages_per_req: int) -> RoundBatch:
                       draft_cap=zi)
 
 
-def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,
-                 max_prompt_len: int | None = None,
-                 filtering: bool | None = None) -> Callable[[], None]:
-    """The program calls of :func:`warmup` (same arguments), as a function that makes them
-    (each passes the pools on) without building anything ahead."""
+def warm_buckets(sched: Scheduler, max_batch: int | None = None,
+                 max_prompt_len: int | None = None, lean: bool = False
+                 ) -> tuple[list[int], list[int]]:
+    """``(prefill, batch)``: the prompt-chunk and batch buckets a warm-up compiles. Every
+    bucket, or with ``max_batch`` (requests at once) and ``max_prompt_len`` (tokens) those
+    such a workload can reach; ``lean``: only the largest of each (the calls pad up to it,
+    :func:`~mtp_jax.engine.rounds.ready_bucket`)."""
     s = sched.settings
     prefill = prefill_buckets(s.chunk_size, s.max_model_len)
     if max_prompt_len is not None:
@@ -91,6 +93,17 @@ def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None =
     buckets = batch_buckets(sched.book.max_requests)
     if max_batch is not None:
         buckets = [b for b in buckets if b <= next_pow2(max(1, max_batch))]
+    if lean:
+        return prefill[-1:], buckets[-1:]
+    return prefill, buckets
+
+
+def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,
+                 max_prompt_len: int | None = None,
+                 filtering: bool | None = None, lean: bool = False) -> Callable[[], None]:
+    """The program calls of :func:`warmup` (same arguments), as a function that makes them
+    (each passes the pools on) without building anything ahead."""
+    prefill, buckets = warm_buckets(sched, max_batch, max_prompt_len, lean)
     sampling = [{"greedy_only": True, "filtering": None}]
     if sampled:
         sampling += [{"greedy_only": False, "filtering": f}
@@ -119,7 +132,7 @@ def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None =
 
 def warmup(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,
            max_prompt_len: int | None = None, workers: int | None = None,
-           filtering: bool | None = None) -> float:
+           filtering: bool | None = None, lean: bool = False) -> float:
     """Compile the programs ``sched`` can call, with rows that write only to the trash page and
     slot, so that no compile happens while requests are served. Returns seconds.
 
@@ -127,15 +140,21 @@ def warmup(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,
     (:func:`round_variants`), in the greedy-only variant and, with ``sampled``, the sampling
     ones: with the top-k / top-p filter (``filtering`` True), without it (False) or both
     (None). ``max_batch`` (requests at once) and ``max_prompt_len`` (tokens) limit it to the
-    buckets such a workload can reach. Programs missing from memory and from the executable
-    cache are first built together (:func:`mtp_jax.engine.startup.build_ahead`, compiling on
+    buckets such a workload can reach; ``lean`` to the largest of them (:func:`warm_buckets`),
+    which every later call of no more rows and tokens pads up to (``Scheduler.ready_batch`` /
+    ``ready_prefill``; a larger call compiles its own bucket), so a start-up compiles one
+    prefill and one batch bucket; without ``lean`` every call runs at its own bucket.
+    Programs missing from memory and from the executable cache are first built together (:func:`mtp_jax.engine.startup.build_ahead`, compiling on
     ``workers`` threads; default :func:`mtp_jax.engine.executable_cache.compile_workers`), then
     the warm-up runs them. A call that fails and leaves the pools unusable gets them made anew
     (:func:`~mtp_jax.engine.abort.pools_guard`) before its error is raised.
     """
     t0 = time.perf_counter()
     with pools_guard(sched):  # a failed call may consume the donated pools
-        run = warmup_calls(sched, sampled, max_batch, max_prompt_len, filtering)
+        run = warmup_calls(sched, sampled, max_batch, max_prompt_len, filtering, lean)
+        prefill, buckets = warm_buckets(sched, max_batch, max_prompt_len, lean)
+        sched.ready_prefill = set(prefill) if lean else None
+        sched.ready_batch = set(buckets) if lean else None
         startup.build_ahead(sched.device.programs, run, workers)
         run()
         jax.block_until_ready(sched.device.pools)
