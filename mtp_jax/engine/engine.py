@@ -32,7 +32,7 @@ from mtp_jax.engine import abort as abort_ops
 from mtp_jax.engine import warmup as warmup_ops
 from mtp_jax.engine.batch import sampling_rows
 from mtp_jax.engine.device import DeviceState, PoolShape
-from mtp_jax.engine.memory import plan_memory, planned_weights_bytes
+from mtp_jax.engine.memory import plan_memory, planned_weights_bytes, prefix_snapshots
 from mtp_jax.engine.pages import PageBook
 from mtp_jax.engine.prefix import PrefixStore
 from mtp_jax.engine.requests import Request
@@ -109,10 +109,7 @@ class Engine:
         # A page table row covers max_model_len plus the verify window and the draft chain.
         self.max_pages_per_req = pages_needed(self.max_model_len + 2 * self.k + 1,
                                               self.page_size)
-        n_snap = 0
-        if engine_cfg.enable_prefix_cache:
-            n_snap = (engine_cfg.max_prefix_snapshots if engine_cfg.max_prefix_snapshots
-                      is not None else 4 * engine_cfg.max_running_requests)
+        n_snap = prefix_snapshots(engine_cfg)
         stats = jax.devices()[0].memory_stats() or {}
         self.plan = plan_memory(mc, dtype=model.dtype, page_size=self.page_size,
                                 max_running_requests=engine_cfg.max_running_requests,

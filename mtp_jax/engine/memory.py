@@ -106,6 +106,17 @@ def slot_bytes(cfg: ModelConfig, k: int, dtype: str, mtp: bool, snapshots: bool)
     return _unit_bytes(cfg, 16, dtype, k, mtp, "slots", snapshots)
 
 
+def prefix_snapshots(engine_cfg) -> int:
+    """Prefix-cache GDN snapshot slots of an engine (an :class:`~mtp_jax.config.EngineConfig`):
+    0 with the prefix cache off, else ``max_prefix_snapshots``, or 4 per running request. The
+    engine's plan and the check before load both count them."""
+    if not engine_cfg.enable_prefix_cache:
+        return 0
+    if engine_cfg.max_prefix_snapshots is not None:
+        return engine_cfg.max_prefix_snapshots
+    return 4 * engine_cfg.max_running_requests
+
+
 def plan_memory(cfg: ModelConfig, *, dtype: str, page_size: int, max_running_requests: int,
                 max_model_len: int, k: int, mtp: bool, weights_bytes: int,
                 device_bytes: int | None = None, mem_fraction: float = 0.9,

@@ -11,7 +11,7 @@ import jax
 
 from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
-from mtp_jax.engine.memory import plan_memory, planned_weights_bytes
+from mtp_jax.engine.memory import plan_memory, planned_weights_bytes, prefix_snapshots
 from mtp_jax.speculative.external import Proposer
 
 __all__ = ["make_engine", "check_memory_before_load"]
@@ -27,7 +27,8 @@ def make_engine(model, engine_cfg: EngineConfig, speculative: SpeculativeConfig,
 def check_memory_before_load(cfg, engine_cfg: EngineConfig,
                              speculative: SpeculativeConfig) -> None:
     """For a family the batched engine serves, :func:`~mtp_jax.engine.memory.plan_memory` with
-    the planned weights: a ``ConfigError`` when the budget cannot hold one full-length request
+    the planned weights and the prefix-cache snapshots (:func:`~mtp_jax.engine.memory.
+    prefix_snapshots`): a ``ConfigError`` when the budget cannot hold one full-length request
     (nothing to plan with ``num_pages`` given)."""
     if engine_cfg.num_pages is not None:
         return
@@ -40,4 +41,5 @@ def check_memory_before_load(cfg, engine_cfg: EngineConfig,
                 weights_bytes=planned_weights_bytes(cfg, engine_cfg.dtype, mtp and cfg.has_mtp,
                                                     speculative),
                 device_bytes=stats.get("bytes_limit"), mem_fraction=engine_cfg.mem_fraction,
-                max_total_tokens=engine_cfg.max_total_tokens)
+                max_total_tokens=engine_cfg.max_total_tokens,
+                snapshots=prefix_snapshots(engine_cfg))

@@ -75,6 +75,35 @@ def test_budget_from_device_memory_and_refusal():
                     max_model_len=60, k=0, mtp=False, weights_bytes=w, max_total_tokens=40)
 
 
+def test_check_before_load_counts_prefix_snapshots(monkeypatch):
+    """The check before any weight loads plans the prefix-cache snapshots as the engine does:
+    a device budget that holds one full-length request beside the weights and slots passes
+    with the cache off and is refused with it on (its snapshots do not fit too)."""
+    import dataclasses
+
+    from mtp_jax.cache.allocator import pages_needed
+    from mtp_jax.engine import serving
+    from mtp_jax.engine.memory import page_bytes, planned_weights_bytes, slot_bytes
+
+    cfg = ModelConfig.from_folder(fixture_path("tiny_moe_fused"))
+    spec = SpeculativeConfig(algorithm="mtp", num_steps=2)
+    on = EngineConfig(max_running_requests=2, dtype="float32", max_model_len=64)
+    off = dataclasses.replace(on, enable_prefix_cache=False)
+    pages = 1 + pages_needed(64 + 2 * 2 + 1, 16)  # the trash page and one request's
+    need = (planned_weights_bytes(cfg, "float32", True, spec)
+            + 3 * slot_bytes(cfg, 2, "float32", True, False)
+            + pages * page_bytes(cfg, 16, "float32", True))
+
+    class Device:
+        def memory_stats(self):
+            return {"bytes_limit": int(need / on.mem_fraction) + 1}
+
+    monkeypatch.setattr(serving.jax, "devices", lambda: [Device()])
+    serving.check_memory_before_load(cfg, off, spec)
+    with pytest.raises(ConfigError, match="max_model_len=64 tokens"):
+        serving.check_memory_before_load(cfg, on, spec)
+
+
 def test_resize_cache_keeps_generation_working(model):
     from mtp_jax.engine.requests import Request, SamplingParams
 
