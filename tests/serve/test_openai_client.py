@@ -8,9 +8,6 @@ engine and a 4xx naming the problem for each bad one."""
 from __future__ import annotations
 
 import concurrent.futures
-import os
-import subprocess
-import sys
 import threading
 import time
 
@@ -18,7 +15,7 @@ import httpx
 import pytest
 
 from mtp_jax import SamplingParams
-from tests.helpers.paths import REPO
+from tests.helpers.server_process import serve_process
 from tests.serve.conftest import API_KEY, free_port
 
 openai = pytest.importorskip("openai")
@@ -32,35 +29,11 @@ MAX_TOKENS = 6
 def served(model_dir):
     """A server process on a free localhost port (the live fixture's checkpoint and engine
     settings, 4 requests at once); its base URL. Stopped at the end of the module."""
-    port = free_port()
-    cmd = [sys.executable, "-m", "mtp_jax.serve", "--model", model_dir, "--dtype", "float32",
-           "--speculative-num-steps", "2", "--max-running-requests", "4",
-           "--max-model-len", "128", "--port", str(port), "--served-model-name", "tiny",
-           "--api-key", API_KEY, "--log-level", "warning"]
-    env = dict(os.environ, JAX_PLATFORMS="cpu", PYTHONPATH=str(REPO))
-    proc = subprocess.Popen(cmd, cwd=str(REPO), env=env, stdout=subprocess.PIPE,
-                            stderr=subprocess.STDOUT, text=True)
-    url = f"http://127.0.0.1:{port}"
-    deadline = time.monotonic() + 600
-    try:
-        while True:
-            if proc.poll() is not None:
-                pytest.fail(f"the server exited ({proc.returncode}):\n{proc.stdout.read()}")
-            try:
-                if httpx.get(url + "/health", timeout=2).status_code == 200:
-                    break
-            except httpx.HTTPError:
-                pass
-            if time.monotonic() > deadline:
-                pytest.fail("the server did not answer /health within 600 s")
-            time.sleep(0.2)
+    args = ["--model", model_dir, "--dtype", "float32", "--speculative-num-steps", "2",
+            "--max-running-requests", "4", "--max-model-len", "128", "--port", str(free_port()),
+            "--served-model-name", "tiny", "--api-key", API_KEY, "--log-level", "warning"]
+    with serve_process(args) as url:
         yield url
-    finally:
-        proc.terminate()
-        try:
-            proc.wait(timeout=30)
-        except subprocess.TimeoutExpired:
-            proc.kill()
 
 
 def _client(url: str, key: str = API_KEY):
