@@ -297,6 +297,8 @@ class Engine:
         if self.has_work():
             raise RuntimeError("resize_cache needs an idle engine; finish or drain the running "
                                "requests first.")
+        # new pool shapes: the programs a lean warm-up compiled no longer serve them
+        self.scheduler.ready_batch = self.scheduler.ready_prefill = None
         with abort_ops.pools_guard(self.scheduler):
             if num_pages is not None:
                 if num_pages - 1 < self.max_pages_per_req:

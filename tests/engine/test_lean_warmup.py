@@ -76,6 +76,11 @@ def test_lean_warmup_compiles_one_bucket_each_and_pads_up_to_them(model):
     assert {1, 2} <= set(seen["round"]) and set(seen["prefill"]) == {16, 32}
     assert [r.output_ids for r in lean] == [r.output_ids for r in plain]
 
-    # a full warm-up afterwards lets every call run at its own bucket again
+    # a full warm-up afterwards lets every call run at its own bucket again, and so does a
+    # resize (new pool shapes: the lean programs no longer serve them)
     eng.warmup_for(_requests())
+    assert eng.scheduler.ready_batch is None and eng.scheduler.ready_prefill is None
+    eng.warmup_for(_requests(), lean=True)
+    assert eng.scheduler.ready_batch == {4}
+    eng.resize_cache(max_running_requests=2)
     assert eng.scheduler.ready_batch is None and eng.scheduler.ready_prefill is None
