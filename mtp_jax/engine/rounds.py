@@ -20,7 +20,7 @@ from mtp_jax.engine.requests import Request
 from mtp_jax.speculative.external import Proposer, propose
 
 __all__ = ["AUTO_SCHEDULER_STEPS", "auto_rounds_per_call", "InFlightRound", "span", "next_pow2",
-           "batch_bucket", "ready_bucket", "snapshot_targets",
+           "batch_bucket", "ready_bucket", "snapshot_targets", "surely_saved",
            "external_tokens", "round_batch"]
 
 
@@ -95,20 +95,36 @@ def max_step(req: Request, max_model_len: int) -> int:
     return min(req.params.max_tokens, max_model_len - len(req.prompt_ids))
 
 
+def surely_saved(inflight: InFlightRound | None) -> dict[Request, int]:
+    """The boundaries that ``inflight`` (the call still in flight) carries and is sure to
+    reach, by request: every round commits at least one token of a live row, so a call of
+    ``rounds`` rounds commits past each boundary within ``rounds`` tokens of the position its
+    rows started from (the host's ``Request.position`` until that call is collected). A
+    request that stops first needs no later snapshot."""
+    if inflight is None:
+        return {}
+    return {r: int(at) for r, at in zip(inflight.rows, inflight.snap_at)
+            if 0 <= at <= r.position + inflight.rounds}
+
+
 def snapshot_targets(running: list[Request], limit: np.ndarray, reach: int,
-                     prefix: PrefixStore, b: int) -> tuple[np.ndarray, np.ndarray]:
+                     prefix: PrefixStore, b: int, saved: dict[Request, int] | None = None
+                     ) -> tuple[np.ndarray, np.ndarray]:
     """For a call that may commit up to ``reach`` tokens past each request's position (its
     own rounds plus those of a call still in flight): each request's next prefix-cache
-    boundary when the call may reach it (below ``limit``, not already saved), and a snapshot id
-    to save it in. The program saves the state at the boundary in whichever round commits
-    past it (:class:`~mtp_jax.engine.batch.RoundBatch`); a call reaches at most the first
-    boundary. Returns ``(snap_at [b], snap_id [b])`` int32 (-1 / 0: none)."""
+    boundary when the call may reach it (below ``limit``, not already saved, nor in ``saved``:
+    :func:`surely_saved` of the call in flight), and a snapshot id to save it in. The program
+    saves the state at the boundary in whichever round commits past it
+    (:class:`~mtp_jax.engine.batch.RoundBatch`); a call reaches at most the first boundary.
+    Returns ``(snap_at [b], snap_id [b])`` int32 (-1 / 0: none)."""
     snap_at = np.full((b,), -1, np.int32)
     snap_id = np.zeros((b,), np.int32)
     st = prefix.snapshot_tokens
+    saved = saved or {}
     for i, r in enumerate(running):
         p = (r.position // st + 1) * st  # committed length at the next boundary
-        if p <= min(r.position + reach, int(limit[i])) and p not in r.snapshots:
+        if (p <= min(r.position + reach, int(limit[i])) and p not in r.snapshots
+                and saved.get(r) != p):
             # out of ids: give up a shallower own snapshot only for a boundary max_tokens lets
             # the request commit past (a call that stops short gives the id back, lost)
             sure = p <= len(r.prompt_ids) + r.params.max_tokens - 1

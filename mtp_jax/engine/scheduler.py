@@ -52,7 +52,8 @@ from mtp_jax.engine.prefix import PrefixStore
 from mtp_jax.engine.programs import RoundOutput
 from mtp_jax.engine.requests import ABORT, Request
 from mtp_jax.engine.rounds import (InFlightRound, batch_bucket, external_tokens, next_pow2,
-                                   ready_bucket, round_batch, snapshot_targets, span)
+                                   ready_bucket, round_batch, snapshot_targets, span,
+                                   surely_saved)
 from mtp_jax.engine.token_logprobs import call_top, record, record_first, round_logprobs
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant, sampling_choice
 from mtp_jax.speculative.adaptive import AdaptivePolicy, RequestAcceptance
@@ -280,7 +281,8 @@ class Scheduler:
         batch.first_cap, batch.draft_cap = first_cap, draft_cap
         if self.prefix is not None:
             batch.snap_at, batch.snap_id = snapshot_targets(
-                running, batch.limit, ahead + rounds * (k + 1), self.prefix, b)
+                running, batch.limit, ahead + rounds * (k + 1), self.prefix, b,
+                surely_saved(self.inflight if chained else None))
         variant = RoundVariant(k=k, proposer=s.proposer, rounds=rounds,
                                snapshot=bool(np.any(batch.snap_at >= 0)),
                                logprobs=call_top(running),

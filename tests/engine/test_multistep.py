@@ -106,6 +106,28 @@ def test_multistep_with_prefix_cache_snapshots(model):
     assert [(r.output_ids, r.finish_reason) for r in turns] == plain
 
 
+def test_each_decode_boundary_is_carried_by_one_call(model):
+    """A plain call commits one token a round, so the call in flight is sure to reach a
+    boundary within its rounds: the next call does not carry that boundary too (one
+    snapshot-variant call per boundary while decoding, not two), and every boundary
+    is still saved: a follow-up turn reuses the deepest. (The engine settings of
+    ``test_warmup_covers_multistep_calls``: its programs are compiled.)"""
+    eng = Engine(model, EngineConfig(max_running_requests=2, dtype="float32",
+                                     max_model_len=96, enable_prefix_cache=True,
+                                     chunked_prefill_size=16, snapshot_interval_pages=1),
+                 SpeculativeConfig(algorithm="none"))
+    calls = []
+    dispatch = eng.device.round
+    eng.device.round = lambda b, v: calls.append((v.snapshot, b.snap_at.copy())) or dispatch(b, v)
+    prompt = random_prompts(1, seed=8, lo=5, hi=6)[0]
+    [req] = eng.run(make_requests([(prompt, greedy(70))], seed=200))
+    carried = [int(at[0]) for snap, at in calls if snap]
+    # 80 lies past the request's end (75 tokens): a call may carry a boundary it never reaches
+    assert carried in ([16, 32, 48, 64], [16, 32, 48, 64, 80])
+    [turn] = eng.run(make_requests([(prompt + req.output_ids + [5], greedy(2))], seed=200))
+    assert turn.cached_tokens == 64
+
+
 def test_multistep_under_page_pressure(model):
     """A pool of about two requests' pages: every call takes pages for all of its rounds, and
     pages of a finished request are not handed out while a call that writes them runs.
