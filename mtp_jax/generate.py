@@ -10,6 +10,7 @@ import sys
 import time
 import warnings
 
+from mtp_jax.cli_parser import CliParser
 from mtp_jax.cli_prompts import DEFAULT_PROMPT, read_prompts_file
 
 __all__ = ["main", "build_parser", "add_engine_flags", "llm_kwargs", "read_prompts_file",
@@ -20,8 +21,8 @@ DEFAULT_MODEL_LINE = ("built-in default (tiny: layers and MTP head trained on th
 
 
 def build_parser() -> argparse.ArgumentParser:
-    p = argparse.ArgumentParser(prog="python -m mtp_jax.generate", description=__doc__,
-                                allow_abbrev=False)  # --max-token is an error, not --max-tokens
+    p = CliParser(prog="python -m mtp_jax.generate", description=__doc__,
+                  allow_abbrev=False)  # --max-token is an error, not --max-tokens
     prompts = p.add_mutually_exclusive_group()  # one source of prompts, never one ignored
     prompts.add_argument("--prompt", action="append", default=None,
                          help="prompt text; repeat for several prompts (default: a demo "

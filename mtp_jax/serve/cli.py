@@ -9,6 +9,8 @@ import argparse
 import os
 import sys
 
+from mtp_jax.cli_parser import CliParser
+
 __all__ = ["build_parser", "main"]
 
 
@@ -17,8 +19,7 @@ def build_parser() -> argparse.ArgumentParser:
     the HTTP ones."""
     from mtp_jax.generate import add_engine_flags
 
-    p = argparse.ArgumentParser(prog="python -m mtp_jax.serve", description=__doc__,
-                                allow_abbrev=False)
+    p = CliParser(prog="python -m mtp_jax.serve", description=__doc__, allow_abbrev=False)
     add_engine_flags(p)
     p.add_argument("--host", default="127.0.0.1",
                    help="address to listen on (default %(default)s; 0.0.0.0 for every "

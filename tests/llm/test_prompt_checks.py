@@ -241,8 +241,13 @@ def test_abbreviated_flag_is_an_error(capsys):
         with pytest.raises(SystemExit):
             parser.parse_args(["--max-model-le", "64"])
         assert "unrecognized arguments: --max-model-le" in _err(capsys)
-    with pytest.raises(SystemExit):
+    with pytest.raises(SystemExit) as e:
         generate.build_parser().parse_args(["--max-token", "3"])
+    # one line naming the closest flag, not argparse's usage block of every flag first
+    err = _err(capsys)
+    assert e.value.code == 2 and "usage:" not in err
+    assert err.startswith("python -m mtp_jax.generate: error: unrecognized arguments: "
+                          "--max-token 3 (--max-token: did you mean --max-tokens?)\n")
 
 
 # ---- a run: --stream prints the final text as it comes, --stop cuts it (compiles) --------------

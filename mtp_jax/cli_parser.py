@@ -1,0 +1,32 @@
+"""The argument parser of the commands a user types (``python -m mtp_jax.generate``,
+``python -m mtp_jax.serve``): argparse without abbreviations (``--max-token`` is an error, not
+``--max-tokens``), whose errors are one line naming the problem, the closest flag for a
+mistyped one, and ``--help``, instead of argparse's usage block of every flag first."""
+
+from __future__ import annotations
+
+import argparse
+import difflib
+
+__all__ = ["CliParser"]
+
+
+class CliParser(argparse.ArgumentParser):
+    """``argparse.ArgumentParser`` with ``allow_abbrev=False`` and short errors (exit status
+    2, as argparse)."""
+
+    def __init__(self, **kwargs):
+        kwargs.setdefault("allow_abbrev", False)
+        super().__init__(**kwargs)
+
+    def error(self, message: str):
+        flags = [o for a in self._actions for o in a.option_strings if o.startswith("--")]
+        hints = []
+        if message.startswith("unrecognized arguments:"):
+            for word in message.split(":", 1)[1].split():
+                name = word.split("=", 1)[0]
+                close = difflib.get_close_matches(name, flags, n=1) if name[:2] == "--" else []
+                if close:
+                    hints.append(f"{name}: did you mean {close[0]}?")
+        text = f"{self.prog}: error: {message}" + (f" ({'; '.join(hints)})" if hints else "")
+        self.exit(2, f"{text}\nRun {self.prog} --help for every flag.\n")
