@@ -66,9 +66,14 @@ def pool_bytes_after(engine, num_pages: int | None, max_running_requests: int | 
                                                     slots=slots).pool_bytes
 
 
-def _check_int(name: str, value, low: int) -> None:
-    if value is not None and (not isinstance(value, numbers.Integral) or isinstance(value, bool)
-                              or value < low):
+def _check_int(name: str, value, low: int | None) -> None:
+    """``value`` (None: not asked) is an int, and ``>= low`` unless ``low`` is None."""
+    if value is None:
+        return
+    if not isinstance(value, numbers.Integral) or isinstance(value, bool):
+        raise ConfigError(f"{name} {value!r} must be an int" + (
+            f" >= {low}." if low is not None else "."))
+    if low is not None and value < low:
         raise ConfigError(f"{name} {value!r} must be an int >= {low}.")
 
 
@@ -77,7 +82,7 @@ def check_resize_fits(engine, num_pages: int | None = None,
     """Raise ``ConfigError`` (nothing changed) when the sizes are not ints, when ``num_pages``
     cannot hold one full-length request, or when the resized pools and the weights would
     exceed the memory budget (:func:`budget_bytes` with the engine's ``mem_fraction``)."""
-    _check_int("num_pages", num_pages, 2)
+    _check_int("num_pages", num_pages, None)  # the least that holds a request: below
     _check_int("max_running_requests", max_running_requests, 1)
     if num_pages is not None and num_pages - 1 < engine.max_pages_per_req:
         raise ConfigError(f"num_pages {num_pages} cannot hold one request of max_model_len="
@@ -87,8 +92,11 @@ def check_resize_fits(engine, num_pages: int | None = None,
     need = pool_bytes_after(engine, num_pages, max_running_requests)
     if budget is not None and need > budget:
         gib = lambda b: f"{b / 2**30:.2f} GiB"  # noqa: E731
+        asked = ", ".join(f"{k}={v}" for k, v in (("num_pages", num_pages),
+                                                  ("max_running_requests", max_running_requests))
+                          if v is not None)
         raise ConfigError(
-            f"num_pages={num_pages}, max_running_requests={max_running_requests} need "
+            f"{asked} need "
             f"{gib(need)} for the weights and pools, over the budget of {gib(budget)} "
             f"(mem_fraction={engine.cfg.mem_fraction} of the "
             f"{'host RAM' if jax.default_backend() == 'cpu' else 'device memory'}); the "
