@@ -414,7 +414,8 @@ class LLM:
         largest prompt-chunk and batch bucket (one prefill program and one round program per
         variant), which later calls pad up to: a faster start for a one-off run, slower
         rounds once fewer requests run than that bucket holds (``python -m mtp_jax.generate``
-        warms up lean). Prompts that :meth:`generate` would refuse are skipped. Returns the
+        warms up lean). The padding stays in force for this ``LLM`` until a warm-up without
+        ``lean`` or a :meth:`resize_cache`. Prompts that :meth:`generate` would refuse are skipped. Returns the
         seconds spent (compilation, or loading from the persistent cache)."""
         next_id = self._next_id  # warm-up requests must not shift the default seeds
         try:
