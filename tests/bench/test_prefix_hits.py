@@ -55,14 +55,16 @@ def test_few_snapshot_ids_keep_the_deepest_boundaries(engine):
     the shallowest snapshot of its own chain for each deeper boundary, so every follow-up
     resumes at the deepest boundary it shares (keeping the first ids instead, reuse stopped at
     the second boundary, 16 tokens). A shared 44-token system prompt (four ids): the first
-    request, alone in the tree, gives up its shallow snapshots (40 among them) while decoding
-    past two more boundaries, so the second misses; once the second's prompt branches off the
-    first's, the snapshots at or above the branch are kept, and later requests resume at the
-    system prompt's deepest boundary, 40."""
+    request, alone in the tree, gives up its shallowest snapshot for the one boundary it
+    decodes past (one id for it: the call after the one in flight does not carry it too), so
+    40 stays and every later request resumes at the system prompt's deepest boundary, 40;
+    once the second's prompt branches off the first's, the snapshots at or above the branch
+    are kept. (When both calls carried the boundary, it cost two ids and 40 with them: the
+    second request missed.)"""
     vocab = engine.model.cfg.vocab_size
     chat = prefix_hits.multi_turn(_engine(engine.model, 2), 3, (20, 30), 6, vocab, seed=4)
     for r in chat["per_request"][1:]:
         assert r["shared"] > 3 * EVERY and r["cached"] == r["shared"] // EVERY * EVERY
     system = prefix_hits.shared_system(_engine(engine.model, 4), 4, 44, (10, 18), 12, vocab,
                                        seed=4)
-    assert [r["cached"] for r in system["per_request"]] == [0, 0, 40, 40]
+    assert [r["cached"] for r in system["per_request"]] == [0, 40, 40, 40]
