@@ -53,6 +53,7 @@ FORMAT = "mtp_jax-executable-v1"
 MAGIC = (FORMAT + "\n").encode()
 SUFFIX = ".exe"
 THREADS_ENV = "MTP_JAX_COMPILE_THREADS"
+SWITCH_ENV = "MTP_JAX_EXECUTABLE_CACHE"  # "0": no executable is saved or loaded here
 MIN_CPUS_FOR_THREADS = 8
 DONATED = (1,)  # the pools; part of every key (the programs' jit donates them)
 BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax's event names
@@ -64,9 +65,13 @@ class ExecutableCacheWarning(UserWarning):
 
 
 def cache_dir() -> str | None:
-    """``<jax compilation cache folder>/executables``, or ``None`` when that cache is off."""
+    """``<jax compilation cache folder>/executables``, or ``None`` when that cache is off or
+    ``$MTP_JAX_EXECUTABLE_CACHE`` is ``0`` (:data:`SWITCH_ENV`: jax's own cache stays on, the
+    programs are still compiled ahead and kept in memory, nothing is serialized)."""
     from mtp_jax.compile_cache import active_cache_dir
 
+    if os.environ.get(SWITCH_ENV, "").strip().lower() in ("0", "off", "false", "no"):
+        return None
     folder = active_cache_dir()
     return None if folder is None else os.path.join(folder, SUBFOLDER)
 

@@ -126,7 +126,11 @@ def _files(folder):
 
 @pytest.fixture(scope="module", autouse=True)
 def _restore_jax_cache(restore_jax_cache_config):
+    # the store under test: on for this module (the suite turns it off, tests/conftest.py)
+    before = os.environ.pop(xc.SWITCH_ENV, None)
     yield
+    if before is not None:
+        os.environ[xc.SWITCH_ENV] = before
 
 
 @pytest.fixture(scope="module")
