@@ -142,10 +142,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA compilation cache folder, or 'none' (default: "
                         "$MTP_JAX_COMPILATION_CACHE or ~/.cache/mtp_jax/xla)")
-    p.add_argument("--quantization", default="auto", choices=["auto", "dequantize"],
-                   help="how a quantized checkpoint's weights (block FP8, ModelOpt FP8 / "
-                        "NVFP4, compressed-tensors NVFP4) are held: both dequantize them to "
-                        "--dtype at load for now (docs/quantization.md; default %(default)s)")
+    p.add_argument("--quantization", default="auto", choices=["auto", "dequantize", "keep"],
+                   help="how a quantized checkpoint's projections (block FP8, ModelOpt FP8 / "
+                        "NVFP4, compressed-tensors NVFP4) are held: keep = kept as stored and "
+                        "dequantized inside each program (FP8 half, NVFP4 about 0.28 of the "
+                        "bf16 bytes); dequantize = dequantized to --dtype at load; auto = "
+                        "dequantize until keep is measured faster on the GPU "
+                        "(docs/quantization.md; default %(default)s)")
     p.add_argument("--ple-backend", default=None, choices=["disk", "memory"],
                    help="Qwen3.8-Flash-Next checkpoints (model_type qwen4_exp) only: their "
                         "PLE n-gram tables memory-mapped from disk (the default) or held in "

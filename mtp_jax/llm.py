@@ -112,9 +112,12 @@ class LLM:
         by the next process); ``None``: ``$MTP_JAX_COMPILATION_CACHE``, else the folder jax
         already uses, else ``~/.cache/mtp_jax/xla``; ``"none"``/``"off"``: no cache
         (:mod:`mtp_jax.compile_cache`; an unwritable folder raises ConfigError).
-      quantization: ``"auto"`` (default) or ``"dequantize"``: how a quantized checkpoint's
-        weights (block FP8, ModelOpt FP8 / NVFP4, compressed-tensors NVFP4) are held; both
-        dequantize them to ``dtype`` at load for now (docs/quantization.md).
+      quantization: how a quantized checkpoint's projections (block FP8, ModelOpt FP8 /
+        NVFP4, compressed-tensors NVFP4) are held: ``"keep"`` (kept as stored, dequantized
+        inside each program: FP8 half and NVFP4 about 0.28 of the bf16 bytes),
+        ``"dequantize"`` (dequantized to ``dtype`` at load) or ``"auto"`` (default; today
+        ``"dequantize"``, until ``"keep"`` is measured faster on the GPU); the output is the
+        same either way (docs/quantization.md).
       dummy_weight: random weights of the checkpoint's shapes instead of its weights (benchmarks,
         tests of the non-speculative path); refused with ``speculative_algorithm="mtp"``.
       before_load: ``fn(tokenizer, limits)``, called once the settings and the config passed
@@ -175,12 +178,13 @@ class LLM:
         request = load_request(engine_cfg.dtype, with_mtp=algorithm == "mtp",
                                draft_path=speculative_draft_model_path,
                                dummy_weight=dummy_weight, backends=backends,
-                               ple_backend=ple_backend)
+                               ple_backend=ple_backend, quantization=quantization)
         # Every config-time check, before any weight (or the tokenizer) is read.
         model_cfg = check_before_load(model, speculative=speculative, engine=engine_cfg,
                                       dummy_weight=dummy_weight,
                                       has_proposer=proposer is not None, request=request)
-        check_memory_before_load(model_cfg, engine_cfg, speculative)
+        check_memory_before_load(model_cfg, engine_cfg, speculative, weights_saved=_kept_saving(
+            model, engine_cfg.dtype, request, dummy_weight))
         self.tokenizer = load_tokenizer(model)  # the one a check_prompts call just read
         if before_load is not None:
             before_load(self.tokenizer, PromptLimits.of(model_cfg, engine_cfg.max_model_len))
@@ -450,3 +454,23 @@ def _new_logprobs(r: Request, count: int):
         return None
     end = len(r.output_ids)
     return r.logprobs[end - count:end]
+
+
+def _kept_saving(model, dtype: str, request, dummy_weight: bool) -> int:
+    """Bytes the checkpoint's quantized projections save when kept quantized (read from the
+    headers; 0 when they are dequantized, for random weights, or without a local folder)."""
+    import os
+
+    from mtp_jax.weights.quant_config import keeps_quantized
+    from mtp_jax.weights.quant_tensors import folder_kept_bytes_saved
+
+    if dummy_weight or not isinstance(model, str) or not os.path.isdir(model) \
+            or not keeps_quantized(request.quantization):
+        return 0
+    from mtp_jax.models.loaded import resolve_dtype
+
+    itemsize = 4 if resolve_dtype(dtype) == "float32" else 2
+    draft = request.draft_path if request.draft_path and os.path.isdir(request.draft_path) \
+        else None
+    return folder_kept_bytes_saved(model, itemsize, with_mtp=request.with_mtp,
+                                   draft_folder=draft)

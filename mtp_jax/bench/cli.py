@@ -110,6 +110,13 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="pass the small parameters packed into one buffer per dtype "
                         "(load_model(pack_small_params=True); experimental), for an A/B of the "
                         "host cost per argument buffer")
+    p.add_argument("--quantization", default="none",
+                   choices=["none", "fp8-block", "modelopt-fp8", "modelopt-nvfp4", "ct-nvfp4"],
+                   help="hold the random projections in this checkpoint format's quantized "
+                        "device form (FP8 codes with 128x128 block or per-row scales, packed "
+                        "NVFP4; dequantized inside each program, as quantization='keep' loads "
+                        "such a checkpoint; docs/quantization.md); the floor counts their bytes "
+                        "(default %(default)s: the model dtype)")
     p.add_argument("--out", default="bench.json", help="JSON results (rewritten after each row)")
     return p
 
@@ -269,6 +276,10 @@ def main(argv=None, description: str | None = None) -> int:
         t0 = time.perf_counter()
         model = load_model(cfg=cfg, dtype=args.dtype, dummy_weight=True,
                            with_mtp=any(ks), seed=args.seed, **backends)
+        if args.quantization != "none":
+            from mtp_jax.models.quantized import with_random_kept
+
+            model = with_random_kept(model, args.quantization, args.seed)
         jax.block_until_ready(model.params)
         meta["kernel_backends"] = _kernels(model)
         print(f"{path}: random weights in {time.perf_counter() - t0:.1f}s", file=sys.stderr,

@@ -132,7 +132,8 @@ def bench_one(model, batch: int, k: int, s: Settings, refs: dict,
     by = round_bytes(cfg, batch, k, round(res["context"]["mean"]), itemsize,
                      draft_vocab_size=res["draft_vocab_size"],
                      draft_head_dtype=res["draft_head_dtype"],
-                     draft_layer_dtype=res["draft_layer_dtype"])
+                     draft_layer_dtype=res["draft_layer_dtype"],
+                     quantized_saving=_quantized_saving(model))
     floor = by["total"] / (s.hbm_tbps * 1e12)
     res["bytes"] = {name: float(v) for name, v in by.items()}
     res["floor_ms"] = floor * 1e3
@@ -235,6 +236,16 @@ def _forced_row(eng, reqs, k, s, refs, ledger, names) -> tuple[dict, float]:
     row["decode_match"] = compare_to_reference(rounds_ref, refs["plain"])
     row["exact"] = row["rounds_exact"] and row["decode_match"]["exact"]
     return row, prefill_s
+
+
+def _quantized_saving(model) -> tuple[int, int]:
+    """``(target, draft)`` bytes a read of the weights saves for projections held quantized
+    (``bench --quantization``); (0, 0) for a model without them."""
+    if not getattr(model, "weight_bytes_saved", 0):
+        return (0, 0)
+    from mtp_jax.models.quantized import saved_bytes_by_part
+
+    return saved_bytes_by_part(model.module())
 
 
 def _cut(outputs: list[list[int]], reference: list[list[int]]) -> list[list[int]]:

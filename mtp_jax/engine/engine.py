@@ -116,7 +116,8 @@ class Engine:
                                 max_model_len=self.max_model_len, k=self.k, mtp=mtp,
                                 weights_bytes=planned_weights_bytes(
                                     mc, model.dtype, model.has_mtp,
-                                    speculative if mtp else None),
+                                    speculative if mtp else None)
+                                - getattr(model, "weight_bytes_saved", 0),
                                 device_bytes=stats.get("bytes_limit"),
                                 mem_fraction=engine_cfg.mem_fraction,
                                 max_total_tokens=engine_cfg.max_total_tokens,

@@ -24,12 +24,14 @@ def make_engine(model, engine_cfg: EngineConfig, speculative: SpeculativeConfig,
     return Engine(model, engine_cfg, speculative, proposer=proposer, tokenizer=tokenizer)
 
 
-def check_memory_before_load(cfg, engine_cfg: EngineConfig,
-                             speculative: SpeculativeConfig) -> None:
+def check_memory_before_load(cfg, engine_cfg: EngineConfig, speculative: SpeculativeConfig,
+                             weights_saved: int = 0) -> None:
     """For a family the batched engine serves, :func:`~mtp_jax.engine.memory.plan_memory` with
-    the planned weights and the prefix-cache snapshots (:func:`~mtp_jax.engine.memory.
-    prefix_snapshots`): a ``ConfigError`` when the budget cannot hold one full-length request
-    (nothing to plan with ``num_pages`` given)."""
+    the planned weights (less ``weights_saved``, the bytes quantized projections kept
+    quantized save: :func:`~mtp_jax.weights.quant_tensors.folder_kept_bytes_saved`) and the
+    prefix-cache snapshots (:func:`~mtp_jax.engine.memory.prefix_snapshots`): a
+    ``ConfigError`` when the budget cannot hold one full-length request (nothing to plan with
+    ``num_pages`` given)."""
     if engine_cfg.num_pages is not None:
         return
     mtp = speculative.algorithm == "mtp"
@@ -39,7 +41,7 @@ def check_memory_before_load(cfg, engine_cfg: EngineConfig,
                 max_model_len=min(engine_cfg.max_model_len, cfg.max_position_embeddings),
                 k=speculative.k, mtp=mtp,
                 weights_bytes=planned_weights_bytes(cfg, engine_cfg.dtype, mtp and cfg.has_mtp,
-                                                    speculative),
+                                                    speculative) - weights_saved,
                 device_bytes=stats.get("bytes_limit"), mem_fraction=engine_cfg.mem_fraction,
                 max_total_tokens=engine_cfg.max_total_tokens,
                 snapshots=prefix_snapshots(engine_cfg))

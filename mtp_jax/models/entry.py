@@ -47,8 +47,10 @@ class LoadRequest:
     / seed: random weights instead of the checkpoint's; device: where arrays go (None: the
     default device); backends: ``{op: choice}`` of the kernel backend arguments
     (``"auto" | "xla" | "pallas" | ...``, :class:`mtp_jax.kernels.KernelBackends`);
-    merge_projections / pack_small_params: the batched engine's parameter forms; options:
-    family-specific loader options given (e.g. ``{"ple_backend": "disk"}``)."""
+    merge_projections / pack_small_params: the batched engine's parameter forms; quantization:
+    ``"auto" | "dequantize" | "keep"``, how a quantized checkpoint's projections are held
+    (:func:`mtp_jax.weights.quant_config.keeps_quantized`); options: family-specific loader
+    options given (e.g. ``{"ple_backend": "disk"}``)."""
 
     dtype: str
     with_mtp: bool = True
@@ -59,6 +61,7 @@ class LoadRequest:
     backends: tuple = ()  # ((op, choice), ...), sorted
     merge_projections: bool = True
     pack_small_params: bool = False
+    quantization: str = "auto"
     options: tuple = ()  # ((name, value), ...), given options only
 
     @property

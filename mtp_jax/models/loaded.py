@@ -51,6 +51,9 @@ class LoadedModel:
         call) instead of one buffer each.
       forward_program, mtp_forward_program: the family's jitted ``(graphdef, params, ...)``
         functions behind :meth:`forward` and :meth:`mtp_forward`.
+      weight_bytes_saved: device bytes the projections kept quantized save against the model
+        dtype (:func:`mtp_jax.models.quantized.saved_bytes`; 0 when none are), taken off the
+        engine's planned weight bytes.
       derived: models made from this one (:func:`mtp_jax.models.draft_head.with_draft_head`),
         by their key.
     """
@@ -61,6 +64,7 @@ class LoadedModel:
     params: object
     has_mtp: bool
     pack_small_params: bool = False
+    weight_bytes_saved: int = 0
     forward_program: Callable | None = dataclasses.field(default=None, repr=False)
     mtp_forward_program: Callable | None = dataclasses.field(default=None, repr=False)
     derived: dict = dataclasses.field(default_factory=dict, repr=False)

@@ -26,7 +26,8 @@ __all__ = ["load_model", "load_request"]
 def load_request(dtype: str, *, with_mtp: bool, draft_path: str | None = None,
                  dummy_weight: bool = False, seed: int = 0, device=None,
                  backends: dict | None = None, merge_projections: bool = True,
-                 pack_small_params: bool = False, ple_backend: str | None = None) -> LoadRequest:
+                 pack_small_params: bool = False, ple_backend: str | None = None,
+                 quantization: str = "auto") -> LoadRequest:
     """A :class:`~mtp_jax.models.entry.LoadRequest` from ``load_model``'s arguments (family
     options that were not given are left out)."""
     options = tuple((k, v) for k, v in (("ple_backend", ple_backend),) if v is not None)
@@ -34,7 +35,8 @@ def load_request(dtype: str, *, with_mtp: bool, draft_path: str | None = None,
                        dummy_weight=dummy_weight, seed=seed, device=device,
                        backends=tuple(sorted((backends or {}).items())),
                        merge_projections=merge_projections,
-                       pack_small_params=pack_small_params, options=options)
+                       pack_small_params=pack_small_params, quantization=quantization,
+                       options=options)
 
 
 def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp: bool = True,
@@ -78,9 +80,12 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
         for an A/B of the host cost per argument buffer (``bench --pack-small-params``).
       ple_backend: qwen4_exp only: where the PLE n-gram tables live, ``"disk"`` (memory-mapped,
         the default) or ``"memory"`` (host RAM).
-      quantization: ``"auto"`` or ``"dequantize"``: a quantized checkpoint (block FP8, ModelOpt
-        FP8 / NVFP4, compressed-tensors NVFP4; :mod:`mtp_jax.weights.quant_tensors`) is
-        dequantized to ``dtype`` at load either way for now (docs/quantization.md).
+      quantization: how a quantized checkpoint's projections (block FP8, ModelOpt FP8 / NVFP4,
+        compressed-tensors NVFP4; :mod:`mtp_jax.weights.quant_tensors`) are held:
+        ``"dequantize"``: dequantized to ``dtype`` at load (the reference); ``"keep"``: kept
+        as stored (FP8 codes with their block scales, packed NVFP4) and dequantized inside
+        each program, on any backend; ``"auto"``: today ``dequantize``
+        (:func:`mtp_jax.weights.quant_config.keeps_quantized`; docs/quantization.md).
     Raises:
       ConfigError: bad config or settings (before any tensor is read; see
       :mod:`mtp_jax.models.checks`);
@@ -106,7 +111,8 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
     request = load_request(resolve_dtype(dtype), with_mtp=with_mtp, draft_path=draft_path,
                            dummy_weight=dummy_weight, seed=seed, device=device,
                            backends=backends, merge_projections=merge_projections,
-                           pack_small_params=pack_small_params, ple_backend=ple_backend)
+                           pack_small_params=pack_small_params, ple_backend=ple_backend,
+                           quantization=quantization)
     check_request(cfg, request)
     if with_mtp and draft_path is not None:
         check_draft_source(cfg, draft_path, target=path)

@@ -46,7 +46,8 @@ def forward_weight_bytes(cfg: ModelConfig, tensors: dict, tokens: int, itemsize:
 
 def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: int,
                 draft_vocab_size: int | None = None, draft_head_dtype: str | None = None,
-                draft_layer_dtype: str | None = None) -> dict:
+                draft_layer_dtype: str | None = None,
+                quantized_saving: tuple[float, float] = (0, 0)) -> dict:
     """Bytes a round (k > 0) or decode step (k = 0) moves, by kind. ``draft_vocab_size``: the
     draft's LM head has that many rows (hot token ids) instead of ``vocab_size``;
     ``draft_head_dtype="int8"``: those rows are int8 with a float32 scale each (the few rows
@@ -54,14 +55,16 @@ def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: in
     draft's projections (its 2-D ``mtp.*`` ``.weight`` tensors) likewise. Any family whose
     registry entry gives its tensor shapes; for qwen4_exp's QSA layers the K/V of the whole
     context is counted (an upper bound: a QSA query reads the K/V of its selected blocks) and
-    the index keys are not."""
+    the index keys are not. ``quantized_saving``: ``(target, draft)`` bytes that projections
+    kept quantized save on one read of the target's and of the draft's weights
+    (:func:`mtp_jax.models.quantized.saved_bytes_by_part`), taken off their weights."""
     shapes = entry_of(cfg).tensor_shapes  # the family's checkpoint tensors (the registry)
     target = shapes(cfg, False)
     lm_head = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
     if cfg.tie_word_embeddings:
         target = {**target, **lm_head}  # the tied head reads the whole table
     rows = batch * (k + 1)
-    out = {"weights": forward_weight_bytes(cfg, target, rows, itemsize)}
+    out = {"weights": forward_weight_bytes(cfg, target, rows, itemsize) - quantized_saving[0]}
     kv_per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
     out["kv_read"] = batch * context * kv_per_token * len(cfg.full_layer_ids)
     state = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
@@ -80,7 +83,7 @@ def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: in
         int8_bytes = sum(o * (i + 4) for o, i in int8.values())
         out["draft_weights"] = (forward_weight_bytes(cfg, rest, batch * (k + 1), itemsize)
                                 + (k - 1) * forward_weight_bytes(cfg, rest, batch, itemsize)
-                                + k * (head + int8_bytes))
+                                + k * (head + int8_bytes) - k * quantized_saving[1])
         out["draft_kv_read"] = k * batch * context * kv_per_token * cfg.mtp_num_hidden_layers
     out["total"] = sum(out.values())
     return out

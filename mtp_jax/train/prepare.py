@@ -142,12 +142,15 @@ def load_for_training(s: TrainSettings, cfg):
 
     fresh = s.fresh_head or not cfg.has_mtp
     if not fresh:
+        # Training reads and updates the draft's float weights: a quantized checkpoint is
+        # dequantized at load (docs/quantization.md).
         return mtp_jax.load_model(s.model, s.dtype, with_mtp=True, merge_projections=False,
-                                  **XLA), False
+                                  quantization="dequantize", **XLA), False
     with tempfile.TemporaryDirectory(prefix="mtp_jax-fresh-head-") as tmp:
         folder = os.path.join(tmp, "draft")
         tensors = fresh_draft_tensors(cfg, s.seed,
                                       initializer_range=read_initializer_range(s.model))
         write_draft_checkpoint(s.model, cfg, tensors, folder, draft_only=True)
         return mtp_jax.load_model(s.model, s.dtype, with_mtp=True, draft_path=folder,
-                                  merge_projections=False, **XLA), True
+                                  merge_projections=False, quantization="dequantize",
+                                  **XLA), True

@@ -41,8 +41,31 @@ import numpy as np
 from mtp_jax.weights import quant_math
 from mtp_jax.weights.quant_config import QuantConfig
 from mtp_jax.weights.safetensors_files import CheckpointError, TensorInfo, read_stored
+from pallas_kernels.quant.formats import NVFP4_GROUP, QuantFormat
 
-__all__ = ["QuantParts", "group_quantized"]
+__all__ = ["QuantParts", "KeptQuant", "group_quantized", "kept_bytes_saved"]
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptQuant:
+    """A projection read in its quantized device form (:mod:`pallas_kernels.quant.formats`)
+    instead of dequantized: ``fmt`` and its ``codes``, ``scale`` and ``scale_2`` (None for
+    fp8) arrays (numpy as read; the reader's ``put`` then places them)."""
+
+    fmt: QuantFormat
+    codes: object
+    scale: object
+    scale_2: object = None
+
+    def map(self, fn) -> "KeptQuant":
+        """The same with ``fn`` applied to each array (e.g. ``jax.device_put``)."""
+        return KeptQuant(self.fmt, fn(self.codes), fn(self.scale),
+                         None if self.scale_2 is None else fn(self.scale_2))
+
+    @property
+    def nbytes(self) -> int:
+        return sum(int(a.nbytes) for a in (self.codes, self.scale, self.scale_2)
+                   if a is not None)
 
 # (suffix, role); longest first so ".weight_scale_2" is not read as ".weight_scale".
 _DOTTED = ((".weight_global_scale", "global_scale"), (".input_global_scale", "input"),
@@ -86,6 +109,36 @@ class QuantParts:
         for idx in np.ndindex(*lead):
             out[idx] = self._one(w[idx], {k: _pick(v, idx, lead) for k, v in s.items()})
         return out
+
+    def keepable(self) -> bool:
+        """Whether the device forms hold this weight as it is stored: one matrix (not a
+        stacked expert tensor), and NVFP4 groups of :data:`NVFP4_GROUP` columns."""
+        return len(self.weight.shape) == 2 and ("nvfp4" not in self.fmt
+                                                or self.group == NVFP4_GROUP)
+
+    def device_format(self) -> QuantFormat:
+        """The device form that holds this (:meth:`keepable`) weight."""
+        cols = self.weight.shape[-1]
+        if self.fmt == "fp8-block":
+            return QuantFormat("fp8", tuple(self.block), cols)
+        if self.fmt == "modelopt-fp8":
+            return QuantFormat("fp8", (1, cols), cols)  # the matrix's one scale on each row
+        return QuantFormat("nvfp4", (1, NVFP4_GROUP), 2 * cols, divide=self.fmt == "ct-nvfp4")
+
+    def read_kept(self, files) -> KeptQuant:
+        """The stored codes and scales in the device form (exact: scales widened to float32,
+        a per-matrix scale repeated per row). Only for :meth:`keepable` weights."""
+        w = np.array(read_stored(files, self.weight))
+        s = {role: np.array(read_stored(files, t)) for role, t in self.scales}
+        n = w.shape[0]
+        fmt = self.device_format()
+        if self.fmt == "fp8-block":
+            return KeptQuant(fmt, w, s["scale_inv"].astype(np.float32))
+        if self.fmt == "modelopt-fp8":
+            one = np.full((n, 1), s["scale"].astype(np.float32).reshape(-1)[0], np.float32)
+            return KeptQuant(fmt, w, one)
+        s2 = s["global_scale" if fmt.divide else "scale_2"].astype(np.float32).reshape(-1)[0]
+        return KeptQuant(fmt, w, s["scale"], np.full((n,), s2, np.float32))
 
     def _one(self, w: np.ndarray, s: dict[str, np.ndarray]) -> np.ndarray:
         if self.fmt == "fp8-block":
@@ -242,3 +295,50 @@ def group_quantized(tensors: list[TensorInfo], q: QuantConfig, folder: str) -> l
         raise CheckpointError(f"cannot load quantized checkpoint {folder} ({q.describe()}):\n- "
                               + "\n- ".join(problems))
     return out
+
+
+def kept_bytes_saved(entries: list[TensorInfo], itemsize: int,
+                     not_kept: tuple[str, ...] = ("lm_head.", "embed_tokens.")) -> int:
+    """Device bytes that keeping the quantized projections among ``entries`` (the logical
+    entries of :func:`group_quantized`) saves against the model dtype (``itemsize`` bytes per
+    weight): for the memory check before load, from the headers alone. Entries a device form
+    cannot hold and names containing one of ``not_kept`` are not counted."""
+    from pallas_kernels.quant.formats import stored_bytes
+
+    saved = 0
+    for t in entries:
+        q = t.quant
+        if q is None or not q.keepable() or any(k in t.name for k in not_kept):
+            continue
+        n, k = t.shape
+        saved += n * k * itemsize - stored_bytes(q.device_format(), n)
+    return saved
+
+
+def folder_kept_bytes_saved(folder: str, itemsize: int, *, with_mtp: bool,
+                            draft_folder: str | None = None) -> int:
+    """:func:`kept_bytes_saved` of a safetensors checkpoint folder read from its headers (no
+    tensor data): the target's projections, and with ``with_mtp`` the draft's (from
+    ``draft_folder`` when given, read under the target's quantization config). 0 for a folder
+    without safetensors files (e.g. a GGUF target)."""
+    from mtp_jax.weights.quant_config import quantization_from_folder
+    from mtp_jax.weights.safetensors_files import checkpoint_files, read_header
+
+    def headers(path: str, keep) -> list[TensorInfo]:
+        try:
+            files, _ = checkpoint_files(path)
+        except CheckpointError:
+            return []
+        return [t for fn in files if os.path.isfile(os.path.join(path, fn))
+                for t in read_header(os.path.join(path, fn)).values() if keep(t.name)]
+
+    quant = quantization_from_folder(folder)
+    if quant.method is None:
+        return 0
+    is_mtp = lambda name: name.startswith("mtp.") or ".mtp." in name
+    target = headers(folder, lambda n: (with_mtp and draft_folder is None) or not is_mtp(n))
+    draft = headers(draft_folder, is_mtp) if with_mtp and draft_folder is not None else []
+    saved = kept_bytes_saved(group_quantized(target, quant, folder), itemsize)
+    if draft:
+        saved += kept_bytes_saved(group_quantized(draft, quant, draft_folder), itemsize)
+    return saved

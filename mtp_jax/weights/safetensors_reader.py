@@ -137,7 +137,8 @@ class _Plan:
 def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, ...]], *,
                  dtype, put: Callable[[np.ndarray], Any] | None = None, include_mtp: bool,
                  only_mtp: bool = False, desc: str = "Loading",
-                 quant: QuantConfig | None = None) -> dict[str, Any]:
+                 quant: QuantConfig | None = None,
+                 keep_quantized: Callable[[str], bool] | None = None) -> dict[str, Any]:
     """Load every tensor of ``expected`` (canonical name -> shape) from a safetensors folder.
 
     ``dtype``: numpy dtype the arrays are converted to (``np.float32``, ``ml_dtypes.bfloat16``,
@@ -150,7 +151,10 @@ def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, .
     folder's own, :func:`~mtp_jax.weights.quant_config.quantization_from_folder`; a separate
     draft folder is read with the target's). Quantized weights (block FP8, ModelOpt FP8 /
     NVFP4, compressed-tensors NVFP4; :mod:`mtp_jax.weights.quant_tensors`) are dequantized
-    to ``dtype`` here.
+    to ``dtype`` here, except those whose canonical name ``keep_quantized`` accepts and whose
+    stored form a device form holds (:meth:`~mtp_jax.weights.quant_tensors.QuantParts.
+    keepable`): those come back as :class:`~mtp_jax.weights.quant_tensors.KeptQuant` (codes
+    and scales, each passed through ``put``).
 
     Raises :class:`CheckpointError` listing every problem found in the headers (missing,
     duplicate, unexpected tensors, shape or dtype mismatches, incomplete expert sets) before any
@@ -374,6 +378,14 @@ def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, .
     try:
         with tqdm(total=len(expected), desc=desc, unit="tensor", disable=None) as bar:
             for n, pl in enumerate(plans):
+                q = pl.single.quant if pl.single is not None else None
+                if (q is not None and keep_quantized is not None and q.keepable()
+                        and keep_quantized(pl.canonical)):
+                    out[pl.canonical] = q.read_kept(fh).map(put)
+                    bar.update(1)
+                    for f in done_after.get(n, ()):
+                        fh.close(f)
+                    continue
                 if pl.single is not None:
                     raw = _read(fh, pl.single)
                     arr = raw.astype(dtype, copy=True)

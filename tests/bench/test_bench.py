@@ -564,3 +564,35 @@ def test_default_rows_use_the_prefix_cache_and_the_engines_rounds_per_call(workd
         assert r["compiles"]["engine_setup"]["compiles"] >= 1
         assert r["context"]["end"] > 64  # the timed calls passed a snapshot boundary
     assert rows[1]["exact"] is True and rows[2]["exact"] is True
+
+
+def test_quantized_rows_count_the_quantized_bytes(workdir, capsys):
+    """``--quantization modelopt-fp8``: the random projections are held as FP8 codes with one
+    scale per row (exact rows), and the floor's weight bytes drop by what they save: 1 byte
+    per weight and 4 per row instead of 4 (float32) per weight, for every 2-D projection but
+    the embedding and the LM head, the draft's counted once per draft call."""
+    from mtp_jax.bench.floor import load_config
+    from mtp_jax.models.registry import entry_of
+
+    rc, data, _, stderr = _bench(workdir, capsys, "fp8", "--k", "0", "2", "--batch", "1",
+                                 "--accept-lengths", "2.0", "--quantization", "modelopt-fp8")
+    assert rc == 0, stderr
+    rc, dense, _, stderr = _bench(workdir, capsys, "dense", "--k", "0", "2", "--batch", "1",
+                                  "--accept-lengths", "2.0")
+    assert rc == 0, stderr
+    assert data["meta"]["args"]["quantization"] == "modelopt-fp8"
+    assert [r["exact"] for r in data["results"]] == [None, True]  # k = 0 has no reference
+    cfg = load_config(str(workdir / "tiny.json"))
+    shapes = entry_of(cfg).tensor_shapes(cfg, True)
+
+    def saving(draft: bool) -> int:
+        return sum(n * k * 3 - n * 4 for name, (n, k) in
+                   ((name, s) for name, s in shapes.items() if len(s) == 2)
+                   if "embed_tokens" not in name and "lm_head" not in name
+                   and name.startswith("mtp.") == draft)
+
+    for q, d in zip(data["results"], dense["results"]):
+        assert d["bytes"]["weights"] - q["bytes"]["weights"] == saving(False)
+        if q["k"]:
+            assert (d["bytes"]["draft_weights"] - q["bytes"]["draft_weights"]
+                    == q["k"] * saving(True))

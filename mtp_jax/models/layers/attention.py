@@ -18,7 +18,7 @@ from flax import nnx
 from mtp_jax.cache.paged import AttentionBatch, write_kv
 from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
-from mtp_jax.models.layers.basic import Linear, RMSNorm, as_data, merge_linears, project
+from mtp_jax.models.layers.basic import Linear, RMSNorm, as_data, merge_linears, mergeable, project
 from mtp_jax.models.layers.rotary import apply_rotary, rope_inv_freq
 from pallas_kernels.common import interpret_mode
 from pallas_kernels.paged_attention import paged_attention
@@ -47,7 +47,7 @@ class GatedAttention(nnx.Module):
     def merge_projections(self) -> None:
         """Merge ``q_proj, k_proj, v_proj`` into one ``qkv_proj``
         (:class:`mtp_jax.models.layers.basic.MergedLinear`; the three are removed)."""
-        if self.qkv_proj is None:
+        if self.qkv_proj is None and mergeable([self.q_proj, self.k_proj, self.v_proj]):
             self.qkv_proj = as_data(merge_linears([self.q_proj, self.k_proj, self.v_proj]))
             self.q_proj = self.k_proj = self.v_proj = None
 

@@ -18,15 +18,39 @@ from flax import nnx
 from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows
 from pallas_kernels.gemv import gemv
 from pallas_kernels.norm import add_rms_norm, rms_norm_reference
+from pallas_kernels.quant import QuantFormat, check_parts, concat_parts, dequantize
 
 
-def _project(x: jax.Array, weight: jax.Array, scale, backend: str) -> jax.Array:
-    """``x [..., in] @ weight.T`` in ``x``'s dtype: :func:`gemv` with ``backend``, or, when
-    ``scale`` (an ``nnx.Param`` of ``[out]`` float32) is set, the int8 rows' product
+def _project(x: jax.Array, m) -> jax.Array:
+    """``x [..., in] @ W.T`` of a :class:`Linear` or :class:`MergedLinear` ``m``:
+    :func:`gemv` with ``m.backend`` on ``m.weight``; with ``m.quant`` set (a checkpoint's FP8 /
+    NVFP4 weights kept quantized) on the weights dequantized to ``m.dtype`` inside the program
+    (:func:`pallas_kernels.quant.dequantize`, elementwise, which XLA can fuse into the
+    projection), the same values and roundings as a checkpoint dequantized at load; with only
+    ``m.scale`` set (int8 rows, :func:`quantize_projections`), the int8 rows' product
     (:func:`~mtp_jax.models.layers.int8_rows.int8_matmul`, which ignores ``backend``)."""
-    if scale is None:
-        return gemv(x, weight, backend=backend)
-    return int8_matmul(x, weight, scale[...]).astype(x.dtype)
+    if m.quant is not None:
+        w = dequantize(m.quant, m.weight[...], m.scale[...],
+                       None if m.scale_2 is None else m.scale_2[...], m.dtype)
+        return gemv(x, w, backend=m.backend)
+    if m.scale is None:
+        return gemv(x, m.weight[...], backend=m.backend)
+    return int8_matmul(x, m.weight[...], m.scale[...]).astype(x.dtype)
+
+
+def keep_quantized(m, fmt: QuantFormat, codes, scale, scale_2) -> None:
+    """Hold ``m`` (a :class:`Linear` or :class:`MergedLinear`, in place) as checkpoint-quantized
+    weights: ``weight`` the codes, ``scale`` / ``scale_2`` the scales, ``quant`` their
+    :class:`~pallas_kernels.quant.QuantFormat`; calls dequantize to ``m.dtype``. Raises
+    ValueError for arrays that do not match ``fmt`` or the projection's shape."""
+    n = check_parts(fmt, codes, scale, scale_2)
+    if n != m.out_features or fmt.in_features != m.in_features:
+        raise ValueError(f"quantized weights [{n}, {fmt.in_features}] for a projection of "
+                         f"[{m.out_features}, {m.in_features}].")
+    m.weight = nnx.Param(codes)
+    m.scale = as_data(nnx.Param(scale))
+    m.scale_2 = None if scale_2 is None else as_data(nnx.Param(scale_2))
+    m.quant = fmt
 
 
 class Linear(nnx.Module):
@@ -36,15 +60,22 @@ class Linear(nnx.Module):
     ``"reduce"``, ``"pallas"`` or ``"fused"``; the loader sets it from
     ``KernelBackends.gemv``). ``scale``: ``None``, or after :func:`quantize_projections` the
     ``[out_features]`` float32 scales of ``weight``'s int8 rows (calls then take the int8
-    product and ignore ``backend``)."""
+    product and ignore ``backend``). ``quant`` (static): ``None``, or after
+    :func:`keep_quantized` the :class:`~pallas_kernels.quant.QuantFormat` of a checkpoint's
+    FP8 / NVFP4 weights held as they are stored (``weight`` the codes, ``scale`` / ``scale_2``
+    their scales), dequantized to ``dtype`` (the model dtype) in each call."""
 
     def __init__(self, in_features: int, out_features: int, dtype, backend: str = "xla"):
         self.weight = nnx.Param(jnp.zeros((out_features, in_features), dtype))
         self.scale = None
+        self.scale_2 = None
+        self.quant = None
+        self.dtype = jnp.dtype(dtype)
+        self.in_features, self.out_features = in_features, out_features
         self.backend = backend
 
     def __call__(self, x: jax.Array) -> jax.Array:
-        return _project(x, self.weight[...], self.scale, self.backend)
+        return _project(x, self)
 
 
 class MergedLinear(nnx.Module):
@@ -61,14 +92,23 @@ class MergedLinear(nnx.Module):
     ``backend`` (static): what a call runs (:func:`pallas_kernels.gemv.gemv`: ``"xla"``,
     ``"reduce"``, ``"pallas"`` or ``"fused"``; the loader sets it from ``KernelBackends.gemv``;
     a decoder layer reads ``"fused"`` on its MLP's merged gate/up to run the fused kernel).
-    ``scale``: as :class:`Linear`'s (set: ``backend`` is ignored).
+    ``scale``, ``scale_2``, ``quant``, ``dtype``: as :class:`Linear`'s (see
+    :func:`merge_linears` for quantized projections).
     """
 
-    def __init__(self, weights: Sequence[jax.Array], backend: str = "xla"):
-        """``weights``: ``[N_j, in]`` arrays of one dtype (e.g. the ``Linear.weight`` values)."""
+    def __init__(self, weights: Sequence[jax.Array], backend: str = "xla", *,
+                 in_features: int | None = None, dtype=None):
+        """``weights``: ``[N_j, in]`` arrays of one dtype (e.g. the ``Linear.weight`` values);
+        quantized projections pass their codes with ``in_features`` and the model ``dtype``,
+        then :func:`keep_quantized`."""
         self.sizes = tuple(int(w.shape[0]) for w in weights)
         self.weight = nnx.Param(jnp.concatenate(list(weights), axis=0))
         self.scale = None
+        self.scale_2 = None
+        self.quant = None
+        self.dtype = jnp.dtype(dtype if dtype is not None else weights[0].dtype)
+        self.in_features = in_features if in_features is not None else int(weights[0].shape[1])
+        self.out_features = sum(self.sizes)
         self.backend = backend
 
     def __call__(self, x: jax.Array) -> tuple[jax.Array, ...]:
@@ -79,7 +119,7 @@ class MergedLinear(nnx.Module):
         """``x [..., in]`` -> ``[..., sum(sizes)]``, the outputs side by side (projection ``j``
         in the columns from ``offsets[j]``). A kernel that reads its columns of this array in
         place saves the copy XLA makes of a slice passed to a custom call."""
-        return _project(x, self.weight[...], self.scale, self.backend)
+        return _project(x, self)
 
     @property
     def offsets(self) -> tuple[int, ...]:
@@ -87,14 +127,40 @@ class MergedLinear(nnx.Module):
         return tuple(int(o) for o in np.cumsum((0,) + self.sizes[:-1]))
 
 
+def mergeable(linears: Sequence[Linear]) -> bool:
+    """Whether :func:`merge_linears` takes ``linears``: all unquantized, or all checkpoint-
+    quantized in one form (kind, column block, input size; :func:`~pallas_kernels.quant.
+    concat_parts`). A group mixing forms (e.g. a router kept in bf16 beside quantized
+    projections) stays unmerged. (int8 rows are not judged here: :func:`merge_linears` refuses
+    them.)"""
+    forms = {None if m.quant is None else (m.quant.kind, m.quant.block[1], m.quant.in_features,
+                                           m.quant.divide) for m in linears}
+    return len(forms) == 1
+
+
 def merge_linears(linears: Sequence[Linear]) -> MergedLinear:
     """A :class:`MergedLinear` of ``linears`` (their weights copied, in order; the first one's
-    ``backend``). Raises ValueError for a quantized one (merge before
-    :func:`quantize_projections`)."""
-    if any(m.scale is not None for m in linears):
+    ``backend``); checkpoint-quantized ones are merged in their quantized form
+    (:func:`~pallas_kernels.quant.concat_parts`: the same values). Raises ValueError for int8
+    rows (merge before :func:`quantize_projections`) or for projections :func:`mergeable`
+    refuses."""
+    if any(m.quant is None and m.scale is not None for m in linears):
         raise ValueError("merge_linears: the projections are int8 rows already; merge them "
                          "before quantize_projections.")
-    return MergedLinear([m.weight[...] for m in linears], backend=linears[0].backend)
+    if not mergeable(linears):
+        raise ValueError("merge_linears: the projections are held in different forms "
+                         f"({[m.quant for m in linears]}); check mergeable() first.")
+    first = linears[0]
+    if first.quant is None:
+        return MergedLinear([m.weight[...] for m in linears], backend=first.backend)
+    fmt, (codes, scale, scale_2) = concat_parts(
+        [m.quant for m in linears],
+        [(m.weight[...], m.scale[...], None if m.scale_2 is None else m.scale_2[...])
+         for m in linears])
+    merged = MergedLinear([m.weight[...] for m in linears], backend=first.backend,
+                          in_features=first.in_features, dtype=first.dtype)
+    keep_quantized(merged, fmt, codes, scale, scale_2)
+    return merged
 
 
 def set_gemv_backend(module, backend: str) -> int:
@@ -124,7 +190,7 @@ def quantize_projections(module) -> int:
     count = 0
     quantize = jax.jit(quantize_rows)
     for _, node in nnx.iter_graph(module):
-        if isinstance(node, (Linear, MergedLinear)) and node.scale is None:
+        if isinstance(node, (Linear, MergedLinear)) and node.scale is None and node.quant is None:
             q, scale = quantize(node.weight[...])
             node.weight = nnx.Param(q)
             node.scale = as_data(nnx.Param(scale))

@@ -39,7 +39,7 @@ from flax import nnx
 
 from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
-from mtp_jax.models.layers.basic import (Linear, as_data, merge_linears, project,
+from mtp_jax.models.layers.basic import (Linear, as_data, merge_linears, mergeable, project,
                                          rms_normalize)
 from mtp_jax.models.layers.conv_state import (advance, advance_at, conv_window, is_ring,
                                               window_before)
@@ -140,8 +140,8 @@ class GatedDeltaNet(nnx.Module):
     def merge_projections(self) -> None:
         """Merge ``in_proj_qkv, in_proj_z, in_proj_b, in_proj_a`` into one ``in_proj``
         (:class:`mtp_jax.models.layers.basic.MergedLinear`; the four are removed)."""
-        if self.in_proj is None:
-            parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        parts = [self.in_proj_qkv, self.in_proj_z, self.in_proj_b, self.in_proj_a]
+        if self.in_proj is None and mergeable(parts):
             self.in_proj = as_data(merge_linears(parts))
             self.in_proj_qkv = self.in_proj_z = self.in_proj_b = self.in_proj_a = None
 

@@ -13,7 +13,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.models.layers.basic import Linear, as_data, merge_linears, project
+from mtp_jax.models.layers.basic import Linear, as_data, merge_linears, mergeable, project
 from pallas_kernels.moe import moe_experts_weighted
 from pallas_kernels.moe.router import MAX_EXPERTS, route_topk
 
@@ -30,7 +30,8 @@ class MLP(nnx.Module):
     def merge_projections(self) -> None:
         """Merge ``gate_proj, up_proj`` into one ``gate_up_proj``
         (:class:`mtp_jax.models.layers.basic.MergedLinear`; the two are removed)."""
-        if self.gate_up_proj is None and self.gate_proj is not None:
+        if (self.gate_up_proj is None and self.gate_proj is not None
+                and mergeable([self.gate_proj, self.up_proj])):
             self.gate_up_proj = as_data(merge_linears([self.gate_proj, self.up_proj]))
             self.gate_proj = self.up_proj = None
 
@@ -94,9 +95,9 @@ class SparseMoE(nnx.Module):
         """Merge the router ``gate``, ``shared_expert_gate`` and the shared expert's
         ``gate_proj`` / ``up_proj`` (all read the layer input) into one ``in_proj``
         (:class:`mtp_jax.models.layers.basic.MergedLinear`; the four are removed)."""
-        if self.in_proj is None:
-            se = self.shared_expert
-            parts = [self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj]
+        se = self.shared_expert
+        parts = [self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj]
+        if self.in_proj is None and mergeable(parts):
             self.in_proj = as_data(merge_linears(parts))
             self.gate = self.shared_expert_gate = se.gate_proj = se.up_proj = None
 

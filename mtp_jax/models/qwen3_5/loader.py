@@ -21,10 +21,11 @@ from mtp_jax.config import ConfigError, ModelConfig
 from mtp_jax.kernels import KernelBackends
 from mtp_jax.models.entry import LoadRequest
 from mtp_jax.models.layers.basic import set_gemv_backend
+from mtp_jax.models.quantized import apply_kept, kept_names, saved_bytes, split_kept
 from mtp_jax.models.loaded import DTYPES, NP_DTYPES, LoadedModel
 from mtp_jax.models.params import abstract_model, expected_tensors, fill_state, random_arrays
 from mtp_jax.models.qwen3_5.model import Qwen35Model
-from mtp_jax.weights.quant_config import quantization_from_folder
+from mtp_jax.weights.quant_config import keeps_quantized, quantization_from_folder
 from mtp_jax.weights.safetensors_reader import load_tensors
 
 __all__ = ["build", "load"]
@@ -70,29 +71,31 @@ def _mtp_forward_fn(graphdef, params, hidden, next_ids):
     return model.logits(z), z
 
 
-def _read_arrays(path: str, cfg: ModelConfig, expected: dict, request: LoadRequest) -> dict:
+def _read_arrays(path: str, cfg: ModelConfig, expected: dict, request: LoadRequest,
+                 keep=None) -> dict:
     """The checkpoint's tensors as device arrays in the expected dtypes (quantized ones
-    dequantized); the (small) draft from ``request.draft_path`` first, so its errors come
-    before the target's weights are read. The draft folder is read under the target's
-    quantization config."""
+    dequantized, except the projections ``keep`` accepts: those come as
+    :class:`~mtp_jax.weights.quant_tensors.KeptQuant`); the (small) draft from
+    ``request.draft_path`` first, so its errors come before the target's weights are read. The
+    draft folder is read under the target's quantization config."""
     shapes = {n: s for n, (s, _) in expected.items()}
     put = lambda a: jax.device_put(a, request.device)
     np_dtype = NP_DTYPES[request.dtype]
     if request.draft_path is None or not request.with_mtp:
         arrays = load_tensors(path, cfg, shapes, dtype=np_dtype, put=put,
-                              include_mtp=request.with_mtp)
+                              include_mtp=request.with_mtp, keep_quantized=keep)
     else:
         target = {n: s for n, s in shapes.items() if not n.startswith("mtp.")}
         draft = {n: s for n, s in shapes.items() if n.startswith("mtp.")}
         quant = quantization_from_folder(path)  # the draft is read under the target's
         arrays = load_tensors(request.draft_path, cfg, draft, dtype=np_dtype, put=put,
                               include_mtp=True, only_mtp=True, desc="Loading draft",
-                              quant=quant)
+                              quant=quant, keep_quantized=keep)
         arrays.update(load_tensors(path, cfg, target, dtype=np_dtype, put=put,
-                                   include_mtp=False, quant=quant))
+                                   include_mtp=False, quant=quant, keep_quantized=keep))
     # A few parameters (GDN A_log, dt_bias) are float32 whatever the model dtype.
-    return {n: a if a.dtype == expected[n][1] else a.astype(expected[n][1])
-            for n, a in arrays.items()}
+    return {n: a if not hasattr(a, "astype") or a.dtype == expected[n][1]
+            else a.astype(expected[n][1]) for n, a in arrays.items()}
 
 
 def load(path: str | None, cfg: ModelConfig, request: LoadRequest) -> LoadedModel:
@@ -113,21 +116,28 @@ def load(path: str | None, cfg: ModelConfig, request: LoadRequest) -> LoadedMode
                           "merge them or use --gemv-backend reduce.")
     graphdef, abstract = abstract_model(build, cfg, DTYPES[dtype], with_mtp)
     expected = expected_tensors(abstract)
+    keep = (kept_names(nnx.merge(graphdef, abstract))
+            if keeps_quantized(request.quantization) else frozenset())
     arrays = (random_arrays(expected, request.seed) if request.dummy_weight
-              else _read_arrays(path, cfg, expected, request))
+              else _read_arrays(path, cfg, expected, request, keep.__contains__))
+    arrays, kept = split_kept(arrays)
     params = fill_state(abstract, arrays)
     del arrays
-    if request.merge_projections or cfg.kernels.gemv != "xla":
+    saved = 0
+    if kept or request.merge_projections or cfg.kernels.gemv != "xla":
         # Only the module refers to the weights from here, so each group's old weights are
         # freed as soon as its merged copy exists: the peak is one group above the model.
         module = nnx.merge(graphdef, params)
         del params
+        apply_kept(module, kept)
+        del kept
         if request.merge_projections:
             module.merge_projections()
         set_gemv_backend(module, cfg.kernels.gemv)
+        saved = saved_bytes(module)
         graphdef, params = nnx.split(module)
     return LoadedModel(cfg=cfg, dtype=dtype, graphdef=graphdef, params=params, has_mtp=with_mtp,
-                       pack_small_params=request.pack_small_params,
+                       pack_small_params=request.pack_small_params, weight_bytes_saved=saved,
                        # Jitted per model: their compilations go with it.
                        forward_program=jax.jit(_forward_fn, static_argnums=(0,)),
                        mtp_forward_program=jax.jit(_mtp_forward_fn, static_argnums=(0,)))

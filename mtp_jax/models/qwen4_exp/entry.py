@@ -57,7 +57,7 @@ def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp
                                     draft_path=request.draft_path, ple_backend=backend)
     else:
         model = load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,
-                               ple_backend=backend, cfg=cfg)
+                               ple_backend=backend, cfg=cfg, quantization=request.quantization)
     if request.pack_small_params:
         model = dataclasses.replace(model, pack_small_params=True)
     return model

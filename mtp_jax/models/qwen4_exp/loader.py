@@ -25,7 +25,8 @@ from mtp_jax.models.qwen4_exp.loaded import LoadedQwen4Exp, PLEHost, PLETables, 
 from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
 from mtp_jax.models.qwen4_exp.ple_store import NgramTable
 from mtp_jax.models.qwen4_exp.slot_states import check_slot_states
-from mtp_jax.weights.quant_config import quantization_from_folder
+from mtp_jax.models.quantized import apply_kept, kept_names, saved_bytes, split_kept
+from mtp_jax.weights.quant_config import keeps_quantized, quantization_from_folder
 from mtp_jax.weights.quant_tensors import group_quantized
 from mtp_jax.weights.safetensors_files import (_FLOAT_DTYPES, CheckpointError, _Files, _read,
                                                checkpoint_files, read_header)
@@ -43,8 +44,10 @@ def _param_name(path) -> str:
 
 
 def read_checkpoint(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], *, dtype: str,
-                    with_mtp: bool, ple_backend: str = "disk"):
-    """Read every dense tensor of ``expected`` and the PLE tables / buffers.
+                    with_mtp: bool, ple_backend: str = "disk", keep=frozenset()):
+    """Read every dense tensor of ``expected`` and the PLE tables / buffers; a quantized
+    projection whose name is in ``keep`` comes as its
+    :class:`~mtp_jax.weights.quant_tensors.KeptQuant` (where a device form holds it).
 
     Returns ``(arrays: name -> np.ndarray, ple: list[PLEHost])``. Raises CheckpointError listing
     missing, unexpected, mis-shaped tensors and buffer/config conflicts before reading data.
@@ -162,6 +165,9 @@ def read_checkpoint(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], 
     try:
         for c, t, p in plans:
             shape = expected[c]
+            if t is not None and t.quant is not None and c in keep and t.quant.keepable():
+                out[c] = t.quant.read_kept(fh)
+                continue
             if t is not None:
                 out[c] = _read(fh, t).astype(NP_DTYPES[dtype])
                 continue
@@ -183,9 +189,11 @@ def read_checkpoint(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], 
 
 def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = True,
                    ple_backend: str = "disk", cfg: Qwen4ExpConfig | None = None,
-                   read=None) -> LoadedQwen4Exp:
+                   read=None, quantization: str = "auto") -> LoadedQwen4Exp:
     """Load a qwen4_exp checkpoint folder (composite ``model.language_model.*`` or text-only
     ``model.*``). ``ple_backend``: ``"disk"`` (default, memory-mapped tables) or ``"memory"``.
+    ``quantization``: how a quantized checkpoint's projections are held
+    (:func:`mtp_jax.weights.quant_config.keeps_quantized`; :mod:`mtp_jax.models.quantized`).
     ``read``: the tensor reader, :func:`read_checkpoint`'s signature (default: it; a GGUF
     target passes :func:`~mtp_jax.models.qwen4_exp.gguf_loader.read_gguf`)."""
     cfg = cfg or Qwen4ExpConfig.from_folder(path)
@@ -203,14 +211,26 @@ def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = Tr
         want.update(names.mtp_tensors(cfg))
     assert want == expected, (sorted(set(want) ^ set(expected)),
                               [k for k in want if k in expected and want[k] != expected[k]])
-    arrays, ple = (read or read_checkpoint)(path, cfg, expected, dtype=dtype,
-                                            with_mtp=with_mtp, ple_backend=ple_backend)
+    keep = (kept_names(nnx.merge(graphdef, abstract)) if read is None
+            and keeps_quantized(quantization) else frozenset())
+    arrays, ple = (read or functools.partial(read_checkpoint, keep=keep))(
+        path, cfg, expected, dtype=dtype, with_mtp=with_mtp, ple_backend=ple_backend)
+    arrays, kept = split_kept(arrays)
     filled = []
     for p, v in flat:
-        a = arrays[_param_name(p)]
-        filled.append((p, v.replace(jnp.asarray(a, dtype=v.dtype))))
+        name = _param_name(p)
+        a = arrays[name]
+        filled.append((p, v.replace(jnp.asarray(a) if name in kept
+                                    else jnp.asarray(a, dtype=v.dtype))))
     params = nnx.from_flat_state(filled)
+    saved = 0
+    if kept:
+        module = nnx.merge(graphdef, params)
+        apply_kept(module, {n: kq.map(jnp.asarray) for n, kq in kept.items()})
+        saved = saved_bytes(module)
+        graphdef, params = nnx.split(module)
     tables = PLETables(ple)
     ple_callback.bind(source, tables, functools.partial(ple_rows, cfg))  # the programs' rows
     return LoadedQwen4Exp(cfg=cfg, dtype=dtype, graphdef=graphdef, params=params,
-                          has_mtp=with_mtp, ple=tables, pack_small_params=False)
+                          has_mtp=with_mtp, ple=tables, pack_small_params=False,
+                          weight_bytes_saved=saved)

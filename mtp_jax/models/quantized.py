@@ -1,0 +1,141 @@
+"""Projections of a quantized checkpoint kept quantized in a loaded model (``quantization=
+"keep"``, and ``"auto"`` on a GPU; docs/quantization.md).
+
+The reader hands such a projection over as a :class:`~mtp_jax.weights.quant_tensors.KeptQuant`
+(its FP8 codes and block scales, or packed NVFP4 with its scales;
+:mod:`pallas_kernels.quant.formats`); :func:`apply_kept` puts it into the model's
+:class:`~mtp_jax.models.layers.basic.Linear`, whose calls then dequantize to the model dtype
+inside the program. Family-independent: the names are the canonical parameter names.
+"""
+
+from __future__ import annotations
+
+import jax
+import jax.numpy as jnp
+from flax import nnx
+
+from mtp_jax.models.layers.basic import Linear, MergedLinear, keep_quantized
+from mtp_jax.models.params import param_name
+from mtp_jax.weights.quant_tensors import KeptQuant
+from pallas_kernels.quant import QuantFormat, stored_bytes
+
+__all__ = ["kept_names", "split_kept", "apply_kept", "kept_projections", "saved_bytes",
+           "saved_bytes_by_part", "random_kept", "with_random_kept", "RANDOM_FORMATS"]
+
+# Projections read as floats by code other than the projection itself stay dequantized: the
+# untied LM head (the draft head re-scores its rows).
+NOT_KEPT = ("lm_head.weight",)
+
+
+def _linears(module) -> dict[str, Linear]:
+    return {param_name(path): node for path, node in nnx.iter_graph(module)
+            if isinstance(node, Linear)}
+
+
+def kept_names(module) -> frozenset[str]:
+    """Canonical names of the ``weight`` of every :class:`Linear` under ``module`` (an
+    abstract model is fine) that may be kept quantized: all but :data:`NOT_KEPT`."""
+    return frozenset(n + ".weight" for n in _linears(module)
+                     if n + ".weight" not in NOT_KEPT)
+
+
+def split_kept(arrays: dict) -> tuple[dict, dict[str, KeptQuant]]:
+    """``(arrays with each KeptQuant replaced by its codes, {name: KeptQuant})``: the codes
+    fill the parameter until :func:`apply_kept` sets the rest."""
+    kept = {n: a for n, a in arrays.items() if isinstance(a, KeptQuant)}
+    return {n: (a.codes if n in kept else a) for n, a in arrays.items()}, kept
+
+
+def apply_kept(module, kept: dict[str, KeptQuant]) -> None:
+    """Hold each projection of ``kept`` (canonical weight name -> KeptQuant) quantized in
+    ``module`` (in place; :func:`~mtp_jax.models.layers.basic.keep_quantized`). Raises
+    ValueError for a name that is not a projection of the module."""
+    if not kept:
+        return
+    linears = _linears(module)
+    for name, kq in kept.items():
+        m = linears.get(name.removesuffix(".weight"))
+        if m is None:
+            raise ValueError(f"{name} was read quantized but is not a projection of the model.")
+        keep_quantized(m, kq.fmt, kq.codes, kq.scale, kq.scale_2)
+
+
+def kept_projections(module) -> list[tuple[str, object]]:
+    """``(name, projection)`` of every projection held quantized under ``module``."""
+    return [(param_name(path), node) for path, node in nnx.iter_graph(module)
+            if isinstance(node, (Linear, MergedLinear)) and node.quant is not None]
+
+
+def _saved(m) -> int:
+    dense = m.out_features * m.in_features * jnp.dtype(m.dtype).itemsize
+    return dense - stored_bytes(m.quant, m.out_features)
+
+
+def saved_bytes(module) -> int:
+    """Device bytes the quantized projections under ``module`` save against the same
+    projections in the model dtype (what the memory plan takes off the dense count)."""
+    return sum(_saved(m) for _, m in kept_projections(module))
+
+
+def saved_bytes_by_part(module) -> tuple[int, int]:
+    """:func:`saved_bytes` split into ``(target, mtp draft)`` (the bench's floor: the target's
+    weights are read once a forward, the draft's once a draft call)."""
+    parts = [(n.startswith("mtp."), _saved(m)) for n, m in kept_projections(module)]
+    return (sum(b for d, b in parts if not d), sum(b for d, b in parts if d))
+
+
+# Random weights in a quantized form (the bench's --quantization with --dummy-weight): the
+# checkpoint format -> the device form's kind, column block and whether it divides.
+RANDOM_FORMATS = {"fp8-block": ("fp8", (128, 128), False), "modelopt-fp8": ("fp8", None, False),
+                  "modelopt-nvfp4": ("nvfp4", (1, 16), False),
+                  "ct-nvfp4": ("nvfp4", (1, 16), True)}
+
+
+def random_kept(module, fmt_name: str, seed: int = 0) -> int:
+    """Replace every keepable projection of ``module`` (in place) by random weights held in
+    ``fmt_name``'s device form (:data:`RANDOM_FORMATS`; NVFP4 only where the input size is a
+    multiple of 16), drawn on the device with about the dense random weights' scale
+    (``N(0, 1/fan_in)``); for timing, not for output. Returns how many were replaced. Raises
+    ValueError for an unknown format."""
+    if fmt_name not in RANDOM_FORMATS:
+        raise ValueError(f"random quantized weights: {fmt_name!r} is unknown; use one of "
+                         f"{sorted(RANDOM_FORMATS)}.")
+    kind, block, divide = RANDOM_FORMATS[fmt_name]
+    key = jax.random.key(seed)
+    count = 0
+    projections = {param_name(path): node for path, node in nnx.iter_graph(module)
+                   if isinstance(node, (Linear, MergedLinear))}
+    for i, (name, m) in enumerate(sorted(projections.items())):
+        if name + ".weight" in NOT_KEPT or m.quant is not None:
+            continue
+        n, k = m.out_features, m.in_features
+        if kind == "nvfp4" and k % 16:
+            continue
+        fmt = QuantFormat(kind, block or (1, k), k, divide=divide)
+        kc, ks = jax.random.split(jax.random.fold_in(key, i))
+        shapes = fmt.shapes(n)
+        if kind == "fp8":
+            codes = jax.random.normal(kc, (n, k), jnp.float32).astype(jnp.float8_e4m3fn)
+            scale = jnp.full(shapes["scale"][0], k ** -0.5, jnp.float32)
+            scale_2 = None
+        else:
+            codes = jax.random.randint(kc, shapes["codes"][0], 0, 256, jnp.int32).astype(jnp.uint8)
+            scale = jnp.full(shapes["scale"][0], 0.5, jnp.float8_e4m3fn)
+            s2 = k ** -0.5
+            scale_2 = jnp.full((n,), 1.0 / s2 if divide else s2, jnp.float32)
+        keep_quantized(m, fmt, codes, scale, scale_2)
+        count += 1
+    return count
+
+
+def with_random_kept(model, fmt_name: str, seed: int = 0):
+    """A copy of a :class:`~mtp_jax.models.loaded.LoadedModel` of random weights whose
+    projections are random weights held in ``fmt_name``'s device form (:func:`random_kept`),
+    with its ``weight_bytes_saved``; ``model`` is left as it was."""
+    import dataclasses
+
+    module = model.module()
+    random_kept(module, fmt_name, seed)
+    graphdef, params = nnx.split(module)
+    return dataclasses.replace(model, graphdef=graphdef, params=params, derived={},
+                               weight_bytes_saved=saved_bytes(module))
