@@ -46,7 +46,9 @@ EXPERIMENTAL = {
             "(docs/benchmarks.md)"}
 NOTES = {"gemv": "reduce = XLA's multiply-reduce form of one-row calls with K <= 8192 (XLA's "
                  "GEMM for the others); pallas = a Triton kernel for one-row calls with >= 4096 "
-                 "output columns; fused = reduce, with each one-row dense MLP's residual add + "
+                 "output columns, and for projections kept quantized (--quantization keep) a "
+                 "Triton kernel that dequantizes as it reads, for calls of up to 8 rows; "
+                 "fused = reduce, with each one-row dense MLP's residual add + "
                  "norm, gate/up projection and SwiGLU as one Triton kernel (qwen3_5; merged "
                  "projections)"}
 

@@ -112,11 +112,11 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "host cost per argument buffer")
     p.add_argument("--quantization", default="none",
                    choices=["none", "fp8-block", "modelopt-fp8", "modelopt-nvfp4", "ct-nvfp4"],
-                   help="hold the random projections in this checkpoint format's quantized "
-                        "device form (FP8 codes with 128x128 block or per-row scales, packed "
-                        "NVFP4; dequantized inside each program, as quantization='keep' loads "
-                        "such a checkpoint; docs/quantization.md); the floor counts their bytes "
-                        "(default %(default)s: the model dtype)")
+                   help="hold the random projections and routed experts in this checkpoint "
+                        "format's quantized device form (FP8 codes with 128x128 block or "
+                        "per-row scales, packed NVFP4; dequantized inside each program, as "
+                        "quantization='keep' loads such a checkpoint; docs/quantization.md); "
+                        "the floor counts their bytes (default %(default)s: the model dtype)")
     p.add_argument("--out", default="bench.json", help="JSON results (rewritten after each row)")
     return p
 

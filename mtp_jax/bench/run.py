@@ -133,7 +133,7 @@ def bench_one(model, batch: int, k: int, s: Settings, refs: dict,
                      draft_vocab_size=res["draft_vocab_size"],
                      draft_head_dtype=res["draft_head_dtype"],
                      draft_layer_dtype=res["draft_layer_dtype"],
-                     quantized_saving=_quantized_saving(model))
+                     **_quantized_floor(model))
     floor = by["total"] / (s.hbm_tbps * 1e12)
     res["bytes"] = {name: float(v) for name, v in by.items()}
     res["floor_ms"] = floor * 1e3
@@ -238,14 +238,17 @@ def _forced_row(eng, reqs, k, s, refs, ledger, names) -> tuple[dict, float]:
     return row, prefill_s
 
 
-def _quantized_saving(model) -> tuple[int, int]:
-    """``(target, draft)`` bytes a read of the weights saves for projections held quantized
-    (``bench --quantization``); (0, 0) for a model without them."""
+def _quantized_floor(model) -> dict:
+    """``round_bytes`` keywords for weights held quantized (``bench --quantization``): the
+    ``(target, draft)`` bytes a read of the projections saves and the routed experts' bytes
+    ratio; none for a model without them."""
     if not getattr(model, "weight_bytes_saved", 0):
-        return (0, 0)
-    from mtp_jax.models.quantized import saved_bytes_by_part
+        return {}
+    from mtp_jax.models.quantized import experts_bytes_ratio, saved_bytes_by_part
 
-    return saved_bytes_by_part(model.module())
+    module = model.module()
+    return {"quantized_saving": saved_bytes_by_part(module),
+            "experts_ratio": experts_bytes_ratio(module)}
 
 
 def _cut(outputs: list[list[int]], reference: list[list[int]]) -> list[list[int]]:

@@ -30,15 +30,18 @@ def expected_experts(cfg: ModelConfig, tokens: int) -> float:
     return e * (1 - (1 - k / e) ** tokens)
 
 
-def forward_weight_bytes(cfg: ModelConfig, tensors: dict, tokens: int, itemsize: int) -> float:
+def forward_weight_bytes(cfg: ModelConfig, tensors: dict, tokens: int, itemsize: int,
+                         experts_ratio: float = 1.0) -> float:
     """Weight bytes one forward over ``tokens`` rows reads: every tensor except the embedding
-    table (only ``tokens`` rows) and the routed experts (only the experts hit)."""
+    table (only ``tokens`` rows) and the routed experts (only the experts hit, times
+    ``experts_ratio``: their held bytes over their model-dtype bytes)."""
     total = 0.0
     for name, shape in tensors.items():
         if name == "embed_tokens.weight":
             total += tokens * shape[1] * itemsize
         elif ".mlp.experts." in name:
-            total += _numel(shape) / shape[0] * expected_experts(cfg, tokens) * itemsize
+            total += (_numel(shape) / shape[0] * expected_experts(cfg, tokens) * itemsize
+                      * experts_ratio)
         else:
             total += _numel(shape) * itemsize
     return total
@@ -47,7 +50,8 @@ def forward_weight_bytes(cfg: ModelConfig, tensors: dict, tokens: int, itemsize:
 def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: int,
                 draft_vocab_size: int | None = None, draft_head_dtype: str | None = None,
                 draft_layer_dtype: str | None = None,
-                quantized_saving: tuple[float, float] = (0, 0)) -> dict:
+                quantized_saving: tuple[float, float] = (0, 0),
+                experts_ratio: float = 1.0) -> dict:
     """Bytes a round (k > 0) or decode step (k = 0) moves, by kind. ``draft_vocab_size``: the
     draft's LM head has that many rows (hot token ids) instead of ``vocab_size``;
     ``draft_head_dtype="int8"``: those rows are int8 with a float32 scale each (the few rows
@@ -57,14 +61,17 @@ def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: in
     context is counted (an upper bound: a QSA query reads the K/V of its selected blocks) and
     the index keys are not. ``quantized_saving``: ``(target, draft)`` bytes that projections
     kept quantized save on one read of the target's and of the draft's weights
-    (:func:`mtp_jax.models.quantized.saved_bytes_by_part`), taken off their weights."""
+    (:func:`mtp_jax.models.quantized.saved_bytes_by_part`), taken off their weights;
+    ``experts_ratio``: the routed experts' held bytes over their model-dtype bytes
+    (:func:`mtp_jax.models.quantized.experts_bytes_ratio`)."""
     shapes = entry_of(cfg).tensor_shapes  # the family's checkpoint tensors (the registry)
     target = shapes(cfg, False)
     lm_head = {"lm_head.weight": (cfg.vocab_size, cfg.hidden_size)}
     if cfg.tie_word_embeddings:
         target = {**target, **lm_head}  # the tied head reads the whole table
     rows = batch * (k + 1)
-    out = {"weights": forward_weight_bytes(cfg, target, rows, itemsize) - quantized_saving[0]}
+    out = {"weights": forward_weight_bytes(cfg, target, rows, itemsize, experts_ratio)
+           - quantized_saving[0]}
     kv_per_token = 2 * cfg.num_key_value_heads * cfg.head_dim * itemsize
     out["kv_read"] = batch * context * kv_per_token * len(cfg.full_layer_ids)
     state = (cfg.linear_num_value_heads * cfg.linear_key_head_dim * cfg.linear_value_head_dim * 4
@@ -81,8 +88,10 @@ def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: in
                 if draft_layer_dtype == "int8" else {})
         rest = {n: shape for n, shape in draft.items() if n not in int8}
         int8_bytes = sum(o * (i + 4) for o, i in int8.values())
-        out["draft_weights"] = (forward_weight_bytes(cfg, rest, batch * (k + 1), itemsize)
-                                + (k - 1) * forward_weight_bytes(cfg, rest, batch, itemsize)
+        out["draft_weights"] = (forward_weight_bytes(cfg, rest, batch * (k + 1), itemsize,
+                                                     experts_ratio)
+                                + (k - 1) * forward_weight_bytes(cfg, rest, batch, itemsize,
+                                                                 experts_ratio)
                                 + k * (head + int8_bytes) - k * quantized_saving[1])
         out["draft_kv_read"] = k * batch * context * kv_per_token * cfg.mtp_num_hidden_layers
     out["total"] = sum(out.values())

@@ -43,7 +43,8 @@ from mtp_jax.weights.quant_config import QuantConfig
 from mtp_jax.weights.safetensors_files import CheckpointError, TensorInfo, read_stored
 from pallas_kernels.quant.formats import NVFP4_GROUP, QuantFormat
 
-__all__ = ["QuantParts", "KeptQuant", "group_quantized", "kept_bytes_saved"]
+__all__ = ["QuantParts", "KeptQuant", "group_quantized", "kept_bytes_saved", "stack_kept",
+           "folder_kept_bytes_saved"]
 
 
 @dataclasses.dataclass(frozen=True)
@@ -111,10 +112,10 @@ class QuantParts:
         return out
 
     def keepable(self) -> bool:
-        """Whether the device forms hold this weight as it is stored: one matrix (not a
-        stacked expert tensor), and NVFP4 groups of :data:`NVFP4_GROUP` columns."""
-        return len(self.weight.shape) == 2 and ("nvfp4" not in self.fmt
-                                                or self.group == NVFP4_GROUP)
+        """Whether the device forms hold this weight as it is stored: one matrix or a stack of
+        them (routed experts ``[E, N, K]``), NVFP4 in groups of :data:`NVFP4_GROUP` columns."""
+        return len(self.weight.shape) in (2, 3) and ("nvfp4" not in self.fmt
+                                                     or self.group == NVFP4_GROUP)
 
     def device_format(self) -> QuantFormat:
         """The device form that holds this (:meth:`keepable`) weight."""
@@ -126,19 +127,25 @@ class QuantParts:
         return QuantFormat("nvfp4", (1, NVFP4_GROUP), 2 * cols, divide=self.fmt == "ct-nvfp4")
 
     def read_kept(self, files) -> KeptQuant:
-        """The stored codes and scales in the device form (exact: scales widened to float32,
-        a per-matrix scale repeated per row). Only for :meth:`keepable` weights."""
+        """The stored codes and scales in the device form, leading axes kept (exact: scales
+        widened to float32, a per-matrix scale repeated per row). Only for :meth:`keepable`
+        weights."""
         w = np.array(read_stored(files, self.weight))
         s = {role: np.array(read_stored(files, t)) for role, t in self.scales}
-        n = w.shape[0]
+        lead, n = w.shape[:-2], w.shape[-2]
         fmt = self.device_format()
+
+        def per_row(x: np.ndarray) -> np.ndarray:  # one value per matrix -> lead + (n,)
+            v = x.astype(np.float32).reshape(-1)
+            v = np.full(lead, v[0], np.float32) if v.size == 1 else v.reshape(lead)
+            return np.ascontiguousarray(np.broadcast_to(v[..., None], (*lead, n)))
+
         if self.fmt == "fp8-block":
             return KeptQuant(fmt, w, s["scale_inv"].astype(np.float32))
         if self.fmt == "modelopt-fp8":
-            one = np.full((n, 1), s["scale"].astype(np.float32).reshape(-1)[0], np.float32)
-            return KeptQuant(fmt, w, one)
-        s2 = s["global_scale" if fmt.divide else "scale_2"].astype(np.float32).reshape(-1)[0]
-        return KeptQuant(fmt, w, s["scale"], np.full((n,), s2, np.float32))
+            return KeptQuant(fmt, w, per_row(s["scale"])[..., None])
+        return KeptQuant(fmt, w, s["scale"], per_row(s["global_scale" if fmt.divide
+                                                       else "scale_2"]))
 
     def _one(self, w: np.ndarray, s: dict[str, np.ndarray]) -> np.ndarray:
         if self.fmt == "fp8-block":
@@ -299,10 +306,10 @@ def group_quantized(tensors: list[TensorInfo], q: QuantConfig, folder: str) -> l
 
 def kept_bytes_saved(entries: list[TensorInfo], itemsize: int,
                      not_kept: tuple[str, ...] = ("lm_head.", "embed_tokens.")) -> int:
-    """Device bytes that keeping the quantized projections among ``entries`` (the logical
-    entries of :func:`group_quantized`) saves against the model dtype (``itemsize`` bytes per
-    weight): for the memory check before load, from the headers alone. Entries a device form
-    cannot hold and names containing one of ``not_kept`` are not counted."""
+    """Device bytes that keeping the quantized projections and experts among ``entries`` (the
+    logical entries of :func:`group_quantized`) saves against the model dtype (``itemsize``
+    bytes per weight): for the memory check before load, from the headers alone. Entries a
+    device form cannot hold and names containing one of ``not_kept`` are not counted."""
     from pallas_kernels.quant.formats import stored_bytes
 
     saved = 0
@@ -310,9 +317,43 @@ def kept_bytes_saved(entries: list[TensorInfo], itemsize: int,
         q = t.quant
         if q is None or not q.keepable() or any(k in t.name for k in not_kept):
             continue
-        n, k = t.shape
-        saved += n * k * itemsize - stored_bytes(q.device_format(), n)
+        *lead, n, k = t.shape
+        count = math.prod(lead)
+        saved += count * n * k * itemsize - stored_bytes(q.device_format(), n, count)
     return saved
+
+
+def stack_kept(experts: list[list[KeptQuant]]) -> KeptQuant | None:
+    """One ``[E, N, K]`` :class:`KeptQuant` from per-expert matrices: ``experts[e]`` the parts
+    of expert ``e`` in row order (``gate``, ``up``; or ``down``). FP8 parts whose row blocks
+    straddle a part boundary get their scales repeated per row (exact). None when the parts
+    are held in different forms (the caller dequantizes them instead)."""
+    rows = [_concat_rows(parts) for parts in experts]
+    if any(r is None for r in rows) or len({r.fmt for r in rows}) != 1:
+        return None
+    stack = lambda xs: None if xs[0] is None else np.stack(xs)
+    return KeptQuant(rows[0].fmt, stack([r.codes for r in rows]),
+                     stack([r.scale for r in rows]), stack([r.scale_2 for r in rows]))
+
+
+def _concat_rows(parts: list[KeptQuant]) -> KeptQuant | None:
+    """Matrices of one input stacked by rows in one device form (numpy; as
+    :func:`pallas_kernels.quant.concat_parts`), or None for parts of different forms."""
+    first = parts[0].fmt
+    if len({(p.fmt.kind, p.fmt.block[1], p.fmt.in_features, p.fmt.divide)
+            for p in parts}) != 1:
+        return None
+    codes = np.concatenate([p.codes for p in parts])
+    if first.kind == "nvfp4":
+        return KeptQuant(first, codes, np.concatenate([p.scale for p in parts]),
+                         np.concatenate([p.scale_2 for p in parts]))
+    bn = first.block[0]
+    if all(p.fmt.block[0] == bn for p in parts) and all(
+            p.codes.shape[0] % bn == 0 for p in parts[:-1]):
+        return KeptQuant(first, codes, np.concatenate([p.scale for p in parts]))
+    per_row = [np.repeat(p.scale, p.fmt.block[0], axis=0)[:p.codes.shape[0]] for p in parts]
+    return KeptQuant(dataclasses.replace(first, block=(1, first.block[1])), codes,
+                     np.concatenate(per_row))
 
 
 def folder_kept_bytes_saved(folder: str, itemsize: int, *, with_mtp: bool,

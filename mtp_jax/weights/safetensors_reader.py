@@ -39,7 +39,7 @@ from mtp_jax.config import ModelConfig
 from mtp_jax.weights import names as _names
 from mtp_jax.weights.draft_checks import check_mtp_experts
 from mtp_jax.weights.quant_config import QuantConfig, quantization_from_folder
-from mtp_jax.weights.quant_tensors import group_quantized
+from mtp_jax.weights.quant_tensors import group_quantized, stack_kept
 from mtp_jax.weights.safetensors_files import (_FLOAT_DTYPES, INDEX_FILE, CheckpointError,
                                                TensorInfo, _Files, _read, checkpoint_files,
                                                read_header)
@@ -132,6 +132,18 @@ class _Plan:
     def first(self) -> TensorInfo:
         return self.single if self.single is not None else min(
             (p[3] for p in self.parts), key=lambda t: (t.file, t.start))
+
+
+def _kept_experts(fh, pl: _Plan):
+    """Per-expert quantized matrices of one stack read in the device form and stacked
+    (:func:`~mtp_jax.weights.quant_tensors.stack_kept`); None when some part is stored
+    unquantized or in a form the device forms cannot stack (it is dequantized instead)."""
+    if any(t.quant is None or not t.quant.keepable() for _, _, _, t in pl.parts):
+        return None
+    experts: dict[int, list] = {}
+    for e, r0, _, t in sorted(pl.parts, key=lambda q: (q[0], q[1])):
+        experts.setdefault(e, []).append(t.quant.read_kept(fh))
+    return stack_kept([experts[e] for e in sorted(experts)])
 
 
 def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, ...]], *,
@@ -390,6 +402,13 @@ def load_tensors(folder: str, cfg: ModelConfig, expected: dict[str, tuple[int, .
                     raw = _read(fh, pl.single)
                     arr = raw.astype(dtype, copy=True)
                     del raw
+                elif keep_quantized is not None and keep_quantized(pl.canonical) and (
+                        kept := _kept_experts(fh, pl)) is not None:
+                    out[pl.canonical] = kept.map(put)
+                    bar.update(1)
+                    for f in done_after.get(n, ()):
+                        fh.close(f)
+                    continue
                 else:
                     arr = np.empty(pl.shape, dtype)
                     for e, r0, r1, t in sorted(pl.parts, key=lambda q: (q[3].file, q[3].start)):

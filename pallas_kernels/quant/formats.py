@@ -22,9 +22,11 @@ Exactness: :func:`dequantize` multiplies in float32 in the order the reference d
 in float32 (an e4m3 code has 4 significant bits, e2m1 2, their scale product at most 5, a
 float32 scale 24, so a product fits 29 bits < float64's 53), so float32's one rounding of the
 last product equals the reference's float64-then-float32. The quotient by compressed-tensors'
-global scale is rounded once here and twice (float64, then float32) by the reference, which
-can differ in the last float32 bit in rare ties. The result is then rounded to the model
-dtype, as the dequantized checkpoint is.
+global scale is not: XLA's simplifier turns the division by the broadcast ``scale_2`` into a
+product with its rounded reciprocal (seen on the CPU), one float32 ulp off the reference for
+about a fifth of the weights (the Triton kernel, :mod:`pallas_kernels.quant.gemv`, divides
+correctly rounded). The result is then rounded to the model dtype, as the dequantized
+checkpoint is.
 """
 
 from __future__ import annotations
@@ -35,8 +37,8 @@ import math
 import jax
 import jax.numpy as jnp
 
-__all__ = ["KINDS", "NVFP4_GROUP", "QuantFormat", "dequantize", "decode_e2m1", "stored_bytes",
-           "check_parts", "concat_parts"]
+__all__ = ["KINDS", "NVFP4_GROUP", "QuantFormat", "KeptArray", "dequantize", "decode_e2m1",
+           "stored_bytes", "check_parts", "concat_parts"]
 
 KINDS = ("fp8", "nvfp4")
 NVFP4_GROUP = 16  # input columns per NVFP4 scale
@@ -77,16 +79,17 @@ class QuantFormat:
                 "scale_2": ((n,), jnp.float32)}
 
 
-def stored_bytes(fmt: QuantFormat, n: int) -> int:
-    """Device bytes of a ``[n, in_features]`` projection held in ``fmt``."""
-    return sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in fmt.shapes(n).values())
+def stored_bytes(fmt: QuantFormat, n: int, count: int = 1) -> int:
+    """Device bytes of ``count`` ``[n, in_features]`` matrices held in ``fmt``."""
+    return count * sum(math.prod(s) * jnp.dtype(d).itemsize for s, d in fmt.shapes(n).values())
 
 
 def check_parts(fmt: QuantFormat, codes, scale, scale_2) -> int:
-    """The projection's output size ``N`` when the arrays have ``fmt``'s shapes and dtypes;
-    ValueError naming the part otherwise."""
-    n = int(codes.shape[0])
-    want = fmt.shapes(n)
+    """The projection's output size ``N`` when the arrays have ``fmt``'s shapes and dtypes
+    (with the same leading axes on every part, e.g. ``[E]`` for stacked experts); ValueError
+    naming the part otherwise."""
+    n, lead = int(codes.shape[-2]), tuple(codes.shape[:-2])
+    want = {name: (lead + shape, dtype) for name, (shape, dtype) in fmt.shapes(n).items()}
     for name, arr in (("codes", codes), ("scale", scale), ("scale_2", scale_2)):
         if name not in want:
             if arr is not None:
@@ -111,27 +114,60 @@ def decode_e2m1(codes: jax.Array) -> jax.Array:
 
 
 def _expand(scale: jax.Array, block: tuple[int, int], n: int, k: int) -> jax.Array:
-    """``scale [ceil(n/bn), ceil(k/bk)]`` -> ``[n, k]`` (each block's value on its elements)."""
+    """``scale [..., ceil(n/bn), ceil(k/bk)]`` -> ``[..., n, k]`` (each block's value on its
+    elements)."""
     bn, bk = block
-    s = scale if bn == 1 else jnp.repeat(scale, bn, axis=0, total_repeat_length=scale.shape[0] * bn)[:n]
-    return s if bk == k else jnp.repeat(s, bk, axis=1, total_repeat_length=s.shape[1] * bk)[:, :k]
+    s = scale
+    if bn != 1:
+        s = jnp.repeat(s, bn, axis=-2, total_repeat_length=s.shape[-2] * bn)[..., :n, :]
+    if bk != k:
+        s = jnp.repeat(s, bk, axis=-1, total_repeat_length=s.shape[-1] * bk)[..., :k]
+    return s
 
 
 def dequantize(fmt: QuantFormat, codes: jax.Array, scale: jax.Array, scale_2, dtype) -> jax.Array:
-    """The projection ``W [N, K]`` in ``dtype`` from its device parts (see the module
-    docstring); elementwise, so XLA fuses it into the consumer where it can."""
+    """The projection ``W [..., N, K]`` in ``dtype`` from its device parts (see the module
+    docstring), with any leading axes (stacked or gathered experts) on every part;
+    elementwise, so XLA fuses it into the consumer where it can."""
     k = fmt.in_features
+    n = codes.shape[-2]
     if fmt.kind == "fp8":
-        n = codes.shape[0]
         w = codes.astype(jnp.float32) * _expand(scale, fmt.block, n, k)
         return w.astype(dtype)
-    n = codes.shape[0]
     vals = jnp.stack([decode_e2m1(codes & 0x0F), decode_e2m1(codes >> 4)], axis=-1)
-    vals = vals.reshape(n, k)
+    vals = vals.reshape(*codes.shape[:-1], k)
     w = vals * _expand(scale.astype(jnp.float32), fmt.block, n, k)
-    s2 = scale_2[:, None]
+    s2 = scale_2[..., None]
     w = w / s2 if fmt.divide else w * s2
     return w.astype(dtype)
+
+
+@dataclasses.dataclass(frozen=True)
+class KeptArray:
+    """Stacked quantized matrices (routed experts ``[E, N, K]``) inside a traced program:
+    ``fmt`` and the parts with the leading axis on each. Indexing the leading axis
+    (``w[ids]``) gathers the codes and scales of the chosen matrices and dequantizes only
+    those, to ``dtype``; ``shape`` and ``dtype`` are the dequantized array's, so code written
+    for a ``[E, N, K]`` array (gather, then compute) runs on it unchanged."""
+
+    fmt: QuantFormat
+    codes: jax.Array
+    scale: jax.Array
+    scale_2: jax.Array | None
+    dtype: object
+
+    @property
+    def shape(self) -> tuple[int, ...]:
+        return (*self.codes.shape[:-1], self.fmt.in_features)
+
+    @property
+    def ndim(self) -> int:
+        return len(self.shape)
+
+    def __getitem__(self, ids) -> jax.Array:
+        take = lambda a: None if a is None else a[ids]
+        return dequantize(self.fmt, self.codes[ids], self.scale[ids], take(self.scale_2),
+                          self.dtype)
 
 
 def concat_parts(fmts: list[QuantFormat], parts: list[tuple]) -> tuple[QuantFormat, tuple]:

@@ -1,8 +1,9 @@
 """Lower a jitted function for CUDA on a machine without a GPU.
 
 The Pallas Triton lowering only asks the GPU for its compute capability; giving it an H200's
-("9.0") lets CPU-only CI check that a kernel is expressible in Triton (power-of-two blocks,
-supported primitives) before anyone spends GPU time on it. It does not compile the Triton
+(90, an int as jax's own GPU info gives it: float8 casts compare it with 89) lets CPU-only CI
+check that a kernel is expressible in Triton (power-of-two blocks, supported primitives)
+before anyone spends GPU time on it. It does not compile the Triton
 module to PTX, so it cannot catch register or shared-memory limits.
 """
 
@@ -20,7 +21,7 @@ def fake_h200():
 
     saved = reg.gpu_info_lib
     reg.gpu_info_lib = types.SimpleNamespace(
-        get_gpu_info=lambda: types.SimpleNamespace(compute_capability="9.0"))
+        get_gpu_info=lambda: types.SimpleNamespace(compute_capability=90))
     try:
         yield
     finally:

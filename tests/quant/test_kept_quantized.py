@@ -211,3 +211,76 @@ def test_qwen4_exp_kept_nvfp4_forward_equals_dequantized(tmp_path):
     np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
     np.testing.assert_array_equal(np.asarray(dense.mtp_forward(ha, ids)[0]),
                                   np.asarray(kept.mtp_forward(hb, ids)[0]))
+
+
+@pytest.mark.parametrize("fmt,experts,mtp_experts", [("fp8-block", "fused", "per-expert"),
+                                                     ("ct-nvfp4", "per-expert", "fused")])
+def test_moe_experts_kept(fmt, experts, mtp_experts, tmp_path):
+    """Routed experts, stacked and per expert (gate and up stacked in quantized form, their
+    FP8 128-row blocks straddling the 32-row parts, so scales repeated per row): held in the
+    stored dtype; the whole stack dequantized equals the dequantize-at-load experts; the model
+    computes the same logits in the gather form (one row) and the block form (34 rows), up to
+    float32 summation order, and generates the same tokens with MTP k = 2."""
+    from mtp_jax.models.quantized import kept_experts
+    from mtp_jax.tools.random_checkpoint import write_random_checkpoint
+
+    folder = write_random_checkpoint(fixture_path("tiny_moe_fused"), str(tmp_path / "m"),
+                                     dtype="float32", quantize=fmt, experts=experts,
+                                     mtp_experts=mtp_experts)
+    dense = load_model(folder, "float32", quantization="dequantize", merge_projections=False)
+    kept = load_model(folder, "float32", quantization="keep", merge_projections=False)
+    ref = {param_name(p): n for p, n in nnx.iter_graph(dense.module()) if hasattr(n, "stack")}
+    stacks = dict(kept_experts(kept.module()))
+    assert set(stacks) == set(ref) and "mtp.layers.0.mlp.experts" in stacks
+    code_dtype = jnp.uint8 if "nvfp4" in fmt else jnp.float8_e4m3fn
+    for name, m in stacks.items():
+        for stack in ("gate_up_proj", "down_proj"):
+            assert getattr(m, stack)[...].dtype == code_dtype
+            assert _ulps(m.stack(stack)[...], ref[name].stack(stack)) <= (
+                1 if fmt == "ct-nvfp4" else 0), (name, stack)
+    ids = np.array([[5, 17, 42, 9, 3, 100, 7, 8, 9, 10, 11, 12] * 3])[:, :34]
+    for t in (1, 34):
+        (la, _), (lb, _) = dense.forward(ids[:, :t]), kept.forward(ids[:, :t])
+        np.testing.assert_allclose(np.asarray(lb), np.asarray(la), rtol=1e-4, atol=1e-4)
+    prompts = [[5, 17, 42, 9], [3, 100, 7, 250, 11, 60]]
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    outs = [[(o.token_ids, o.num_accepted_tokens) for o in LLM(
+        folder, dtype="float32", quantization=mode, speculative_num_steps=2,
+        max_running_requests=2, max_model_len=64, enable_prefix_cache=False).generate(
+            prompts, params)] for mode in ("dequantize", "keep")]
+    assert outs[0] == outs[1]
+
+
+@pytest.mark.parametrize("kind", ["fp8", "nvfp4"])
+def test_pallas_gemv_backend_takes_the_dequantizing_kernel(kind, monkeypatch):
+    """A kept projection whose backend is ``pallas`` (``--gemv-backend pallas``) calls the
+    Triton kernel that dequantizes as it reads (:func:`pallas_kernels.quant.quant_gemv`; the
+    kernel itself: tests/kernels/test_quant_gemv.py) for calls of up to 8 rows, and XLA's
+    dequantize + projection otherwise and with ``reduce`` (the GPU default)."""
+    import jax
+
+    from mtp_jax.models.layers import basic
+    from mtp_jax.models.quantized import _random_parts
+    from pallas_kernels.quant.gemv import quant_gemv_reference
+
+    calls = []
+
+    def spy(x, fmt, codes, scale, scale_2, *, out_dtype):
+        calls.append(x.shape)
+        return quant_gemv_reference(x, fmt, codes, scale, scale_2, out_dtype=out_dtype)
+
+    monkeypatch.setattr(basic, "quant_gemv", spy)
+    n, k = 512, 256
+    fmt = QuantFormat(kind, (128, 128) if kind == "fp8" else (1, 16), k)
+    m = basic.Linear(k, n, jnp.float32)
+    basic.keep_quantized(m, fmt, *_random_parts(jax.random.key(0), kind, fmt, (), n))
+    for backend, rows, kernel in (("pallas", 1, True), ("pallas", 8, True),
+                                  ("pallas", 9, False), ("reduce", 1, False)):
+        m.backend = backend
+        calls.clear()
+        x = jax.random.normal(jax.random.key(rows), (rows, 1, k), jnp.float32)
+        y = m(x)
+        assert bool(calls) == kernel, (backend, rows)
+        want = x @ dequantize(fmt, m.weight[...], m.scale[...],
+                              None if m.scale_2 is None else m.scale_2[...], jnp.float32).T
+        np.testing.assert_allclose(np.asarray(y), np.asarray(want), rtol=1e-5, atol=1e-5)

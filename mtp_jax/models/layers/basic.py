@@ -8,6 +8,7 @@ layers).
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import jax
@@ -18,7 +19,8 @@ from flax import nnx
 from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows
 from pallas_kernels.gemv import gemv
 from pallas_kernels.norm import add_rms_norm, rms_norm_reference
-from pallas_kernels.quant import QuantFormat, check_parts, concat_parts, dequantize
+from pallas_kernels.quant import (QuantFormat, check_parts, concat_parts, dequantize,
+                                  quant_gemv, quant_gemv_applies)
 
 
 def _project(x: jax.Array, m) -> jax.Array:
@@ -26,12 +28,18 @@ def _project(x: jax.Array, m) -> jax.Array:
     :func:`gemv` with ``m.backend`` on ``m.weight``; with ``m.quant`` set (a checkpoint's FP8 /
     NVFP4 weights kept quantized) on the weights dequantized to ``m.dtype`` inside the program
     (:func:`pallas_kernels.quant.dequantize`, elementwise, which XLA can fuse into the
-    projection), the same values and roundings as a checkpoint dequantized at load; with only
+    projection), the same values and roundings as a checkpoint dequantized at load, or with
+    ``m.backend == "pallas"`` for calls of up to 8 rows in the Triton kernel that dequantizes
+    as it reads (:func:`pallas_kernels.quant.quant_gemv`, experimental); with only
     ``m.scale`` set (int8 rows, :func:`quantize_projections`), the int8 rows' product
     (:func:`~mtp_jax.models.layers.int8_rows.int8_matmul`, which ignores ``backend``)."""
     if m.quant is not None:
-        w = dequantize(m.quant, m.weight[...], m.scale[...],
-                       None if m.scale_2 is None else m.scale_2[...], m.dtype)
+        scale_2 = None if m.scale_2 is None else m.scale_2[...]
+        rows = math.prod(x.shape[:-1])
+        if m.backend == "pallas" and quant_gemv_applies(m.quant, m.out_features,
+                                                        m.in_features, rows):
+            return quant_gemv(x, m.quant, m.weight[...], m.scale[...], scale_2, out_dtype=m.dtype)
+        w = dequantize(m.quant, m.weight[...], m.scale[...], scale_2, m.dtype)
         return gemv(x, w, backend=m.backend)
     if m.scale is None:
         return gemv(x, m.weight[...], backend=m.backend)

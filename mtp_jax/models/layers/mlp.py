@@ -15,6 +15,7 @@ from flax import nnx
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.layers.basic import Linear, as_data, merge_linears, mergeable, project
 from pallas_kernels.moe import moe_experts_weighted
+from pallas_kernels.quant import KeptArray, QuantFormat, check_parts
 from pallas_kernels.moe.router import MAX_EXPERTS, route_topk
 
 
@@ -55,6 +56,13 @@ class Experts(nnx.Module):
     decode step took 3.47 ms with it against 3.94 ms with the few-pairs kernels of
     :mod:`pallas_kernels.moe.few` (reachable through ``moe_experts_weighted(backend="pallas")``);
     larger calls (prefill) take the grouped matmuls (6.3x the XLA prefill rate on that shape).
+
+    Kept quantized (:func:`keep_quantized_experts`; a checkpoint's FP8 / NVFP4 experts with
+    ``quantization="keep"``): ``gate_up_proj`` / ``down_proj`` hold the codes, ``quant`` pairs
+    each with its :class:`~pallas_kernels.quant.QuantFormat` and ``scales`` holds their scales.
+    The XLA forms gather the chosen experts' codes and dequantize only those
+    (:class:`~pallas_kernels.quant.KeptArray`), the same values as experts dequantized at
+    load; the Pallas grouped kernels (prefill) get the whole stack dequantized first.
     """
 
     def __init__(self, num_experts: int, hidden: int, intermediate: int, dtype,
@@ -62,13 +70,50 @@ class Experts(nnx.Module):
         self.gate_up_proj = nnx.Param(jnp.zeros((num_experts, 2 * intermediate, hidden), dtype))
         self.down_proj = nnx.Param(jnp.zeros((num_experts, hidden, intermediate), dtype))
         self.backend = backend
+        self.dtype = jnp.dtype(dtype)
+        self.shapes = (("gate_up_proj", (num_experts, 2 * intermediate, hidden)),
+                       ("down_proj", (num_experts, hidden, intermediate)))
+        self.quant = ()  # ((name, QuantFormat), ...) of the stacks kept quantized
+        self.scales = None  # nnx.Dict of {name: scale} and {name + "_2": scale_2}
+
+    def stack(self, name: str):
+        """``"gate_up_proj"`` or ``"down_proj"``: the array, or a
+        :class:`~pallas_kernels.quant.KeptArray` when it is kept quantized."""
+        param = getattr(self, name)
+        fmt = dict(self.quant).get(name)
+        if fmt is None:
+            return param[...]
+        s2 = self.scales.get(name + "_2")
+        return KeptArray(fmt, param[...], self.scales[name][...],
+                         None if s2 is None else s2[...], self.dtype)
 
     def __call__(self, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:
         """``x [N, H]``, ``expert_ids / weights [N, top_k]`` -> ``[N, H]`` weighted sum."""
-        few = expert_ids.size < self.gate_up_proj.shape[0]
+        few = expert_ids.size < dict(self.shapes)["gate_up_proj"][0]
         backend = "xla" if few else self.backend
-        return moe_experts_weighted(x, expert_ids, weights, self.gate_up_proj[...],
-                                    self.down_proj[...], backend=backend)
+        gate_up, down = self.stack("gate_up_proj"), self.stack("down_proj")
+        if backend != "xla":  # the kernels read arrays: the whole stacks dequantized
+            gate_up, down = (w[...] if isinstance(w, KeptArray) else w for w in (gate_up, down))
+        return moe_experts_weighted(x, expert_ids, weights, gate_up, down, backend=backend)
+
+
+def keep_quantized_experts(m: Experts, name: str, fmt: QuantFormat, codes, scale,
+                           scale_2) -> None:
+    """Hold ``m``'s ``name`` (``"gate_up_proj"`` or ``"down_proj"``, in place) as stacked
+    quantized experts (codes and scales with the leading ``E`` axis). Raises ValueError for
+    arrays that do not match ``fmt`` or the stack's shape."""
+    shape = dict(m.shapes)[name]
+    n = check_parts(fmt, codes, scale, scale_2)
+    if (*codes.shape[:-2], n, fmt.in_features) != shape:
+        raise ValueError(f"quantized experts {(*codes.shape[:-2], n, fmt.in_features)} for "
+                         f"{name} {shape}.")
+    setattr(m, name, nnx.Param(codes))
+    scales = {} if m.scales is None else dict(m.scales)
+    scales[name] = nnx.Param(scale)
+    if scale_2 is not None:
+        scales[name + "_2"] = nnx.Param(scale_2)
+    m.scales = as_data(nnx.Dict(scales))
+    m.quant = tuple((n, f) for n, f in m.quant if n != name) + ((name, fmt),)
 
 
 class SparseMoE(nnx.Module):

@@ -27,7 +27,7 @@ from mtp_jax.models.qwen4_exp.ple_store import NgramTable
 from mtp_jax.models.qwen4_exp.slot_states import check_slot_states
 from mtp_jax.models.quantized import apply_kept, kept_names, saved_bytes, split_kept
 from mtp_jax.weights.quant_config import keeps_quantized, quantization_from_folder
-from mtp_jax.weights.quant_tensors import group_quantized
+from mtp_jax.weights.quant_tensors import group_quantized, stack_kept
 from mtp_jax.weights.safetensors_files import (_FLOAT_DTYPES, CheckpointError, _Files, _read,
                                                checkpoint_files, read_header)
 
@@ -171,6 +171,14 @@ def read_checkpoint(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], 
             if t is not None:
                 out[c] = _read(fh, t).astype(NP_DTYPES[dtype])
                 continue
+            if c in keep and all(ti.quant is not None and ti.quant.keepable()
+                                 for ti in p.values()):
+                order = ("down_proj",) if c.endswith("down_proj") else ("gate_proj", "up_proj")
+                kept = stack_kept([[p[(e, q)].quant.read_kept(fh) for q in order]
+                                   for e in range(shape[0])])
+                if kept is not None:
+                    out[c] = kept
+                    continue
             arr = np.empty(shape, NP_DTYPES[dtype])
             half = shape[1] // 2
             for (e, proj), ti in p.items():
