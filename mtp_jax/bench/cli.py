@@ -293,7 +293,9 @@ def main(argv=None, description: str | None = None) -> int:
                 r = bench_one(model, b, k, dataclasses.replace(
                     s, draft_head_dtype=head, draft_layer_dtype=layer, temperature=t,
                     top_p=args.top_p, top_k=args.top_k), refs, steps)
-                r = {"config": path, **r, "kernel_backends": _kernels(model)}
+                r = {"config": path, **r, "kernel_backends": _kernels(model),
+                     "quantization": (None if args.quantization == "none"
+                                      else args.quantization)}
                 results.append(r)
                 print(_progress(r), file=sys.stderr, flush=True)
                 for skip in r.get("skipped_accept_lengths", ()):

@@ -68,10 +68,12 @@ def _n(x: float) -> str:
 
 def _k_cell(r: dict) -> str:
     """k, with the rounds (decode steps, or speculative rounds) per program call when above 1
-    the draft head's and layer's dtypes when set, and the sampling of a sampled row
-    (``0 (4/call)``, ``3 (4/call, int8 head, int8 layer)``, ``3 (sampled T=0.6 top_k=20)``)."""
+    the weights' quantized form (``bench --quantization``), the draft head's and layer's dtypes
+    when set, and the sampling of a sampled row (``0 (4/call)``, ``0 (fp8-block)``,
+    ``3 (4/call, int8 head, int8 layer)``, ``3 (sampled T=0.6 top_k=20)``)."""
     steps = r.get("steps_per_call", 1)
     notes = [f"{steps}/call"] if steps > 1 else []
+    notes += [r["quantization"]] if r.get("quantization") else []
     notes += [f"{r['draft_head_dtype']} head"] if r.get("draft_head_dtype") else []
     notes += [f"{r['draft_layer_dtype']} layer"] if r.get("draft_layer_dtype") else []
     notes += [f"sampled {sampling_text(r['sampling'])}"] if r.get("sampling") else []

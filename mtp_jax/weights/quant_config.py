@@ -98,7 +98,7 @@ NO_QUANT = QuantConfig()
 # ``quantization`` (LLM, load_model) / ``--quantization``: how quantized weights are held.
 # "dequantize": dequantized to the model dtype at load (the reference path); "keep": the
 # projections kept as stored (FP8 codes with block scales, packed NVFP4) and dequantized inside
-# each program (routed experts and other stacked tensors are dequantized at load); "auto":
+# each program (routed experts too; the untied LM head stays dequantized); "auto":
 # the path measured best, today "dequantize" everywhere: whether XLA fuses the in-program
 # dequantization into the GPU's projections, so that "keep" is faster and not only smaller, is
 # still to be measured on the H200 (docs/quantization.md), and until then the default keeps the

@@ -309,7 +309,9 @@ def kept_bytes_saved(entries: list[TensorInfo], itemsize: int,
     """Device bytes that keeping the quantized projections and experts among ``entries`` (the
     logical entries of :func:`group_quantized`) saves against the model dtype (``itemsize``
     bytes per weight): for the memory check before load, from the headers alone. Entries a
-    device form cannot hold and names containing one of ``not_kept`` are not counted."""
+    device form cannot hold and names containing one of ``not_kept`` are not counted. FP8
+    scales count one per row (``bn = 1``), the most that merging projections (or stacking an
+    expert's gate and up) repeats them, so the saving is never overestimated."""
     from pallas_kernels.quant.formats import stored_bytes
 
     saved = 0
@@ -319,7 +321,10 @@ def kept_bytes_saved(entries: list[TensorInfo], itemsize: int,
             continue
         *lead, n, k = t.shape
         count = math.prod(lead)
-        saved += count * n * k * itemsize - stored_bytes(q.device_format(), n, count)
+        fmt = q.device_format()
+        if fmt.kind == "fp8":
+            fmt = dataclasses.replace(fmt, block=(1, fmt.block[1]))
+        saved += count * n * k * itemsize - stored_bytes(fmt, n, count)
     return saved
 
 

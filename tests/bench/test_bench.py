@@ -574,9 +574,12 @@ def test_quantized_rows_count_the_quantized_bytes(workdir, capsys):
     from mtp_jax.bench.floor import load_config
     from mtp_jax.models.registry import entry_of
 
-    rc, data, _, stderr = _bench(workdir, capsys, "fp8", "--k", "0", "2", "--batch", "1",
-                                 "--accept-lengths", "2.0", "--quantization", "modelopt-fp8")
+    rc, data, stdout, stderr = _bench(workdir, capsys, "fp8", "--k", "0", "2", "--batch", "1",
+                                      "--accept-lengths", "2.0", "--quantization",
+                                      "modelopt-fp8")
     assert rc == 0, stderr
+    assert [r["quantization"] for r in data["results"]] == ["modelopt-fp8"] * 2
+    assert "| 0 (modelopt-fp8) |" in stdout
     rc, dense, _, stderr = _bench(workdir, capsys, "dense", "--k", "0", "2", "--batch", "1",
                                   "--accept-lengths", "2.0")
     assert rc == 0, stderr

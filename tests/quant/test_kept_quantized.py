@@ -183,9 +183,12 @@ def test_kept_model_decodes_and_drafts_like_the_dequantized_one(fmt, trained_qua
                 assert "layers.3.self_attn.qkv_proj" in names
                 saved[k] = llm.model.weight_bytes_saved
     assert 0 < saved[0] < saved[3]  # the draft's projections too
-    # The check before load reads the same saving from the headers (no merge repeats rows).
-    assert [folder_kept_bytes_saved(folder, 4, with_mtp=k > 0) for k in (0, 3)] == [
-        saved[0], saved[3]]
+    # The check before load reads the saving from the headers: never more than the real one
+    # (FP8 scales counted per row: 4 bytes per 32 weights in these 32-column blocks, against
+    # 3 saved per float32 weight, so within 5% of it).
+    for k in (0, 3):
+        estimate = folder_kept_bytes_saved(folder, 4, with_mtp=k > 0)
+        assert saved[k] * 0.95 < estimate <= saved[k], (k, estimate, saved[k])
     assert all(planned["keep", k] == planned["dequantize", k] - saved[k] for k in (0, 3))
     assert outs["keep", 3] == outs["dequantize", 3]
     assert outs["keep", 0] == outs["dequantize", 0]
