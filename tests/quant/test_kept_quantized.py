@@ -159,12 +159,12 @@ def test_kept_checkpoint_holds_codes_with_the_dequantized_values(fmt, trained_qu
     assert dense.weight_bytes_saved == 0
 
 
-@pytest.mark.parametrize("fmt", ["fp8-block", "ct-nvfp4"])
+@pytest.mark.parametrize("fmt", ["fp8-block"])
 def test_kept_model_decodes_and_drafts_like_the_dequantized_one(fmt, trained_quantized):
     """Motif prompts, greedy, MTP k = 3 and plain: the same tokens and accept counts kept as
     dequantized, drafts accepted (the trained head survives quantization), and the kept model's
     MTP output equal to its own plain decoding. Projections merge in quantized form where a
-    group is held in one form (the attention q/k/v)."""
+    group is held in one form (the attention q/k/v). (NVFP4 generation: the MoE test below.)"""
     folder = trained_quantized[fmt]
     prompts = motif_prompts(3, seed=5)
     params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -223,7 +223,8 @@ def test_moe_experts_kept(fmt, experts, mtp_experts, tmp_path):
     FP8 128-row blocks straddling the 32-row parts, so scales repeated per row): held in the
     stored dtype; the whole stack dequantized equals the dequantize-at-load experts; the model
     computes the same logits in the gather form (one row) and the block form (34 rows), up to
-    float32 summation order, and generates the same tokens with MTP k = 2."""
+    float32 summation order, and (compressed-tensors NVFP4, whose division is within an ulp)
+    generates the same tokens with MTP k = 2."""
     from mtp_jax.models.quantized import kept_experts
     from mtp_jax.tools.random_checkpoint import write_random_checkpoint
 
@@ -245,6 +246,8 @@ def test_moe_experts_kept(fmt, experts, mtp_experts, tmp_path):
     for t in (1, 34):
         (la, _), (lb, _) = dense.forward(ids[:, :t]), kept.forward(ids[:, :t])
         np.testing.assert_allclose(np.asarray(lb), np.asarray(la), rtol=1e-4, atol=1e-4)
+    if fmt != "ct-nvfp4":
+        return  # generation once, with the format whose values are not bit-equal
     prompts = [[5, 17, 42, 9], [3, 100, 7, 250, 11, 60]]
     params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
     outs = [[(o.token_ids, o.num_accepted_tokens) for o in LLM(
