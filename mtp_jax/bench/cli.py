@@ -111,12 +111,14 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "(load_model(pack_small_params=True); experimental), for an A/B of the "
                         "host cost per argument buffer")
     p.add_argument("--quantization", default="none",
-                   choices=["none", "fp8-block", "modelopt-fp8", "modelopt-nvfp4", "ct-nvfp4"],
+                   choices=["none", "fp8-block", "modelopt-fp8", "modelopt-nvfp4", "ct-nvfp4",
+                            "Q8_0", "Q4_K", "IQ3_XXS", "Q2_0"],
                    help="hold the random projections and routed experts in this checkpoint "
                         "format's quantized device form (FP8 codes with 128x128 block or "
-                        "per-row scales, packed NVFP4; dequantized inside each program, as "
-                        "quantization='keep' loads such a checkpoint; docs/quantization.md); "
-                        "the floor counts their bytes (default %(default)s: the model dtype)")
+                        "per-row scales, packed NVFP4, or a GGUF block type's packed rows; "
+                        "dequantized inside each program, as quantization='keep' loads such a "
+                        "checkpoint; docs/quantization.md); the floor counts their bytes "
+                        "(default %(default)s: the model dtype)")
     p.add_argument("--out", default="bench.json", help="JSON results (rewritten after each row)")
     return p
 

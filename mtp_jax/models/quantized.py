@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import jax
 import jax.numpy as jnp
+import numpy as np
 from flax import nnx
 
 from mtp_jax.models.layers.basic import Linear, MergedLinear, keep_quantized
@@ -19,6 +20,7 @@ from mtp_jax.models.layers.mlp import Experts, keep_quantized_experts
 from mtp_jax.models.params import param_name
 from mtp_jax.weights.quant_tensors import KeptQuant
 from pallas_kernels.quant import QuantFormat, stored_bytes
+from pallas_kernels.quant.ggml import GGML_BLOCKS
 
 __all__ = ["kept_names", "split_kept", "apply_kept", "kept_projections", "kept_experts",
            "saved_bytes", "saved_bytes_by_part", "experts_bytes_ratio", "random_kept",
@@ -138,14 +140,16 @@ def saved_bytes_by_part(module) -> tuple[int, int]:
 # checkpoint format -> the device form's kind, column block and whether it divides.
 RANDOM_FORMATS = {"fp8-block": ("fp8", (128, 128), False), "modelopt-fp8": ("fp8", None, False),
                   "modelopt-nvfp4": ("nvfp4", (1, 16), False),
-                  "ct-nvfp4": ("nvfp4", (1, 16), True)}
+                  "ct-nvfp4": ("nvfp4", (1, 16), True),
+                  **{t: ("ggml", (1, v), False) for t, (v, _) in GGML_BLOCKS.items()}}
 
 
 def random_kept(module, fmt_name: str, seed: int = 0) -> int:
     """Replace every keepable projection and routed-experts stack of ``module`` (in place) by
-    random weights held in ``fmt_name``'s device form (:data:`RANDOM_FORMATS`; NVFP4 only
-    where the input size is a multiple of 16), drawn on the device with about the dense
-    random weights' scale
+    random weights held in ``fmt_name``'s device form (:data:`RANDOM_FORMATS`: a checkpoint
+    format, or a ggml block type kept packed; NVFP4 and ggml only where the input size is a
+    whole number of groups / blocks), drawn on the device with about the dense random weights'
+    scale
     (``N(0, 1/fan_in)``); for timing, not for output. Returns how many were replaced. Raises
     ValueError for an unknown format."""
     if fmt_name not in RANDOM_FORMATS:
@@ -153,16 +157,17 @@ def random_kept(module, fmt_name: str, seed: int = 0) -> int:
                          f"{sorted(RANDOM_FORMATS)}.")
     kind, block, divide = RANDOM_FORMATS[fmt_name]
     key = jax.random.key(seed)
-    count = _random_experts(module, kind, block, divide, jax.random.fold_in(key, 1 << 20))
+    count = _random_experts(module, fmt_name, kind, block, divide,
+                            jax.random.fold_in(key, 1 << 20))
     projections = {param_name(path): node for path, node in nnx.iter_graph(module)
                    if isinstance(node, (Linear, MergedLinear))}
     for i, (name, m) in enumerate(sorted(projections.items())):
         if name + ".weight" in NOT_KEPT or m.quant is not None:
             continue
         n, k = m.out_features, m.in_features
-        if kind == "nvfp4" and k % 16:
+        if kind != "fp8" and k % block[1]:
             continue
-        fmt = QuantFormat(kind, block or (1, k), k, divide=divide)
+        fmt = _format(fmt_name, kind, block, divide, k)
         codes, scale, scale_2 = _random_parts(jax.random.fold_in(key, i), kind, fmt, (), n)
         keep_quantized(m, fmt, codes, scale, scale_2)
         count += 1
@@ -174,6 +179,14 @@ def _random_parts(key, kind: str, fmt: QuantFormat, lead: tuple, n: int):
     scale of ``N(0, 1/K)`` weights."""
     k = fmt.in_features
     shapes = {p: lead + s for p, (s, _) in fmt.shapes(n).items()}
+    if kind == "ggml":  # random blocks whose fp16 scales (d; and dmin of Q4_K) are 1/K
+        nbytes = GGML_BLOCKS[fmt.ggml_type][1]
+        codes = jax.random.randint(key, shapes["codes"], 0, 256, jnp.int32).astype(jnp.uint8)
+        blocks = codes.reshape(*shapes["codes"][:-1], -1, nbytes)
+        half = np.frombuffer(np.float16(1.0 / k).tobytes(), np.uint8)
+        for start in ((0, 2) if fmt.ggml_type == "Q4_K" else (0,)):
+            blocks = blocks.at[..., start:start + 2].set(jnp.asarray(half))
+        return blocks.reshape(shapes["codes"]), None, None
     if kind == "fp8":
         codes = jax.random.normal(key, shapes["codes"], jnp.float32).astype(jnp.float8_e4m3fn)
         return codes, jnp.full(shapes["scale"], k ** -0.5, jnp.float32), None
@@ -183,14 +196,19 @@ def _random_parts(key, kind: str, fmt: QuantFormat, lead: tuple, n: int):
             jnp.full(shapes["scale_2"], 1.0 / s2 if fmt.divide else s2, jnp.float32))
 
 
-def _random_experts(module, kind: str, block, divide: bool, key) -> int:
+def _format(fmt_name: str, kind: str, block, divide: bool, k: int) -> QuantFormat:
+    return QuantFormat(kind, block or (1, k), k, divide=divide,
+                       ggml_type=fmt_name if kind == "ggml" else "")
+
+
+def _random_experts(module, fmt_name: str, kind: str, block, divide: bool, key) -> int:
     """:func:`random_kept` for the routed experts' stacks; returns how many were replaced."""
     count = 0
     for i, (_, m) in enumerate(sorted(_experts(module).items())):
         for j, (name, (e, n, k)) in enumerate(m.shapes):
-            if dict(m.quant).get(name) is not None or (kind == "nvfp4" and k % 16):
+            if dict(m.quant).get(name) is not None or k % (block or (1, 1))[1] and kind != "fp8":
                 continue
-            fmt = QuantFormat(kind, block or (1, k), k, divide=divide)
+            fmt = _format(fmt_name, kind, block, divide, k)
             parts = _random_parts(jax.random.fold_in(key, 2 * i + j), kind, fmt, (e,), n)
             keep_quantized_experts(m, name, fmt, *parts)
             count += 1

@@ -60,7 +60,7 @@ class KeptQuant:
 
     def map(self, fn) -> "KeptQuant":
         """The same with ``fn`` applied to each array (e.g. ``jax.device_put``)."""
-        return KeptQuant(self.fmt, fn(self.codes), fn(self.scale),
+        return KeptQuant(self.fmt, fn(self.codes), None if self.scale is None else fn(self.scale),
                          None if self.scale_2 is None else fn(self.scale_2))
 
     @property
@@ -345,10 +345,12 @@ def _concat_rows(parts: list[KeptQuant]) -> KeptQuant | None:
     """Matrices of one input stacked by rows in one device form (numpy; as
     :func:`pallas_kernels.quant.concat_parts`), or None for parts of different forms."""
     first = parts[0].fmt
-    if len({(p.fmt.kind, p.fmt.block[1], p.fmt.in_features, p.fmt.divide)
+    if len({(p.fmt.kind, p.fmt.block[1], p.fmt.in_features, p.fmt.divide, p.fmt.ggml_type)
             for p in parts}) != 1:
         return None
     codes = np.concatenate([p.codes for p in parts])
+    if first.kind == "ggml":  # rows hold their own scales
+        return KeptQuant(first, codes, None)
     if first.kind == "nvfp4":
         return KeptQuant(first, codes, np.concatenate([p.scale for p in parts]),
                          np.concatenate([p.scale_2 for p in parts]))

@@ -40,7 +40,7 @@ import jax.numpy as jnp
 __all__ = ["KINDS", "NVFP4_GROUP", "QuantFormat", "KeptArray", "dequantize", "decode_e2m1",
            "stored_bytes", "check_parts", "concat_parts"]
 
-KINDS = ("fp8", "nvfp4")
+KINDS = ("fp8", "nvfp4", "ggml")
 NVFP4_GROUP = 16  # input columns per NVFP4 scale
 
 
@@ -49,14 +49,18 @@ class QuantFormat:
     """Static description of one kept-quantized projection (hashable: part of a traced
     program).
 
-    kind: ``"fp8"`` or ``"nvfp4"``; block: ``(bn, bk)``, rows and columns per fp8 scale
-    (``(1, 16)`` for nvfp4); divide: nvfp4 only, ``W = ... / scale_2`` (compressed-tensors)
-    instead of ``* scale_2``; in_features: ``K``, the logical input size."""
+    kind: ``"fp8"``, ``"nvfp4"`` or ``"ggml"``; block: ``(bn, bk)``, rows and columns per fp8
+    scale (``(1, 16)`` for nvfp4, ``(1, values per block)`` for ggml); divide: nvfp4 only,
+    ``W = ... / scale_2`` (compressed-tensors) instead of ``* scale_2``; in_features: ``K``,
+    the logical input size; ggml_type: ggml only, the block type
+    (:data:`pallas_kernels.quant.ggml.GGML_BLOCKS`; the rows' raw bytes are the codes and
+    hold their own scales)."""
 
     kind: str
     block: tuple[int, int]
     in_features: int
     divide: bool = False
+    ggml_type: str = ""
 
     def __post_init__(self):
         if self.kind not in KINDS:
@@ -70,6 +74,10 @@ class QuantFormat:
     def shapes(self, n: int) -> dict[str, tuple[tuple[int, ...], object]]:
         """``{part: (shape, dtype)}`` of a ``[n, in_features]`` projection's device arrays."""
         k = self.in_features
+        if self.kind == "ggml":
+            from pallas_kernels.quant.ggml import row_bytes
+
+            return {"codes": ((n, row_bytes(self.ggml_type, k)), jnp.uint8)}
         if self.kind == "fp8":
             bn, bk = self.block
             return {"codes": ((n, k), jnp.float8_e4m3fn),
@@ -131,6 +139,10 @@ def dequantize(fmt: QuantFormat, codes: jax.Array, scale: jax.Array, scale_2, dt
     elementwise, so XLA fuses it into the consumer where it can."""
     k = fmt.in_features
     n = codes.shape[-2]
+    if fmt.kind == "ggml":
+        from pallas_kernels.quant.ggml import dequantize_rows
+
+        return dequantize_rows(fmt.ggml_type, codes, k).astype(dtype)
     if fmt.kind == "fp8":
         w = codes.astype(jnp.float32) * _expand(scale, fmt.block, n, k)
         return w.astype(dtype)
@@ -152,7 +164,7 @@ class KeptArray:
 
     fmt: QuantFormat
     codes: jax.Array
-    scale: jax.Array
+    scale: jax.Array | None
     scale_2: jax.Array | None
     dtype: object
 
@@ -166,7 +178,7 @@ class KeptArray:
 
     def __getitem__(self, ids) -> jax.Array:
         take = lambda a: None if a is None else a[ids]
-        return dequantize(self.fmt, self.codes[ids], self.scale[ids], take(self.scale_2),
+        return dequantize(self.fmt, self.codes[ids], take(self.scale), take(self.scale_2),
                           self.dtype)
 
 
@@ -177,11 +189,13 @@ def concat_parts(fmts: list[QuantFormat], parts: list[tuple]) -> tuple[QuantForm
     are repeated per row (``block = (1, bk)``, exact, ``bn`` times the scale bytes). Raises
     ValueError for parts of different kinds, column blocks, input sizes or ``divide``."""
     first = fmts[0]
-    same = {(f.kind, f.block[1], f.in_features, f.divide) for f in fmts}
+    same = {(f.kind, f.block[1], f.in_features, f.divide, f.ggml_type) for f in fmts}
     if len(same) != 1:
         raise ValueError(f"concat_parts: the projections are held in different forms {fmts}; "
                          "only one form merges.")
     codes = jnp.concatenate([p[0] for p in parts], axis=0)
+    if first.kind == "ggml":  # rows hold their own scales
+        return first, (codes, None, None)
     if first.kind == "nvfp4":
         return first, (codes, jnp.concatenate([p[1] for p in parts], axis=0),
                        jnp.concatenate([p[2] for p in parts], axis=0))

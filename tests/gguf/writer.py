@@ -170,9 +170,11 @@ def _write(path, arch, add_meta, tensors, raw=None):
     w.close()
 
 
-def write_target(folder, path, *, norm_offset=1.0, tile=True, nextn=False):
+def write_target(folder, path, *, norm_offset=1.0, tile=True, nextn=False, quantize=None):
     """``folder`` (safetensors qwen4_exp) -> a qwen4exp GGUF target at ``path``. ``nextn``:
-    also a trailing llama.cpp-style ``blk.{n}.nextn.*`` block (which must never be read)."""
+    also a trailing llama.cpp-style ``blk.{n}.nextn.*`` block (which must never be read).
+    ``quantize``: ``{GGUF tensor name suffix: ggml type name}``, tensors whose name ends so
+    are stored in that block type (``gguf.quants.quantize``)."""
     c, t = _text_config(folder), _canonical(folder)
     n = c["num_hidden_layers"]
     tensors = {"token_embd.weight": t["embed_tokens.weight"], "output.weight": t["lm_head.weight"],
@@ -194,7 +196,13 @@ def write_target(folder, path, *, norm_offset=1.0, tile=True, nextn=False):
         if nextn:
             w.add_uint32("qwen4exp.nextn_predict_layers", 1)
 
-    _write(path, "qwen4exp", meta, tensors)
+    raw = {}
+    for suffix, qname in (quantize or {}).items():
+        qtype = gguf.GGMLQuantizationType[qname]
+        for name in [k for k in tensors if k.endswith(suffix)]:
+            value = np.ascontiguousarray(tensors.pop(name), np.float32)
+            raw[name] = (gguf.quants.quantize(value, qtype), value.shape, qtype)
+    _write(path, "qwen4exp", meta, tensors, raw)
     return path
 
 

@@ -34,12 +34,13 @@ def _project(x: jax.Array, m) -> jax.Array:
     ``m.scale`` set (int8 rows, :func:`quantize_projections`), the int8 rows' product
     (:func:`~mtp_jax.models.layers.int8_rows.int8_matmul`, which ignores ``backend``)."""
     if m.quant is not None:
+        scale = None if m.scale is None else m.scale[...]
         scale_2 = None if m.scale_2 is None else m.scale_2[...]
         rows = math.prod(x.shape[:-1])
-        if m.backend == "pallas" and quant_gemv_applies(m.quant, m.out_features,
-                                                        m.in_features, rows):
-            return quant_gemv(x, m.quant, m.weight[...], m.scale[...], scale_2, out_dtype=m.dtype)
-        w = dequantize(m.quant, m.weight[...], m.scale[...], scale_2, m.dtype)
+        if (m.backend == "pallas" and m.quant.kind != "ggml"
+                and quant_gemv_applies(m.quant, m.out_features, m.in_features, rows)):
+            return quant_gemv(x, m.quant, m.weight[...], scale, scale_2, out_dtype=m.dtype)
+        w = dequantize(m.quant, m.weight[...], scale, scale_2, m.dtype)
         return gemv(x, w, backend=m.backend)
     if m.scale is None:
         return gemv(x, m.weight[...], backend=m.backend)
@@ -56,7 +57,7 @@ def keep_quantized(m, fmt: QuantFormat, codes, scale, scale_2) -> None:
         raise ValueError(f"quantized weights [{n}, {fmt.in_features}] for a projection of "
                          f"[{m.out_features}, {m.in_features}].")
     m.weight = nnx.Param(codes)
-    m.scale = as_data(nnx.Param(scale))
+    m.scale = None if scale is None else as_data(nnx.Param(scale))
     m.scale_2 = None if scale_2 is None else as_data(nnx.Param(scale_2))
     m.quant = fmt
 
@@ -142,7 +143,7 @@ def mergeable(linears: Sequence[Linear]) -> bool:
     projections) stays unmerged. (int8 rows are not judged here: :func:`merge_linears` refuses
     them.)"""
     forms = {None if m.quant is None else (m.quant.kind, m.quant.block[1], m.quant.in_features,
-                                           m.quant.divide) for m in linears}
+                                           m.quant.divide, m.quant.ggml_type) for m in linears}
     return len(forms) == 1
 
 

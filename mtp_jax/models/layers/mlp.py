@@ -83,9 +83,8 @@ class Experts(nnx.Module):
         fmt = dict(self.quant).get(name)
         if fmt is None:
             return param[...]
-        s2 = self.scales.get(name + "_2")
-        return KeptArray(fmt, param[...], self.scales[name][...],
-                         None if s2 is None else s2[...], self.dtype)
+        read = lambda key: None if self.scales.get(key) is None else self.scales[key][...]
+        return KeptArray(fmt, param[...], read(name), read(name + "_2"), self.dtype)
 
     def __call__(self, x: jax.Array, expert_ids: jax.Array, weights: jax.Array) -> jax.Array:
         """``x [N, H]``, ``expert_ids / weights [N, top_k]`` -> ``[N, H]`` weighted sum."""
@@ -109,7 +108,8 @@ def keep_quantized_experts(m: Experts, name: str, fmt: QuantFormat, codes, scale
                          f"{name} {shape}.")
     setattr(m, name, nnx.Param(codes))
     scales = {} if m.scales is None else dict(m.scales)
-    scales[name] = nnx.Param(scale)
+    if scale is not None:
+        scales[name] = nnx.Param(scale)
     if scale_2 is not None:
         scales[name + "_2"] = nnx.Param(scale_2)
     m.scales = as_data(nnx.Dict(scales))

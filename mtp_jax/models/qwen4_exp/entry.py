@@ -54,7 +54,8 @@ def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp
                                read=functools.partial(read_random, seed=request.seed))
     elif (g := gguf_file(path)) is not None:  # a Flash-Next GGUF, with a Strata pack as draft
         model = load_qwen4_exp_gguf(g, cfg, request.dtype, with_mtp=request.with_mtp,
-                                    draft_path=request.draft_path, ple_backend=backend)
+                                    draft_path=request.draft_path, ple_backend=backend,
+                                    quantization=request.quantization)
     else:
         model = load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,
                                ple_backend=backend, cfg=cfg, quantization=request.quantization)

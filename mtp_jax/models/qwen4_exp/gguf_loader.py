@@ -29,8 +29,11 @@ from mtp_jax.models.qwen4_exp.gguf_config import ARCH, PLE_TABLE, config_from_gg
 from mtp_jax.models.qwen4_exp.loaded import PLEHost
 from mtp_jax.models.qwen4_exp.ple_store import NgramTable
 from mtp_jax.models.qwen4_exp.strata_pack import check_pack, pack_tensors
-from mtp_jax.weights.gguf_reader import GGUFFile, open_gguf, read_tensor
+from mtp_jax.weights.gguf_reader import GGUFFile, GGUFTensor, open_gguf, read_tensor, type_name
+from mtp_jax.weights.quant_tensors import KeptQuant
 from mtp_jax.weights.safetensors_files import CheckpointError, TensorInfo
+from pallas_kernels.quant import QuantFormat
+from pallas_kernels.quant.ggml import GGML_BLOCKS, row_bytes
 
 _TABLE_DTYPES = {0: "F32", 1: "F16", 30: "BF16"}
 
@@ -105,11 +108,30 @@ def _read_one(g: GGUFFile, cfg, r, raw_norms: bool, out_dtype) -> np.ndarray:
     return value.astype(out_dtype)
 
 
+def _kept(g: GGUFFile, sources: list[GGUFTensor]) -> KeptQuant | None:
+    """The sources' rows as packed ggml blocks (:mod:`pallas_kernels.quant.ggml`), stacked by
+    rows (gate then up), or None when a source is not of one kept block type."""
+    types = {type_name(t.type_id) for t in sources}
+    if len(types) != 1 or next(iter(types)) not in GGML_BLOCKS:
+        return None
+    kind = types.pop()
+    k = sources[0].shape[-1]
+    fmt = QuantFormat("ggml", (1, GGML_BLOCKS[kind][0]), k, ggml_type=kind)
+    rows = [np.asarray(g.data[t.offset:t.offset + t.nbytes]).reshape(
+        *t.shape[:-1], row_bytes(kind, k)) for t in sources]
+    return KeptQuant(fmt, np.concatenate(rows, axis=-2) if len(rows) > 1 else np.array(rows[0]),
+                     None)
+
+
 def read_gguf(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], *, dtype: str,
-              with_mtp: bool, ple_backend: str = "disk", draft_path: str | None = None):
+              with_mtp: bool, ple_backend: str = "disk", draft_path: str | None = None,
+              keep=frozenset()):
     """The reader :func:`~mtp_jax.models.qwen4_exp.loader.load_qwen4_exp` calls for a GGUF:
     ``(arrays: canonical name -> np.ndarray [dtype], ple: [PLEHost])``. The target's and the
-    pack's names and shapes are checked first; then data is read and dequantized."""
+    pack's names and shapes are checked first; then data is read and dequantized, but for the
+    names in ``keep`` (projections and expert stacks) stored as is (a ``plain`` recipe, or gate
+    and up stacked) in one of the block types :mod:`pallas_kernels.quant.ggml` decodes: those
+    come as :class:`~mtp_jax.weights.quant_tensors.KeptQuant` of packed rows."""
     g = open_gguf(path)
     plans = _target_plan(g, cfg, expected)
     pack, pack_names = None, {}
@@ -123,21 +145,30 @@ def read_gguf(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], *, dty
         pack_names = pack_tensors(pack)
     out_dtype = NP_DTYPES[dtype]
     ple = _ple(g, cfg, ple_backend, out_dtype)
-    arrays = {r.canonical: _read_one(g, cfg, r, False, out_dtype) for r in plans}
+    arrays = {}
+    for r in plans:
+        kept = (_kept(g, [g.tensors[s] for s in r.sources])
+                if r.canonical in keep and r.kind in ("plain", "concat1") else None)
+        arrays[r.canonical] = kept if kept is not None else _read_one(g, cfg, r, False,
+                                                                      out_dtype)
     for c in expected:
         if c.startswith("mtp."):
-            arrays[c] = read_tensor(pack, pack_names[c]).astype(out_dtype)
+            kept = _kept(pack, [pack_names[c]]) if c in keep else None
+            arrays[c] = (kept if kept is not None
+                         else read_tensor(pack, pack_names[c]).astype(out_dtype))
     return arrays, ple
 
 
 def load_qwen4_exp_gguf(path: str, cfg: Qwen4ExpConfig, dtype: str, *, with_mtp: bool,
-                        draft_path: str | None, ple_backend: str = "disk"):
+                        draft_path: str | None, ple_backend: str = "disk",
+                        quantization: str = "auto"):
     """Load a qwen4exp GGUF target (``cfg`` from :func:`gguf_config`, with the pack's MTP
     layers when ``draft_path`` is given) as a
-    :class:`~mtp_jax.models.qwen4_exp.loaded.LoadedQwen4Exp`."""
+    :class:`~mtp_jax.models.qwen4_exp.loaded.LoadedQwen4Exp`; ``quantization`` as for
+    safetensors (``"keep"``: the routed experts and plain projections stay packed)."""
     from mtp_jax.models.qwen4_exp.loader import load_qwen4_exp
     if with_mtp and not cfg.has_mtp:
         cfg = gguf_config(path, draft_path)
     read = functools.partial(read_gguf, draft_path=draft_path)
     return load_qwen4_exp(path, dtype, with_mtp=with_mtp, ple_backend=ple_backend, cfg=cfg,
-                          read=read)
+                          read=read, quantization=quantization, read_keeps=True)

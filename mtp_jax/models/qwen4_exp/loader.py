@@ -197,11 +197,14 @@ def read_checkpoint(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], 
 
 def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = True,
                    ple_backend: str = "disk", cfg: Qwen4ExpConfig | None = None,
-                   read=None, quantization: str = "auto") -> LoadedQwen4Exp:
+                   read=None, quantization: str = "auto",
+                   read_keeps: bool = False) -> LoadedQwen4Exp:
     """Load a qwen4_exp checkpoint folder (composite ``model.language_model.*`` or text-only
     ``model.*``). ``ple_backend``: ``"disk"`` (default, memory-mapped tables) or ``"memory"``.
     ``quantization``: how a quantized checkpoint's projections are held
-    (:func:`mtp_jax.weights.quant_config.keeps_quantized`; :mod:`mtp_jax.models.quantized`).
+    (:func:`mtp_jax.weights.quant_config.keeps_quantized`; :mod:`mtp_jax.models.quantized`);
+    ``read_keeps``: ``read`` takes the names to keep quantized (``keep=``), as
+    :func:`read_checkpoint` does.
     ``read``: the tensor reader, :func:`read_checkpoint`'s signature (default: it; a GGUF
     target passes :func:`~mtp_jax.models.qwen4_exp.gguf_loader.read_gguf`)."""
     cfg = cfg or Qwen4ExpConfig.from_folder(path)
@@ -219,10 +222,12 @@ def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = Tr
         want.update(names.mtp_tensors(cfg))
     assert want == expected, (sorted(set(want) ^ set(expected)),
                               [k for k in want if k in expected and want[k] != expected[k]])
-    keep = (kept_names(nnx.merge(graphdef, abstract)) if read is None
+    keep = (kept_names(nnx.merge(graphdef, abstract)) if (read is None or read_keeps)
             and keeps_quantized(quantization) else frozenset())
-    arrays, ple = (read or functools.partial(read_checkpoint, keep=keep))(
-        path, cfg, expected, dtype=dtype, with_mtp=with_mtp, ple_backend=ple_backend)
+    reader = read or read_checkpoint
+    arrays, ple = (functools.partial(reader, keep=keep) if read is None or read_keeps
+                   else reader)(path, cfg, expected, dtype=dtype, with_mtp=with_mtp,
+                                ple_backend=ple_backend)
     arrays, kept = split_kept(arrays)
     filled = []
     for p, v in flat:
