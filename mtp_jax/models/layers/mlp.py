@@ -15,8 +15,8 @@ from flax import nnx
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.layers.basic import Linear, as_data, merge_linears, mergeable, project
 from pallas_kernels.moe import moe_experts_weighted
-from pallas_kernels.quant import KeptArray, QuantFormat, check_parts
 from pallas_kernels.moe.router import MAX_EXPERTS, route_topk
+from pallas_kernels.quant import KeptArray, QuantFormat, check_parts
 
 
 class MLP(nnx.Module):
