@@ -14,10 +14,8 @@ from mtp_jax.models.loader import load_model
 from mtp_jax.models.quantized import kept_experts
 from mtp_jax.weights.q2_0 import dequantize_q2_0
 from pallas_kernels.quant.ggml import GGML_BLOCKS, dequantize_rows
-from tests.fixtures.make_qwen4_trained_fixture import fixture_prompts
-from tests.gguf.test_gguf_target import CKPT, K, MAX_NEW, _engine
+from tests.gguf.test_gguf_target import CKPT, mtp_runs
 from tests.gguf.writer import write_pack, write_target
-from tests.helpers.engine_runs import greedy_requests, run_per_round
 
 
 def _random_blocks(rng, ggml_type: str, rows: int, blocks: int) -> np.ndarray:
@@ -71,13 +69,7 @@ def test_q8_0_experts_kept_packed(q8_files):
     for t in (1, 8):  # the gather form (one row) and the block form
         (la, _), (lb, _) = dense.forward(ids[:, :t]), kept.forward(ids[:, :t])
         np.testing.assert_allclose(np.asarray(lb), np.asarray(la), rtol=0, atol=1e-5)
-    prompts = [p for p in fixture_prompts(kept.cfg.vocab_size) if len(p) <= 24 - MAX_NEW][:3]
-    tags = [f"p{i}" for i in range(len(prompts))]
-    out = {}
-    for name, m in (("dense", dense), ("kept", kept)):
-        reqs = greedy_requests(prompts, tags, MAX_NEW)
-        seen = run_per_round(_engine(m, K), reqs)
-        out[name] = ([r.output_ids for r in reqs], seen)
+    _, out = mtp_runs({"dense": dense, "kept": kept})
     assert out["kept"] == out["dense"]
     assert sum(s[-1][1] for s in out["kept"][1].values()) > 0  # drafts were accepted
 

@@ -95,16 +95,25 @@ def _plain_greedy(model, prompt, n, width=24):
     return ids[len(prompt):]
 
 
-def test_mtp_tokens_and_accepts_equal_safetensors(models):
-    ref, gg = models
-    prompts = [p for p in fixture_prompts(ref.cfg.vocab_size) if len(p) <= 24 - MAX_NEW][:3]
+def mtp_runs(models: dict) -> tuple[list, dict]:
+    """Three fixture prompts decoded greedily with MTP k = ``K`` by each of ``models`` (name ->
+    model), one round per call: ``(prompts, {name: (output ids per prompt, per-request
+    (drafted, accepted) after each round)})``."""
+    vocab = next(iter(models.values())).cfg.vocab_size
+    prompts = [p for p in fixture_prompts(vocab) if len(p) <= 24 - MAX_NEW][:3]
     assert len(prompts) == 3
     tags = [f"p{i}" for i in range(len(prompts))]
     out = {}
-    for name, m in (("ref", ref), ("gguf", gg)):
+    for name, m in models.items():
         reqs = greedy_requests(prompts, tags, MAX_NEW)
         seen = run_per_round(_engine(m, K), reqs)
         out[name] = ([r.output_ids for r in reqs], seen)
+    return prompts, out
+
+
+def test_mtp_tokens_and_accepts_equal_safetensors(models):
+    ref, gg = models
+    prompts, out = mtp_runs({"ref": ref, "gguf": gg})
     assert out["gguf"][0] == out["ref"][0] == [_plain_greedy(gg, p, MAX_NEW) for p in prompts]
     assert out["gguf"][1] == out["ref"][1]
     assert sum(s[-1][1] for s in out["gguf"][1].values()) > 0  # drafts were accepted
