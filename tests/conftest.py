@@ -49,6 +49,26 @@ def pytest_configure(config):
     jax.config.update("jax_default_matmul_precision", "highest")
 
 
+@pytest.fixture(autouse=True, scope="module")
+def _free_executables_after_module():
+    """Drop jax's in-memory executables after each test module.
+
+    Every XLA:CPU executable keeps its JIT code in its own memory mappings, and a worker that
+    runs half the suite piles up tens of thousands of them: once a process reaches the kernel's
+    ``vm.max_map_count`` (65,530 by default) the next compile dies of a segmentation fault in
+    ``backend_compile_and_load`` (what CI and local full runs hit; reproduced by running two
+    files under ``sysctl vm.max_map_count=8000``, docs/design.md). Clearing jax's caches when a
+    module ends frees them (about 3,000 mappings stay); later modules get their programs from
+    the persistent compilation cache instead of from memory."""
+    yield
+    import gc
+
+    import jax
+
+    jax.clear_caches()
+    gc.collect()
+
+
 @pytest.fixture(scope="session")
 def vocab_cache(tmp_path_factory) -> str:
     """A pytest tmp cache holding the converted tokenizer.json: the one slow step (~6 s) of
