@@ -149,10 +149,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "bf16 bytes); dequantize = dequantized to --dtype at load; auto = "
                         "dequantize until keep is measured faster on the GPU "
                         "(docs/quantization.md; default %(default)s)")
-    p.add_argument("--ple-backend", default=None, choices=["disk", "memory"],
+    p.add_argument("--ple-backend", default=None, choices=["disk", "memory", "device"],
                    help="Qwen3.8-Flash-Next checkpoints (model_type qwen4_exp) only: their "
-                        "PLE n-gram tables memory-mapped from disk (the default) or held in "
-                        "host RAM")
+                        "PLE n-gram tables memory-mapped from disk (the default), held in "
+                        "host RAM, or copied to the accelerator (device: looked up inside the "
+                        "programs, no host callback; the tables must fit in device memory)")
     add_backend_flags(p)
 
 

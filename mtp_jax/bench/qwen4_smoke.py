@@ -3,10 +3,11 @@ Qwen3.8-Flash-Next shape (docs/benchmarks.md, session 25).
 
 Writes a random bf16 checkpoint of ``configs/Qwen3.8-Flash-Next.json`` cut to ``--layers``
 layers and ``--experts`` routed experts with a small n-gram table (``--ngram-base``), then runs
-``LLM`` (disk PLE backend, prefix cache on) at batch 1 and 8, k = 0 and 3 (the random MTP head
-accepts nothing: the k = 3 rows are the cost of a round). Prints one dict per row: end-to-end
-tokens/s, ms per round (host + device; rounds wait for the host between them) and the host PLE
-lookup's ms per round. Writes ``$OUT/q4_smoke.json`` (or ``--out``).
+``LLM`` (``--ple-backend``, default disk; prefix cache on) at batch 1 and 8, k = 0 and 3 (the
+random MTP head accepts nothing: the k = 3 rows are the cost of a round). Prints one dict per
+row: the PLE backend, end-to-end tokens/s, ms per round (host + device) and the host PLE
+lookup's ms per round (None with ``device``: its programs look the rows up themselves). Writes
+``$OUT/q4_smoke.json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -45,7 +46,7 @@ def lookup_ms(model, prompts, k: int, repeats: int = 50) -> float:
     return 1e3 * (time.perf_counter() - t0) / repeats
 
 
-def run_row(llm, prompts, k: int, max_tokens: int, rng) -> dict:
+def run_row(llm, prompts, k: int, max_tokens: int, rng, backend: str = "disk") -> dict:
     """Warm up on other prompts of the same lengths and ``max_tokens`` (the same buckets and
     prefix-cache snapshot crossings: nothing compiles in the timed run), then time."""
     other = [rng.integers(100, 200_000, len(p)).tolist() for p in prompts]
@@ -58,9 +59,11 @@ def run_row(llm, prompts, k: int, max_tokens: int, rng) -> dict:
     wall = time.perf_counter() - t0
     rounds = max(eng.stats.rounds - r0, 1)
     toks = sum(len(o.token_ids) for o in outs)
-    return dict(k=k, batch=len(prompts), tokens=toks, tok_s=round(toks / wall, 1),
+    return dict(ple_backend=backend, k=k, batch=len(prompts), tokens=toks,
+                tok_s=round(toks / wall, 1),
                 ms_per_round=round(1e3 * (eng.stats.round_seconds - s0) / rounds, 3),
-                lookup_ms=round(lookup_ms(llm.model, prompts, k), 3),
+                lookup_ms=(None if backend == "device"
+                           else round(lookup_ms(llm.model, prompts, k), 3)),
                 accept_length=outs[0].accept_length)
 
 
@@ -87,6 +90,9 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--checkpoint-dir", default="/tmp/q4_smoke_ckpt")
+    p.add_argument("--ple-backend", default="disk", choices=["disk", "memory", "device"],
+                   help="where the PLE n-gram tables live (default %(default)s; device: on "
+                        "the GPU, looked up inside the programs, no host callback)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
     p.add_argument("--profile", action="store_true",
                    help="also trace 10 rounds at batch 1 (python -m mtp_jax.bench profile's "
@@ -99,10 +105,10 @@ def main(argv=None) -> int:
     for k in (0, 3):
         llm = LLM(a.checkpoint_dir, dtype="bfloat16", max_running_requests=8, max_model_len=512,
                   speculative_algorithm="mtp" if k else "none",
-                  speculative_num_steps=k if k else 3)
+                  speculative_num_steps=k if k else 3, ple_backend=a.ple_backend)
         for b in (1, 8):
             prompts = [rng.integers(100, 200_000, a.prompt_len).tolist() for _ in range(b)]
-            rows.append(run_row(llm, prompts, k, a.max_tokens, rng))
+            rows.append(run_row(llm, prompts, k, a.max_tokens, rng, a.ple_backend))
             print(rows[-1], flush=True)
         print("weights GB:", weights_bytes(llm.model.cfg, "bfloat16", True) / 1e9)
         if a.profile:

@@ -117,7 +117,8 @@ class Engine:
                                 weights_bytes=planned_weights_bytes(
                                     mc, model.dtype, model.has_mtp,
                                     speculative if mtp else None)
-                                - getattr(model, "weight_bytes_saved", 0),
+                                - getattr(model, "weight_bytes_saved", 0)
+                                + getattr(model, "extra_weight_bytes", 0),
                                 device_bytes=stats.get("bytes_limit"),
                                 mem_fraction=engine_cfg.mem_fraction,
                                 max_total_tokens=engine_cfg.max_total_tokens,

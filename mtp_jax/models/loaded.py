@@ -70,6 +70,12 @@ class LoadedModel:
     derived: dict = dataclasses.field(default_factory=dict, repr=False)
 
     @property
+    def extra_weight_bytes(self) -> int:
+        """Device bytes the model holds besides its checkpoint's tensors (qwen4_exp's n-gram
+        tables with ``ple_backend="device"``), added to the engine's planned weight bytes."""
+        return 0
+
+    @property
     def host_callbacks(self) -> bool:
         """Whether the model's programs call back into the host (qwen4_exp's PLE rows): such
         programs cannot be serialized, so the executable cache does not save them."""

@@ -54,8 +54,12 @@ def next_token_loss(logits, ids, lengths):
 def split_trainable(params: nnx.State, trainable: Callable[[str], bool]):
     """``(train, frozen)`` nnx States of ``params`` by canonical name
     (``trainable("layers.3.self_attn.q_proj.weight") -> bool``); ``nnx.merge_state(train,
-    frozen)`` gives ``params`` back. Raises ``ValueError`` when nothing is trainable."""
-    train, frozen = nnx.split_state(params, lambda path, _: bool(trainable(param_name(path))), ...)
+    frozen)`` gives ``params`` back. Only ``nnx.Param`` leaves train: other variables (e.g.
+    qwen4_exp's device n-gram tables, :class:`~mtp_jax.models.qwen4_exp.ple_device.PLETable`)
+    stay frozen. Raises ``ValueError`` when nothing is trainable."""
+    train, frozen = nnx.split_state(
+        params, lambda path, v: isinstance(v, nnx.Param) and bool(trainable(param_name(path))),
+        ...)
     if not jax.tree.leaves(train):
         raise ValueError("trainable() selected no parameter; names look like "
                          "'layers.3.self_attn.q_proj.weight', 'norm.weight', 'lm_head.weight'.")

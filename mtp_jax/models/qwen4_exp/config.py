@@ -350,3 +350,10 @@ def ngram_table_rows(cfg: Qwen4ExpConfig, ple_index: int) -> int:
     d = cfg.make_ngram_vocab_size_divisible_by
     return -(-total // d) * d
 
+
+def ple_table_bytes(cfg: Qwen4ExpConfig, itemsize: int) -> int:
+    """Bytes of every PLE layer's n-gram table held in a dtype of ``itemsize`` bytes
+    (``ple_backend="device"``): ``ngram_table_rows * ngram_head_dim * itemsize`` per layer."""
+    return sum(ngram_table_rows(cfg, j) * cfg.ngram_head_dim * itemsize
+               for j in range(len(cfg.ple_layers)))
+

@@ -4,7 +4,9 @@ The dense tensors are drawn as every family's (:func:`mtp_jax.models.params.rand
 The PLE n-gram tables of a real shape hold about 100 GB, so they are not drawn: a
 :class:`SyntheticTable` answers a lookup of row ``i`` with row ``i mod BASE_ROWS`` of one small
 random table, at the cost of a host gather like the ``memory`` backend's (not a disk read:
-the bench's lookups are not the ``disk`` backend's). The hash constants are the config's.
+the bench's lookups are not the ``disk`` backend's). With ``ple_backend="device"`` the small
+table goes to the accelerator and the programs read row ``i mod BASE_ROWS`` of it there
+(:meth:`SyntheticTable.device_rows`). The hash constants are the config's.
 """
 
 from __future__ import annotations
@@ -36,6 +38,11 @@ class SyntheticTable:
     @property
     def nbytes(self) -> int:
         return self._base.nbytes
+
+    def device_rows(self) -> np.ndarray:
+        """The small table ``[min(rows, BASE_ROWS), dim]``: a device lookup of row ``i`` reads
+        its row ``i mod`` that count (:class:`~mtp_jax.models.qwen4_exp.ple_device.PLEDevice`)."""
+        return self._base
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """``ids [...]`` int64 row ids -> rows ``[..., dim]``; IndexError outside the table."""

@@ -13,7 +13,9 @@ prefix cache, MTP and external drafts. Its state pools are
 (``ple_backend`` ``disk``, memory-mapped, or ``memory``): the rows of a program's tokens are
 looked up there by a host callback inside the program
 (:mod:`~mtp_jax.models.qwen4_exp.ple_callback`), so its rounds overlap the host and run several
-per call like every family's. The kernels are XLA's.
+per call like every family's. With ``device`` (tables that fit the accelerator) they are copied
+there and looked up inside the program (:mod:`~mtp_jax.models.qwen4_exp.ple_device`, no host
+callback). The kernels are XLA's.
 """
 
 from __future__ import annotations
@@ -28,14 +30,13 @@ from mtp_jax.models.qwen4_exp.dummy import read_random
 from mtp_jax.models.qwen4_exp.gguf_loader import load_qwen4_exp_gguf
 from mtp_jax.models.qwen4_exp.loader import LoadedQwen4Exp, load_qwen4_exp
 from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
+from mtp_jax.models.qwen4_exp.ple_store import PLE_BACKENDS
 from mtp_jax.models.qwen4_exp.pools import make_qwen4_pools
 from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
 from mtp_jax.models.qwen4_exp.slot_states import check_slot_states
 from mtp_jax.weights.gguf_header import gguf_file
 
 __all__ = ["ENTRY", "make_entry"]
-
-PLE_BACKENDS = ("disk", "memory")
 
 
 def build(cfg: Qwen4ExpConfig, dtype, with_mtp: bool) -> Qwen4ExpModel:

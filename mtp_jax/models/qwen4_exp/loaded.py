@@ -1,11 +1,14 @@
 """A loaded qwen4_exp model: a :class:`~mtp_jax.models.loaded.LoadedModel` with its PLE n-gram
-tables on the host.
+tables on the host (and, with ``ple_backend="device"``, on the accelerator too).
 
 The engine serves it like every family: its programs look the PLE rows of their tokens up on the
-host from inside the program (:mod:`~mtp_jax.models.qwen4_exp.ple_callback`); the research API (``forward``, ``mtp_forward``) is jit- and grad-able:
-inside a traced function the PLE rows are looked up by a host callback
-(``jax.pure_callback``), since the tables never go to the accelerator. ``new_cache`` /
-``extend`` decode with a cache outside the engine (prefill mode, every row committed).
+host from inside the program (:mod:`~mtp_jax.models.qwen4_exp.ple_callback`), or, with the
+device backend, in the program from the device tables
+(:mod:`~mtp_jax.models.qwen4_exp.ple_device`, no host callback). The research API
+(``forward``, ``mtp_forward``) is jit- and grad-able: inside a traced function the PLE rows are
+looked up by a host callback (``jax.pure_callback``) or, with device tables, in the program.
+``new_cache`` / ``extend`` decode with a cache outside the engine (prefill mode, every row
+committed; their rows are looked up on the host, every backend keeps the host tables).
 """
 
 from __future__ import annotations
@@ -91,10 +94,25 @@ class LoadedQwen4Exp(LoadedModel):
         return ple_rows(self.cfg, self.ple, contexts, ids)
 
     @property
+    def device_tables(self) -> bool:
+        """Whether the n-gram tables are on the device (``ple_backend="device"``): the
+        programs look their rows up there."""
+        return bool(self.cfg.ple_layers) and "ple_device" in self.params
+
+    @property
     def host_callbacks(self) -> bool:
-        """True with PLE layers: the engine's programs look their rows up on the host
-        (:mod:`~mtp_jax.models.qwen4_exp.ple_callback`)."""
-        return bool(self.cfg.ple_layers)
+        """True with PLE layers whose tables stay on the host: the engine's programs look their
+        rows up there (:mod:`~mtp_jax.models.qwen4_exp.ple_callback`). False with device
+        tables (and without PLE layers)."""
+        return bool(self.cfg.ple_layers) and not self.device_tables
+
+    @property
+    def extra_weight_bytes(self) -> int:
+        """Device bytes of the n-gram tables with ``ple_backend="device"`` (0 otherwise)."""
+        if "ple_device" not in self.params:
+            return 0
+        return sum(int(a.size) * a.dtype.itemsize
+                   for a in jax.tree.leaves(self.params["ple_device"]))
 
     def _fresh_rows(self, ids: np.ndarray) -> np.ndarray:
         """:meth:`host_rows` of whole sequences ``ids [B, T]`` (each starting a request)."""
@@ -102,9 +120,14 @@ class LoadedQwen4Exp(LoadedModel):
         ctx = np.stack([self.ngram_context([]) for _ in range(ids.shape[0])])
         return self.host_rows(ctx, ids)
 
-    def traced_rows(self, ids: jax.Array) -> jax.Array:
-        """:meth:`host_rows` of whole sequences ``ids [B, T]`` (traced or not), through a host
-        callback: ``[B, T, host_row_width]`` float32."""
+    def traced_rows(self, ids: jax.Array, params=None) -> jax.Array:
+        """:meth:`host_rows` of whole sequences ``ids [B, T]`` (traced or not):
+        ``[B, T, host_row_width]`` float32; with device tables looked up in jnp from
+        ``params``' tables (default: the model's), else through a host callback."""
+        if self.device_tables:
+            ids = jnp.asarray(ids, jnp.int32)
+            ctx = jnp.asarray(np.stack([self.ngram_context([])] * ids.shape[0]), jnp.int32)
+            return self.module(params).ple_device(ctx, ids)
         shape = jax.ShapeDtypeStruct((*ids.shape, self.host_row_width), jnp.float32)
         return jax.pure_callback(self._fresh_rows, shape, ids)
 
@@ -119,7 +142,8 @@ class LoadedQwen4Exp(LoadedModel):
         if ids.ndim != 2:
             raise ValueError(f"forward takes input_ids [B, T]; got shape {ids.shape}. Add a batch "
                              "axis (e.g. ids[None]).")
-        rows = self.traced_rows(ids)
+        # Device tables: the program looks the rows up itself, from params' tables.
+        rows = None if self.device_tables else self.traced_rows(ids)
         return _JIT_FORWARD(self.graphdef, self.params if params is None else params, ids, rows)
 
     def mtp_forward(self, hidden_states, next_token_ids, params=None):

@@ -1,6 +1,8 @@
 """Load a qwen4_exp checkpoint folder: dense tensors into the Flax model, PLE n-gram tables into
-host-side :class:`~mtp_jax.models.qwen4_exp.ple_store.NgramTable` (memory or disk backend), the
-int64 hash buffers checked against the config.
+host-side :class:`~mtp_jax.models.qwen4_exp.ple_store.NgramTable` (memory, disk or device
+backend; with ``device`` they are also copied to the accelerator and attached to the model as
+:class:`~mtp_jax.models.qwen4_exp.ple_device.PLEDevice`), the int64 hash buffers checked
+against the config.
 
 ``load_qwen4_exp(path)`` returns a :class:`~mtp_jax.models.qwen4_exp.loaded.LoadedQwen4Exp`
 (a :class:`~mtp_jax.models.loaded.LoadedModel` with the host tables).
@@ -16,6 +18,7 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
+from mtp_jax.models.layers.basic import as_data
 from mtp_jax.models.loaded import DTYPES, NP_DTYPES, resolve_dtype
 from mtp_jax.models.qwen4_exp import names
 from mtp_jax.models.qwen4_exp.config import (Qwen4ExpConfig, head_offsets, head_vocab_sizes,
@@ -23,6 +26,7 @@ from mtp_jax.models.qwen4_exp.config import (Qwen4ExpConfig, head_offsets, head_
 from mtp_jax.models.qwen4_exp import ple_callback
 from mtp_jax.models.qwen4_exp.loaded import LoadedQwen4Exp, PLEHost, PLETables, ple_rows
 from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
+from mtp_jax.models.qwen4_exp.ple_device import PLEDevice
 from mtp_jax.models.qwen4_exp.ple_store import NgramTable
 from mtp_jax.models.qwen4_exp.slot_states import check_slot_states
 from mtp_jax.models.quantized import apply_kept, kept_names, saved_bytes, split_kept
@@ -200,7 +204,10 @@ def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = Tr
                    read=None, quantization: str = "auto",
                    read_keeps: bool = False) -> LoadedQwen4Exp:
     """Load a qwen4_exp checkpoint folder (composite ``model.language_model.*`` or text-only
-    ``model.*``). ``ple_backend``: ``"disk"`` (default, memory-mapped tables) or ``"memory"``.
+    ``model.*``). ``ple_backend``: ``"disk"`` (default, memory-mapped tables), ``"memory"``
+    (host RAM) or ``"device"`` (also copied to the accelerator, after the weights: the programs
+    look their rows up there, no host callback; ValueError when the hash constants break the
+    device hash's bounds, :func:`~mtp_jax.models.qwen4_exp.ple_device.check_constants`).
     ``quantization``: how a quantized checkpoint's projections are held
     (:func:`mtp_jax.weights.quant_config.keeps_quantized`; :mod:`mtp_jax.models.quantized`);
     ``read_keeps``: ``read`` takes the names to keep quantized (``keep=``), as
@@ -211,7 +218,8 @@ def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = Tr
     check_slot_states()
     dtype = resolve_dtype(dtype)
     with_mtp = with_mtp and cfg.has_mtp
-    source = ple_callback.reserve()
+    device = ple_backend == "device"
+    source = None if device else ple_callback.reserve()
     module = nnx.eval_shape(lambda: Qwen4ExpModel(cfg, DTYPES[dtype], with_mtp=with_mtp,
                                                   ple_source=source))
     graphdef, abstract = nnx.split(module)
@@ -243,7 +251,12 @@ def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = Tr
         saved = saved_bytes(module)
         graphdef, params = nnx.split(module)
     tables = PLETables(ple)
-    ple_callback.bind(source, tables, functools.partial(ple_rows, cfg))  # the programs' rows
+    if device and ple:  # the tables as program inputs, after the checkpoint's names were checked
+        module = nnx.merge(graphdef, params)
+        module.ple_device = as_data(PLEDevice(cfg, ple))
+        graphdef, params = nnx.split(module)
+    elif not device:
+        ple_callback.bind(source, tables, functools.partial(ple_rows, cfg))  # the programs' rows
     return LoadedQwen4Exp(cfg=cfg, dtype=dtype, graphdef=graphdef, params=params,
                           has_mtp=with_mtp, ple=tables, pack_small_params=False,
                           weight_bytes_saved=saved)

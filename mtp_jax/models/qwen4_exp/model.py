@@ -1,7 +1,9 @@
 """The qwen4_exp target model (Flax nnx), pure over explicit state.
 
-Parameter paths equal the canonical names of :mod:`mtp_jax.models.qwen4_exp.names`. A forward
-takes the token ids, the host-looked-up PLE n-gram rows, the paged QSA states and the slot states
+Parameter paths equal the canonical names of :mod:`mtp_jax.models.qwen4_exp.names` (the device
+n-gram tables of ``ple_backend="device"``, ``ple_device.tables.*``, are not parameters). A forward
+takes the token ids, the looked-up PLE n-gram rows (or looks them up itself: on the device,
+or by a host callback), the paged QSA states and the slot states
 (:mod:`mtp_jax.models.qwen4_exp.pools`), and returns the pre-mixer residual streams
 ``[B, T, hc*H]`` (the hidden states of this family; the MTP head reads them) with the new states,
 or in verify mode what the commit of the accepted rows takes. ``logits(streams)`` applies ``hyper_connection_mixer`` and
@@ -38,8 +40,13 @@ class Qwen4ExpModel(nnx.Module):
                  ple_source: int | None = None):
         self.cfg = cfg
         # The host lookup of PLE rows when a call is not given them (the engine's rounds:
-        # mtp_jax.models.qwen4_exp.ple_callback); None: every call must pass host_rows.
+        # mtp_jax.models.qwen4_exp.ple_callback); None: every call must pass host_rows, unless
+        # the tables are on the device.
         self.ple_source = ple_source
+        # The n-gram tables on the device and their lookup (ple_backend="device":
+        # mtp_jax.models.qwen4_exp.ple_device.PLEDevice), attached by the loader after the
+        # weights; None: the rows come from the host.
+        self.ple_device = None
         self.embed_tokens = Embed(cfg.vocab_size, cfg.hidden_size, dtype)
         layers, n_attn, n_gdn = [], 0, 0
         for i, t in enumerate(cfg.layer_types):
@@ -109,13 +116,14 @@ class Qwen4ExpModel(nnx.Module):
             batch view) or ``"verify"`` (they do not; returns what :meth:`commit` takes).
           host_rows: ``[B, T, n_ple * ple_embed_dim]`` float, the looked-up PLE n-gram rows of
             every PLE layer, concatenated (:meth:`LoadedQwen4Exp.host_rows`); None: looked up
-            on the host inside the program, from the slots' n-gram context
+            from the slots' n-gram context, inside the program from the device tables
+            (:attr:`ple_device`) when the model holds them, else on the host by a callback
             (:mod:`~mtp_jax.models.qwen4_exp.ple_callback`).
         Returns:
           ``(streams [B, T, hc*H] before the final mixer, new paged, new view | verify rows)``.
         Raises:
           ValueError: an unknown ``gdn_mode``; no ``host_rows`` for a model with PLE layers
-            and no ``ple_source``.
+            and neither device tables nor a ``ple_source``.
         """
         if gdn_mode not in self.gdn_modes:
             raise ValueError(f"gdn_mode {gdn_mode!r} is unknown; use one of {self.gdn_modes}.")
@@ -123,7 +131,9 @@ class Qwen4ExpModel(nnx.Module):
         view = state if slots is None else state.gather(slots)
         d = self.cfg.ple_embed_dim
         ctx = context_at(view.ngram_ctx, batch.positions[:, 0], self.context_eos)
-        if host_rows is None and self.cfg.ple_layers:
+        if host_rows is None and self.cfg.ple_layers and self.ple_device is not None:
+            host_rows = self.ple_device(ctx, input_ids)
+        elif host_rows is None and self.cfg.ple_layers:
             if self.ple_source is None:
                 raise ValueError("this qwen4_exp model has no PLE source; pass host_rows "
                                  "(LoadedQwen4Exp.host_rows) to its calls.")

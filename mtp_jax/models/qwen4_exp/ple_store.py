@@ -1,11 +1,16 @@
 """Host-side PLE n-gram tables: where the rows a step needs are read from.
 
-The real tables hold ~51B parameters (~100 GB bf16), so they never go to the accelerator. Two
-backends give bitwise-identical rows (same stored bytes, same conversion):
+The real tables hold ~51B parameters (~100 GB bf16), so by default they never go to the
+accelerator. The backends give bitwise-identical rows (same stored bytes, same conversion):
 
 * ``memory``: the shards are copied once into one host array; a lookup is a numpy gather.
 * ``disk`` (default): the shard tensors are memory-mapped straight from the checkpoint's
   safetensors files; a lookup touches only the pages of the rows it reads.
+* ``device``: on the host as ``disk`` (memory-mapped, for the host lookups of the research API);
+  :meth:`NgramTable.device_rows` gives the whole table, which the loader copies to the
+  accelerator, where the programs look their rows up with no host callback
+  (:mod:`~mtp_jax.models.qwen4_exp.ple_device`). Needs the tables to fit: ``rows *
+  ple_embed_dim / ((ngram_size - 1) * heads_per_ngram)`` values of the model dtype per PLE layer.
 
 A table is the concatenation (dim 0) of its ``split_ngram_parts`` stored shards
 ``...ngram_embedding.shard_{j}.weight`` in shard order (or one unsharded ``...weight``).
@@ -19,7 +24,7 @@ import numpy as np
 
 from mtp_jax.weights.safetensors_files import _FLOAT_DTYPES, TensorInfo
 
-PLE_BACKENDS = ("disk", "memory")
+PLE_BACKENDS = ("disk", "memory", "device")
 _FEW_ROWS = 256  # up to this many rows a lookup copies row by row (less numpy per call)
 
 
@@ -37,7 +42,8 @@ class NgramTable:
         if backend not in PLE_BACKENDS:
             raise ValueError(f"ple_backend {backend!r} is unknown; use one of "
                              f"{', '.join(PLE_BACKENDS)} (disk: memory-mapped checkpoint files, "
-                             "memory: tables copied into host RAM).")
+                             "memory: tables copied into host RAM, device: tables copied to "
+                             "the accelerator, looked up inside the programs).")
         self.backend, self.out_dtype = backend, np.dtype(out_dtype)
         self.dim = shards[0].shape[1]
         sizes = [t.shape[0] for t in shards]
@@ -53,6 +59,17 @@ class NgramTable:
     @property
     def nbytes(self) -> int:
         return sum(p.size * p.dtype.itemsize for p in self._parts)
+
+    def device_rows(self) -> np.ndarray:
+        """The whole table ``[rows, dim]`` in ``out_dtype`` (a host copy, made per call: the
+        ``device`` backend's loader copies it to the accelerator once). Row ``i`` equals
+        ``lookup([i])`` bit for bit (the same stored bytes, the same numpy cast)."""
+        if len(self._parts) == 1:
+            return np.asarray(self._parts[0]).astype(self.out_dtype)
+        out = np.empty((self.rows, self.dim), self.out_dtype)
+        for s, p in zip(self._starts.tolist(), self._parts):
+            out[s:s + p.shape[0]] = p
+        return out
 
     def lookup(self, ids: np.ndarray) -> np.ndarray:
         """``ids [...]`` int64 row ids -> rows ``[..., dim]`` in ``out_dtype``."""
