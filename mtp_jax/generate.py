@@ -149,11 +149,13 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "bf16 bytes); dequantize = dequantized to --dtype at load; auto = "
                         "dequantize until keep is measured faster on the GPU "
                         "(docs/quantization.md; default %(default)s)")
-    p.add_argument("--ple-backend", default=None, choices=["disk", "memory", "device"],
+    p.add_argument("--ple-backend", default=None, choices=["auto", "disk", "memory", "device"],
                    help="Qwen3.8-Flash-Next checkpoints (model_type qwen4_exp) only: their "
-                        "PLE n-gram tables memory-mapped from disk (the default), held in "
-                        "host RAM, or copied to the accelerator (device: looked up inside the "
-                        "programs, no host callback; the tables must fit in device memory)")
+                        "PLE n-gram tables memory-mapped from disk, held in host RAM, or "
+                        "copied to the accelerator (device: looked up inside the programs, no "
+                        "host callback; the tables must fit in device memory); auto (the "
+                        "default): device where the tables take at most a quarter of the "
+                        "accelerator's memory, else disk")
     add_backend_flags(p)
 
 

@@ -101,13 +101,14 @@ class LLM:
       mem_fraction: fraction of device memory for weights and pools (default 0.9);
       max_total_tokens: KV positions for all requests together (wins over ``mem_fraction``).
       ple_backend: qwen4_exp only (a ConfigError for other families): where the PLE n-gram
-        tables live, ``"disk"`` (memory-mapped, the default), ``"memory"`` (host RAM) or
-        ``"device"`` (copied to the accelerator: the programs look their rows up inside the
-        program, no host callback, so the programs can be saved in the executable cache; the
-        tables must fit, ``rows * ngram_head_dim`` values of the model dtype per PLE layer,
+        tables live, ``"disk"`` (memory-mapped), ``"memory"`` (host RAM), ``"device"``
+        (copied to the accelerator: the programs look their rows up inside the program, no
+        host callback, so the programs can be saved in the executable cache; the tables must
+        fit, ``rows * ngram_head_dim`` values of the model dtype per PLE layer,
         ``ngram_head_dim = ple_embed_dim / ((ngram_size - 1) * heads_per_ngram)``; for
-        cut-down shapes and small models, not the released ~100 GB tables). All three give
-        the same tokens.
+        cut-down shapes and small models, not the released ~100 GB tables) or ``"auto"`` /
+        None (the default: ``device`` on an accelerator where the tables take at most a
+        quarter of its memory, else ``disk``). All give the same tokens.
       attention_backend, gdn_backend, moe_backend, norm_backend, gemv_backend: ``"auto"``
         (default), ``"xla"`` or ``"pallas"``: the implementation of paged attention, the GDN
         decode/verify/commit step form, the MoE experts and router, the decoder layers'
@@ -464,13 +465,16 @@ def _new_logprobs(r: Request, count: int):
 
 
 def _device_table_bytes(cfg, dtype: str, ple_backend: str | None, dummy_weight: bool) -> int:
-    """Device bytes of qwen4_exp's n-gram tables with ``ple_backend="device"`` (0 otherwise,
-    and for random weights: their synthetic tables are small)."""
-    if ple_backend != "device" or dummy_weight or not getattr(cfg, "ple_layers", ()):
+    """Device bytes of qwen4_exp's n-gram tables when they go to the device (``ple_backend``
+    ``"device"``, or ``"auto"`` / None choosing it); 0 otherwise, and for random weights (their
+    synthetic tables are small)."""
+    if dummy_weight or not getattr(cfg, "ple_layers", ()):
         return 0
-    from mtp_jax.models.loaded import resolve_dtype
     from mtp_jax.models.qwen4_exp.config import ple_table_bytes
+    from mtp_jax.models.qwen4_exp.entry import ple_backend_for
 
+    if ple_backend_for(cfg, dtype, ple_backend) != "device":
+        return 0
     return ple_table_bytes(cfg, 4 if resolve_dtype(dtype) == "float32" else 2)
 
 

@@ -21,8 +21,7 @@ def pytest_configure(config):
     # LLM() turns on the persistent compilation cache; keep the suite's out of the user's home
     # (one folder per session, so later tests reuse programs that earlier ones compiled), and
     # one subfolder per pytest-xdist worker, so that no worker reads an entry the other is
-    # writing (reuse across workers is small: --dist loadfile keeps a file in one worker; a
-    # worker once died of a segmentation fault inside a jitted call, cause not established).
+    # writing (reuse across workers is small: --dist loadfile keeps a file in one worker).
     # The workers inherit the session's root from the controller.
     if "MTP_JAX_COMPILATION_CACHE" not in os.environ or "MTP_JAX_TEST_XLA_ROOT" in os.environ:
         root = os.environ.setdefault("MTP_JAX_TEST_XLA_ROOT",
@@ -32,10 +31,9 @@ def pytest_configure(config):
         os.environ["MTP_JAX_COMPILATION_CACHE"] = folder
 
     # The executable store (mtp_jax.engine.executable_cache) off, but in the tests of it, which
-    # turn it on (fixture ``executable_store``): in full runs a worker died now and then inside
-    # jax's serialize_executable on XLA:CPU (a segmentation fault or an abort while saving a
-    # program, never reproduced alone; 4 of about 8 full runs; docs/design.md). jax's own
-    # persistent cache stays on.
+    # turn it on (fixture ``executable_store``): jax's own persistent cache, which stays on,
+    # already keeps the suite's programs between modules. (Workers that died inside the store's
+    # serialize_executable had run out of memory mappings: _free_executables_after_module.)
     os.environ.setdefault("MTP_JAX_EXECUTABLE_CACHE", "0")
 
     # CPU runs (CI): the suite's time is mostly XLA compiling tiny programs; LLVM at -O0 cuts

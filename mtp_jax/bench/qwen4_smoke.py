@@ -3,7 +3,7 @@ Qwen3.8-Flash-Next shape (docs/benchmarks.md, session 25).
 
 Writes a random bf16 checkpoint of ``configs/Qwen3.8-Flash-Next.json`` cut to ``--layers``
 layers and ``--experts`` routed experts with a small n-gram table (``--ngram-base``), then runs
-``LLM`` (``--ple-backend``, default disk; prefix cache on) at batch 1 and 8, k = 0 and 3 (the
+``LLM`` (``--ple-backend``, default auto; prefix cache on) at batch 1 and 8, k = 0 and 3 (the
 random MTP head accepts nothing: the k = 3 rows are the cost of a round). Prints one dict per
 row: the PLE backend, end-to-end tokens/s, ms per round (host + device) and the host PLE
 lookup's ms per round (None with ``device``: its programs look the rows up themselves). Writes
@@ -90,7 +90,7 @@ def main(argv=None) -> int:
     p.add_argument("--prompt-len", type=int, default=100)
     p.add_argument("--max-tokens", type=int, default=128)
     p.add_argument("--checkpoint-dir", default="/tmp/q4_smoke_ckpt")
-    p.add_argument("--ple-backend", default="disk", choices=["disk", "memory", "device"],
+    p.add_argument("--ple-backend", default="auto", choices=["auto", "disk", "memory", "device"],
                    help="where the PLE n-gram tables live (default %(default)s; device: on "
                         "the GPU, looked up inside the programs, no host callback)")
     p.add_argument("--out", default=os.environ.get("OUT", "."))
@@ -108,7 +108,9 @@ def main(argv=None) -> int:
                   speculative_num_steps=k if k else 3, ple_backend=a.ple_backend)
         for b in (1, 8):
             prompts = [rng.integers(100, 200_000, a.prompt_len).tolist() for _ in range(b)]
-            rows.append(run_row(llm, prompts, k, a.max_tokens, rng, a.ple_backend))
+            used = a.ple_backend if a.ple_backend != "auto" else (
+                "disk" if llm.model.host_callbacks else "device")  # what auto chose
+            rows.append(run_row(llm, prompts, k, a.max_tokens, rng, used))
             print(rows[-1], flush=True)
         print("weights GB:", weights_bytes(llm.model.cfg, "bfloat16", True) / 1e9)
         if a.profile:

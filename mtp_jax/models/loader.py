@@ -78,10 +78,12 @@ def load_model(path: str | None = None, dtype: str | None = "auto", *, with_mtp:
       pack_small_params: the engine's programs take the small parameters (norm weights)
         packed into one buffer per dtype (:attr:`LoadedModel.pack_small_params`); experimental,
         for an A/B of the host cost per argument buffer (``bench --pack-small-params``).
-      ple_backend: qwen4_exp only: where the PLE n-gram tables live, ``"disk"`` (memory-mapped,
-        the default), ``"memory"`` (host RAM) or ``"device"`` (copied to the accelerator; the
-        programs look their rows up inside the program, no host callback; the tables must fit:
-        ``rows * ngram_head_dim`` values of ``dtype`` per PLE layer).
+      ple_backend: qwen4_exp only: where the PLE n-gram tables live, ``"disk"`` (memory-mapped),
+        ``"memory"`` (host RAM), ``"device"`` (copied to the accelerator; the programs look
+        their rows up inside the program, no host callback; the tables must fit:
+        ``rows * ngram_head_dim`` values of ``dtype`` per PLE layer) or ``"auto"`` / None
+        (the default: ``device`` on an accelerator where they take at most a quarter of its
+        memory, else ``disk``; :func:`mtp_jax.models.qwen4_exp.entry.ple_backend_for`).
       quantization: how a quantized checkpoint's projections (block FP8, ModelOpt FP8 / NVFP4,
         compressed-tensors NVFP4; :mod:`mtp_jax.weights.quant_tensors`) are held:
         ``"dequantize"``: dequantized to ``dtype`` at load (the reference); ``"keep"``: kept

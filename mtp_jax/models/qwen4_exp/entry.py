@@ -9,13 +9,14 @@ handler is a :class:`~mtp_jax.config.ConfigError` when the registry is built.
 
 Served by the batched engine like every family: continuous batching, chunked prefill, the
 prefix cache, MTP and external drafts. Its state pools are
-:func:`~mtp_jax.models.qwen4_exp.pools.make_qwen4_pools`. The PLE tables stay on the host
-(``ple_backend`` ``disk``, memory-mapped, or ``memory``): the rows of a program's tokens are
-looked up there by a host callback inside the program
+:func:`~mtp_jax.models.qwen4_exp.pools.make_qwen4_pools`. With ``ple_backend`` ``disk``
+(memory-mapped) or ``memory`` the PLE tables stay on the host: the rows of a program's tokens
+are looked up there by a host callback inside the program
 (:mod:`~mtp_jax.models.qwen4_exp.ple_callback`), so its rounds overlap the host and run several
-per call like every family's. With ``device`` (tables that fit the accelerator) they are copied
-there and looked up inside the program (:mod:`~mtp_jax.models.qwen4_exp.ple_device`, no host
-callback). The kernels are XLA's.
+per call like every family's. With ``device`` they are copied to the accelerator and looked up
+inside the program (:mod:`~mtp_jax.models.qwen4_exp.ple_device`, no host callback). ``auto``
+(the default) takes ``device`` on an accelerator where the tables fit in a quarter of its
+memory, else ``disk`` (:func:`ple_backend_for`). The kernels are XLA's.
 """
 
 from __future__ import annotations
@@ -30,7 +31,10 @@ from mtp_jax.models.qwen4_exp.dummy import read_random
 from mtp_jax.models.qwen4_exp.gguf_loader import load_qwen4_exp_gguf
 from mtp_jax.models.qwen4_exp.loader import LoadedQwen4Exp, load_qwen4_exp
 from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
-from mtp_jax.models.qwen4_exp.ple_store import PLE_BACKENDS
+from mtp_jax.models.loaded import resolve_dtype
+from mtp_jax.models.qwen4_exp.config import ple_table_bytes
+from mtp_jax.models.qwen4_exp.ple_device import choose_backend
+from mtp_jax.models.qwen4_exp.ple_store import PLE_CHOICES
 from mtp_jax.models.qwen4_exp.pools import make_qwen4_pools
 from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
 from mtp_jax.models.qwen4_exp.slot_states import check_slot_states
@@ -48,7 +52,7 @@ def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp
     capabilities were checked before: no draft folder, XLA kernels); with ``dummy_weight``
     random weights and synthetic PLE tables (:mod:`~mtp_jax.models.qwen4_exp.dummy`), with
     ``pack_small_params`` the programs take the small parameters packed."""
-    backend = request.option_values.get("ple_backend", "disk")
+    backend = ple_backend_for(cfg, request.dtype, request.option_values.get("ple_backend"))
     if request.dummy_weight:
         model = load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,
                                ple_backend=backend, cfg=cfg,
@@ -63,6 +67,14 @@ def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp
     if request.pack_small_params:
         model = dataclasses.replace(model, pack_small_params=True)
     return model
+
+
+def ple_backend_for(cfg: Qwen4ExpConfig, dtype: str | None, asked: str | None) -> str:
+    """The PLE backend a load with ``ple_backend=asked`` (``None`` or ``"auto"``: the default)
+    uses: :func:`~mtp_jax.models.qwen4_exp.ple_device.choose_backend` over the tables' bytes
+    in ``dtype``."""
+    itemsize = 4 if resolve_dtype(dtype) == "float32" else 2
+    return choose_backend(asked, ple_table_bytes(cfg, itemsize) if cfg.ple_layers else 0)
 
 
 def tensor_shapes(cfg: Qwen4ExpConfig, with_mtp: bool) -> dict[str, tuple[int, ...]]:
@@ -97,7 +109,7 @@ def make_entry() -> ModelEntry:
         slot_states=tuple(SlotState(s.name, s.description, s.handler)
                           for s in check_slot_states()),
         serving="rounds", kernel_ops=(), dummy_weight=True, draft_folder=False,
-        load_options=(("ple_backend", PLE_BACKENDS),), make_pools=make_qwen4_pools,
+        load_options=(("ple_backend", PLE_CHOICES),), make_pools=make_qwen4_pools,
         write_random=write_random,
         # Its snapshots hold the PLE conv windows, n-gram context and QSA open index groups
         # too, which its prefill does not give at rows inside a chunk: prefill chunks end on

@@ -36,10 +36,31 @@ import jax.numpy as jnp
 import numpy as np
 from flax import nnx
 
-__all__ = ["PLETable", "PLEDevice", "check_constants", "device_ngram_ids", "mul64",
+__all__ = ["PLETable", "PLEDevice", "AUTO_DEVICE_FRACTION", "choose_backend", "check_constants", "device_ngram_ids", "mul64",
            "mod_u64", "shifted_tokens_jnp"]
 
 _M16 = 0xFFFF
+# ple_backend="auto" copies the tables to an accelerator when they take at most this fraction
+# of its memory (the rest stays for the weights and the KV / state pools).
+AUTO_DEVICE_FRACTION = 0.25
+
+
+def choose_backend(asked: str | None, table_bytes: int, device=None) -> str:
+    """The PLE backend to load with: ``asked`` unless it is ``None`` or ``"auto"``; then
+    ``"device"`` on an accelerator whose memory limit is known and at least
+    ``table_bytes / AUTO_DEVICE_FRACTION``, else ``"disk"`` (the CPU, and tables too large,
+    e.g. the released checkpoint's ~100 GB). ``table_bytes``: the tables' bytes in the model
+    dtype (:func:`~mtp_jax.models.qwen4_exp.config.ple_table_bytes`). On the H200 the device
+    lookup decodes the cut Flash-Next shape 2.6x faster than the host callback
+    (docs/benchmarks.md, session 32)."""
+    if asked not in (None, "auto"):
+        return asked
+    device = device or jax.devices()[0]
+    if device.platform == "cpu":
+        return "disk"
+    stats = device.memory_stats() or {}
+    limit = stats.get("bytes_limit")
+    return "device" if limit and table_bytes <= AUTO_DEVICE_FRACTION * limit else "disk"
 
 
 class PLETable(nnx.Variable):

@@ -25,6 +25,8 @@ import numpy as np
 from mtp_jax.weights.safetensors_files import _FLOAT_DTYPES, TensorInfo
 
 PLE_BACKENDS = ("disk", "memory", "device")
+# What LLM / the CLI take: the three above, or "auto" (the default: ple_device.choose_backend).
+PLE_CHOICES = ("auto",) + PLE_BACKENDS
 _FEW_ROWS = 256  # up to this many rows a lookup copies row by row (less numpy per call)
 
 

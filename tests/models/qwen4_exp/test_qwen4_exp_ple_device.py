@@ -215,3 +215,28 @@ def test_engine_device_tables_give_disk_tokens_and_accepts():
     a, b = _run(disk, prompts), _run(dev, prompts)
     assert a == b
     assert sum(r[3] for r in b) > 0  # drafts were accepted
+
+
+class _FakeDevice:
+    def __init__(self, platform: str, limit: int | None):
+        self.platform, self._limit = platform, limit
+
+    def memory_stats(self):
+        return None if self._limit is None else {"bytes_limit": self._limit}
+
+
+def test_auto_backend_choice():
+    """``ple_backend="auto"`` (the default): device on an accelerator whose memory holds the
+    tables four times over, disk on the CPU, for tables too large, or with no known limit; an
+    explicit choice is kept. On this CPU a default load keeps the host callback."""
+    from mtp_jax.models.qwen4_exp.ple_device import choose_backend
+
+    gpu = _FakeDevice("gpu", 100 << 30)
+    assert choose_backend(None, 25 << 30, gpu) == "device"
+    assert choose_backend("auto", (25 << 30) + 1, gpu) == "disk"
+    assert choose_backend("auto", 1, _FakeDevice("gpu", None)) == "disk"
+    assert choose_backend(None, 1, _FakeDevice("cpu", 100 << 30)) == "disk"
+    assert choose_backend("memory", 1, gpu) == "memory"
+    assert choose_backend("device", 1 << 50, _FakeDevice("cpu", None)) == "device"
+    model = load_model(FIX, "float32", with_mtp=False)
+    assert model.host_callbacks and model.extra_weight_bytes == 0
