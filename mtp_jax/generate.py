@@ -146,9 +146,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="how a quantized checkpoint's projections (block FP8, ModelOpt FP8 / "
                         "NVFP4, compressed-tensors NVFP4) are held: keep = kept as stored and "
                         "dequantized inside each program (FP8 half, NVFP4 about 0.28 of the "
-                        "bf16 bytes); dequantize = dequantized to --dtype at load; auto = "
-                        "dequantize until keep is measured faster on the GPU "
-                        "(docs/quantization.md; default %(default)s)")
+                        "bf16 bytes, but slower on the H200); dequantize = dequantized to "
+                        "--dtype at load; auto = dequantize (docs/quantization.md; default "
+                        "%(default)s)")
     p.add_argument("--ple-backend", default=None, choices=["auto", "disk", "memory", "device"],
                    help="Qwen3.8-Flash-Next checkpoints (model_type qwen4_exp) only: their "
                         "PLE n-gram tables memory-mapped from disk, held in host RAM, or "

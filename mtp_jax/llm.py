@@ -123,7 +123,7 @@ class LLM:
         NVFP4, compressed-tensors NVFP4) are held: ``"keep"`` (kept as stored, dequantized
         inside each program: FP8 half and NVFP4 about 0.28 of the bf16 bytes),
         ``"dequantize"`` (dequantized to ``dtype`` at load) or ``"auto"`` (default; today
-        ``"dequantize"``, until ``"keep"`` is measured faster on the GPU); the output is the
+        ``"dequantize"``: ``"keep"`` is measured slower on the H200, docs/quantization.md); the output is the
         same either way (docs/quantization.md).
       dummy_weight: random weights of the checkpoint's shapes instead of its weights (benchmarks,
         tests of the non-speculative path); refused with ``speculative_algorithm="mtp"``.

@@ -99,10 +99,9 @@ NO_QUANT = QuantConfig()
 # "dequantize": dequantized to the model dtype at load (the reference path); "keep": the
 # projections kept as stored (FP8 codes with block scales, packed NVFP4) and dequantized inside
 # each program (routed experts too; the untied LM head stays dequantized); "auto":
-# the path measured best, today "dequantize" everywhere: whether XLA fuses the in-program
-# dequantization into the GPU's projections, so that "keep" is faster and not only smaller, is
-# still to be measured on the H200 (docs/quantization.md), and until then the default keeps the
-# speed of a bf16 checkpoint.
+# the path measured best, today "dequantize" everywhere: on the H200, XLA does not fuse the
+# in-program dequantization into the projections, and the 27B with kept FP8 weights decodes at
+# 0.54x its bf16 speed (docs/benchmarks.md, session 32), so "keep" is smaller, not faster.
 AUTO_KEEPS_ON: tuple[str, ...] = ()  # backends on which "auto" means "keep"
 QUANTIZATION_MODES = ("auto", "dequantize", "keep")
 
