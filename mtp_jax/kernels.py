@@ -200,6 +200,24 @@ class KernelBackends:
                            dense_mlp=not getattr(cfg, "is_moe", False))
 
 
+def check_kernel_ops(model_type: str, kernel_ops: tuple[str, ...], chosen: dict) -> None:
+    """Refuse a non-XLA choice (``pallas``, ``reduce``, ``fused``) in ``chosen`` (``{op:
+    choice}``) for an op outside ``kernel_ops``, the ops whose GPU kernels the family
+    ``model_type`` can run: ConfigError naming the op and saying the family runs it on XLA.
+    ``None``, ``auto`` and ``xla`` pass (``auto`` is XLA there)."""
+    asked = [(op, v) for op, v in sorted(chosen.items())
+             if op not in kernel_ops and v not in (None, "auto", "xla")]
+    if not asked:
+        return
+    ops = _either([op for op, _ in asked])
+    kernels = (f"its GPU kernels run {' and '.join(kernel_ops)} only" if kernel_ops
+               else "it runs the XLA kernels only for now")
+    raise ConfigError(
+        f"{model_type} runs {ops} on XLA ({kernels}), but "
+        + ", ".join(f"{op}_backend {v!r}" for op, v in asked) + " was asked for; use "
+        + " and ".join(f"--{op}-backend xla" for op, _ in asked) + " (or auto).")
+
+
 def _norm_misfit(hidden_size: int | None) -> bool:
     if hidden_size is None:
         return False

@@ -24,7 +24,7 @@ from __future__ import annotations
 import os
 
 from mtp_jax.config import ConfigError, ModelConfig
-from mtp_jax.kernels import KernelBackends
+from mtp_jax.kernels import KernelBackends, check_kernel_ops
 from mtp_jax.models.entry import VERIFY_HANDLERS, LoadRequest, ModelEntry
 from mtp_jax.models.registry import REGISTRY, entry_of, read_config
 from mtp_jax.models.gguf_checks import check_gguf_draft, gguf_target_config
@@ -84,8 +84,9 @@ def check_family(cfg, algorithm: str) -> ModelEntry:
 
 def check_request(cfg, request: LoadRequest) -> None:
     """What a load asks of ``cfg``'s family, against its entry: random weights, a separate
-    draft folder, kernel backends (``pallas`` for an op the family runs on XLA only) and its
-    own options (unknown names or values)."""
+    draft folder, kernel backends (``pallas`` for an op the family runs on XLA only:
+    :func:`~mtp_jax.kernels.check_kernel_ops`) and its own options (unknown names or
+    values)."""
     family = entry_of(cfg)
     if request.dummy_weight and not family.dummy_weight:
         raise ConfigError(f"dummy (random) weights are not supported for {cfg.model_type} yet; "
@@ -97,11 +98,7 @@ def check_request(cfg, request: LoadRequest) -> None:
         raise ConfigError(f"speculative_draft_model_path {request.draft_path!r}: a separate MTP "
                           f"draft folder is not supported for {cfg.model_type} yet; drop it (its "
                           "own mtp.* is read).")
-    asked = {f"{op}_backend": v for op, v in request.backends
-             if op not in family.kernel_ops and v not in (None, "auto", "xla")}
-    if asked:
-        raise ConfigError(f"{cfg.model_type} runs the XLA kernels only for now, but {asked} was "
-                          "asked for; use the xla (or auto) backends.")
+    check_kernel_ops(cfg.model_type, family.kernel_ops, dict(request.backends))
     allowed = dict(family.load_options)
     for name, value in request.options:
         if name not in allowed:

@@ -226,12 +226,14 @@ def test_bad_shapes_are_refused():
                  mode="verify", a_col=1)
 
 
-def test_kernels_lower_to_triton():
-    c = _case(6, 2, 4, 2, 4, 128, 128, dtype=ml_dtypes.bfloat16)
-    hk = 2
+# A toy shape, and Qwen3.8-Flash-Next's GDN (qwen4_exp: 16 key / 48 value heads of 128, conv 4,
+# a shift-register window) at 1 and 4 requests.
+@pytest.mark.parametrize("bsz,hk,hv", [(2, 2, 4), (1, 16, 48), (4, 16, 48)])
+def test_kernels_lower_to_triton(bsz, hk, hv):
+    c = _case(6, bsz, 4, hk, hv, 128, 128, dtype=ml_dtypes.bfloat16)
 
     def fn(qkv, weight, window, a, b, a_log, dt_bias, state, slot):
-        conv, window = gdn_conv_rows(qkv, weight, window, slot, jnp.full((2,), 2, jnp.int32),
+        conv, window = gdn_conv_rows(qkv, weight, window, slot, jnp.full((bsz,), 2, jnp.int32),
                                      interpret=False)
         keep = jnp.ones(a.shape[:2], bool)
         o = gdn_step(conv, a, b, a_log, dt_bias, keep, state, slot, num_k_heads=hk,

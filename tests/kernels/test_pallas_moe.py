@@ -156,7 +156,8 @@ def test_bad_inputs_raise():
 
 
 @pytest.mark.parametrize("shape,n,bm", [(A3B, 1, 16), (A3B, 4, 16), (A3B, 512, 16),
-                                        (A3B, 8192, 128), (FLASH, 1, 16), (FLASH, 4096, 64)])
+                                        (A3B, 8192, 128), (FLASH, 1, 16), (FLASH, 4, 16),
+                                        (FLASH, 64, 16), (FLASH, 4096, 64)])
 def test_triton_lowering_real_shapes(shape, n, bm):
     """The kernels lower for CUDA at the real shapes, with the default tiles of each regime."""
     e, k, h, i = shape["e"], shape["k"], shape["h"], shape["i"]
@@ -166,6 +167,27 @@ def test_triton_lowering_real_shapes(shape, n, bm):
     text = lower_for_cuda(lambda *a: moe_experts_pallas(*a), *args)
     assert text.count("moe_gate_up") >= 1 and text.count("moe_down") >= 1
     assert default_tiles(n * k, e, h, i).bm == bm  # each regime's tiles are the ones lowered
+
+
+def test_flash_next_moe_block_lowers(monkeypatch):
+    """Qwen3.8-Flash-Next's MoE block (512 experts, top 10, H 2560, I 640, shared expert 640)
+    with the ``pallas`` backend lowers for CUDA: the router kernel for 1 and 4 tokens (their
+    experts take XLA's gather-reduce form, fewer pairs than experts), the router and the
+    grouped kernels for 64 tokens (640 pairs)."""
+    from types import SimpleNamespace
+
+    from mtp_jax.models.layers.mlp import SparseMoE
+
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")  # the kernels, not interpreted
+    e, k, h, i = FLASH["e"], FLASH["k"], FLASH["h"], FLASH["i"]
+    cfg = SimpleNamespace(hidden_size=h, num_experts=e, num_experts_per_tok=k,
+                          norm_topk_prob=True, moe_intermediate_size=i,
+                          shared_expert_intermediate_size=i)
+    graphdef, state = nnx.split(nnx.eval_shape(lambda: SparseMoE(cfg, jnp.bfloat16, "pallas")))
+    for n in (1, 4, 64):
+        text = lower_for_cuda(lambda s, x: nnx.merge(graphdef, s)(x), state,
+                              jax.ShapeDtypeStruct((n, h), jnp.bfloat16))
+        assert "moe_route_topk" in text and ("moe_gate_up" in text) == (n * k >= e), n
 
 
 @pytest.mark.gpu

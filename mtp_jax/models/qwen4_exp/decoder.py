@@ -9,6 +9,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.cache.paged import AttentionBatch
+from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.gdn import GatedDeltaNet
 from mtp_jax.models.layers.mlp import SparseMoE
 from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig
@@ -34,12 +35,20 @@ class GatedDeltaNetGate(GatedDeltaNet):
     def decode(self, x, state, valid, slots=None, start=None):
         """Step form over ``x [B, T, H]``: a verify of the rows (the decode recurrence row by
         row) committed in full through the ``gdn_recurrent`` slot-state hooks, instead of the
-        chunked prefill form, which pads every call to a 64-row chunk. Same arguments and
-        results as :meth:`prefill` (a batch view of the states: ``slots`` must be None; the
-        shift-register conv state needs no ``start``). Raises ValueError with ``slots``."""
+        chunked prefill form, which pads every call to a 64-row chunk. With the ``pallas``
+        backend the fused kernels' decode mode (conv window, then gates and recurrence, the
+        ``valid`` rows applied: two kernels). Same arguments and results as :meth:`prefill`
+        (a batch view of the states: ``slots`` must be None; the shift-register conv state
+        needs no ``start``). Raises ValueError with ``slots``."""
         if slots is not None:
             raise ValueError("GatedDeltaNetGate.decode takes a batch view of the states; "
                              "gather the slots first (slots=None).")
+        if self.backend == "pallas":
+            state = tuple(state[:2])
+            start = self._start(state[1], start, x.shape[0])
+            rows = jnp.arange(x.shape[0], dtype=jnp.int32)  # batch view: row b is state b
+            out, new, _ = self._decode_fused(x, state, valid, rows, start, None)
+            return out, new
         out, rows = self.verify(x, state, valid, start=start)
         accepted = jnp.sum(valid, axis=1).astype(jnp.int32)
         return out, by_name("gdn_recurrent").commit(state, rows, None, accepted)
@@ -57,7 +66,7 @@ class DecoderLayer(nnx.Module):
             self.self_attn = QSAAttention(cfg, dtype, rope_theta)
         else:
             self.linear_attn = GatedDeltaNetGate(cfg, dtype)
-        self.mlp = SparseMoE(cfg, dtype)
+        self.mlp = SparseMoE(cfg, dtype, backend=kernels_of(cfg).moe)
         self.ple = PLE(cfg, dtype) if ple_index is not None else None
 
     def __call__(self, h, batch: AttentionBatch, *, qsa=None, gdn=None, ple_emb=None,

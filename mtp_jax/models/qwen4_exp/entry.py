@@ -16,7 +16,12 @@ are looked up there by a host callback inside the program
 per call like every family's. With ``device`` they are copied to the accelerator and looked up
 inside the program (:mod:`~mtp_jax.models.qwen4_exp.ple_device`, no host callback). ``auto``
 (the default) takes ``device`` on an accelerator where the tables fit in a quarter of its
-memory, else ``disk`` (:func:`ple_backend_for`). The kernels are XLA's.
+memory, else ``disk`` (:func:`ple_backend_for`).
+
+Kernels (:mod:`~mtp_jax.models.qwen4_exp.kernels`): the GDN and MoE ops take ``pallas`` on a GPU
+when asked for (``--gdn-backend pallas`` / ``--moe-backend pallas``: opt-in, not yet measured on
+this family's shapes, so ``auto`` is XLA); QSA attention, the norms and the one-row projections
+run on XLA (``pallas`` for them is refused before any weight loads).
 """
 
 from __future__ import annotations
@@ -29,6 +34,7 @@ from mtp_jax.models.qwen4_exp import names
 from mtp_jax.models.qwen4_exp.config import MODEL_TYPES, Qwen4ExpConfig
 from mtp_jax.models.qwen4_exp.dummy import read_random
 from mtp_jax.models.qwen4_exp.gguf_loader import load_qwen4_exp_gguf
+from mtp_jax.models.qwen4_exp.kernels import KERNEL_OPS
 from mtp_jax.models.qwen4_exp.loader import LoadedQwen4Exp, load_qwen4_exp
 from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
 from mtp_jax.models.loaded import resolve_dtype
@@ -49,21 +55,24 @@ def build(cfg: Qwen4ExpConfig, dtype, with_mtp: bool) -> Qwen4ExpModel:
 
 def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp:
     """:func:`~mtp_jax.models.qwen4_exp.loader.load_qwen4_exp` for ``load_model`` (the entry's
-    capabilities were checked before: no draft folder, XLA kernels); with ``dummy_weight``
+    capabilities were checked before: no draft folder, kernels for GDN and MoE only; the
+    kernel choices are resolved there, before any weight is read); with ``dummy_weight``
     random weights and synthetic PLE tables (:mod:`~mtp_jax.models.qwen4_exp.dummy`), with
     ``pack_small_params`` the programs take the small parameters packed."""
     backend = ple_backend_for(cfg, request.dtype, request.option_values.get("ple_backend"))
+    kernels = request.backend_choices
     if request.dummy_weight:
         model = load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,
-                               ple_backend=backend, cfg=cfg,
+                               ple_backend=backend, cfg=cfg, backends=kernels,
                                read=functools.partial(read_random, seed=request.seed))
     elif (g := gguf_file(path)) is not None:  # a Flash-Next GGUF, with a Strata pack as draft
         model = load_qwen4_exp_gguf(g, cfg, request.dtype, with_mtp=request.with_mtp,
                                     draft_path=request.draft_path, ple_backend=backend,
-                                    quantization=request.quantization)
+                                    quantization=request.quantization, backends=kernels)
     else:
         model = load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,
-                               ple_backend=backend, cfg=cfg, quantization=request.quantization)
+                               ple_backend=backend, cfg=cfg, quantization=request.quantization,
+                               backends=kernels)
     if request.pack_small_params:
         model = dataclasses.replace(model, pack_small_params=True)
     return model
@@ -108,7 +117,7 @@ def make_entry() -> ModelEntry:
         build=build, load=load, tensor_shapes=tensor_shapes, drafts=("mtp", "external"),
         slot_states=tuple(SlotState(s.name, s.description, s.handler)
                           for s in check_slot_states()),
-        serving="rounds", kernel_ops=(), dummy_weight=True, draft_folder=False,
+        serving="rounds", kernel_ops=KERNEL_OPS, dummy_weight=True, draft_folder=False,
         load_options=(("ple_backend", PLE_CHOICES),), make_pools=make_qwen4_pools,
         write_random=write_random,
         # Its snapshots hold the PLE conv windows, n-gram context and QSA open index groups

@@ -161,14 +161,16 @@ def read_gguf(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], *, dty
 
 def load_qwen4_exp_gguf(path: str, cfg: Qwen4ExpConfig, dtype: str, *, with_mtp: bool,
                         draft_path: str | None, ple_backend: str = "disk",
-                        quantization: str = "auto"):
+                        quantization: str = "auto", backends: dict | None = None):
     """Load a qwen4exp GGUF target (``cfg`` from :func:`gguf_config`, with the pack's MTP
     layers when ``draft_path`` is given) as a
     :class:`~mtp_jax.models.qwen4_exp.loaded.LoadedQwen4Exp`; ``quantization`` as for
-    safetensors (``"keep"``: the routed experts and plain projections stay packed)."""
+    safetensors (``"keep"``: the routed experts and plain projections stay packed),
+    ``backends`` (the kernel choices) as for :func:`load_qwen4_exp`."""
     from mtp_jax.models.qwen4_exp.loader import load_qwen4_exp
     if with_mtp and not cfg.has_mtp:
         cfg = gguf_config(path, draft_path)
     read = functools.partial(read_gguf, draft_path=draft_path)
     return load_qwen4_exp(path, dtype, with_mtp=with_mtp, ple_backend=ple_backend, cfg=cfg,
-                          read=read, quantization=quantization, read_keeps=True)
+                          read=read, quantization=quantization, read_keeps=True,
+                          backends=backends)

@@ -10,6 +10,7 @@ against the config.
 
 from __future__ import annotations
 
+import dataclasses
 import functools
 import os
 import re
@@ -24,6 +25,7 @@ from mtp_jax.models.qwen4_exp import names
 from mtp_jax.models.qwen4_exp.config import (Qwen4ExpConfig, head_offsets, head_vocab_sizes,
                                              layer_multipliers, ngram_table_rows)
 from mtp_jax.models.qwen4_exp import ple_callback
+from mtp_jax.models.qwen4_exp.kernels import resolve_kernels
 from mtp_jax.models.qwen4_exp.loaded import LoadedQwen4Exp, PLEHost, PLETables, ple_rows
 from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
 from mtp_jax.models.qwen4_exp.ple_device import PLEDevice
@@ -202,7 +204,7 @@ def read_checkpoint(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], 
 def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = True,
                    ple_backend: str = "disk", cfg: Qwen4ExpConfig | None = None,
                    read=None, quantization: str = "auto",
-                   read_keeps: bool = False) -> LoadedQwen4Exp:
+                   read_keeps: bool = False, backends: dict | None = None) -> LoadedQwen4Exp:
     """Load a qwen4_exp checkpoint folder (composite ``model.language_model.*`` or text-only
     ``model.*``). ``ple_backend``: ``"disk"`` (default, memory-mapped tables), ``"memory"``
     (host RAM) or ``"device"`` (also copied to the accelerator, after the weights: the programs
@@ -213,10 +215,15 @@ def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = Tr
     ``read_keeps``: ``read`` takes the names to keep quantized (``keep=``), as
     :func:`read_checkpoint` does.
     ``read``: the tensor reader, :func:`read_checkpoint`'s signature (default: it; a GGUF
-    target passes :func:`~mtp_jax.models.qwen4_exp.gguf_loader.read_gguf`)."""
+    target passes :func:`~mtp_jax.models.qwen4_exp.gguf_loader.read_gguf`).
+    ``backends``: ``{op: choice}`` of the kernel backends (``load_model``'s ``*_backend``
+    arguments), resolved by :func:`~mtp_jax.models.qwen4_exp.kernels.resolve_kernels` into
+    ``cfg.kernels`` before any weight is read (``pallas`` for GDN / MoE when asked for, else
+    XLA; ConfigError for a choice that cannot run)."""
     cfg = cfg or Qwen4ExpConfig.from_folder(path)
     check_slot_states()
     dtype = resolve_dtype(dtype)
+    cfg = dataclasses.replace(cfg, kernels=resolve_kernels(cfg, dtype, backends))
     with_mtp = with_mtp and cfg.has_mtp
     device = ple_backend == "device"
     source = None if device else ple_callback.reserve()

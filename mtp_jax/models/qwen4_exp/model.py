@@ -25,6 +25,7 @@ from flax import nnx
 from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
 from mtp_jax.models.draft_head import head_greedy, head_logits
+from mtp_jax.models.layers.gdn import GDNConvRows
 from mtp_jax.models.layers.basic import Embed, Linear
 from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig
 from mtp_jax.models.qwen4_exp.decoder import DecoderLayer
@@ -185,8 +186,12 @@ class Qwen4ExpModel(nnx.Module):
         before = None
         gdn_hook, ring_hook = by_name("gdn_recurrent"), by_name("qsa_open_group")
         ple_hook = by_name("ple_conv")
-        gdn = [gdn_hook.commit((r, c), w, before, length)
-               for r, c, w in zip(view.gdn.recurrent, view.gdn.conv, rows.gdn)]
+        # The fused Pallas path's rows (GDNConvRows) are committed by their layer's kernels.
+        layers = [la.linear_attn for la in self.layers if la.layer_type != "full_attention"]
+        per_row = jnp.broadcast_to(length, rows.ids.shape[:1])  # the kernels take [B]
+        gdn = [layer.commit((r, c), w, per_row) if isinstance(w, GDNConvRows)
+               else gdn_hook.commit((r, c), w, before, length)
+               for r, c, w, layer in zip(view.gdn.recurrent, view.gdn.conv, rows.gdn, layers)]
         # The ring was built at the rows' first position: the slot's length before them.
         groups = tuple(ring_hook.commit(g, ring, rows.start, length)
                        for g, ring in zip(view.open_idx, rows.rings))

@@ -21,7 +21,9 @@ hooks run on every decode step. Handlers (``kind``):
   the paged raw index keys (by position, so a rejected row is overwritten before any query treats
   its block as complete); commit takes the ring rows of the new open block.
 * ``recurrence``: the GDN recurrent state; verify keeps the per-row inputs and commit replays the
-  accepted rows (:func:`mtp_jax.models.layers.gdn.commit`).
+  accepted rows (:func:`mtp_jax.models.layers.gdn.commit`; with the ``pallas`` GDN backend the
+  verify keeps ``GDNConvRows``, which the model commits through its layer's fused kernels,
+  ``GatedDeltaNet.commit``).
 
 The registry name of each handler (``replay``: verify keeps rows, commit rebuilds the state from
 the accepted ones) comes from :data:`mtp_jax.models.entry.VERIFY_HANDLERS`. A declaration

@@ -1,0 +1,180 @@
+"""qwen4_exp kernel backends: GDN and MoE take ``pallas`` when asked for (opt-in, on a GPU; a
+GPU is faked where a load must pass the checks), ``auto`` is XLA for every op, and ``pallas``
+for QSA attention, norm and gemv is refused before any weight is read. The GDN kernels' path
+through the model (decode rows, verify, partial commit) runs in Pallas interpret mode on the
+CPU against the golden logits of tests/fixtures/tiny_qwen4_exp. The Triton lowering at
+Flash-Next's shapes: tests/kernels/test_pallas_gdn_fused.py, tests/kernels/test_pallas_moe.py.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import json
+import os
+
+import jax
+import jax.numpy as jnp
+import numpy as np
+import pytest
+from flax import nnx
+
+import mtp_jax
+from mtp_jax.cache.paged import AttentionBatch
+from mtp_jax.config import ConfigError
+from mtp_jax.kernels import KernelBackends
+from mtp_jax.models import registry
+from mtp_jax.models.qwen4_exp import Qwen4ExpConfig
+from mtp_jax.models.qwen4_exp.kernels import resolve_kernels
+from tests.helpers.paths import CONFIGS, fixture_path
+
+FIX = fixture_path("tiny_qwen4_exp")
+FLASH = os.path.join(CONFIGS, "Qwen3.8-Flash-Next.json")
+
+
+@pytest.fixture
+def fake_gpu(monkeypatch):
+    """JAX's default backend reads ``gpu`` (the load-time checks and resolution); nothing runs
+    while it does."""
+    monkeypatch.setattr(jax, "default_backend", lambda: "gpu")
+
+
+@pytest.fixture
+def no_weights(monkeypatch):
+    """The registry entry's load refuses to run: a refusal must come before it."""
+    def load(*a, **k):
+        raise AssertionError("the load was reached: the refusal came too late")
+    monkeypatch.setitem(registry.REGISTRY, "qwen4_exp", dataclasses.replace(
+        registry.REGISTRY["qwen4_exp"], load=load))
+
+
+def _flash() -> Qwen4ExpConfig:
+    return Qwen4ExpConfig.from_dict(json.load(open(FLASH)))
+
+
+@pytest.mark.parametrize("op", ["attention", "norm", "gemv"])
+def test_pallas_for_xla_ops_is_refused_before_weights(op, fake_gpu, no_weights):
+    with pytest.raises(ConfigError, match=rf"qwen4_exp runs {op} on XLA \(its GPU kernels run "
+                                          rf"gdn and moe only\), but {op}_backend 'pallas' was "
+                                          rf"asked for; use --{op}-backend xla"):
+        mtp_jax.load_model(FIX, dtype="bfloat16", **{f"{op}_backend": "pallas"})
+    with pytest.raises(ConfigError, match=rf"runs {op} on XLA"):  # the loader's own check
+        resolve_kernels(_flash(), "bfloat16", {op: "pallas"}, platform="gpu")
+
+
+def test_auto_is_xla_for_every_op_on_a_gpu():
+    cfg = _flash()
+    assert KernelBackends.resolve(platform="gpu") != KernelBackends()  # other families: kernels
+    for backends in ({}, {op: "auto" for op in ("attention", "gdn", "moe", "norm", "gemv")},
+                     {"gdn": "xla", "moe": None}):
+        assert resolve_kernels(cfg, "bfloat16", backends, platform="gpu") == KernelBackends()
+    assert resolve_kernels(cfg, "bfloat16", {"gdn": "pallas", "moe": "pallas"},
+                           platform="gpu") == KernelBackends(gdn="pallas", moe="pallas")
+
+
+def test_pallas_refusals_at_resolution():
+    cfg = _flash()
+    with pytest.raises(ConfigError, match="gdn_backend 'pallas' needs a CUDA GPU"):
+        resolve_kernels(cfg, "bfloat16", {"gdn": "pallas"}, platform="cpu")
+    with pytest.raises(ConfigError, match="moe_backend 'pallas' needs 16-bit weights"):
+        resolve_kernels(cfg, "float32", {"moe": "pallas"}, platform="gpu")
+    assert resolve_kernels(cfg, "float32", {"gdn": "pallas"}, platform="gpu").gdn == "pallas"
+    odd = dataclasses.replace(cfg, linear_key_head_dim=96)
+    with pytest.raises(ConfigError, match="linear_key_head_dim 96 is not a power of two"):
+        resolve_kernels(odd, "bfloat16", {"gdn": "pallas"}, platform="gpu")
+    odd = dataclasses.replace(cfg, moe_intermediate_size=648)
+    with pytest.raises(ConfigError, match="moe_intermediate_size 648 is not a multiple of 16"):
+        resolve_kernels(odd, "bfloat16", {"moe": "pallas"}, platform="gpu")
+
+
+def _backends(m) -> tuple[set, set]:
+    """The GDN layers' and the MoE blocks' (target and MTP layers) backends of a load."""
+    model = nnx.merge(m.graphdef, m.params)
+    layers = list(model.layers) + list(model.mtp.layers if model.mtp is not None else [])
+    gdn = {la.linear_attn.backend for la in layers if la.layer_type != "full_attention"}
+    moe = {b for la in layers for b in (la.mlp.backend, la.mlp.experts.backend)}
+    return gdn, moe
+
+
+def test_explicit_pallas_reaches_the_layers(fake_gpu):
+    auto = mtp_jax.load_model(FIX, dtype="bfloat16", ple_backend="disk")
+    assert auto.cfg.kernels == KernelBackends() and _backends(auto) == ({"xla"}, {"xla"})
+    m = mtp_jax.load_model(FIX, dtype="bfloat16", ple_backend="disk", gdn_backend="pallas",
+                           moe_backend="pallas")
+    assert m.cfg.kernels == KernelBackends(gdn="pallas", moe="pallas") and m.has_mtp
+    assert _backends(m) == ({"pallas"}, {"pallas"})
+    assert hash(m.cfg) != hash(auto.cfg) and m.cfg != auto.cfg  # static args, cache keys
+    assert m.cfg == dataclasses.replace(auto.cfg, kernels=m.cfg.kernels)
+
+
+def _verify_commit(m, cache, ids, accept: int):
+    """A verify of ``ids [B, T]`` after the cache's tokens, then a commit of the first
+    ``accept`` rows (the engine's round, outside the engine). Returns the verify logits."""
+    ids = np.asarray(ids)
+    b, t = ids.shape
+    rows = m.host_rows(np.stack([m.ngram_context(h) for h in cache.tokens]), ids)
+    pos = np.broadcast_to(np.arange(cache.length, cache.length + t, dtype=np.int32), (b, t))
+    batch = AttentionBatch(jnp.asarray(pos), jnp.ones((b, t), bool), cache.page_table)
+
+    @jax.jit
+    def round_(params, ids, rows, batch, paged, slots):
+        model = nnx.merge(m.graphdef, params)
+        streams, paged, kept = model(ids, batch, paged, slots, "verify", host_rows=rows)
+        return model.logits(streams), paged, model.commit(slots, kept, jnp.full((b,), accept))
+
+    logits, cache.paged, cache.slots = round_(m.params, jnp.asarray(ids, jnp.int32),
+                                              jnp.asarray(rows), batch, cache.paged,
+                                              cache.slots)
+    for h, row in zip(cache.tokens, ids[:, :accept].tolist()):
+        h.extend(row)
+    cache.length += accept
+    return logits
+
+
+def test_pallas_gdn_decode_verify_and_commit_match_golden(monkeypatch):
+    """float32, the GDN fused kernels interpreted: multi-row and one-row decode calls (the
+    step form, <= 8 rows), a verify window of 4 rows and a commit of 2 give the golden
+    logits of the whole sequence."""
+    with monkeypatch.context() as mp:
+        mp.setattr(jax, "default_backend", lambda: "gpu")
+        m = mtp_jax.load_model(FIX, dtype="float32", ple_backend="disk", gdn_backend="pallas",
+                               with_mtp=False)
+    assert _backends(m)[0] == {"pallas"}
+    with np.load(f"{FIX}/golden.npz") as z:
+        ids, greedy, full = z["input_ids"], z["greedy_tokens"], z["full_logits"]
+    seq = np.concatenate([ids, greedy], axis=1)
+    n = ids.shape[1]
+    close = lambda got, want: np.testing.assert_allclose(np.asarray(got, np.float32), want,
+                                                         rtol=1e-4, atol=1e-4)
+    cache = m.new_cache(ids.shape[0], seq.shape[1] + 1)
+    close(m.extend(cache, seq[:, :n - 3]), full[:, :n - 3])  # prefill (XLA's chunked form)
+    close(m.extend(cache, seq[:, n - 3:n]), full[:, n - 3:n])  # 3 rows: the step form
+    close(_verify_commit(m, cache, seq[:, n:n + 4], 2), full[:, n:n + 4])
+    close(m.extend(cache, seq[:, n + 2:n + 3]), full[:, n + 2:n + 3])  # one row
+    close(m.extend(cache, seq[:, n + 3:n + 5]), full[:, n + 3:n + 5])
+
+
+@pytest.mark.parametrize("b", [1, 4])
+def test_flash_next_gdn_layer_lowers_for_cuda(b, fake_gpu):
+    """The qwen4_exp GDN layer at Flash-Next's shapes with ``pallas``: its decode of 1 and 4
+    rows and a verify window of 4 rows with its commit lower to the Triton kernels."""
+    from mtp_jax.models.qwen4_exp.decoder import GatedDeltaNetGate
+    from tests.helpers.triton_lowering import lower_for_cuda
+
+    cfg = _flash()
+    cfg = dataclasses.replace(cfg, kernels=resolve_kernels(cfg, "bfloat16", {"gdn": "pallas"}))
+    graphdef, params = nnx.split(nnx.eval_shape(lambda: GatedDeltaNetGate(cfg, jnp.bfloat16)))
+    spec = jax.ShapeDtypeStruct
+    state = (spec((b, cfg.linear_num_value_heads, 128, 128), jnp.float32),
+             spec((b, cfg.linear_conv_dim, cfg.linear_conv_kernel_dim - 1), jnp.bfloat16))
+
+    def fn(p, x, state, valid):
+        layer = nnx.merge(graphdef, p)
+        out1, s1 = layer.decode(x[:, :1], state, valid[:, :1])
+        out4, s4 = layer.decode(x, s1, valid)
+        out, rows = layer.verify(x, s4, valid)
+        return out1, out4, out, layer.commit(s4, rows, jnp.full((b,), 2, jnp.int32))
+
+    text = lower_for_cuda(fn, params, spec((b, 4, cfg.hidden_size), jnp.bfloat16), state,
+                          spec((b, 4), jnp.bool_))
+    for name in ("gdn_conv_write", "gdn_fused_decode", "gdn_fused_verify", "gdn_fused_commit"):
+        assert name in text
