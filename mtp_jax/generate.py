@@ -6,6 +6,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 import warnings
@@ -370,6 +371,24 @@ def _adaptive_note(llm) -> str:
     return note + ")"
 
 
+def _quant_note(args, llm) -> str:
+    """The ``[model]`` line's note on a quantized checkpoint: its weights kept as stored (and
+    the bytes that saves), or dequantized at load (``--quantization`` and what ``auto``
+    chose); empty for an unquantized one."""
+    saved = getattr(llm.model, "weight_bytes_saved", 0)
+    if saved:
+        return (f"; quantized weights kept as stored ({saved / 2**30:.2f} GiB less than "
+                f"{llm.model.dtype})")
+    if args.model and os.path.isdir(args.model):
+        from mtp_jax.weights.quant_config import quantization_from_folder
+
+        method = quantization_from_folder(args.model).method
+        if method is not None:
+            return (f"; {method} checkpoint dequantized to {llm.model.dtype} at load "
+                    f"(--quantization {args.quantization})")
+    return ""
+
+
 def _print_model_line(args, llm, warm_s: float) -> None:
     """The ``[model]`` and ``[warm-up]`` lines on stderr, once the run is accepted (so that a
     refusal is the only thing on stderr)."""
@@ -383,6 +402,7 @@ def _print_model_line(args, llm, warm_s: float) -> None:
           + (f"; draft layer {llm.speculative.draft_layer_dtype}" if llm.speculative.draft_layer_dtype
              else "")
           + _adaptive_note(llm)
+          + _quant_note(args, llm)
           + (f"; {llm.engine.rounds_per_call} rounds per call"
              if llm.engine.rounds_per_call > 1 else "")
           + ("" if args.prompt or args.prompts_file else f"; prompt {DEFAULT_PROMPT!r}"),

@@ -125,3 +125,26 @@ def test_quantization_option_checked_first(weight_spy):
     assert weight_spy.opened == []
     from mtp_jax.generate import build_parser
     assert build_parser().parse_args(["--quantization", "dequantize"]).quantization == "dequantize"
+
+
+def test_model_line_says_how_quantized_weights_are_held(fp8_ckpt):
+    """The CLI's ``[model]`` line names a quantized checkpoint and how its weights are held:
+    dequantized at load (``auto``, ``dequantize``) or kept, with the bytes saved; nothing for
+    an unquantized checkpoint or the built-in model."""
+    from types import SimpleNamespace
+
+    from mtp_jax.generate import _quant_note
+    from mtp_jax.llm import LLM
+
+    held = {}
+    for mode in ("auto", "dequantize", "keep"):
+        held[mode] = llm = LLM(fp8_ckpt, dtype="float32", quantization=mode,
+                               speculative_algorithm="none")
+        note = _quant_note(SimpleNamespace(model=fp8_ckpt, quantization=mode), llm)
+        if mode == "keep":
+            assert llm.model.weight_bytes_saved > 0
+            assert note.startswith("; quantized weights kept as stored (") and "float32" in note
+        else:
+            assert note == f"; fp8 checkpoint dequantized to float32 at load (--quantization {mode})"
+    for model in (fixture_path("tiny_moe_fused"), None):  # unquantized, the built-in model
+        assert _quant_note(SimpleNamespace(model=model, quantization="auto"), held["auto"]) == ""
