@@ -470,12 +470,11 @@ def _device_table_bytes(cfg, dtype: str, ple_backend: str | None, dummy_weight: 
     synthetic tables are small)."""
     if dummy_weight or not getattr(cfg, "ple_layers", ()):
         return 0
-    from mtp_jax.models.qwen4_exp.config import ple_table_bytes
-    from mtp_jax.models.qwen4_exp.entry import ple_backend_for
+    from mtp_jax.models.qwen4_exp.entry import table_bytes
+    from mtp_jax.models.qwen4_exp.ple_device import choose_backend
 
-    if ple_backend_for(cfg, dtype, ple_backend) != "device":
-        return 0
-    return ple_table_bytes(cfg, 4 if resolve_dtype(dtype) == "float32" else 2)
+    size = table_bytes(cfg, dtype)
+    return size if choose_backend(ple_backend, size) == "device" else 0
 
 
 def _kept_saving(model, dtype: str, request, dummy_weight: bool) -> int:

@@ -29,16 +29,17 @@ from __future__ import annotations
 import dataclasses
 import functools
 
+import numpy as np
+
 from mtp_jax.models.entry import LoadRequest, ModelEntry, SlotState
+from mtp_jax.models.loaded import NP_DTYPES, resolve_dtype
 from mtp_jax.models.qwen4_exp import names
-from mtp_jax.models.qwen4_exp.config import MODEL_TYPES, Qwen4ExpConfig
+from mtp_jax.models.qwen4_exp.config import MODEL_TYPES, Qwen4ExpConfig, ple_table_bytes
 from mtp_jax.models.qwen4_exp.dummy import read_random
 from mtp_jax.models.qwen4_exp.gguf_loader import load_qwen4_exp_gguf
 from mtp_jax.models.qwen4_exp.kernels import KERNEL_OPS
 from mtp_jax.models.qwen4_exp.loader import LoadedQwen4Exp, load_qwen4_exp
 from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
-from mtp_jax.models.loaded import resolve_dtype
-from mtp_jax.models.qwen4_exp.config import ple_table_bytes
 from mtp_jax.models.qwen4_exp.ple_device import choose_backend
 from mtp_jax.models.qwen4_exp.ple_store import PLE_CHOICES
 from mtp_jax.models.qwen4_exp.pools import make_qwen4_pools
@@ -78,12 +79,17 @@ def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp
     return model
 
 
+def table_bytes(cfg: Qwen4ExpConfig, dtype: str | None) -> int:
+    """Bytes of the PLE n-gram tables held in the model ``dtype`` (0 without PLE layers)."""
+    itemsize = np.dtype(NP_DTYPES[resolve_dtype(dtype)]).itemsize
+    return ple_table_bytes(cfg, itemsize) if cfg.ple_layers else 0
+
+
 def ple_backend_for(cfg: Qwen4ExpConfig, dtype: str | None, asked: str | None) -> str:
     """The PLE backend a load with ``ple_backend=asked`` (``None`` or ``"auto"``: the default)
-    uses: :func:`~mtp_jax.models.qwen4_exp.ple_device.choose_backend` over the tables' bytes
-    in ``dtype``."""
-    itemsize = 4 if resolve_dtype(dtype) == "float32" else 2
-    return choose_backend(asked, ple_table_bytes(cfg, itemsize) if cfg.ple_layers else 0)
+    uses: :func:`~mtp_jax.models.qwen4_exp.ple_device.choose_backend` over
+    :func:`table_bytes`."""
+    return choose_backend(asked, table_bytes(cfg, dtype))
 
 
 def tensor_shapes(cfg: Qwen4ExpConfig, with_mtp: bool) -> dict[str, tuple[int, ...]]:
