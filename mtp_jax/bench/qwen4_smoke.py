@@ -3,11 +3,12 @@ Qwen3.8-Flash-Next shape (docs/benchmarks.md, session 25).
 
 Writes a random bf16 checkpoint of ``configs/Qwen3.8-Flash-Next.json`` cut to ``--layers``
 layers and ``--experts`` routed experts with a small n-gram table (``--ngram-base``), then runs
-``LLM`` (``--ple-backend``, default auto; prefix cache on) at batch 1 and 8, k = 0 and 3 (the
-random MTP head accepts nothing: the k = 3 rows are the cost of a round). Prints one dict per
-row: the PLE backend, end-to-end tokens/s, ms per round (host + device) and the host PLE
-lookup's ms per round (None with ``device``: its programs look the rows up themselves). Writes
-``$OUT/q4_smoke.json`` (or ``--out``).
+``LLM`` (``--ple-backend``, default auto; ``--gdn-backend`` / ``--moe-backend``, default auto =
+XLA for this family; prefix cache on) at ``--batches`` (default 1 and 8) and ``--k`` (default 0
+and 3; the random MTP head accepts nothing: the k = 3 rows are the cost of a round). Prints one
+dict per row: the PLE backend, the kernels, end-to-end tokens/s, ms per round (host + device)
+and the host PLE lookup's ms per round (None with ``device``: its programs look the rows up
+themselves). Writes ``$OUT/q4_smoke.json`` (or ``--out``).
 """
 
 from __future__ import annotations
@@ -46,7 +47,8 @@ def lookup_ms(model, prompts, k: int, repeats: int = 50) -> float:
     return 1e3 * (time.perf_counter() - t0) / repeats
 
 
-def run_row(llm, prompts, k: int, max_tokens: int, rng, backend: str = "disk") -> dict:
+def run_row(llm, prompts, k: int, max_tokens: int, rng, backend: str = "disk",
+            kernels: str = "xla") -> dict:
     """Warm up on other prompts of the same lengths and ``max_tokens`` (the same buckets and
     prefix-cache snapshot crossings: nothing compiles in the timed run), then time."""
     other = [rng.integers(100, 200_000, len(p)).tolist() for p in prompts]
@@ -59,7 +61,7 @@ def run_row(llm, prompts, k: int, max_tokens: int, rng, backend: str = "disk") -
     wall = time.perf_counter() - t0
     rounds = max(eng.stats.rounds - r0, 1)
     toks = sum(len(o.token_ids) for o in outs)
-    return dict(ple_backend=backend, k=k, batch=len(prompts), tokens=toks,
+    return dict(ple_backend=backend, kernels=kernels, k=k, batch=len(prompts), tokens=toks,
                 tok_s=round(toks / wall, 1),
                 ms_per_round=round(1e3 * (eng.stats.round_seconds - s0) / rounds, 3),
                 lookup_ms=(None if backend == "device"
@@ -97,20 +99,32 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also trace 10 rounds at batch 1 (python -m mtp_jax.bench profile's "
                         "analysis: device busy time per round, top kernels; GPU only)")
+    p.add_argument("--k", type=int, nargs="+", default=[0, 3],
+                   help="speculative_num_steps of each run, 0 = MTP off (default 0 3)")
+    p.add_argument("--batches", type=int, nargs="+", default=[1, 8],
+                   help="requests per row (default 1 8; at most 8)")
+    for op in ("gdn", "moe"):
+        p.add_argument(f"--{op}-backend", default="auto", choices=["auto", "xla", "pallas"],
+                       help=f"the {op.upper()} kernels (default auto = XLA for qwen4_exp; "
+                            "pallas needs a GPU)")
     a = p.parse_args(argv)
+    if max(a.batches) > 8:
+        p.error(f"--batches {max(a.batches)}: at most 8 (max_running_requests=8)")
     write_random_qwen4_exp(cut_config(a.config, a.layers, a.experts, a.ngram_base),
                            a.checkpoint_dir, dtype="bfloat16", seed=0, with_mtp=True)
     rng = np.random.default_rng(0)
     rows = []
-    for k in (0, 3):
+    kernels = f"gdn={a.gdn_backend},moe={a.moe_backend}"
+    for k in a.k:
         llm = LLM(a.checkpoint_dir, dtype="bfloat16", max_running_requests=8, max_model_len=512,
                   speculative_algorithm="mtp" if k else "none",
-                  speculative_num_steps=k if k else 3, ple_backend=a.ple_backend)
-        for b in (1, 8):
+                  speculative_num_steps=k if k else 3, ple_backend=a.ple_backend,
+                  gdn_backend=a.gdn_backend, moe_backend=a.moe_backend)
+        for b in a.batches:
             prompts = [rng.integers(100, 200_000, a.prompt_len).tolist() for _ in range(b)]
             used = a.ple_backend if a.ple_backend != "auto" else (
                 "disk" if llm.model.host_callbacks else "device")  # what auto chose
-            rows.append(run_row(llm, prompts, k, a.max_tokens, rng, used))
+            rows.append(run_row(llm, prompts, k, a.max_tokens, rng, used, kernels))
             print(rows[-1], flush=True)
         print("weights GB:", weights_bytes(llm.model.cfg, "bfloat16", True) / 1e9)
         if a.profile:
