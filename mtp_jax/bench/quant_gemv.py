@@ -6,14 +6,20 @@ Variants, each over ``COPIES`` distinct weights per program (beyond the 50 MB L2
 * bf16: ``reduce`` (the engine's one-row multiply-reduce form) and ``xla_dot``;
 * fp8 (128 x 128 block scales) and nvfp4 (packed e2m1, F8_E4M3 group scales, float32
   ``scale_2``): ``xla_dequant_reduce`` / ``xla_dequant_dot`` (the weights dequantized by XLA
-  inside the program, then the same two forms: keep's XLA path) and ``triton`` (the
-  dequantizing GEMV, :func:`pallas_kernels.quant.quant_gemv`; GPU only).
+  inside the program, then the same two forms: keep's XLA path) and the dequantizing GEMV
+  (:func:`pallas_kernels.quant.quant_gemv`; interpret mode off a GPU) in the tiles of
+  :func:`triton_tiles`: ``triton`` (the default: the engine's), ``triton_s1`` (K not split:
+  session 32's kernel), ``triton_wide`` (8 KiB of codes per step), and where K > N the split
+  swept (``triton_s4``, ``triton_s8``, ``triton_wide_s1``).
 
 Time: on a GPU the kernels' device time from a profiler trace
-(:func:`mtp_jax.bench.timing.device_seconds`), elsewhere the wall time of tiny shapes (a smoke
-run). ``tbps``: the held bytes over that time. ``rel_err`` (triton): max |y - ref| / max |ref|
-against float32 sums of the dequantized weights. Prints one dict per row and writes
-``$OUT/quant_gemv.json`` (or ``--out``).
+(:func:`mtp_jax.bench.timing.device_seconds`; a split's XLA reduce of the partials included),
+elsewhere the wall time of tiny shapes (a smoke run). ``us``: per projection; ``tbps``: the
+held bytes over that time; ``first_s``: the first call's wall seconds (compile + run).
+Triton rows add ``tiles`` (``bn``, ``bk``, warps, ``S`` = the slices of K as resolved) and
+``rel_err``: max |y - ref| / max |ref| against float32 sums of the dequantized weights. Prints
+one dict per row and writes ``$OUT/quant_gemv.json`` (or ``--out``); ``--variants`` keeps only
+the named ones.
 """
 
 from __future__ import annotations
@@ -21,6 +27,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import time
 
 import jax
 import jax.numpy as jnp
@@ -30,6 +37,7 @@ from mtp_jax.bench.timing import device_seconds, wall_seconds
 from pallas_kernels.gemv import reduce_matmul
 from pallas_kernels.quant.formats import QuantFormat, dequantize, stored_bytes
 from pallas_kernels.quant.gemv import quant_gemv
+from pallas_kernels.quant.gemv_tiles import QuantGemvTiles, default_tiles, split_plan
 
 SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B gdn_in", 16480, 5120)]
 COPIES = 8
@@ -49,21 +57,57 @@ def random_parts(key, kind: str, n: int, k: int):
             jax.random.uniform(key, (n,)) * 1e-2)
 
 
-def variants(kind: str, fmt, gpu: bool) -> dict:
-    if kind == "bf16":
-        return {"reduce": lambda x, ps: [reduce_matmul(x, w) for w, _, _ in ps],
-                "xla_dot": lambda x, ps: [x @ w.T for w, _, _ in ps]}
-    out = {"xla_dequant_reduce": lambda x, ps: [
-               reduce_matmul(x, dequantize(fmt, c, s, s2, jnp.bfloat16)) for c, s, s2 in ps],
-           "xla_dequant_dot": lambda x, ps: [
-               x @ dequantize(fmt, c, s, s2, jnp.bfloat16).T for c, s, s2 in ps]}
-    out["triton"] = lambda x, ps: [quant_gemv(x, fmt, c, s, s2, out_dtype=jnp.bfloat16,
-                                              interpret=not gpu) for c, s, s2 in ps]
+def triton_tiles(fmt: QuantFormat, n: int, k: int, rows: int) -> dict[str, QuantGemvTiles]:
+    """The Triton variants' tiles for ``rows`` rows of ``W [n, k]``: ``triton`` (the defaults,
+    the automatic split), ``triton_s1`` (no split), ``triton_wide`` (fp8 64 x 128, nvfp4
+    32 x 512 codes: 8 KiB a step; 8 warps, ``[bn]`` accumulators; automatic split); where
+    ``k > n`` also ``triton_s4``, ``triton_s8`` and ``triton_wide_s1``."""
+    base = default_tiles(fmt, n, k, rows)
+    wide = base._replace(bn=64 if fmt.kind == "fp8" else 32, num_warps=8, reduce_each=True)
+    out = {"triton": base, "triton_s1": base._replace(split_k=1), "triton_wide": wide}
+    if k > n:
+        out.update(triton_s4=base._replace(split_k=4), triton_s8=base._replace(split_k=8),
+                   triton_wide_s1=wide._replace(split_k=1))
     return out
 
 
-def run(shapes, copies: int, rows_list, gpu: bool) -> list[dict]:
-    timer = device_seconds if gpu else (lambda call, calls: wall_seconds(call, reps=calls))
+def variants(kind: str, fmt, n: int, k: int, rows: int, gpu: bool) -> dict:
+    """``{name: (fn(x, parts) -> [y per copy], tiles or None)}`` of one kind and shape."""
+    if kind == "bf16":
+        return {"reduce": (lambda x, ps: [reduce_matmul(x, w) for w, _, _ in ps], None),
+                "xla_dot": (lambda x, ps: [x @ w.T for w, _, _ in ps], None)}
+    out = {"xla_dequant_reduce": (lambda x, ps: [
+               reduce_matmul(x, dequantize(fmt, c, s, s2, jnp.bfloat16)) for c, s, s2 in ps],
+               None),
+           "xla_dequant_dot": (lambda x, ps: [
+               x @ dequantize(fmt, c, s, s2, jnp.bfloat16).T for c, s, s2 in ps], None)}
+    for name, tiles in triton_tiles(fmt, n, k, rows).items():
+        out[name] = (lambda x, ps, t=tiles: [
+            quant_gemv(x, fmt, c, s, s2, out_dtype=jnp.bfloat16, tiles=t, interpret=not gpu)
+            for c, s, s2 in ps], tiles)
+    return out
+
+
+def tiles_label(fmt: QuantFormat, n: int, k: int, t: QuantGemvTiles) -> str:
+    """``"bn16 bk128 w4 S2"``: the tile and the slices of K as :func:`split_plan` resolves."""
+    return f"bn{t.bn} bk{t.bk} w{t.num_warps} S{split_plan(fmt, n, k, t)[0]}"
+
+
+def reference(x, fmt, part) -> np.ndarray:
+    """``[rows, n]`` float32 product of ``x`` and one copy's dequantized (bf16) weights."""
+    w = dequantize(fmt, *part, jnp.bfloat16).astype(jnp.float32)
+    return np.asarray(x.astype(jnp.float32) @ w.T)
+
+
+def rel_err(got, ref: np.ndarray) -> float:
+    """max |got - ref| / max |ref|."""
+    return float(np.abs(np.asarray(got, np.float32) - ref).max() / np.abs(ref).max())
+
+
+def run(shapes, copies: int, rows_list, gpu: bool, keep=None) -> list[dict]:
+    """One row per shape, kind, rows and variant (``keep``: the variant names to run, or all)."""
+    timer = device_seconds if gpu else (  # the smoke run: two calls, already compiled
+        lambda call, calls: wall_seconds(call, reps=2, warmup=0))
     key, out = jax.random.PRNGKey(0), []
     for name, n, k in shapes:
         for kind in ("bf16", "fp8", "nvfp4"):
@@ -73,16 +117,23 @@ def run(shapes, copies: int, rows_list, gpu: bool) -> list[dict]:
             nbytes = copies * (n * k * 2 if kind == "bf16" else stored_bytes(fmt, n))
             for rows in rows_list:
                 x = jax.random.normal(key, (rows, k), jnp.bfloat16)
-                for vname, fn in variants(kind, fmt, gpu).items():
+                ref = None
+                for vname, (fn, tiles) in variants(kind, fmt, n, k, rows, gpu).items():
+                    if keep and vname not in keep:
+                        continue
                     f = jax.jit(fn)
+                    t0 = time.perf_counter()
+                    ys = jax.block_until_ready(f(x, parts))
+                    first = time.perf_counter() - t0
                     t = timer(lambda: f(x, parts), calls=5)
                     row = dict(shape=name, kind=kind, rows=rows, variant=vname,
-                               us=round(t * 1e6 / copies, 1), tbps=round(nbytes / t / 1e12, 2))
-                    if vname == "triton":
-                        w = dequantize(fmt, *parts[0], jnp.bfloat16).astype(jnp.float32)
-                        ref = np.asarray(x.astype(jnp.float32) @ w.T)
-                        got = np.asarray(jax.jit(fn)(x, parts[:1])[0], np.float32)
-                        row["rel_err"] = float(np.abs(got - ref).max() / np.abs(ref).max())
+                               us=round(t * 1e6 / copies, 1), tbps=round(nbytes / t / 1e12, 2),
+                               first_s=round(first, 2))
+                    if tiles is not None:
+                        row["tiles"] = tiles_label(fmt, n, k, tiles)
+                        if ref is None:
+                            ref = reference(x, fmt, parts[0])
+                        row["rel_err"] = rel_err(ys[0], ref)
                     print(row, flush=True)
                     out.append(row)
     return out
@@ -92,10 +143,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mtp_jax.bench.quant_gemv",
                                 description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "quant_gemv.json"))
+    p.add_argument("--variants", default="",
+                   help="comma-separated variant names to run (default: all), e.g. "
+                        "reduce,xla_dot,triton,triton_s1")
     a = p.parse_args(argv)
+    keep = {v for v in a.variants.split(",") if v}
     gpu = jax.default_backend() == "gpu"
-    shapes, copies, rows = (SHAPES, COPIES, (1, 4)) if gpu else ([("tiny", 256, 512)], 2, (1,))
-    rows_out = run(shapes, copies, rows, gpu)
+    shapes, copies, rows = (SHAPES, COPIES, (1, 4)) if gpu else ([("tiny", 256, 512)], 1, (1,))
+    t0 = time.perf_counter()
+    rows_out = run(shapes, copies, rows, gpu, keep)
+    print(f"quant_gemv bench: {len(rows_out)} rows in {time.perf_counter() - t0:.1f} s",
+          flush=True)
     with open(a.out, "w") as f:
         json.dump(rows_out, f, indent=1)
     return 0

@@ -8,9 +8,13 @@ The weights come in the device forms of :mod:`pallas_kernels.quant.formats` (``f
     w = dequantized weights of the step (float32), rounded to ``out_dtype``
     y[m] += sum over the step of w * float32(x[m] rounded to out_dtype)
 
-so every output equals ``x.astype(out_dtype) @ dequantize(...).T`` with float32 sums up to
-their order (:func:`quant_gemv_reference`; but see dividing nvfp4 below), rounded once to
-``out_dtype``.
+Split K (:mod:`pallas_kernels.quant.gemv_tiles`): with ``S > 1`` slices the grid is
+``(N / bn, S)``, program ``(j, s)`` sums only the steps of slice ``s`` into a float32 partial
+``[S, M, N]``, and XLA sums the ``S`` partials in float32 afterwards; with ``S = 1`` the
+program's sum is the result. Either way every output equals ``x.astype(out_dtype) @
+dequantize(...).T`` with float32 sums up to their order (:func:`quant_gemv_reference`; but see
+dividing nvfp4 below), rounded once to ``out_dtype``; the split changes only that order, never
+a weight's dequantization.
 
 fp8: a step lies inside one scale block (``bk`` divides the block's columns, or the block
 spans K), so its scale is one value (``bn`` divides the block's rows) or one per row
@@ -31,18 +35,19 @@ division by the broadcast ``scale_2`` into a product with the rounded reciprocal
 CPU), one float32 ulp off for about a fifth of the weights, rarely visible in bf16.
 
 Masking: a partial last program of N is masked by Pallas; a K that is not a multiple of ``bk``
-gets one masked last step (its weights and activations zeroed).
+gets one masked last step (its weights and activations zeroed), in the last slice of a split.
 
-Not measured on a GPU yet (written without one): :func:`default_tiles` is a first guess
-(4 KiB of codes per program step); the exact rounding of every weight costs
-about ten ALU operations per nvfp4 weight, which may make the kernel ALU-bound at decode.
+Measured on an H200 without the split (docs/benchmarks.md, session 32): 1.0-2.5 TB/s of held
+bytes for fp8, 0.7-1.0 for nvfp4 (bf16's one-row forms: 4.0-4.5); the split and wider tiles
+are not measured yet. :func:`default_tiles` is a first guess (2-4 KiB of codes per program
+step); the exact rounding of every weight costs about ten ALU operations per nvfp4 weight,
+which may make the kernel ALU-bound at decode.
 """
 
 from __future__ import annotations
 
 import functools
 import math
-from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -53,82 +58,12 @@ from jax.experimental.pallas import triton as plgpu
 
 from pallas_kernels.common import interpret_mode, whole
 from pallas_kernels.quant.formats import NVFP4_GROUP, QuantFormat, check_parts, dequantize
+from pallas_kernels.quant.gemv_tiles import (MAX_ROWS, QuantGemvTiles, check_tiles,
+                                             default_tiles, quant_gemv_applies, split_plan)
 
 F32 = jnp.float32
-MAX_ROWS = 8
 NIBBLE_BYTES = NVFP4_GROUP // 2  # bytes of one nvfp4 group
 THIRD_X64 = float(np.float32(1.0 / 3.0)) * 64.0  # 64 * fl(1/3), exact in float32
-
-
-class QuantGemvTiles(NamedTuple):
-    """Static tiling: ``bn`` output columns per program and ``bk`` columns of ``K`` per step
-    (powers of two; nvfp4: ``bk`` a multiple of 16), Triton ``num_warps`` / ``num_stages``,
-    and ``reduce_each``: sum each step's products at once into a ``[bn]`` accumulator per row
-    (fewer registers with several rows) instead of ``[bn, bk]`` ones summed at the end."""
-    bn: int = 16
-    bk: int = 128
-    num_warps: int = 4
-    num_stages: int = 3
-    reduce_each: bool = False
-
-
-def _pow2_divisor(v: int, cap: int) -> int:
-    """The largest power of two ``<= cap`` dividing ``v``."""
-    p = 1
-    while p * 2 <= cap and v % (p * 2) == 0:
-        p *= 2
-    return p
-
-
-def default_tiles(fmt: QuantFormat, n: int, k: int, rows: int) -> QuantGemvTiles:
-    """First-guess tiles for ``rows`` rows of ``W [n, k]`` (not tuned on a GPU): 16 output
-    columns (fp8 blocks: the largest power of two up to 16 dividing the block's rows); steps
-    of 128 columns inside an fp8 block (the largest power of two up to 128 dividing the block's
-    columns), 256 when one block spans K, 512 for nvfp4 (256 bytes of codes per row);
-    ``[bn]`` accumulators from 3 rows on. ``n`` is unused (masking takes any N)."""
-    del n
-    bn_s, bk_s = fmt.block
-    bn = 16 if fmt.kind == "nvfp4" or bn_s == 1 else _pow2_divisor(bn_s, 16)
-    if fmt.kind == "nvfp4":
-        bk = 512
-    elif bk_s >= k:
-        bk = 256
-    else:
-        bk = _pow2_divisor(bk_s, 128)
-    return QuantGemvTiles(bn, bk, 4, 3, rows > 2)
-
-
-def check_tiles(fmt: QuantFormat, n: int, k: int, rows: int, tiles: QuantGemvTiles) -> None:
-    """Raises ValueError naming the rows, K or tile that :func:`quant_gemv` cannot take."""
-    if not 1 <= rows <= MAX_ROWS:
-        raise ValueError(f"quant_gemv: {rows} rows; the kernel takes 1 to {MAX_ROWS}.")
-    if k != fmt.in_features:
-        raise ValueError(f"quant_gemv: x has K={k}, the weights {fmt.in_features}.")
-    for name, v in (("bn", tiles.bn), ("bk", tiles.bk)):
-        if v < 1 or v & (v - 1):
-            raise ValueError(f"quant_gemv: tile {name}={v} must be a power of two.")
-    bn_s, bk_s = fmt.block
-    if fmt.kind == "nvfp4":
-        if tiles.bk < NVFP4_GROUP:
-            raise ValueError(f"quant_gemv: nvfp4 tile bk={tiles.bk} must be a multiple of "
-                             f"{NVFP4_GROUP}.")
-        return
-    if bn_s != 1 and bn_s % tiles.bn:
-        raise ValueError(f"quant_gemv: fp8 tile bn={tiles.bn} must divide the scale block's "
-                         f"{bn_s} rows (or the block be one row).")
-    if bk_s < k and bk_s % tiles.bk:
-        raise ValueError(f"quant_gemv: fp8 tile bk={tiles.bk} must divide the scale block's "
-                         f"{bk_s} columns (K={k}).")
-
-
-def quant_gemv_applies(fmt: QuantFormat, n: int, k: int, rows: int) -> bool:
-    """Whether :func:`quant_gemv` takes ``rows`` rows of ``W [n, k]`` in ``fmt`` with
-    :func:`default_tiles` at a sensible speed (at least 4 output columns and 16 columns of K
-    per program step); the caller keeps XLA's dequantize + dot otherwise."""
-    if n < 1 or not 1 <= rows <= MAX_ROWS or k != fmt.in_features:
-        return False
-    t = default_tiles(fmt, n, k, rows)
-    return t.bn >= 4 and t.bk >= 16
 
 
 def quant_gemv_reference(x, fmt: QuantFormat, codes, scale, scale_2, *, out_dtype):
@@ -183,14 +118,24 @@ def _nibble_weights(codes: jax.Array, mag_bit: int, factors, s2: jax.Array, dtyp
     return _round(p * jnp.where(three, q3, q1), dtype)
 
 
-def _steps(step, n_full: int, tail: int, accs):
-    """``n_full`` unmasked steps in a loop, then one step whose first ``tail`` columns are
-    valid (none when ``tail`` is 0), in a loop of one trip: its start must be traced, as a
-    static slice past the array's end is refused when the kernel is traced."""
-    if n_full:
-        accs = lax.fori_loop(0, n_full, lambda i, a: step(i, a, None), accs)
+def _steps(step, n_full: int, tail: int, chunk: int | None, accs):
+    """The program's steps: unmasked ones in a loop, then step ``n_full``, whose first ``tail``
+    columns are valid (none when ``tail`` is 0), in a loop of one trip: its start must be
+    traced, as a static slice past the array's end is refused when the kernel is traced.
+
+    ``chunk`` None: all ``n_full`` unmasked steps. Else the program's slice of K, ``s =
+    program_id(1)``: steps ``s * chunk`` to ``min((s + 1) * chunk, n_full)`` (traced bounds),
+    and step ``n_full`` only in the slice holding it (``s == n_full // chunk``)."""
+    lo, hi, tail_trips = 0, n_full, 1
+    if chunk is not None:
+        s = pl.program_id(1)
+        lo = s * chunk
+        hi = jnp.minimum(lo + chunk, n_full)
+        tail_trips = (s == n_full // chunk).astype(jnp.int32)
+    if chunk is not None or n_full:
+        accs = lax.fori_loop(lo, hi, lambda i, a: step(i, a, None), accs)
     if tail:
-        accs = lax.fori_loop(n_full, n_full + 1, lambda i, a: step(i, a, tail), accs)
+        accs = lax.fori_loop(n_full, n_full + tail_trips, lambda i, a: step(i, a, tail), accs)
     return accs
 
 
@@ -218,12 +163,14 @@ def _add(accs, prods, reduce_each: bool):
 
 def _store(y_ref, accs, reduce_each: bool):
     """Writes each row's sums, rounded to the output dtype, to its row of the ``[M, bn]``
-    output block."""
+    output block (of a split K: the float32 ``[1, M, bn]`` block of the program's slice)."""
+    lead = (0,) * (len(y_ref.shape) - 2)
     for m, a in enumerate(accs):
-        y_ref[m, :] = (a if reduce_each else _row_sums(a)).astype(y_ref.dtype)
+        y_ref[(*lead, m, slice(None))] = (a if reduce_each else _row_sums(a)).astype(y_ref.dtype)
 
 
-def _fp8_kernel(x_ref, c_ref, s_ref, y_ref, *, rows, k, bn, bk, block, dtype, reduce_each):
+def _fp8_kernel(x_ref, c_ref, s_ref, y_ref, *, rows, k, bn, bk, block, dtype, reduce_each,
+                chunk):
     j = pl.program_id(0)
     bn_s, bk_s = block
     srow = None if bn_s == 1 else j // (bn_s // bn)
@@ -248,11 +195,11 @@ def _fp8_kernel(x_ref, c_ref, s_ref, y_ref, *, rows, k, bn, bk, block, dtype, re
         return _add(accs, [w * xm[None, :] for xm in xs], reduce_each)
 
     zero = jnp.zeros((bn,) if reduce_each else (bn, bk), F32)
-    _store(y_ref, _steps(step, k // bk, k % bk, (zero,) * rows), reduce_each)
+    _store(y_ref, _steps(step, k // bk, k % bk, chunk, (zero,) * rows), reduce_each)
 
 
 def _nvfp4_kernel(x_ref, c_ref, s_ref, s2_ref, y_ref, *, rows, groups, bn, tg, divide, dtype,
-                  reduce_each, interpret):
+                  reduce_each, chunk, interpret):
     s2 = s2_ref[...]
 
     def step(i, accs, valid):
@@ -279,20 +226,23 @@ def _nvfp4_kernel(x_ref, c_ref, s_ref, s2_ref, y_ref, *, rows, groups, bn, tg, d
         return _add(accs, prods, reduce_each)
 
     zero = jnp.zeros((bn,) if reduce_each else (bn, tg, NIBBLE_BYTES), F32)
-    _store(y_ref, _steps(step, groups // tg, groups % tg, (zero,) * rows), reduce_each)
+    _store(y_ref, _steps(step, groups // tg, groups % tg, chunk, (zero,) * rows), reduce_each)
 
 
 @functools.partial(jax.jit, static_argnames=("fmt", "out_dtype", "tiles", "interpret"))
 def quant_gemv_pallas(x, codes, scale, scale_2, *, fmt: QuantFormat, out_dtype,
                       tiles: QuantGemvTiles, interpret: bool = False):
     """The kernel on ``x [M, K]`` (``1 <= M <= 8``); ``[M, N]`` in ``out_dtype``. Arguments as
-    :func:`quant_gemv`, tiles checked by :func:`check_tiles`."""
+    :func:`quant_gemv`, tiles checked by :func:`check_tiles`; K split as
+    :func:`~pallas_kernels.quant.gemv_tiles.split_plan` says."""
     m, k = x.shape
     n = check_parts(fmt, codes, scale, scale_2)
     check_tiles(fmt, n, k, m, tiles)
     bn = tiles.bn
-    rows_spec = lambda *tail: pl.BlockSpec((bn, *tail), lambda j: (j,) + (0,) * len(tail))
-    common = dict(rows=m, bn=bn, dtype=jnp.dtype(out_dtype), reduce_each=tiles.reduce_each)
+    n_split, chunk = split_plan(fmt, n, k, tiles)
+    rows_spec = lambda *tail: pl.BlockSpec((bn, *tail), lambda j, s: (j,) + (0,) * len(tail))
+    common = dict(rows=m, bn=bn, dtype=jnp.dtype(out_dtype), reduce_each=tiles.reduce_each,
+                  chunk=None if n_split == 1 else chunk)
     if fmt.kind == "fp8":
         body = functools.partial(_fp8_kernel, k=k, bk=tiles.bk, block=fmt.block, **common)
         s_spec = whole(scale.shape) if fmt.block[0] != 1 else rows_spec(scale.shape[1])
@@ -305,16 +255,23 @@ def quant_gemv_pallas(x, codes, scale, scale_2, *, fmt: QuantFormat, out_dtype,
                 codes.reshape(n, groups, NIBBLE_BYTES), scale, scale_2)
         specs = [whole(args[0].shape), rows_spec(groups, NIBBLE_BYTES), rows_spec(groups),
                  rows_spec()]
-    return pl.pallas_call(
+    if n_split == 1:
+        out_spec = pl.BlockSpec((m, bn), lambda j, s: (0, j))
+        out_shape = jax.ShapeDtypeStruct((m, n), out_dtype)
+    else:
+        out_spec = pl.BlockSpec((1, m, bn), lambda j, s: (s, 0, j))
+        out_shape = jax.ShapeDtypeStruct((n_split, m, n), F32)
+    y = pl.pallas_call(
         body,
-        grid=(pl.cdiv(n, bn),),
+        grid=(pl.cdiv(n, bn), n_split),
         in_specs=specs,
-        out_specs=pl.BlockSpec((m, bn), lambda j: (0, j)),
-        out_shape=jax.ShapeDtypeStruct((m, n), out_dtype),
+        out_specs=out_spec,
+        out_shape=out_shape,
         compiler_params=plgpu.CompilerParams(num_warps=tiles.num_warps,
                                              num_stages=tiles.num_stages),
         interpret=interpret, name=f"quant_gemv_{fmt.kind}",
     )(*args)
+    return y if n_split == 1 else jnp.sum(y, axis=0).astype(out_dtype)
 
 
 def quant_gemv(x, fmt: QuantFormat, codes, scale, scale_2, *, out_dtype,
@@ -329,7 +286,9 @@ def quant_gemv(x, fmt: QuantFormat, codes, scale, scale_2, *, out_dtype,
         ``None`` for fp8).
       out_dtype: the model dtype: the dequantized weights are rounded to it (as
         :func:`dequantize` rounds them) and so is the result.
-      tiles: :class:`QuantGemvTiles` (default :func:`default_tiles`).
+      tiles: :class:`QuantGemvTiles` (default :func:`default_tiles`, whose ``split_k = 0``
+        splits a long K over few output columns: :func:`~pallas_kernels.quant.gemv_tiles.
+        auto_split`).
       interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
     Returns:
       ``[..., N]`` in ``out_dtype``: :func:`quant_gemv_reference` up to the order of its float32
@@ -354,4 +313,4 @@ def quant_gemv(x, fmt: QuantFormat, codes, scale, scale_2, *, out_dtype,
 
 
 __all__ = ["MAX_ROWS", "QuantGemvTiles", "check_tiles", "default_tiles", "quant_gemv",
-           "quant_gemv_applies", "quant_gemv_pallas", "quant_gemv_reference"]
+           "quant_gemv_applies", "quant_gemv_pallas", "quant_gemv_reference", "split_plan"]
