@@ -1,7 +1,8 @@
 """``python -m mtp_jax.bench.quant_gemv``: one projection of kept-quantized weights
 (``quantization="keep"``) against bf16, at the 27B's shapes, 1 and 4 rows.
 
-Variants, each over ``COPIES`` distinct weights per program (beyond the 50 MB L2):
+Variants, each over ``COPIES`` distinct weights per program (beyond the 50 MB L2); by default
+all but ``xla_dequant_*`` (``--variants all`` adds them):
 
 * bf16: ``reduce`` (the engine's one-row multiply-reduce form) and ``xla_dot``;
 * fp8 (128 x 128 block scales) and nvfp4 (packed e2m1, F8_E4M3 group scales, float32
@@ -10,16 +11,17 @@ Variants, each over ``COPIES`` distinct weights per program (beyond the 50 MB L2
   (:func:`pallas_kernels.quant.quant_gemv`; interpret mode off a GPU) in the tiles of
   :func:`triton_tiles`: ``triton`` (the default: the engine's), ``triton_s1`` (K not split:
   session 32's kernel), ``triton_wide`` (8 KiB of codes per step), and where K > N the split
-  swept (``triton_s4``, ``triton_s8``, ``triton_wide_s1``).
+  swept (``triton_s4``, ``triton_s8``).
 
 Time: on a GPU the kernels' device time from a profiler trace
 (:func:`mtp_jax.bench.timing.device_seconds`; a split's XLA reduce of the partials included),
 elsewhere the wall time of tiny shapes (a smoke run). ``us``: per projection; ``tbps``: the
 held bytes over that time; ``first_s``: the first call's wall seconds (compile + run).
 Triton rows add ``tiles`` (``bn``, ``bk``, warps, ``S`` = the slices of K as resolved) and
-``rel_err``: max |y - ref| / max |ref| against float32 sums of the dequantized weights. Prints
-one dict per row and writes ``$OUT/quant_gemv.json`` (or ``--out``); ``--variants`` keeps only
-the named ones.
+``rel_err``: max |y - ref| / max |ref| against float32 sums of the dequantized weights; a
+variant that resolves to an earlier one's tiles is not run again (``same_as``). Prints one dict
+per row and writes ``$OUT/quant_gemv.json`` (or ``--out``); ``--variants`` / ``--shapes`` keep
+only the named ones.
 """
 
 from __future__ import annotations
@@ -41,6 +43,8 @@ from pallas_kernels.quant.gemv_tiles import QuantGemvTiles, default_tiles, split
 
 SHAPES = [("27B gate_up", 34816, 5120), ("27B down", 5120, 17408), ("27B gdn_in", 16480, 5120)]
 COPIES = 8
+TRITON = ("triton", "triton_s1", "triton_wide", "triton_s4", "triton_s8")
+DEFAULT_VARIANTS = ("reduce", "xla_dot", *TRITON)  # keep's XLA forms: session 32, 0.1-1.6 TB/s
 FP8_MAX = 448.0
 
 
@@ -61,13 +65,12 @@ def triton_tiles(fmt: QuantFormat, n: int, k: int, rows: int) -> dict[str, Quant
     """The Triton variants' tiles for ``rows`` rows of ``W [n, k]``: ``triton`` (the defaults,
     the automatic split), ``triton_s1`` (no split), ``triton_wide`` (fp8 64 x 128, nvfp4
     32 x 512 codes: 8 KiB a step; 8 warps, ``[bn]`` accumulators; automatic split); where
-    ``k > n`` also ``triton_s4``, ``triton_s8`` and ``triton_wide_s1``."""
+    ``k > n`` also ``triton_s4`` and ``triton_s8``."""
     base = default_tiles(fmt, n, k, rows)
     wide = base._replace(bn=64 if fmt.kind == "fp8" else 32, num_warps=8, reduce_each=True)
     out = {"triton": base, "triton_s1": base._replace(split_k=1), "triton_wide": wide}
     if k > n:
-        out.update(triton_s4=base._replace(split_k=4), triton_s8=base._replace(split_k=8),
-                   triton_wide_s1=wide._replace(split_k=1))
+        out.update(triton_s4=base._replace(split_k=4), triton_s8=base._replace(split_k=8))
     return out
 
 
@@ -88,11 +91,6 @@ def variants(kind: str, fmt, n: int, k: int, rows: int, gpu: bool) -> dict:
     return out
 
 
-def tiles_label(fmt: QuantFormat, n: int, k: int, t: QuantGemvTiles) -> str:
-    """``"bn16 bk128 w4 S2"``: the tile and the slices of K as :func:`split_plan` resolves."""
-    return f"bn{t.bn} bk{t.bk} w{t.num_warps} S{split_plan(fmt, n, k, t)[0]}"
-
-
 def reference(x, fmt, part) -> np.ndarray:
     """``[rows, n]`` float32 product of ``x`` and one copy's dequantized (bf16) weights."""
     w = dequantize(fmt, *part, jnp.bfloat16).astype(jnp.float32)
@@ -104,8 +102,21 @@ def rel_err(got, ref: np.ndarray) -> float:
     return float(np.abs(np.asarray(got, np.float32) - ref).max() / np.abs(ref).max())
 
 
-def run(shapes, copies: int, rows_list, gpu: bool, keep=None) -> list[dict]:
-    """One row per shape, kind, rows and variant (``keep``: the variant names to run, or all)."""
+def measure(fn, x, parts, timer, nbytes: int) -> tuple[dict, list]:
+    """``({us, tbps, first_s}, outputs)`` of one jitted variant over ``len(parts)`` copies."""
+    f = jax.jit(fn)
+    t0 = time.perf_counter()
+    ys = jax.block_until_ready(f(x, parts))
+    first = time.perf_counter() - t0
+    t = timer(lambda: f(x, parts), calls=5)
+    return dict(us=round(t * 1e6 / len(parts), 1), tbps=round(nbytes / t / 1e12, 2),
+                first_s=round(first, 2)), ys
+
+
+def run(shapes, copies: int, rows_list, gpu: bool, keep=DEFAULT_VARIANTS) -> list[dict]:
+    """One row per shape, kind, rows and variant named in ``keep`` (``None``: all). A Triton
+    variant whose tiles and resolved split equal an earlier one's is not run again: its row
+    says ``same_as`` that one."""
     timer = device_seconds if gpu else (  # the smoke run: two calls, already compiled
         lambda call, calls: wall_seconds(call, reps=2, warmup=0))
     key, out = jax.random.PRNGKey(0), []
@@ -117,22 +128,25 @@ def run(shapes, copies: int, rows_list, gpu: bool, keep=None) -> list[dict]:
             nbytes = copies * (n * k * 2 if kind == "bf16" else stored_bytes(fmt, n))
             for rows in rows_list:
                 x = jax.random.normal(key, (rows, k), jnp.bfloat16)
-                ref = None
+                ref, seen = None, {}
                 for vname, (fn, tiles) in variants(kind, fmt, n, k, rows, gpu).items():
-                    if keep and vname not in keep:
+                    if keep is not None and vname not in keep:
                         continue
-                    f = jax.jit(fn)
-                    t0 = time.perf_counter()
-                    ys = jax.block_until_ready(f(x, parts))
-                    first = time.perf_counter() - t0
-                    t = timer(lambda: f(x, parts), calls=5)
-                    row = dict(shape=name, kind=kind, rows=rows, variant=vname,
-                               us=round(t * 1e6 / copies, 1), tbps=round(nbytes / t / 1e12, 2),
-                               first_s=round(first, 2))
+                    row = dict(shape=name, kind=kind, rows=rows, variant=vname)
                     if tiles is not None:
-                        row["tiles"] = tiles_label(fmt, n, k, tiles)
-                        if ref is None:
-                            ref = reference(x, fmt, parts[0])
+                        s = split_plan(fmt, n, k, tiles)[0]
+                        row["tiles"] = f"bn{tiles.bn} bk{tiles.bk} w{tiles.num_warps} S{s}"
+                        resolved = tiles._replace(split_k=s)
+                        if resolved in seen:
+                            row["same_as"] = seen[resolved]
+                            print(row, flush=True)
+                            out.append(row)
+                            continue
+                        seen[resolved] = vname
+                    timing, ys = measure(fn, x, parts, timer, nbytes)
+                    row.update(timing)
+                    if tiles is not None:
+                        ref = reference(x, fmt, parts[0]) if ref is None else ref
                         row["rel_err"] = rel_err(ys[0], ref)
                     print(row, flush=True)
                     out.append(row)
@@ -143,13 +157,17 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mtp_jax.bench.quant_gemv",
                                 description=__doc__.split("\n\n")[0], allow_abbrev=False)
     p.add_argument("--out", default=os.path.join(os.environ.get("OUT", "."), "quant_gemv.json"))
-    p.add_argument("--variants", default="",
-                   help="comma-separated variant names to run (default: all), e.g. "
-                        "reduce,xla_dot,triton,triton_s1")
+    p.add_argument("--variants", default=",".join(DEFAULT_VARIANTS),
+                   help="comma-separated variant names to run, or 'all' (default: %(default)s)")
+    p.add_argument("--shapes", default="",
+                   help="comma-separated shape names to run (gate_up, down, gdn_in; default: "
+                        "all three on a GPU)")
     a = p.parse_args(argv)
-    keep = {v for v in a.variants.split(",") if v}
+    keep = None if a.variants == "all" else {v for v in a.variants.split(",") if v}
     gpu = jax.default_backend() == "gpu"
     shapes, copies, rows = (SHAPES, COPIES, (1, 4)) if gpu else ([("tiny", 256, 512)], 1, (1,))
+    if a.shapes:
+        shapes = [s for s in shapes if s[0].split()[-1] in a.shapes.split(",")]
     t0 = time.perf_counter()
     rows_out = run(shapes, copies, rows, gpu, keep)
     print(f"quant_gemv bench: {len(rows_out)} rows in {time.perf_counter() - t0:.1f} s",
