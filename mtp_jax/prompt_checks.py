@@ -3,9 +3,10 @@
 What a prompt must fit is known before the model loads: the vocabulary and the model's
 ``max_position_embeddings`` from ``config.json``, ``max_model_len`` from the settings (the
 engine's context limit is the smaller of the two, as :class:`~mtp_jax.engine.engine.Engine`
-sets it), and its tokens from the tokenizer files. So an empty prompt, a prompt too long for the
-context or stop strings that cannot fire are refused in seconds, not after minutes of loading
-weights (``python -m mtp_jax.generate``, :meth:`mtp_jax.LLM.check_prompts`). The checks are
+sets it), and its tokens from the tokenizer files (a GGUF: its tokenizer metadata). So an
+empty prompt, a prompt too long for the context or stop strings that cannot fire are refused in
+seconds, not after minutes of loading weights (``python -m mtp_jax.generate``,
+:meth:`mtp_jax.LLM.check_prompts`). The checks are
 :func:`mtp_jax.prompts.prompt_ids` and :func:`mtp_jax.prompts.check_stops`, the ones
 ``LLM.generate`` runs again on the loaded engine.
 
@@ -19,6 +20,7 @@ import dataclasses
 import os
 from typing import Sequence
 
+from mtp_jax.config import ConfigError
 from mtp_jax.prompts import chat_prompt, check_stops, prompt_ids
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.tokenizer import Tokenizer
@@ -26,7 +28,8 @@ from mtp_jax.tokenizer import Tokenizer
 __all__ = ["PromptLimits", "read_limits", "load_tokenizer", "check_prompts",
            "check_prompts_before_load"]
 
-# The files Tokenizer.from_folder reads: a change to any of them reads the folder again.
+# The files Tokenizer.from_folder reads: a change to any of them reads the folder again (a
+# GGUF: the file itself).
 TOKENIZER_FILES = ("tokenizer.json", "tokenizer_config.json", "generation_config.json",
                    "chat_template.jinja")
 _LAST_TOKENIZER: dict = {}  # at most one entry: (folder, its files' stats) -> Tokenizer
@@ -62,23 +65,43 @@ def read_limits(model: str, max_model_len: int) -> PromptLimits:
     return PromptLimits.of(read_model_config(model, mtp=False), max_model_len)
 
 
-def _stats(folder: str) -> tuple:
+def _stats(paths: list[str]) -> tuple:
     out = []
-    for name in TOKENIZER_FILES:
+    for path in paths:
         try:
-            st = os.stat(os.path.join(folder, name))
+            st = os.stat(path)
             out.append((st.st_mtime_ns, st.st_size))
         except OSError:
             out.append(None)
     return tuple(out)
 
 
-def load_tokenizer(folder: str) -> Tokenizer | None:
-    """:meth:`Tokenizer.from_folder`, reusing the last one read when the folder and its
-    tokenizer files are unchanged (None: the folder has no ``tokenizer.json``)."""
-    key = (os.path.abspath(folder), _stats(folder))
+def _read_tokenizer(model: str, gguf: str | None) -> Tokenizer | None:
+    if gguf is None:
+        return Tokenizer.from_folder(model)
+    from mtp_jax.weights.gguf_reader import open_gguf
+    from mtp_jax.weights.gguf_tokenizer import tokenizer_from_gguf
+    from mtp_jax.weights.safetensors_files import CheckpointError
+
+    try:
+        return tokenizer_from_gguf(open_gguf(gguf))
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
+
+
+def load_tokenizer(model: str) -> Tokenizer | None:
+    """The tokenizer of the checkpoint at ``model``: a folder's files
+    (:meth:`Tokenizer.from_folder`; None without ``tokenizer.json``) or a GGUF's tokenizer
+    metadata (:func:`~mtp_jax.weights.gguf_tokenizer.tokenizer_from_gguf`; None without
+    ``tokenizer.ggml.model``, ``ConfigError`` for one it cannot build). The last one read is
+    reused while the path and its files are unchanged."""
+    from mtp_jax.weights.gguf_header import gguf_file
+
+    gguf = gguf_file(model) if os.path.exists(model) else None
+    files = [gguf] if gguf else [os.path.join(model, n) for n in TOKENIZER_FILES]
+    key = (os.path.abspath(model), gguf, _stats(files))
     if key not in _LAST_TOKENIZER:
-        tokenizer = Tokenizer.from_folder(folder)
+        tokenizer = _read_tokenizer(model, gguf)
         _LAST_TOKENIZER.clear()
         _LAST_TOKENIZER[key] = tokenizer
     return _LAST_TOKENIZER[key]

@@ -30,7 +30,8 @@ def prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int, *,
             raise ValueError("this checkpoint folder has no tokenizer files; pass prompts "
                              "as lists of token ids (Python: LLM.generate([[1, 2, 3]]); "
                              "CLI: --prompts-file FILE with lines like "
-                             "{\"prompt\": [1, 2, 3]}).")
+                             "{\"prompt\": [1, 2, 3]}). (A GGUF's tokenizer is its "
+                             "tokenizer.ggml.* metadata.)")
         check_text(prompt)
         ids, text = tokenizer.encode(prompt), prompt
     elif isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist")

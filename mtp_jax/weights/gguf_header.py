@@ -1,8 +1,9 @@
-"""GGUF files: recognise them and read their architecture from the header (``gguf`` package).
+"""GGUF files: recognise them and read their architecture from the header.
 
-mtp_jax does not load GGUF weights yet; config-time checks read the header's
-``general.architecture`` to refuse a GGUF target or draft with a message that names it. Only the
-metadata is parsed (the ``gguf`` reader maps the file; no tensor data is touched).
+Config-time checks read the header's ``general.architecture`` (through
+:func:`mtp_jax.weights.gguf_reader.open_gguf`, which maps the file and parses only the
+metadata and tensor records) to route a GGUF target or draft, or refuse it with a message that
+names it.
 """
 
 from __future__ import annotations
@@ -37,17 +38,13 @@ def _has_gguf_magic(path: str) -> bool:
 
 def gguf_architecture(path: str) -> str:
     """``general.architecture`` of a GGUF file; :class:`ConfigError` if the header is unreadable."""
+    from mtp_jax.weights.gguf_reader import open_gguf
+    from mtp_jax.weights.safetensors_files import CheckpointError
+
     try:
-        from gguf import GGUFReader
-    except ImportError as e:  # a declared dependency; only a broken install lacks it
-        raise ConfigError(f"{path} is a GGUF file; reading its header needs the 'gguf' package "
-                          "(pip install gguf).") from e
-    try:
-        field = GGUFReader(path).get_field("general.architecture")
-        arch = field.contents() if field is not None else None
-    except Exception as e:  # noqa: BLE001 - any parse failure is a corrupt file to the user
-        raise ConfigError(f"{path}: cannot read the GGUF header ({type(e).__name__}: {e}); the "
-                          "file is truncated or corrupt (an incomplete download?).") from None
+        arch = open_gguf(path).architecture
+    except CheckpointError as e:
+        raise ConfigError(str(e)) from None
     if not isinstance(arch, str) or not arch:
         raise ConfigError(f"{path}: the GGUF header has no general.architecture; the file is "
                           "not a model GGUF or is corrupt.")
