@@ -5,6 +5,8 @@
         [--mtp-experts fused|per-expert] [--no-mtp] [--shard-size-gb 2] [--seed 0] [--tokenizer]
         [--quantize fp8-block|modelopt-fp8|modelopt-nvfp4|ct-nvfp4] [--quantize-mtp-fc]
         [--mtp-quantize none|SCHEME]
+    python -m mtp_jax.tools.random_checkpoint --config CFG --out DIR --format gguf \
+        [--gguf-expert-type TYPE] [--gguf-dense-type TYPE] [--no-mtp] [--seed 0] [--tokenizer]
 
 The family is the registry's (from ``config.json``'s ``model_type``); its entry's
 ``write_random`` writes ``config.json`` and the weights (the Qwen3.5 family's streaming sharded
@@ -16,6 +18,11 @@ random model rarely picks an id that decodes to nothing. With ``--quantize`` the
 weights are then quantized in place, with the matching ``quantization_config``
 (:mod:`mtp_jax.tools.quantize_checkpoint`; ``--mtp-quantize`` for a mixed checkpoint,
 ``--quantize-mtp-fc`` to quantize the MTP input projections too).
+
+With ``--format gguf`` (qwen4_exp configs) it writes a Flash-Next GGUF target ``DIR/model.gguf``
+and a Strata MTP pack ``DIR/mtp.gguf`` instead, routed experts in ``--gguf-expert-type`` and
+the other matrices in ``--gguf-dense-type`` (:mod:`mtp_jax.tools.random_gguf`); the
+safetensors-only options are refused with it.
 """
 
 from __future__ import annotations
@@ -87,7 +94,36 @@ def write_random_checkpoint(config: dict | str, out_dir: str, dtype: str = "bflo
     return out_dir
 
 
-def main(argv: list[str] | None = None) -> None:
+_GGUF_ONLY = ("gguf_expert_type", "gguf_dense_type")
+_SAFETENSORS_ONLY = ("dtype", "experts", "mtp_experts", "shard_size_gb", "workers", "quantize",
+                     "mtp_quantize", "quantize_mtp_fc")
+
+
+def _flag(name: str) -> str:
+    return "--" + name.replace("_", "-")
+
+
+def _check_format_options(args) -> None:
+    """ValueError for an option of the other format (naming it), set to its default value
+    otherwise."""
+    wrong = _SAFETENSORS_ONLY if args.format == "gguf" else _GGUF_ONLY
+    given = [_flag(n) for n in wrong if getattr(args, n) not in (None, False)]
+    if given:
+        raise ValueError(f"{', '.join(given)} {'do' if len(given) > 1 else 'does'} not apply to "
+                         f"--format {args.format}; "
+                         + ("the GGUF types are --gguf-expert-type and --gguf-dense-type."
+                            if args.format == "gguf" else "add --format gguf to write GGUFs."))
+    if args.format == "gguf":
+        args.gguf_expert_type = args.gguf_expert_type or "Q8_0"
+        args.gguf_dense_type = args.gguf_dense_type or "BF16"
+    else:
+        args.dtype, args.experts = args.dtype or "bfloat16", args.experts or "fused"
+        args.shard_size_gb = 2.0 if args.shard_size_gb is None else args.shard_size_gb
+
+
+def _parser() -> argparse.ArgumentParser:
+    from mtp_jax.tools.gguf_blocks import TYPES
+
     ap = argparse.ArgumentParser(prog="python -m mtp_jax.tools.random_checkpoint",
                                  description="Write a random-weight checkpoint of a "
                                              "registered family.",
@@ -97,25 +133,29 @@ def main(argv: list[str] | None = None) -> None:
                          "fixture under tests/fixtures/ for a small model; configs/*.json are "
                          "the released shapes, gigabytes each)")
     ap.add_argument("--out", required=True, help="output folder")
-    ap.add_argument("--dtype", default="bfloat16", choices=sorted(DTYPES),
-                    help="stored dtype (default %(default)s)")
-    ap.add_argument("--experts", default="fused", choices=EXPERT_LAYOUTS,
+    ap.add_argument("--format", default="safetensors", choices=("safetensors", "gguf"),
+                    help="safetensors (an HF folder, default) or gguf (qwen4_exp only: a "
+                         "Flash-Next GGUF target model.gguf and a Strata MTP pack mtp.gguf)")
+    ap.add_argument("--dtype", default=None, choices=sorted(DTYPES),
+                    help="stored dtype (default bfloat16; safetensors)")
+    ap.add_argument("--experts", default=None, choices=EXPERT_LAYOUTS,
                     help="MoE experts stored fused ([E, 2I, H] / [E, H, I]) or one tensor per "
-                         "expert (default %(default)s)")
+                         "expert (default fused; safetensors)")
     ap.add_argument("--mtp-experts", default=None, choices=EXPERT_LAYOUTS,
                     help="layout of the mtp.* experts (default: --experts)")
     ap.add_argument("--no-mtp", action="store_true",
                     help="leave out the mtp.* tensors (config.json still declares the MTP "
                          "layer, as some re-exports do: run the checkpoint with "
-                         "--speculative-algorithm none)")
-    ap.add_argument("--shard-size-gb", type=float, default=2.0,
-                    help="GiB per safetensors shard (default %(default)s)")
+                         "--speculative-algorithm none); with --format gguf: no mtp.gguf")
+    ap.add_argument("--shard-size-gb", type=float, default=None,
+                    help="GiB per safetensors shard (default 2)")
     ap.add_argument("--seed", type=int, default=0,
                     help="values are a function of the seed and the tensor name (default "
                          "%(default)s)")
     ap.add_argument("--tokenizer", action="store_true",
                     help="also write the real Qwen tokenizer and chat template (needs the "
-                         "config's vocab_size >= 248077, as the released configs have)")
+                         "config's vocab_size >= 248077, as the released configs have); with "
+                         "--format gguf as the GGUF's tokenizer.* metadata")
     ap.add_argument("--workers", type=int, default=None,
                     help="generator threads (default: the CPUs, at most 8)")
     ap.add_argument("--quantize", default=None, choices=SCHEMES,
@@ -128,20 +168,44 @@ def main(argv: list[str] | None = None) -> None:
                     help="also quantize the MTP input projections (mtp.fc; mtp.fc_embedding "
                          "and mtp.fc_hidden on qwen4_exp), kept unquantized by default as in "
                          "released checkpoints")
-    args = ap.parse_args(argv)
+    ap.add_argument("--gguf-expert-type", default=None, choices=TYPES,
+                    help="--format gguf: type of the routed experts, target and pack (default "
+                         "Q8_0); rows that are not whole blocks of it fall back to Q8_0 / F32")
+    ap.add_argument("--gguf-dense-type", default=None, choices=TYPES,
+                    help="--format gguf: type of the target's other matrices (default BF16; "
+                         "norms, convolutions and routers are F32; the n-gram table and the "
+                         "pack's matrices take it when it is a float type, else BF16)")
+    return ap
+
+
+def _write(args) -> list[str]:
+    if args.format == "gguf":
+        from mtp_jax.tools.random_gguf import describe, write_random_gguf
+        summaries = write_random_gguf(args.config, args.out,
+                                      expert_type=args.gguf_expert_type,
+                                      dense_type=args.gguf_dense_type,
+                                      include_mtp=not args.no_mtp, seed=args.seed,
+                                      tokenizer=args.tokenizer)
+        return [describe(s) for s in summaries]
+    return [write_random_checkpoint(args.config, args.out, dtype=args.dtype,
+                                    experts=args.experts, mtp_experts=args.mtp_experts,
+                                    include_mtp=not args.no_mtp,
+                                    shard_size_bytes=int(args.shard_size_gb * (1 << 30)),
+                                    seed=args.seed, tokenizer=args.tokenizer,
+                                    workers=args.workers, quantize=args.quantize,
+                                    mtp_quantize=args.mtp_quantize,
+                                    quantize_mtp_fc=args.quantize_mtp_fc)]
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
     try:
-        out = write_random_checkpoint(args.config, args.out, dtype=args.dtype,
-                                      experts=args.experts, mtp_experts=args.mtp_experts,
-                                      include_mtp=not args.no_mtp,
-                                      shard_size_bytes=int(args.shard_size_gb * (1 << 30)),
-                                      seed=args.seed, tokenizer=args.tokenizer,
-                                      workers=args.workers, quantize=args.quantize,
-                                      mtp_quantize=args.mtp_quantize,
-                                      quantize_mtp_fc=args.quantize_mtp_fc)
+        _check_format_options(args)
+        lines = _write(args)
     except (ValueError, OSError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
         return 2
-    print(out)
+    print("\n".join(lines))
     return 0
 
 

@@ -70,6 +70,12 @@ def check_pack(p: GGUFFile, cfg: Qwen4ExpConfig, where: str) -> Qwen4ExpConfig:
     if layers != list(range(len(layers))) or not layers:
         raise ConfigError(f"the Strata MTP pack {where} has mtp.layers {layers}; expected "
                           "layers 0..n-1 (at least one).")
+    if not cfg.indexer_compress_ratio:
+        raise ConfigError(f"the target has no QSA (full-attention) layer, so its GGUF gives no "
+                          "QSA compress ratio (qwen4exp.attention.compress_ratios is 0 on every "
+                          f"layer), and the MTP layer of the Strata pack {where} is a QSA layer "
+                          "that needs one. Run this target without speculation "
+                          "(--speculative-algorithm none).")
     cfg = dataclasses.replace(cfg, mtp_num_hidden_layers=len(layers))
     want = names.mtp_tensors(cfg)
     problems = [f"{n} has shape {list(tensors[n].shape)} ({tensors[n].type}), the target needs "
