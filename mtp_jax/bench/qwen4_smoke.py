@@ -9,6 +9,13 @@ and 3; the random MTP head accepts nothing: the k = 3 rows are the cost of a rou
 dict per row: the PLE backend, the kernels, end-to-end tokens/s, ms per round (host + device)
 and the host PLE lookup's ms per round (None with ``device``: its programs look the rows up
 themselves). Writes ``$OUT/q4_smoke.json`` (or ``--out``).
+
+``--gguf TYPE`` writes the cut shape as a Flash-Next GGUF target and a Strata MTP pack instead
+(:mod:`mtp_jax.tools.random_gguf`: routed experts in TYPE, the other matrices in
+``--gguf-dense-type``) and runs ``LLM(model.gguf, speculative_draft_model_path=mtp.gguf)``
+with each ``--quantization`` given (``keep``: experts and plain projections in a kept block
+type stay packed on the device; ``dequantize``: bf16 at load; ``auto`` = dequantize). Each row
+carries ``weights_gb``, the device bytes of the weights as held (packed bytes where kept).
 """
 
 from __future__ import annotations
@@ -24,6 +31,7 @@ from mtp_jax.engine.memory import weights_bytes
 from mtp_jax.llm import LLM
 from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
 from mtp_jax.sampling import SamplingParams
+from mtp_jax.tools.gguf_blocks import TYPES
 
 
 def cut_config(path: str, layers: int, experts: int, ngram_base: int) -> dict:
@@ -47,6 +55,14 @@ def lookup_ms(model, prompts, k: int, repeats: int = 50) -> float:
     return 1e3 * (time.perf_counter() - t0) / repeats
 
 
+def held_weights_gb(llm) -> float:
+    """Device GB of the model's weights as held: the bf16 plan less what kept (packed) weights
+    save."""
+    model = llm.model
+    planned = weights_bytes(model.cfg, "bfloat16", model.has_mtp)
+    return round((planned - getattr(model, "weight_bytes_saved", 0)) / 1e9, 3)
+
+
 def run_row(llm, prompts, k: int, max_tokens: int, rng, backend: str = "disk",
             kernels: str = "xla") -> dict:
     """Warm up on other prompts of the same lengths and ``max_tokens`` (the same buckets and
@@ -66,7 +82,7 @@ def run_row(llm, prompts, k: int, max_tokens: int, rng, backend: str = "disk",
                 ms_per_round=round(1e3 * (eng.stats.round_seconds - s0) / rounds, 3),
                 lookup_ms=(None if backend == "device"
                            else round(lookup_ms(llm.model, prompts, k), 3)),
-                accept_length=outs[0].accept_length)
+                accept_length=outs[0].accept_length, weights_gb=held_weights_gb(llm))
 
 
 def device_profile(model, k: int, prompt_len: int, out: str) -> str:
@@ -80,6 +96,22 @@ def device_profile(model, k: int, prompt_len: int, out: str) -> str:
     head = "\n".join(text.splitlines()[:12])
     print(head, flush=True)
     return head
+
+
+def write_checkpoint(a) -> tuple[str, str | None]:
+    """Write the cut checkpoint (safetensors, or with ``--gguf`` a GGUF target and Strata
+    pack); returns ``(model path, draft path or None)``."""
+    raw = cut_config(a.config, a.layers, a.experts, a.ngram_base)
+    if a.gguf is None:
+        write_random_qwen4_exp(raw, a.checkpoint_dir, dtype="bfloat16", seed=0, with_mtp=True)
+        return a.checkpoint_dir, None
+    from mtp_jax.tools.random_gguf import describe, write_random_gguf
+    folder = f"{a.checkpoint_dir}_gguf_{a.gguf}_{a.gguf_dense_type}"
+    t0 = time.perf_counter()
+    written = write_random_gguf(raw, folder, expert_type=a.gguf, dense_type=a.gguf_dense_type)
+    print(f"wrote in {time.perf_counter() - t0:.1f} s:", *map(describe, written), sep="\n",
+          flush=True)
+    return written[0]["path"], written[1]["path"]
 
 
 def main(argv=None) -> int:
@@ -107,26 +139,38 @@ def main(argv=None) -> int:
         p.add_argument(f"--{op}-backend", default="auto", choices=["auto", "xla", "pallas"],
                        help=f"the {op.upper()} kernels (default auto = XLA for qwen4_exp; "
                             "pallas needs a GPU)")
+    p.add_argument("--gguf", default=None, choices=TYPES, metavar="TYPE",
+                   help="write a GGUF target + Strata pack with routed experts in TYPE "
+                        f"({', '.join(TYPES)}) and run them (default: a bf16 safetensors "
+                        "checkpoint)")
+    p.add_argument("--gguf-dense-type", default="BF16", choices=TYPES,
+                   help="with --gguf: the other matrices' type (default %(default)s)")
+    p.add_argument("--quantization", nargs="+", default=["auto"],
+                   choices=["auto", "keep", "dequantize"],
+                   help="LLM(quantization=...) of each run, e.g. keep dequantize: keep = "
+                        "packed weights stay packed on the device (default auto = dequantize)")
     a = p.parse_args(argv)
     if max(a.batches) > 8:
         p.error(f"--batches {max(a.batches)}: at most 8 (max_running_requests=8)")
-    write_random_qwen4_exp(cut_config(a.config, a.layers, a.experts, a.ngram_base),
-                           a.checkpoint_dir, dtype="bfloat16", seed=0, with_mtp=True)
+    model, draft = write_checkpoint(a)
     rng = np.random.default_rng(0)
     rows = []
     kernels = f"gdn={a.gdn_backend},moe={a.moe_backend}"
-    for k in a.k:
-        llm = LLM(a.checkpoint_dir, dtype="bfloat16", max_running_requests=8, max_model_len=512,
+    for quantization, k in [(q, k) for q in a.quantization for k in a.k]:
+        llm = LLM(model, dtype="bfloat16", max_running_requests=8, max_model_len=512,
                   speculative_algorithm="mtp" if k else "none",
                   speculative_num_steps=k if k else 3, ple_backend=a.ple_backend,
-                  gdn_backend=a.gdn_backend, moe_backend=a.moe_backend)
+                  gdn_backend=a.gdn_backend, moe_backend=a.moe_backend,
+                  quantization=quantization,
+                  speculative_draft_model_path=draft if k else None)
         for b in a.batches:
             prompts = [rng.integers(100, 200_000, a.prompt_len).tolist() for _ in range(b)]
             used = a.ple_backend if a.ple_backend != "auto" else (
                 "disk" if llm.model.host_callbacks else "device")  # what auto chose
-            rows.append(run_row(llm, prompts, k, a.max_tokens, rng, used, kernels))
+            rows.append(dict(run_row(llm, prompts, k, a.max_tokens, rng, used, kernels),
+                             gguf=a.gguf, quantization=quantization))
             print(rows[-1], flush=True)
-        print("weights GB:", weights_bytes(llm.model.cfg, "bfloat16", True) / 1e9)
+        print("weights GB (as held):", held_weights_gb(llm), flush=True)
         if a.profile:
             rows[-1]["profile"] = device_profile(llm.model, k, a.prompt_len, a.out)
         del llm
