@@ -4,7 +4,7 @@ Qwen3.8-Flash-Next shape (docs/benchmarks.md, session 25).
 Writes a random bf16 checkpoint of ``configs/Qwen3.8-Flash-Next.json`` cut to ``--layers``
 layers and ``--experts`` routed experts with a small n-gram table (``--ngram-base``), then runs
 ``LLM`` (``--ple-backend``, default auto; ``--gdn-backend`` / ``--moe-backend``, default auto =
-XLA for this family; prefix cache on) at ``--batches`` (default 1 and 8) and ``--k`` (default 0
+the Pallas kernels on a GPU; prefix cache on) at ``--batches`` (default 1 and 8) and ``--k`` (default 0
 and 3; the random MTP head accepts nothing: the k = 3 rows are the cost of a round). Prints one
 dict per row: the PLE backend, the kernels, end-to-end tokens/s, ms per round (host + device)
 and the host PLE lookup's ms per round (None with ``device``: its programs look the rows up
@@ -141,8 +141,8 @@ def main(argv=None) -> int:
                    help="requests per row (default 1 8; at most 8)")
     for op in ("gdn", "moe"):
         p.add_argument(f"--{op}-backend", default="auto", choices=["auto", "xla", "pallas"],
-                       help=f"the {op.upper()} kernels (default auto = XLA for qwen4_exp; "
-                            "pallas needs a GPU)")
+                       help=f"the {op.upper()} kernels (default auto: the Pallas kernels on a "
+                            "GPU, XLA on the CPU; pallas needs a GPU)")
     p.add_argument("--gguf", default=None, choices=TYPES, metavar="TYPE",
                    help="write a GGUF target + Strata pack with routed experts in TYPE "
                         f"({', '.join(TYPES)}) and run them (default: a bf16 safetensors "

@@ -117,6 +117,19 @@ def test_pallas_interpret_bfloat16():
                                rtol=2e-2, atol=2e-2)
 
 
+@pytest.mark.parametrize("n,k", [(16, 4), (3, 2)])  # grouped blocks; the few-pairs form
+def test_pallas_interpret_at_flash_next_widths(n, k):
+    """Qwen3.8-Flash-Next's widths (H 2560, I 640: not powers of two, so the tiles are the
+    powers of two dividing them) with 8 experts, bf16, the tiles the engine would take."""
+    e, h, i = 8, FLASH["h"], FLASH["i"]
+    gu, dn = _weights(13, e, h, i, jnp.bfloat16)
+    x, ids = _x(14, n, h, jnp.bfloat16), _routing(15, n, k, e)
+    got = np.asarray(api.moe_experts(x, ids, gu, dn, backend="pallas", interpret=True),
+                     np.float32)
+    ref = np.asarray(moe_experts_reference(x, ids, gu, dn), np.float32)
+    np.testing.assert_allclose(got, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())
+
+
 @pytest.mark.parametrize("form", [api.moe_experts_xla_few, api.moe_experts_xla_blocks,
                                   api.moe_experts_xla_ragged])
 @pytest.mark.parametrize("n,k,e,kind", [(1, 8, 64, "distinct"), (4, 2, 8, "repeats"),

@@ -1,12 +1,15 @@
 """Which kernels a qwen4_exp (Qwen3.8-Flash-Next) load runs: the GDN and MoE Pallas (Triton)
-kernels when asked for explicitly, XLA for everything else.
+kernels on a GPU, XLA for everything else.
 
 Its GDN layers and MoE blocks are the shared ones (:mod:`mtp_jax.models.layers.gdn`,
 :class:`~mtp_jax.models.layers.mlp.SparseMoE`), so ``--gdn-backend pallas`` and
-``--moe-backend pallas`` run the kernels the Qwen3.5 family runs, on a GPU. They are measured
-faster on Qwen3.5 shapes only, not yet on this family's (512 experts, top 10, hidden 2560, 48
-value heads), so ``auto`` is XLA here. QSA attention, the norms and the one-row projections
-have no kernel in this family: ``pallas`` (or ``reduce`` / ``fused``) for them is refused.
+``--moe-backend pallas`` run the kernels the Qwen3.5 family runs. ``auto`` takes them on a GPU
+where :meth:`KernelBackends.resolve` would for Qwen3.5 (16-bit MoE weights, GDN head sizes the
+fused kernels take) and the MoE tiles fit (:func:`moe_misfit`): measured on the H200 at the
+Flash-Next shape cut to 8 layers / 64 experts (docs/benchmarks.md, session 33), 596 against
+573 tokens/s at batch 1 and 2,321 against 942 at batch 8. QSA attention, the norms and the
+one-row projections have no kernel in this family: ``pallas`` (or ``reduce`` / ``fused``) for
+them is refused.
 """
 
 from __future__ import annotations
@@ -30,21 +33,24 @@ def moe_misfit(cfg) -> str | None:
 
 def resolve_kernels(cfg, dtype: str | None, backends: dict | None = None,
                     platform: str | None = None) -> KernelBackends:
-    """The :class:`~mtp_jax.kernels.KernelBackends` of a qwen4_exp load: ``pallas`` for
-    ``gdn`` / ``moe`` where ``backends`` (``{op: choice}``, ``load_model``'s ``*_backend``
-    arguments) asks for it, else ``xla`` (``auto`` included: not measured on this family's
-    shapes). ``platform``: as :meth:`KernelBackends.resolve` (default: JAX's).
+    """The :class:`~mtp_jax.kernels.KernelBackends` of a qwen4_exp load: for ``gdn`` / ``moe``
+    the choice in ``backends`` (``{op: choice}``, ``load_model``'s ``*_backend`` arguments),
+    ``auto`` resolved as :meth:`KernelBackends.resolve` does (``pallas`` on a GPU where the
+    kernels take the model) but XLA where the MoE tiles do not fit; ``xla`` for every other
+    op. ``platform``: as :meth:`KernelBackends.resolve` (default: JAX's).
 
     Raises ConfigError for a non-XLA choice for another op (naming it), and for ``pallas``
     where :meth:`KernelBackends.resolve` refuses it (no GPU, float32 MoE, GDN head sizes the
     fused kernels cannot take) or the MoE kernels cannot tile the experts."""
     chosen = {op: v for op, v in (backends or {}).items() if v is not None}
     check_kernel_ops(cfg.model_type, KERNEL_OPS, chosen)
-    pick = {op: "xla" if chosen.get(op, "auto") == "auto" else chosen[op] for op in KERNEL_OPS}
-    out = KernelBackends.resolve("xla", pick["gdn"], pick["moe"], platform=platform,
-                                 dtype=dtype, gdn_dims=gdn_dims_of(cfg), norm="xla",
-                                 hidden_size=cfg.hidden_size, gemv="xla", dense_mlp=False)
-    if out.moe == "pallas" and (misfit := moe_misfit(cfg)):
+    pick = {op: chosen.get(op, "auto") for op in KERNEL_OPS}
+    misfit = moe_misfit(cfg)
+    if pick["moe"] == "pallas" and misfit:
         raise ConfigError(f"moe_backend 'pallas' cannot run this model: {misfit} (the Triton "
                           "kernels' tiles); use --moe-backend xla or auto.")
-    return out
+    if pick["moe"] == "auto" and misfit:
+        pick["moe"] = "xla"  # auto takes what runs
+    return KernelBackends.resolve("xla", pick["gdn"], pick["moe"], platform=platform,
+                                  dtype=dtype, gdn_dims=gdn_dims_of(cfg), norm="xla",
+                                  hidden_size=cfg.hidden_size, gemv="xla", dense_mlp=False)

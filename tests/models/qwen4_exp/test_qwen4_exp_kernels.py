@@ -1,6 +1,6 @@
-"""qwen4_exp kernel backends: GDN and MoE take ``pallas`` when asked for (opt-in, on a GPU; a
-GPU is faked where a load must pass the checks), ``auto`` is XLA for every op, and ``pallas``
-for QSA attention, norm and gemv is refused before any weight is read. The GDN kernels' path
+"""qwen4_exp kernel backends: GDN and MoE take ``pallas`` on a GPU (``auto`` too, where the
+kernels take the model; a GPU is faked where a load must pass the checks), XLA on the CPU and
+for every other op, and ``pallas`` for QSA attention, norm and gemv is refused before any weight is read. The GDN kernels' path
 through the model (decode rows, verify, partial commit) runs in Pallas interpret mode on the
 CPU against the golden logits of tests/fixtures/tiny_qwen4_exp. The Triton lowering at
 Flash-Next's shapes: tests/kernels/test_pallas_gdn_fused.py, tests/kernels/test_pallas_moe.py.
@@ -61,14 +61,23 @@ def test_pallas_for_xla_ops_is_refused_before_weights(op, fake_gpu, no_weights):
         resolve_kernels(_flash(), "bfloat16", {op: "pallas"}, platform="gpu")
 
 
-def test_auto_is_xla_for_every_op_on_a_gpu():
+def test_auto_takes_the_gdn_and_moe_kernels_on_a_gpu_only():
     cfg = _flash()
-    assert KernelBackends.resolve(platform="gpu") != KernelBackends()  # other families: kernels
+    kernels = KernelBackends(gdn="pallas", moe="pallas")
     for backends in ({}, {op: "auto" for op in ("attention", "gdn", "moe", "norm", "gemv")},
-                     {"gdn": "xla", "moe": None}):
-        assert resolve_kernels(cfg, "bfloat16", backends, platform="gpu") == KernelBackends()
-    assert resolve_kernels(cfg, "bfloat16", {"gdn": "pallas", "moe": "pallas"},
-                           platform="gpu") == KernelBackends(gdn="pallas", moe="pallas")
+                     {"gdn": None, "moe": "pallas"}):
+        assert resolve_kernels(cfg, "bfloat16", backends, platform="gpu") == kernels
+        if "pallas" not in backends.values():
+            assert resolve_kernels(cfg, "bfloat16", backends,
+                                   platform="cpu") == KernelBackends()
+    assert resolve_kernels(cfg, "bfloat16", {"gdn": "xla"},
+                           platform="gpu") == KernelBackends(moe="pallas")
+    # auto takes XLA where a kernel cannot run: float32 MoE, MoE tiles, GDN head sizes
+    assert resolve_kernels(cfg, "float32", {}, platform="gpu") == KernelBackends(gdn="pallas")
+    odd = dataclasses.replace(cfg, moe_intermediate_size=648)
+    assert resolve_kernels(odd, "bfloat16", {}, platform="gpu") == KernelBackends(gdn="pallas")
+    odd = dataclasses.replace(cfg, linear_key_head_dim=96)
+    assert resolve_kernels(odd, "bfloat16", {}, platform="gpu") == KernelBackends(moe="pallas")
 
 
 def test_pallas_refusals_at_resolution():
@@ -96,10 +105,10 @@ def _backends(m) -> tuple[set, set]:
 
 
 def test_explicit_pallas_reaches_the_layers(fake_gpu):
-    auto = mtp_jax.load_model(FIX, dtype="bfloat16", ple_backend="disk")
+    auto = mtp_jax.load_model(FIX, dtype="bfloat16", ple_backend="disk", gdn_backend="xla",
+                              moe_backend="xla")
     assert auto.cfg.kernels == KernelBackends() and _backends(auto) == ({"xla"}, {"xla"})
-    m = mtp_jax.load_model(FIX, dtype="bfloat16", ple_backend="disk", gdn_backend="pallas",
-                           moe_backend="pallas")
+    m = mtp_jax.load_model(FIX, dtype="bfloat16", ple_backend="disk")  # auto, on a "GPU"
     assert m.cfg.kernels == KernelBackends(gdn="pallas", moe="pallas") and m.has_mtp
     assert _backends(m) == ({"pallas"}, {"pallas"})
     assert hash(m.cfg) != hash(auto.cfg) and m.cfg != auto.cfg  # static args, cache keys
