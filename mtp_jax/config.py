@@ -417,6 +417,10 @@ class EngineConfig:
     num_pages: int | None = None  # None: enough for max_running_requests * max_model_len
     dtype: str = "bfloat16"
     chunked_prefill_size: int = 2048  # prompt tokens prefilled per scheduler step
+    # Requests whose prompt chunks one prefill call holds (batched prefill; 1: one request per
+    # call). A call's padded rows x tokens stay within the chunked_prefill_size bucket
+    # (mtp_jax/engine/prefill_batch.py).
+    max_prefill_batch: int = 8
     mem_fraction: float = 0.9  # of device memory for weights + pools (when num_pages is None)
     max_total_tokens: int | None = None  # KV positions for all requests; wins over mem_fraction
     enable_prefix_cache: bool = True
@@ -471,6 +475,11 @@ class EngineConfig:
             raise ConfigError(f"chunked_prefill_size (--chunked-prefill-size) "
                               f"{self.chunked_prefill_size} must be >= 1 (prompt tokens per "
                               "prefill chunk); use 2048 (the default).")
+        m = self.max_prefill_batch
+        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+            raise ConfigError(f"max_prefill_batch (--max-prefill-batch) {m!r} must be an int "
+                              ">= 1 (requests' prompt chunks per prefill call; 1: one request "
+                              "per call); use 8 (the default).")
         if self.max_model_len < 2:
             raise ConfigError(f"max_model_len (--max-model-len) {self.max_model_len} must be "
                               ">= 2 (prompt plus output tokens); use 4096 (the default) or the "

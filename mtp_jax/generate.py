@@ -123,6 +123,11 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "(benchmarks; needs --speculative-algorithm none)")
     p.add_argument("--chunked-prefill-size", type=int, default=2048,
                    help="prompt tokens prefilled per scheduler step (default %(default)s)")
+    p.add_argument("--max-prefill-batch", type=int, default=8,
+                   help="requests whose prompt chunks one prefill call holds (>= 1; 1: one "
+                        "request per call; default %(default)s, at most "
+                        "--max-running-requests); a call's rows x padded chunk length stays "
+                        "within the --chunked-prefill-size bucket; outputs are the same")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="do not reuse KV / GDN state of shared prompt prefixes")
     p.add_argument("--disable-overlap-schedule", action="store_true",
@@ -175,6 +180,7 @@ def llm_kwargs(args: argparse.Namespace) -> dict:
                 speculative_adaptive_round_cost=args.speculative_adaptive_round_cost,
                 seed=args.seed, max_model_len=args.max_model_len, page_size=args.page_size,
                 dummy_weight=args.dummy_weight, chunked_prefill_size=args.chunked_prefill_size,
+                max_prefill_batch=args.max_prefill_batch,
                 enable_prefix_cache=not args.disable_prefix_cache,
                 overlap_schedule=not args.disable_overlap_schedule,
                 num_scheduler_steps=args.num_scheduler_steps,

@@ -86,6 +86,7 @@ class LLM:
       max_model_len, page_size: KV sizing (tokens).
       chunked_prefill_size: prompt tokens prefilled per scheduler step (default 2048); longer
         prompts are prefilled in chunks interleaved with the running requests' rounds.
+      max_prefill_batch: requests' prompt chunks per prefill call (default 8; 1: one each).
       enable_prefix_cache: reuse KV pages, GDN snapshots and draft KV of shared prompt prefixes
         (default True); ``flush_cache()`` empties it.
       overlap_schedule: dispatch each round before reading the previous one's result, so the
@@ -148,9 +149,10 @@ class LLM:
                  speculative_adaptive_round_cost: float | None = None,
                  proposer: Proposer | None = None, seed: int = 0, max_model_len: int = 4096,
                  page_size: int = 16, dummy_weight: bool = False,
-                 chunked_prefill_size: int = 2048, enable_prefix_cache: bool = True,
-                 overlap_schedule: bool = True, num_scheduler_steps: int | None = None,
-                 mem_fraction: float = 0.9, max_total_tokens: int | None = None,
+                 chunked_prefill_size: int = 2048, max_prefill_batch: int = 8,
+                 enable_prefix_cache: bool = True, overlap_schedule: bool = True,
+                 num_scheduler_steps: int | None = None, mem_fraction: float = 0.9,
+                 max_total_tokens: int | None = None,
                  ple_backend: str | None = None, attention_backend: str = "auto",
                  gdn_backend: str = "auto", moe_backend: str = "auto",
                  compilation_cache_dir: str | None = None, norm_backend: str = "auto",
@@ -174,6 +176,7 @@ class LLM:
         engine_cfg = EngineConfig(max_running_requests=max_running_requests, page_size=page_size,
                                   max_model_len=max_model_len, dtype=resolve_dtype(dtype),
                                   chunked_prefill_size=chunked_prefill_size,
+                                  max_prefill_batch=max_prefill_batch,
                                   enable_prefix_cache=enable_prefix_cache,
                                   overlap_schedule=overlap_schedule,
                                   num_scheduler_steps=num_scheduler_steps,

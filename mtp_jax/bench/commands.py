@@ -11,12 +11,13 @@ from __future__ import annotations
 import sys
 import textwrap
 
-from mtp_jax.bench import ab_backends, cli, prefix_hits, profile_round
+from mtp_jax.bench import ab_backends, cli, prefill_burst, prefix_hits, profile_round
 from mtp_jax.bench.ops import attention, draft_head, gdn, gemv, moe, sampling
 
 SUBCOMMANDS = {"engine": cli, "attention": attention, "gdn": gdn, "moe": moe, "gemv": gemv,
                "sampling": sampling, "draft-head": draft_head, "ab": ab_backends,
-               "profile": profile_round, "prefix-hits": prefix_hits}
+               "profile": profile_round, "prefix-hits": prefix_hits,
+               "prefill-burst": prefill_burst}
 
 
 def subcommand_list() -> str:
@@ -24,8 +25,8 @@ def subcommand_list() -> str:
     out = ["Subcommands (python -m mtp_jax.bench SUBCOMMAND --help: its flags and what it "
            "measures):", ""]
     for name, module in SUBCOMMANDS.items():
-        out += textwrap.wrap(module.SUMMARY, 94, initial_indent=f"  {name:<12}",
-                             subsequent_indent=" " * 14)
+        out += textwrap.wrap(module.SUMMARY, 94, initial_indent=f"  {name:<14}",
+                             subsequent_indent=" " * 16)
     out += ["", "Without a subcommand, or with engine: the engine benchmark, below.", "", ""]
     return "\n".join(out)
 

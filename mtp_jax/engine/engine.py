@@ -151,7 +151,8 @@ class Engine:
                          # Host drafts come with each round's batch: no round runs ahead.
                          overlap=(engine_cfg.overlap_schedule
                                   and speculative.algorithm != "external"),
-                         vocab_size=mc.vocab_size),
+                         vocab_size=mc.vocab_size,
+                         max_prefill_batch=engine_cfg.max_prefill_batch),
             self.book, self.prefix, self.device, stops, proposer,
             adaptive=policy_for(mc, speculative, jnp.dtype(DTYPES[model.dtype]).itemsize,
                                 self.draft_vocab_size))

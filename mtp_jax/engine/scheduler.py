@@ -6,12 +6,14 @@ Each :meth:`Scheduler.step`:
    guarantee the pages of their final length (prompt + max_tokens, capped at max_model_len);
    with the prefix cache, the head waits while a request still prefilling computes a deeper
    part of its prompt than the cache holds (:meth:`PrefixStore.waits_for_prefill`);
-2. prefills up to ``chunk_size`` prompt tokens (chunks of the oldest prefilling request; a
-   prompt longer than that takes several steps, interleaved with rounds). With the prefix
-   cache, each chunk's call saves the GDN state at every snapshot boundary inside it (or at
-   its end) into snapshot ids the host gives it, so chunks are cut by ``chunk_size`` and the
-   prompt only (a family whose prefill cannot give states inside a chunk, qwen4_exp, ends
-   its chunks on boundaries instead: ``ModelEntry.prefill_snapshots``);
+2. prefills up to ``chunk_size`` prompt tokens (chunks of the oldest prefilling requests; a
+   prompt longer than that takes several steps, interleaved with rounds), the chunks of
+   several requests packed into one call (batched prefill, :mod:`mtp_jax.engine.prefill_batch`:
+   up to ``max_prefill_batch`` rows a call). With the prefix cache, each chunk's call saves
+   the GDN state at every snapshot boundary inside it (or at its end) into snapshot ids the
+   host gives it, so chunks are cut by ``chunk_size`` and the prompt only (a family whose
+   prefill cannot give states inside a chunk, qwen4_exp, ends its chunks on boundaries
+   instead: ``ModelEntry.prefill_snapshots``);
 3. runs one speculative round (a decode step when k = 0) for every decoding request in one
    program call over a power-of-two batch bucket; ``rounds_per_call`` rounds in a row in one
    call when it is above 1 (multi-step scheduling); with adaptive speculation, a request whose
@@ -45,15 +47,16 @@ from typing import Callable
 
 import numpy as np
 
-from mtp_jax.engine.batch import PrefillBatch, sampling_rows, snapshot_rows, snapshot_slots
 from mtp_jax.engine.device import DeviceState
 from mtp_jax.engine.pages import PageBook
+from mtp_jax.engine.prefill_batch import (MIN_PREFILL_BUCKET, ChunkRow, call_shape, chunk_length,
+                                          pack_rows, plan_waves, prefill_batch, prefill_bucket,
+                                          prefill_top)
 from mtp_jax.engine.prefix import PrefixStore
 from mtp_jax.engine.programs import RoundOutput
 from mtp_jax.engine.requests import ABORT, Request
-from mtp_jax.engine.rounds import (InFlightRound, batch_bucket, external_tokens, next_pow2,
-                                   ready_bucket, round_batch, snapshot_targets, span,
-                                   surely_saved)
+from mtp_jax.engine.rounds import (InFlightRound, batch_bucket, external_tokens, ready_bucket,
+                                   round_batch, snapshot_targets, span, surely_saved)
 from mtp_jax.engine.token_logprobs import call_top, record, record_first, round_logprobs
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant, sampling_choice
 from mtp_jax.speculative.adaptive import AdaptivePolicy, RequestAcceptance
@@ -62,19 +65,10 @@ from mtp_jax.speculative.external import Proposer
 __all__ = ["EngineStats", "LoopSettings", "Scheduler", "MIN_PREFILL_BUCKET",
            "PREFILL_GREEDY_ONLY", "prefill_bucket"]
 
-MIN_PREFILL_BUCKET = 16
-
 # Prefill programs are compiled in their sampling variant only; it serves greedy requests with
 # the same tokens (argmax for greedy rows), and its extra draft-filtering work is small next to
 # a prefill, while a greedy-only variant would add one program per prefill bucket to start-up.
 PREFILL_GREEDY_ONLY = False
-
-
-def prefill_bucket(n: int, chunk_size: int) -> int:
-    """The length bucket of a prefill chunk of ``n`` tokens: a power of two from
-    :data:`MIN_PREFILL_BUCKET` up to the bucket of ``chunk_size``."""
-    top = max(MIN_PREFILL_BUCKET, next_pow2(chunk_size))
-    return min(max(MIN_PREFILL_BUCKET, next_pow2(n)), top)
 
 
 @dataclasses.dataclass
@@ -85,6 +79,7 @@ class EngineStats:
     prefill_seconds: float = 0.0
     round_seconds: float = 0.0
     prefill_calls: int = 0
+    prefill_chunks: int = 0  # prompt chunks prefilled (rows of the prefill calls)
     rounds: int = 0
     chained_rounds: int = 0  # rounds dispatched before the previous round's result was read
     round_calls: int = 0  # program calls that ran the rounds (fewer with num_scheduler_steps)
@@ -96,7 +91,8 @@ class LoopSettings:
     """The step loop's fixed settings: ``k`` drafts per round (0: plain decoding),
     ``proposer`` (``none | mtp | external``), ``rounds_per_call`` (``num_scheduler_steps``),
     ``chunk_size`` (prompt tokens per step), ``max_model_len`` (tokens), ``overlap``
-    (dispatch a round before reading the previous one) and the model's ``vocab_size``."""
+    (dispatch a round before reading the previous one), the model's ``vocab_size`` and
+    ``max_prefill_batch`` (requests' chunks per prefill call; 1: one request per call)."""
 
     k: int
     proposer: str
@@ -105,6 +101,7 @@ class LoopSettings:
     max_model_len: int
     overlap: bool
     vocab_size: int
+    max_prefill_batch: int = 1
 
 
 class Scheduler:
@@ -128,11 +125,12 @@ class Scheduler:
         self.stats = EngineStats()
         self.abort_count = 0  # requests aborted so far (a caller's cue to look for them)
         self._round_clock = 0.0  # when the last round result was read
-        # After a lean warm-up (``mtp_jax.engine.warmup.warmup(lean=True)``): the batch and
-        # prefill buckets compiled; calls pad up to the smallest that fits
-        # (:func:`~mtp_jax.engine.rounds.ready_bucket`). None: each call's own bucket.
+        # After a lean warm-up (``mtp_jax.engine.warmup.warmup(lean=True)``): the batch
+        # buckets and prefill shapes (B, T) compiled; calls pad up to the smallest that fits
+        # (:func:`~mtp_jax.engine.rounds.ready_bucket`,
+        # :func:`~mtp_jax.engine.prefill_batch.call_shape`). None: each call's own bucket.
         self.ready_batch: set[int] | None = None
-        self.ready_prefill: set[int] | None = None
+        self.ready_prefill: set[tuple[int, int]] | None = None
 
     # ---- queues ------------------------------------------------------------------------------
     def final_len(self, req: Request) -> int:
@@ -197,48 +195,75 @@ class Scheduler:
         self.prefilling.append(req)  # in one queue or both at every moment, never in none
         self.waiting.remove(req)
 
-    def prefill_chunk(self, req: Request, budget: int) -> int:
-        """Prefill the next chunk of ``req`` (at most ``budget`` tokens); the last chunk
-        samples the first token. Returns its length. With the prefix cache, the call saves the
-        slot state at every snapshot boundary inside the chunk or at its end, into the ids
-        :meth:`PrefixStore.chunk_snapshots` takes (recorded in ``req.snapshots``); for a
-        family whose prefill cannot give states inside a chunk
-        (``DeviceState.prefill_snapshots`` False) the chunk ends on the next boundary."""
+    def prefill_rows_cap(self) -> int:
+        """The most requests' chunks one prefill call holds: ``max_prefill_batch``, at most
+        ``max_running_requests``."""
+        return max(1, min(self.settings.max_prefill_batch, self.book.max_requests))
+
+    def prefill_shape(self, rows: int, longest: int) -> tuple[int, int] | None:
+        """The ``(B, T)`` shape of a prefill call of ``rows`` chunks, the longest ``longest``
+        tokens, or None when not allowed (:func:`~mtp_jax.engine.prefill_batch.call_shape`
+        with this engine's limits and the shapes a lean warm-up compiled)."""
         s = self.settings
-        n_prompt, start = len(req.prompt_ids), req.prefilled
-        n = min(budget, n_prompt - start)
+        return call_shape(rows, prefill_bucket(longest, s.chunk_size), self.prefill_rows_cap(),
+                          prefill_top(s.chunk_size, s.max_model_len), self.ready_prefill)
+
+    def prefill_step(self, budget: int) -> list[Request]:
+        """Prefill up to ``budget`` prompt tokens of the prefilling requests, oldest first,
+        several requests' chunks per call (:mod:`mtp_jax.engine.prefill_batch`: the chunks
+        are those of one request per call; waves, then calls). Each request whose prompt
+        ended has its first token and is moved on (:meth:`finish_prefill`) right after its
+        call. Returns those requests."""
         st = self.prefix.snapshot_tokens if self.prefix is not None else None
-        if st is not None and not self.device.prefill_snapshots:
-            n = min(n, (start // st + 1) * st - start)  # end the chunk on the boundary
-        t = ready_bucket(prefill_bucket(n, s.chunk_size), self.ready_prefill)
-        targets = (self.prefix.chunk_snapshots(req, start, start + n)
-                   if self.prefix is not None else {})
-        snap_at, snap_id = snapshot_rows(targets, snapshot_slots(t, st))
-        ids = np.zeros((1, t), np.int32)
-        nxt = np.zeros((1, t), np.int32)
-        ids[0, :n] = req.prompt_ids[start:start + n]
-        following = req.prompt_ids[start + 1:start + n + 1]
-        nxt[0, :len(following)] = following
-        self.book.grow(req, start + n + 2 * s.k + 1)
-        batch = PrefillBatch(
-            input_ids=ids, next_ids=nxt, start=np.asarray([start], np.int32),
-            length=np.asarray([n], np.int32), prompt_len=np.asarray([n_prompt], np.int32),
-            slot=np.asarray([req.slot], np.int32), page_table=self.book.table([req]),
-            sampling=sampling_rows([req]), step=np.zeros((1,), np.int32),
-            snap_at=snap_at, snap_id=snap_id, redraft=np.asarray([req.redraft], bool))
-        req.redraft = False  # the first chunk rewrites the row
+        done = []
+        for wave in plan_waves(self.prefilling, budget, st, not self.device.prefill_snapshots):
+            for rows, shape in pack_rows(wave, self.prefill_shape):
+                self.prefill_call(rows, shape)
+                for row in rows:
+                    if row.final:
+                        self.finish_prefill(row.req)
+                        done.append(row.req)
+        return done
+
+    def prefill_chunk(self, req: Request, budget: int) -> int:
+        """Prefill the next chunk of ``req`` alone (at most ``budget`` tokens, cut as
+        :func:`~mtp_jax.engine.prefill_batch.chunk_length` cuts it) in a call of its own;
+        the last chunk samples the first token. Returns its length. The request stays in
+        ``prefilling`` (the caller finishes it)."""
+        st = self.prefix.snapshot_tokens if self.prefix is not None else None
+        n = chunk_length(req, req.prefilled, budget, st, not self.device.prefill_snapshots)
+        self.prefill_call([ChunkRow(req, req.prefilled, n)], self.prefill_shape(1, n))
+        return n
+
+    def prefill_call(self, rows: list[ChunkRow], shape: tuple[int, int]) -> None:
+        """One prefill call over ``rows`` (distinct requests' next chunks) at ``shape = (B,
+        T)``: its batch (:func:`~mtp_jax.engine.prefill_batch.prefill_batch`: snapshot ids of
+        the boundaries in each chunk, pages), then the program. A row whose chunk ends the
+        prompt gets its first token (stops applied) and, when asked, its log-probabilities;
+        its position is set. Its time, the call and its chunks and tokens are counted in
+        :attr:`stats`."""
+        s = self.settings
+        batch = prefill_batch(rows, shape, self.book, self.prefix, s.k)
+        for row in rows:
+            row.req.redraft = False  # the first chunk rewrites the row
         t0 = time.perf_counter()
-        variant = self.prefill_variant([req] if start + n == n_prompt else [])
+        final = [row.req for row in rows if row.final]
+        variant = self.prefill_variant(final)
         out = self.device.prefill(batch, variant)
-        req.prefilled += n
-        if req.prefilled == n_prompt:
-            req.position = n_prompt
-            self.stops(req, [int(np.asarray(out)[0, 0])])  # the first token
-            record_first(req, np.asarray(out)[0], s.k, variant.logprobs)
+        if self.ready_prefill is not None:
+            self.ready_prefill.add(shape)  # compiled now if it was not
+        host = np.asarray(out) if final else None  # the one read, for the first tokens
+        for i, row in enumerate(rows):
+            req = row.req
+            req.prefilled += row.length
+            if row.final:
+                req.position = len(req.prompt_ids)
+                self.stops(req, [int(host[i, 0])])  # the first token
+                record_first(req, host[i], s.k, variant.logprobs)
         self.stats.prefill_seconds += time.perf_counter() - t0
         self.stats.prefill_calls += 1
-        self.stats.prompt_tokens += n
-        return n
+        self.stats.prefill_chunks += len(rows)
+        self.stats.prompt_tokens += sum(row.length for row in rows)
 
     def prefill_variant(self, final: list[Request] = ()) -> PrefillVariant:
         """The prefill variant of a chunk; ``final``: the requests whose prompt it ends (their
@@ -393,13 +418,8 @@ class Scheduler:
         if self.waiting and not (self.prefilling or self.decoding or self.inflight):
             raise MemoryError("the next request cannot be admitted into an empty engine; "
                               "its pages exceed the pool.")
-        budget = self.settings.chunk_size
-        while self.prefilling and budget > 0:
-            req = self.prefilling[0]
-            budget -= self.prefill_chunk(req, budget)
-            if req.prefilled == len(req.prompt_ids):
-                new[req] = list(req.output_ids)
-                self.finish_prefill(req)
+        for req in self.prefill_step(self.settings.chunk_size):
+            new[req] = list(req.output_ids)
         self._round_step(new)
         self.release_finished()
         return new

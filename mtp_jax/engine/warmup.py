@@ -1,11 +1,13 @@
 """Buckets and warm-up: compile every program an engine can call before it serves.
 
-The engine compiles one prefill program per prompt-chunk bucket (powers of two from
-:data:`~mtp_jax.engine.scheduler.MIN_PREFILL_BUCKET` to ``chunked_prefill_size``) and one round
-program per batch bucket (powers of two up to ``max_running_requests``) and variant.
-:func:`warmup_calls` calls each of them once with padding rows, which write only the trash page
-and slot, so that serving never compiles. Functions over a
-:class:`~mtp_jax.engine.scheduler.Scheduler`.
+The engine compiles one prefill program per shape ``(B, T)``: ``T`` a prompt-chunk bucket
+(powers of two from :data:`~mtp_jax.engine.prefill_batch.MIN_PREFILL_BUCKET` to
+``chunked_prefill_size``), ``B`` a power of two up to ``max_prefill_batch`` with ``B * T``
+within the largest ``T`` (batched prefill, :mod:`mtp_jax.engine.prefill_batch`; ``B = 1`` for
+every ``T``), and one round program per batch bucket (powers of two up to
+``max_running_requests``) and variant. :func:`warmup_calls` calls each of them once with
+padding rows, which write only the trash page and slot, so that serving never compiles.
+Functions over a :class:`~mtp_jax.engine.scheduler.Scheduler`.
 """
 
 from __future__ import annotations
@@ -20,20 +22,21 @@ import numpy as np
 
 from mtp_jax.engine import startup
 from mtp_jax.engine.abort import pools_guard
-from mtp_jax.engine.batch import PrefillBatch, RoundBatch, snapshot_rows, snapshot_slots
+from mtp_jax.engine.batch import RoundBatch
+from mtp_jax.engine.prefill_batch import MIN_PREFILL_BUCKET, padding_prefill_batch, prefill_top
 from mtp_jax.engine.rounds import next_pow2
-from mtp_jax.engine.scheduler import MIN_PREFILL_BUCKET, Scheduler
+from mtp_jax.engine.scheduler import Scheduler
 from mtp_jax.engine.variants import RoundVariant
 from mtp_jax.sampling import SamplingTensors
 
-__all__ = ["prefill_buckets", "batch_buckets", "round_variants", "padding_round_batch",
-           "warm_buckets", "warmup_calls", "warmup"]
+__all__ = ["prefill_buckets", "prefill_shapes", "batch_buckets", "round_variants",
+           "padding_round_batch", "warm_buckets", "warmup_calls", "warmup"]
 
 
 def prefill_buckets(chunk_size: int, max_model_len: int) -> list[int]:
     """Prompt-chunk length buckets: powers of two from :data:`MIN_PREFILL_BUCKET` to the bucket
     of ``min(chunk_size, max_model_len)``."""
-    top = max(MIN_PREFILL_BUCKET, next_pow2(min(chunk_size, max_model_len)))
+    top = prefill_top(chunk_size, max_model_len)
     out, t = [], MIN_PREFILL_BUCKET
     while t <= top:
         out.append(t)
@@ -76,13 +79,32 @@ def padding_round_batch(b: int, k: int, max_pages_per_req: int) -> RoundBatch:
                       draft_cap=zi)
 
 
+def prefill_shapes(sched: Scheduler, buckets: list[int], max_batch: int | None = None,
+                   lean: bool = False) -> list[tuple[int, int]]:
+    """The prefill shapes ``(B, T)`` a warm-up compiles for prompt-chunk ``buckets``: every
+    ``T`` at ``B = 1``, and at each power of two ``B`` up to the rows a call may hold
+    (``Scheduler.prefill_rows_cap``, at most ``max_batch`` requests at once) with ``B * T``
+    within the engine's largest bucket (the calls :mod:`mtp_jax.engine.prefill_batch`
+    forms). ``lean``: one shape, the largest ``T`` of ``buckets`` at the largest such ``B``,
+    which every call pads up to."""
+    s = sched.settings
+    top = prefill_top(s.chunk_size, s.max_model_len)
+    rows = min(sched.prefill_rows_cap(), max_batch or sched.prefill_rows_cap())
+    shapes = [(b, t) for t in buckets for b in batch_buckets(rows) if b == 1 or b * t <= top]
+    if lean:
+        t = buckets[-1]
+        return [max((bt for bt in shapes if bt[1] == t), key=lambda bt: bt[0])]
+    return shapes
+
+
 def warm_buckets(sched: Scheduler, max_batch: int | None = None,
                  max_prompt_len: int | None = None, lean: bool = False
-                 ) -> tuple[list[int], list[int]]:
-    """``(prefill, batch)``: the prompt-chunk and batch buckets a warm-up compiles. Every
-    bucket, or with ``max_batch`` (requests at once) and ``max_prompt_len`` (tokens) those
-    such a workload can reach; ``lean``: only the largest of each (the calls pad up to it,
-    :func:`~mtp_jax.engine.rounds.ready_bucket`)."""
+                 ) -> tuple[list[tuple[int, int]], list[int]]:
+    """``(prefill, batch)``: the prefill shapes ``(B, T)`` (:func:`prefill_shapes`) and round
+    batch buckets a warm-up compiles. Every one, or with ``max_batch`` (requests at once) and
+    ``max_prompt_len`` (tokens) those such a workload can reach; ``lean``: only the largest
+    of each (the calls pad up to them, :func:`~mtp_jax.engine.rounds.ready_bucket`,
+    :func:`~mtp_jax.engine.prefill_batch.call_shape`)."""
     s = sched.settings
     prefill = prefill_buckets(s.chunk_size, s.max_model_len)
     if max_prompt_len is not None:
@@ -93,9 +115,10 @@ def warm_buckets(sched: Scheduler, max_batch: int | None = None,
     buckets = batch_buckets(sched.book.max_requests)
     if max_batch is not None:
         buckets = [b for b in buckets if b <= next_pow2(max(1, max_batch))]
+    shapes = prefill_shapes(sched, prefill, max_batch, lean)
     if lean:
-        return prefill[-1:], buckets[-1:]
-    return prefill, buckets
+        return shapes, buckets[-1:]
+    return shapes, buckets
 
 
 def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,
@@ -112,17 +135,9 @@ def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None =
     st = sched.prefix.snapshot_tokens if sched.prefix is not None else None
 
     def run() -> None:
-        for t in prefill:
-            z = np.zeros((1, t), np.int32)
-            snap_at, snap_id = snapshot_rows({}, snapshot_slots(t, st))
-            sched.device.prefill(PrefillBatch(
-                input_ids=z, next_ids=z, start=np.zeros((1,), np.int32),
-                length=np.zeros((1,), np.int32), prompt_len=np.ones((1,), np.int32),
-                slot=np.zeros((1,), np.int32), page_table=np.zeros((1, max_pages), np.int32),
-                sampling=SamplingTensors.from_params([], pad_to=1, host=True),
-                step=np.zeros((1,), np.int32), snap_at=snap_at, snap_id=snap_id,
-                redraft=np.zeros((1,), bool)),
-                sched.prefill_variant())
+        for b, t in prefill:
+            sched.device.prefill(padding_prefill_batch(b, t, max_pages, st),
+                                 sched.prefill_variant())
         for choice in sampling:
             for b, variant in itertools.product(buckets, round_variants(sched)):
                 sched.device.round(padding_round_batch(b, variant.k, max_pages),
@@ -136,14 +151,15 @@ def warmup(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,
     """Compile the programs ``sched`` can call, with rows that write only to the trash page and
     slot, so that no compile happens while requests are served. Returns seconds.
 
-    Covers each prefill length bucket (one variant) and each batch bucket's round calls
+    Covers each prefill shape (:func:`prefill_shapes`, one variant) and each batch bucket's
+    round calls
     (:func:`round_variants`), in the greedy-only variant and, with ``sampled``, the sampling
     ones: with the top-k / top-p filter (``filtering`` True), without it (False) or both
     (None). ``max_batch`` (requests at once) and ``max_prompt_len`` (tokens) limit it to the
     buckets such a workload can reach; ``lean`` to the largest of them (:func:`warm_buckets`),
     which every later call of no more rows and tokens pads up to (``Scheduler.ready_batch`` /
     ``ready_prefill``; a larger call compiles its own bucket), so a start-up compiles one
-    prefill and one batch bucket; without ``lean`` every call runs at its own bucket.
+    prefill shape and one batch bucket; without ``lean`` every call runs at its own bucket.
     Programs missing from memory and from the executable cache are first built together (:func:`mtp_jax.engine.startup.build_ahead`, compiling on
     ``workers`` threads; default :func:`mtp_jax.engine.executable_cache.compile_workers`), then
     the warm-up runs them. A call that fails and leaves the pools unusable gets them made anew

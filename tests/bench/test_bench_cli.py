@@ -54,8 +54,9 @@ def test_each_subcommand_documents_its_flags(name, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert f"python -m mtp_jax.bench {name}" in out and "--out" in out
-    # prefix-hits counts tokens; every other subcommand reports a fraction of the HBM floor
-    assert ("--hbm-tbps" in out) == (name != "prefix-hits")
+    # prefix-hits counts tokens and prefill-burst times a workload; every other subcommand
+    # reports a fraction of the HBM floor
+    assert ("--hbm-tbps" in out) == (name not in ("prefix-hits", "prefill-burst"))
     assert "``" not in out and ":func:" not in out  # plain text
 
 
@@ -68,6 +69,9 @@ def test_each_subcommand_documents_its_flags(name, capsys):
     (["draft-head", "--heads", "full,bogus"], "choose from full, hot, int8"),
     (["ab", "--config", "x.json", "--variant", "b=norm=xla"], "a name, then a colon"),
     (["profile", "--config", "x.json", "--rounds", "0"], "--rounds"),
+    (["prefill-burst", "--requests", "0"], "--requests"),
+    (["prefill-burst", "--prompt-len", "90", "10"], "need 1 <= LO <= HI"),
+    (["prefill-burst", "--settings", "off,eagle"], "choose from off, mtp"),
 ])
 def test_bad_values_exit_with_status_2(argv, message, capsys):
     with pytest.raises(SystemExit) as e:

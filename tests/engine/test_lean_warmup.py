@@ -63,7 +63,7 @@ def test_lean_warmup_compiles_one_bucket_each_and_pads_up_to_them(model):
     assert eng.warmup_for(_requests(), lean=True) > 0
     # one prefill (bucket 32) and one round program (batch bucket 4, greedy, no snapshots)
     assert eng.compiled_program_count() - before == 2
-    assert eng.scheduler.ready_batch == {4} and eng.scheduler.ready_prefill == {32}
+    assert eng.scheduler.ready_batch == {4} and eng.scheduler.ready_prefill == {(1, 32)}
     seen = _record_shapes(eng)
     lean = eng.run(_requests())
     assert eng.compiled_program_count() - before == 2  # nothing compiled while serving
