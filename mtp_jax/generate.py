@@ -61,7 +61,9 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     from mtp_jax.kernels import add_backend_flags
 
     p.add_argument("--model", default=None,
-                   help="checkpoint folder (HF layout); default: a small built-in "
+                   help="checkpoint folder (HF layout) or a Flash-Next .gguf file (its MTP "
+                        "draft: a Strata pack, --speculative-draft-model-path); default: a "
+                        "small built-in "
                         "qwen3_5_moe with the real Qwen3.5 tokenizer, made once in a cache folder")
     p.add_argument("--seed", type=int, default=0,
                    help="base sampling seed, in [0, 2**32) (default %(default)s): the i-th "

@@ -39,7 +39,8 @@ class LLM:
     """Load a checkpoint and generate.
 
     Args:
-      model: checkpoint folder (HF layout); ``None`` uses the built-in default model (a small
+      model: checkpoint folder (HF layout), or a Flash-Next ``.gguf`` file (docs/gguf.md);
+        ``None`` uses the built-in default model (a small
         qwen3_5_moe, a tiny target with a trained MTP head, with the real Qwen3.5 tokenizer,
         made once in a cache folder).
       dtype: ``"auto"`` (bf16 on GPU, f32 on CPU), ``"bfloat16"``, ``"float16"``, ``"float32"``.

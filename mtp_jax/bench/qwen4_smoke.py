@@ -3,12 +3,12 @@ Qwen3.8-Flash-Next shape (docs/benchmarks.md, session 25).
 
 Writes a random bf16 checkpoint of ``configs/Qwen3.8-Flash-Next.json`` cut to ``--layers``
 layers and ``--experts`` routed experts with a small n-gram table (``--ngram-base``), then runs
-``LLM`` (``--ple-backend``, default auto; ``--gdn-backend`` / ``--moe-backend``, default auto =
-the Pallas kernels on a GPU; prefix cache on) at ``--batches`` (default 1 and 8) and ``--k`` (default 0
-and 3; the random MTP head accepts nothing: the k = 3 rows are the cost of a round). Prints one
-dict per row: the PLE backend, the kernels, end-to-end tokens/s, ms per round (host + device)
-and the host PLE lookup's ms per round (None with ``device``: its programs look the rows up
-themselves). Writes ``$OUT/q4_smoke.json`` (or ``--out``).
+``LLM`` (``--ple-backend``, default auto; ``--gdn-backend`` / ``--moe-backend``, default auto
+= the Pallas kernels on a GPU; prefix cache on) at ``--batches`` (default 1 and 8) and ``--k``
+(default 0 and 3; with the random MTP head adaptive speculation lowers k: a k = 3 row is what a
+user gets from a head that is never right). Prints one dict per row: the PLE backend, the
+kernels, end-to-end tokens/s, ms per round (host + device) and the host PLE lookup's ms per
+round (None with ``device``: its programs look the rows up themselves). Writes ``$OUT/q4_smoke.json`` (or ``--out``).
 
 ``--gguf TYPE`` writes the cut shape as a Flash-Next GGUF target and a Strata MTP pack instead
 (:mod:`mtp_jax.tools.random_gguf`: routed experts in TYPE, the other matrices in
@@ -32,6 +32,10 @@ from mtp_jax.llm import LLM
 from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.tools.gguf_blocks import TYPES
+
+
+FLASH_NEXT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
+    os.path.abspath(__file__)))), "configs", "Qwen3.8-Flash-Next.json")
 
 
 def cut_config(path: str, layers: int, experts: int, ngram_base: int) -> dict:
@@ -119,17 +123,26 @@ def write_checkpoint(a) -> tuple[str, str | None]:
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(prog="python -m mtp_jax.bench.qwen4_smoke",
                                 description=__doc__.split("\n\n")[0], allow_abbrev=False)
-    p.add_argument("--config", default="configs/Qwen3.8-Flash-Next.json")
-    p.add_argument("--layers", type=int, default=8)
-    p.add_argument("--experts", type=int, default=64)
-    p.add_argument("--ngram-base", type=int, default=200_000)
-    p.add_argument("--prompt-len", type=int, default=100)
-    p.add_argument("--max-tokens", type=int, default=128)
-    p.add_argument("--checkpoint-dir", default="/tmp/q4_smoke_ckpt")
+    p.add_argument("--config", default=FLASH_NEXT_CONFIG,
+                   help="the released config to cut (default: the repository's "
+                        "configs/Qwen3.8-Flash-Next.json)")
+    p.add_argument("--layers", type=int, default=8, help="layers kept (default %(default)s)")
+    p.add_argument("--experts", type=int, default=64,
+                   help="routed experts kept (default %(default)s)")
+    p.add_argument("--ngram-base", type=int, default=200_000,
+                   help="ngram_vocab_size_base of the n-gram tables (default %(default)s)")
+    p.add_argument("--prompt-len", type=int, default=100,
+                   help="prompt tokens per request (default %(default)s)")
+    p.add_argument("--max-tokens", type=int, default=128,
+                   help="greedy tokens per request (default %(default)s)")
+    p.add_argument("--checkpoint-dir", default="/tmp/q4_smoke_ckpt",
+                   help="where the random checkpoint is written, overwritten each run (default "
+                        "%(default)s; about 10 GB at the default cut)")
     p.add_argument("--ple-backend", default="auto", choices=["auto", "disk", "memory", "device"],
                    help="where the PLE n-gram tables live (default %(default)s; device: on "
                         "the GPU, looked up inside the programs, no host callback)")
-    p.add_argument("--out", default=os.environ.get("OUT", "."))
+    p.add_argument("--out", default=os.environ.get("OUT", "."),
+                   help="folder of q4_smoke.json and the profiles (default: $OUT, else .)")
     p.add_argument("--profile", action="store_true",
                    help="also trace 10 rounds at batch 1 (python -m mtp_jax.bench profile's "
                         "analysis: device busy time per round, top kernels, the first 600 "

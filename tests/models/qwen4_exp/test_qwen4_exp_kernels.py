@@ -1,9 +1,10 @@
-"""qwen4_exp kernel backends: GDN and MoE take ``pallas`` on a GPU (``auto`` too, where the
-kernels take the model; a GPU is faked where a load must pass the checks), XLA on the CPU and
-for every other op, and ``pallas`` for QSA attention, norm and gemv is refused before any weight is read. The GDN kernels' path
-through the model (decode rows, verify, partial commit) runs in Pallas interpret mode on the
-CPU against the golden logits of tests/fixtures/tiny_qwen4_exp. The Triton lowering at
-Flash-Next's shapes: tests/kernels/test_pallas_gdn_fused.py, tests/kernels/test_pallas_moe.py.
+"""qwen4_exp kernel backends: GDN and MoE take ``pallas`` on a GPU (``auto`` too, where the kernels
+take the model; a GPU is faked where a load must pass the checks), XLA on the CPU and for every
+other op, and ``pallas`` for QSA attention, norm and gemv is refused before any weight is read.
+The GDN kernels' path through the model (decode rows, verify, partial commit) runs in Pallas
+interpret mode on the CPU against the golden logits of tests/fixtures/tiny_qwen4_exp. The Triton
+lowering at Flash-Next's shapes: tests/kernels/test_pallas_gdn_fused.py,
+tests/kernels/test_pallas_moe.py.
 """
 
 from __future__ import annotations
