@@ -218,11 +218,17 @@ def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = Tr
     target passes :func:`~mtp_jax.models.qwen4_exp.gguf_loader.read_gguf`).
     ``backends``: ``{op: choice}`` of the kernel backends (``load_model``'s ``*_backend``
     arguments), resolved by :func:`~mtp_jax.models.qwen4_exp.kernels.resolve_kernels` into
-    ``cfg.kernels`` before any weight is read (``pallas`` for GDN / MoE when asked for, else
-    XLA; ConfigError for a choice that cannot run)."""
+    ``cfg.kernels`` before any weight is read (``auto``: the GDN / MoE kernels on a GPU, but
+    XLA's MoE where ``quantization`` keeps projections quantized; ConfigError for a choice that
+    cannot run)."""
     cfg = cfg or Qwen4ExpConfig.from_folder(path)
     check_slot_states()
     dtype = resolve_dtype(dtype)
+    backends = dict(backends or {})
+    if keeps_quantized(quantization) and backends.get("moe") in (None, "auto"):
+        # kept experts: XLA's forms decode only the chosen experts, where the kernels would
+        # read the whole stacks dequantized (layers.mlp.Experts)
+        backends["moe"] = "xla"
     cfg = dataclasses.replace(cfg, kernels=resolve_kernels(cfg, dtype, backends))
     with_mtp = with_mtp and cfg.has_mtp
     device = ple_backend == "device"

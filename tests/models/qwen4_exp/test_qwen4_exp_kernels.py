@@ -114,6 +114,8 @@ def test_explicit_pallas_reaches_the_layers(fake_gpu):
     assert _backends(m) == ({"pallas"}, {"pallas"})
     assert hash(m.cfg) != hash(auto.cfg) and m.cfg != auto.cfg  # static args, cache keys
     assert m.cfg == dataclasses.replace(auto.cfg, kernels=m.cfg.kernels)
+    kept = mtp_jax.load_model(FIX, dtype="bfloat16", ple_backend="disk", quantization="keep")
+    assert kept.cfg.kernels == KernelBackends(gdn="pallas")  # kept experts: XLA decodes few
 
 
 def _verify_commit(m, cache, ids, accept: int):
