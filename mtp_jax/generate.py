@@ -61,10 +61,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
     from mtp_jax.kernels import add_backend_flags
 
     p.add_argument("--model", default=None,
-                   help="checkpoint folder (HF layout) or a Flash-Next .gguf file (its MTP "
-                        "draft: a Strata pack, --speculative-draft-model-path); default: a "
-                        "small built-in "
-                        "qwen3_5_moe with the real Qwen3.5 tokenizer, made once in a cache folder")
+                   help="checkpoint folder (HF layout) or Flash-Next .gguf (draft: a Strata "
+                        "pack); default: a small built-in qwen3_5_moe, made once in a cache")
     p.add_argument("--seed", type=int, default=0,
                    help="base sampling seed, in [0, 2**32) (default %(default)s): the i-th "
                         "request without a seed of its own samples with a seed made from it "

@@ -40,9 +40,8 @@ class LLM:
 
     Args:
       model: checkpoint folder (HF layout), or a Flash-Next ``.gguf`` file (docs/gguf.md);
-        ``None`` uses the built-in default model (a small
-        qwen3_5_moe, a tiny target with a trained MTP head, with the real Qwen3.5 tokenizer,
-        made once in a cache folder).
+        ``None`` uses the built-in default model (a small qwen3_5_moe, a tiny target with a
+        trained MTP head, with the real Qwen3.5 tokenizer, made once in a cache folder).
       dtype: ``"auto"`` (bf16 on GPU, f32 on CPU), ``"bfloat16"``, ``"float16"``, ``"float32"``.
       max_running_requests: requests in flight at once (batch bucket limit).
       speculative_algorithm: ``"mtp"`` (the default: the checkpoint's MTP layer drafts; a
