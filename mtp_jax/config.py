@@ -13,7 +13,7 @@ import json
 import os
 from typing import Any
 
-from mtp_jax.errors import ConfigError
+from mtp_jax.errors import ConfigError, check_field_types
 from mtp_jax.rope import DEFAULT_ROPE, RopeScaling, parse_rope_scaling, rope_section
 
 SUPPORTED_MODEL_TYPES = ("qwen3_5", "qwen3_5_moe")
@@ -239,8 +239,13 @@ _MISSING = object()
 
 def read_config_json(path: str) -> Any:
     """The parsed ``<path>/config.json`` of a checkpoint folder. Raises :class:`ConfigError`
-    when ``path`` is not a folder, has no config.json, or it cannot be parsed."""
+    when ``path`` does not exist, is not a folder, has no config.json, or it cannot be parsed."""
     file = os.path.join(path, "config.json")
+    if not os.path.exists(path):
+        raise ConfigError(f"model path {path!r} does not exist: no such "
+                          f"{'file' if path.lower().endswith('.gguf') else 'file or folder'} on "
+                          "this machine. Pass an existing checkpoint folder (config.json + "
+                          "*.safetensors) or Flash-Next .gguf file.")
     if not os.path.isdir(path):
         raise ConfigError(f"model path {path!r} is not a folder; pass a checkpoint folder "
                           "holding config.json and *.safetensors.")
@@ -330,6 +335,8 @@ class SpeculativeConfig:
         with its token map by :func:`mtp_jax.speculative.draft_vocab.hot_token_ids`. The full
         set of config-time checks (model family, GGUF, draft source, slot states, dummy
         weights, draft vocabulary) is :func:`mtp_jax.checks.check_before_load`."""
+        check_field_types(self, {f.name: f"speculative_{f.name}"
+                                 for f in dataclasses.fields(self)})
         if self.algorithm not in SPECULATIVE_ALGORITHMS:
             raise ConfigError(f"speculative_algorithm (--speculative-algorithm) {self.algorithm!r} "
                               f"is unknown; use one of {', '.join(SPECULATIVE_ALGORITHMS)} "
@@ -337,8 +344,7 @@ class SpeculativeConfig:
                               "that drafts, is for the Python API: "
                               "mtp_jax.speculative.external).")
         low = 0 if self.algorithm == "none" else 1  # 0 with speculation off, as SGLang's
-        if (isinstance(self.num_steps, bool) or not isinstance(self.num_steps, int)
-                or not low <= self.num_steps <= MAX_SPECULATIVE_NUM_STEPS):
+        if not low <= self.num_steps <= MAX_SPECULATIVE_NUM_STEPS:
             fix = ("leave it at the default 3 or 0 (it is unused with speculation off)"
                    if self.algorithm == "none" else "pick k in that range (3 is a good default), "
                    "or turn speculation off with speculative_algorithm='none' "
@@ -365,11 +371,7 @@ class SpeculativeConfig:
                                   f"{self.algorithm!r}; it sets the MTP {what}. Drop it "
                                   "or use --speculative-algorithm mtp.")
         c = self.adaptive_round_cost
-        if not isinstance(self.adaptive, bool):
-            raise ConfigError(f"speculative_adaptive {self.adaptive!r} must be True or False "
-                              "(--disable-adaptive-speculation turns it off).")
-        if c is not None and (isinstance(c, bool) or not isinstance(c, (int, float))
-                              or not 1 <= c <= 100 or not (self.adaptive and self.enabled)):
+        if c is not None and (not 1 <= c <= 100 or not (self.adaptive and self.enabled)):
             raise ConfigError(f"speculative_adaptive_round_cost (--speculative-adaptive-round-"
                               f"cost) {c!r} must be a number in 1..100 (a round's time in decode "
                               "steps, e.g. 1.5) with speculation and its adaptation on; omit it "
@@ -437,13 +439,10 @@ class EngineConfig:
     num_scheduler_steps: int | None = None
 
     def validate(self) -> None:
-        for key in ("max_running_requests", "page_size", "max_model_len"):
-            v = getattr(self, key)
-            if isinstance(v, bool) or not isinstance(v, int):
-                raise ConfigError(f"{key} {v!r} must be an int.")
-        if self.num_pages is not None and (isinstance(self.num_pages, bool)
-                                           or not isinstance(self.num_pages, int)
-                                           or self.num_pages < 2):
+        """Raise :class:`ConfigError` for a field of the wrong type (its value, type and the
+        type expected: :func:`~mtp_jax.errors.check_field_types`) or a value out of range."""
+        check_field_types(self)
+        if self.num_pages is not None and self.num_pages < 2:
             raise ConfigError(f"num_pages {self.num_pages!r} must be an int >= 2 (or None to "
                               "size it from max_running_requests * max_model_len).")
         if self.dtype not in ("bfloat16", "float32", "float16"):
@@ -456,18 +455,14 @@ class EngineConfig:
             raise ConfigError(f"max_running_requests (--max-running-requests) "
                               f"{self.max_running_requests} must be >= 1; use 8 (the default) "
                               "or the number of requests to serve at once.")
-        if not isinstance(self.overlap_schedule, bool):
-            raise ConfigError(f"overlap_schedule {self.overlap_schedule!r} must be True or "
-                              "False.")
         n = self.num_scheduler_steps
-        if n is not None and (isinstance(n, bool) or not isinstance(n, int)
-                              or not 1 <= n <= MAX_SCHEDULER_STEPS):
+        if n is not None and not 1 <= n <= MAX_SCHEDULER_STEPS:
             raise ConfigError(f"num_scheduler_steps (--num-scheduler-steps) {n!r} must be an "
                               f"int in 1..{MAX_SCHEDULER_STEPS}, or automatic (the default: "
                               "the engine chooses the rounds per program call; None in Python, "
                               "auto on the command line).")
         t = self.max_total_tokens
-        if t is not None and (isinstance(t, bool) or not isinstance(t, int) or t < 1):
+        if t is not None and t < 1:
             raise ConfigError(f"max_total_tokens (--max-total-tokens) {t!r} must be an int >= 1 "
                               "(KV positions for all requests together); leave it unset to "
                               "size the pools from --mem-fraction.")
@@ -476,7 +471,7 @@ class EngineConfig:
                               f"{self.chunked_prefill_size} must be >= 1 (prompt tokens per "
                               "prefill chunk); use 2048 (the default).")
         m = self.max_prefill_batch
-        if isinstance(m, bool) or not isinstance(m, int) or m < 1:
+        if m < 1:
             raise ConfigError(f"max_prefill_batch (--max-prefill-batch) {m!r} must be an int "
                               ">= 1 (requests' prompt chunks per prefill call; 1: one request "
                               "per call); use 8 (the default).")

@@ -39,7 +39,7 @@ SUMMARY = ("time to first token (p50, p99) and tokens/s of a burst of mixed-leng
            "batched prefill on and off, speculation off and on")
 
 __all__ = ["SUMMARY", "build_parser", "main", "prompt_lengths", "burst", "serve_burst",
-           "percentiles", "burst_table"]
+           "percentiles", "burst_table", "check_gguf_draft"]
 
 SETTINGS = ("off", "mtp")
 
@@ -145,7 +145,8 @@ def build_parser() -> argparse.ArgumentParser:
                      help="a model config (configs/*.json): random weights of that shape")
     src.add_argument("--model", default=None,
                      help="a checkpoint folder (default, without --config: the built-in "
-                          "default model)")
+                          "default model), or a Flash-Next .gguf (with mtp rows: the folder "
+                          "holding it and its Strata MTP pack)")
     p.add_argument("--requests", type=positive(int), default=32, help="requests in the burst (32)")
     p.add_argument("--prompt-len", type=int, nargs=2, default=[32, 1024], metavar=("LO", "HI"),
                    help="prompt tokens per request, drawn uniformly in [LO, HI] (32 1024)")
@@ -169,6 +170,42 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--out", default="bench-prefill-burst.json",
                    help="JSON results, rewritten after each row (default %(default)s)")
     return p
+
+
+def check_gguf_draft(model: str | None, settings: list[str]) -> None:
+    """This bench takes no draft path: its ``mtp`` rows on a Flash-Next GGUF target read the
+    Strata MTP pack of the target's folder (``--model DIR``, as
+    :func:`~mtp_jax.weights.gguf_header.folder_pack` finds it). Any other model passes here
+    (``load_model``'s checks speak for it).
+
+    Raises:
+      ConfigError: ``mtp`` rows asked of a GGUF target path that brings no pack, naming the
+        bench's own ways out (``--model`` the folder, ``--settings off``).
+    """
+    import os
+
+    from mtp_jax.models.gguf_checks import GGUF_TARGET_ARCHS
+    from mtp_jax.weights.gguf_header import folder_pack, gguf_architecture, gguf_file
+
+    if model is None or "mtp" not in settings or not os.path.exists(model):
+        return
+    g = gguf_file(model)
+    if g is None or gguf_architecture(g) not in GGUF_TARGET_ARCHS or folder_pack(model):
+        return
+    folder = os.path.dirname(os.path.abspath(g))
+    what = ("a Flash-Next GGUF file" if os.path.isfile(model)
+            else "a GGUF folder with no Strata MTP pack")
+    where = ("--model DIR, a folder holding the target .gguf and its one Strata MTP pack (what "
+             "python -m mtp_jax.tools.random_checkpoint --format gguf writes)")
+    try:
+        if os.path.isfile(model) and gguf_file(folder) == g and (pack := folder_pack(folder)):
+            where = f"--model {folder} (its folder, whose pack is {os.path.basename(pack)})"
+    except ConfigError:  # several targets or packs there: the generic advice
+        pass
+    raise ConfigError(f"--model {model} is {what}, and the mtp rows (--settings "
+                      f"{','.join(settings)}) need a pack to draft with; this bench takes no "
+                      "draft path, it reads the pack of a GGUF folder given as --model. Pass "
+                      f"{where}, or --settings off to time speculation off only.")
 
 
 def _model(a, with_mtp: bool):
@@ -196,6 +233,7 @@ def main(argv=None) -> int:
         p.error(f"--prompt-len {lo} {hi}: need 1 <= LO <= HI (tokens).")
     try:
         enable_compilation_cache(a.compilation_cache_dir)
+        check_gguf_draft(a.model, a.settings)
         model = _model(a, with_mtp="mtp" in a.settings)
         lengths = prompt_lengths(a.requests, *a.prompt_len, a.seed)
         meta = report.run_metadata(dict(vars(a)), None, None)

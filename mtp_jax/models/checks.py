@@ -28,7 +28,7 @@ from mtp_jax.kernels import KernelBackends, check_kernel_ops
 from mtp_jax.models.entry import VERIFY_HANDLERS, LoadRequest, ModelEntry
 from mtp_jax.models.registry import REGISTRY, entry_of, read_config
 from mtp_jax.models.gguf_checks import check_gguf_draft, gguf_target_config
-from mtp_jax.weights.gguf_header import gguf_file
+from mtp_jax.weights.gguf_header import gguf_draft_file, gguf_file
 from mtp_jax.weights.hub import looks_like_repo_id
 from mtp_jax.weights.quant_config import quantization_from_folder
 from mtp_jax.weights.safetensors_files import list_tensor_names
@@ -42,7 +42,11 @@ _DRAFT_KEYS = ("model_type", "hidden_size", "vocab_size", "num_experts")
 def read_model_config(path: str | None, *, mtp: bool, draft_path: str | None = None):
     """The target's config, parsed by its family's config class (``mtp``: MTP was asked for;
     ``draft_path``: where its draft comes from, which a GGUF target needs to be a Strata
-    pack)."""
+    pack; a GGUF folder's own pack when None).
+
+    Raises:
+      ConfigError: no path, a missing one, or a target refused by the rules above.
+    """
     if path is None:
         raise ConfigError("no model path was given; pass a checkpoint folder (config.json + "
                           "*.safetensors).")
@@ -51,7 +55,7 @@ def read_model_config(path: str | None, *, mtp: bool, draft_path: str | None = N
     path = os.fspath(path)
     g = gguf_file(path)
     if g is not None:
-        return gguf_target_config(g, mtp=mtp, draft_path=draft_path)
+        return gguf_target_config(g, mtp=mtp, draft_path=draft_path, model=path)
     cfg = read_config(path)
     quantization_from_folder(path)  # an unknown quant_method or field: refused here
     return cfg
@@ -94,7 +98,7 @@ def check_request(cfg, request: LoadRequest) -> None:
                           " --config ... --out DIR) and load it.")
     draft = request.draft_path
     if draft is not None and not family.draft_folder and not (  # a GGUF: check_draft_source
-            isinstance(draft, (str, os.PathLike)) and gguf_file(os.fspath(draft))):
+            isinstance(draft, (str, os.PathLike)) and gguf_draft_file(os.fspath(draft))):
         raise ConfigError(f"speculative_draft_model_path {request.draft_path!r}: a separate MTP "
                           f"draft folder is not supported for {cfg.model_type} yet; drop it (its "
                           "own mtp.* is read).")
@@ -154,18 +158,28 @@ def check_draft_folder(cfg: ModelConfig, draft_path: str) -> None:
 
 def check_draft_source(cfg, draft_path: str, target: str | None = None) -> None:
     """Where the MTP draft comes from: a local folder (checked), a GGUF (a Strata MTP pack of a
-    GGUF ``target``; else refused) or a Hugging Face repo id (passes; downloaded at load)."""
+    GGUF ``target``, given as the file or a GGUF folder holding it; else refused) or a Hugging
+    Face repo id (passes; downloaded at load).
+
+    Raises:
+      ConfigError: a local path that does not exist (a ``.gguf`` one: "does not exist"), a
+        draft folder or GGUF that cannot draft for this target.
+    """
     if not isinstance(draft_path, (str, os.PathLike)):
         raise ConfigError(f"speculative_draft_model_path {draft_path!r} is not a path.")
     draft_path = os.fspath(draft_path)
     if not os.path.exists(draft_path):
+        if draft_path.lower().endswith(".gguf"):
+            raise ConfigError(f"speculative_draft_model_path {draft_path!r} does not exist: no "
+                              "such file on this machine. Pass the path of an existing Strata "
+                              "MTP pack (.gguf), or omit it.")
         if looks_like_repo_id(draft_path):
             return
         raise ConfigError(
             f"speculative_draft_model_path {draft_path!r} is not a folder on this machine, and "
             "it is a local path rather than a Hugging Face repo id (name or org/name); pass an "
             "existing folder holding the mtp.* tensors, or omit it to use the target's own.")
-    g = gguf_file(draft_path)
+    g = gguf_draft_file(draft_path)
     if g is not None:
         check_gguf_draft(cfg, draft_path, g, target)
         return

@@ -7,6 +7,7 @@
         [--mtp-quantize none|SCHEME]
     python -m mtp_jax.tools.random_checkpoint --config CFG --out DIR --format gguf \
         [--gguf-expert-type TYPE] [--gguf-dense-type TYPE] [--no-mtp] [--seed 0] [--tokenizer]
+    (either form: [--overwrite] to replace a checkpoint already in DIR)
 
 The family is the registry's (from ``config.json``'s ``model_type``); its entry's
 ``write_random`` writes ``config.json`` and the weights (the Qwen3.5 family's streaming sharded
@@ -23,11 +24,17 @@ With ``--format gguf`` (qwen4_exp configs) it writes a Flash-Next GGUF target ``
 and a Strata MTP pack ``DIR/mtp.gguf`` instead, routed experts in ``--gguf-expert-type`` and
 the other matrices in ``--gguf-dense-type`` (:mod:`mtp_jax.tools.random_gguf`); the
 safetensors-only options are refused with it.
+
+A ``DIR`` that already holds a checkpoint (``config.json``, ``*.safetensors`` or ``*.gguf``) is
+refused unless ``--overwrite`` is given, which deletes the old checkpoint's files first (those,
+the safetensors index and the tokenizer files), so none of them is left beside the new one.
 """
 
 from __future__ import annotations
 
 import argparse
+import glob
+import os
 import sys
 
 from mtp_jax.config import ConfigError, config_dict
@@ -36,7 +43,7 @@ from mtp_jax.models.registry import entry_for_raw
 from mtp_jax.tools import qwen_vocab
 from mtp_jax.tools.quantize_checkpoint import SCHEMES, quantize_folder
 
-__all__ = ["write_random_checkpoint", "main"]
+__all__ = ["write_random_checkpoint", "check_out", "main"]
 
 
 def write_random_checkpoint(config: dict | str, out_dir: str, dtype: str = "bfloat16",
@@ -103,6 +110,35 @@ def _flag(name: str) -> str:
     return "--" + name.replace("_", "-")
 
 
+_CHECKPOINT_FILES = ("config.json", "*.safetensors", "*.gguf")
+_REPLACED_FILES = _CHECKPOINT_FILES + ("*.safetensors.index.json", "tokenizer.json",
+                                       "tokenizer_config.json", "generation_config.json")
+
+
+def _files(out: str, patterns) -> list[str]:
+    return sorted({f for p in patterns for f in glob.glob(os.path.join(glob.escape(out), p))})
+
+
+def check_out(out: str, overwrite: bool) -> None:
+    """Make ``out`` ready for a new checkpoint: with ``overwrite``, delete the files of one
+    already there (``config.json``, ``*.safetensors`` and their index, ``*.gguf``, the tokenizer
+    files); other files stay.
+
+    Raises:
+      ValueError: ``out`` already holds a checkpoint and ``overwrite`` is off (the message
+        names the folder, its files and the fix: ``--overwrite`` or another folder).
+    """
+    found = [os.path.basename(f) for f in _files(out, _CHECKPOINT_FILES)]
+    if found and not overwrite:
+        raise ValueError(f"--out {out} already holds a checkpoint ({', '.join(found[:4])}"
+                         f"{', ...' if len(found) > 4 else ''}); writing into it would replace "
+                         "or mix with its files. Pass --overwrite to replace it, or another "
+                         "--out folder.")
+    if found:
+        for f in _files(out, _REPLACED_FILES):
+            os.remove(f)
+
+
 def _check_format_options(args) -> None:
     """ValueError for an option of the other format (naming it), set to its default value
     otherwise."""
@@ -132,7 +168,13 @@ def _parser() -> argparse.ArgumentParser:
                     help="config.json, or a folder holding one (a checkpoint's, e.g. a test "
                          "fixture under tests/fixtures/ for a small model; configs/*.json are "
                          "the released shapes, gigabytes each)")
-    ap.add_argument("--out", required=True, help="output folder")
+    ap.add_argument("--out", required=True,
+                    help="output folder (one that already holds a checkpoint is refused "
+                         "without --overwrite)")
+    ap.add_argument("--overwrite", action="store_true",
+                    help="replace a checkpoint already in --out: its config.json, "
+                         "*.safetensors (and index), *.gguf and tokenizer files are deleted "
+                         "first")
     ap.add_argument("--format", default="safetensors", choices=("safetensors", "gguf"),
                     help="safetensors (an HF folder, default) or gguf (qwen4_exp only: a "
                          "Flash-Next GGUF target model.gguf and a Strata MTP pack mtp.gguf)")
@@ -201,6 +243,7 @@ def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     try:
         _check_format_options(args)
+        check_out(args.out, args.overwrite)
         lines = _write(args)
     except (ValueError, OSError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)

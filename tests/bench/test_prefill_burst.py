@@ -34,3 +34,36 @@ def test_burst_runs_on_cpu(tmp_path, capsys):
         assert r["output_tokens"] == 5 * 3 and len(r["ttft_s"]) == 5
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["ttft_max_s"] <= r["wall_s"]
         assert r["compiles_timed"] == 0 and r["warmup_compiles"] >= 0
+
+
+def test_gguf_mtp_refusal_names_the_bench_options(tmp_path, capsys):
+    """A Flash-Next GGUF file with mtp rows: the refusal names what this bench takes (the
+    folder holding the target and its pack as --model, or --settings off), not the
+    --speculative-* flags of generate, which the bench has not; the folder passes."""
+    import shutil
+
+    from mtp_jax.bench.prefill_burst import build_parser, check_gguf_draft
+    from tests.gguf.writer import write_pack, write_target
+
+    qwen4 = fixture_path("tiny_qwen4_exp")
+    d = tmp_path / "g"
+    d.mkdir()
+    target = write_target(qwen4, str(d / "model.gguf"))
+    write_pack(qwen4, str(d / "mtp.gguf"))
+    assert main(["prefill-burst", "--model", target, "--out", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: ") and "Traceback" not in err
+    assert f"Pass --model {d} (its folder, whose pack is mtp.gguf), or --settings off" in err
+    flags = {s for a in build_parser()._actions for s in a.option_strings}
+    named = {w.strip("(),.;") for w in err.split() if w.startswith("--")}
+    assert named <= flags, named - flags
+    check_gguf_draft(str(d), ["off", "mtp"])  # the folder brings its pack
+    check_gguf_draft(target, ["off"])  # no mtp rows
+    lone = tmp_path / "lone"
+    lone.mkdir()
+    shutil.copy(target, lone / "model.gguf")
+    assert main(["prefill-burst", "--model", str(lone), "--out", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err
+    assert "is a GGUF folder with no Strata MTP pack" in err and "--settings off" in err
+    bench_part = err.replace("python -m mtp_jax.tools.random_checkpoint --format gguf", "")
+    assert {w.strip("(),.;") for w in bench_part.split() if w.startswith("--")} <= flags

@@ -54,7 +54,24 @@ CASES = [
     ("num_steps_9", lambda t, s: dict(speculative_num_steps=9), (),
      r"9 is outside 1\.\.8; pick k in that range .*--speculative-algorithm none", "none"),
     ("num_steps_bool", lambda t, s: dict(speculative_num_steps=True), (),
-     r"True is outside 1\.\.8", "none"),
+     r"speculative_num_steps True is of type bool, not an int; pass a value of that type, "
+     r"e\.g\. speculative_num_steps=3 \(the default\)", "none"),
+    ("num_steps_str", lambda t, s: dict(speculative_num_steps="3"), (),
+     r"speculative_num_steps '3' is of type str, not an int; pass speculative_num_steps=3\.",
+     "none"),
+    ("engine_int_as_str", lambda t, s: dict(max_prefill_batch="8"), (),
+     r"max_prefill_batch '8' is of type str, not an int; pass max_prefill_batch=8\.", "none"),
+    ("engine_size_as_str", lambda t, s: dict(chunked_prefill_size="2k"), (),
+     r"chunked_prefill_size '2k' is of type str, not an int; pass a value of that type, e\.g\. "
+     r"chunked_prefill_size=2048 \(the default\)", "none"),
+    ("model_gguf_missing", lambda t, s: dict(model=str(t / "nope" / "model.gguf")), (),
+     r"model path '\S*/nope/model\.gguf' does not exist: no such file on this machine\. Pass "
+     r"an existing checkpoint folder", "none"),
+    ("model_folder_missing", lambda t, s: dict(model=str(t / "nope")), (),
+     r"model path '\S*/nope' does not exist: no such file or folder on this machine", "none"),
+    ("draft_gguf_missing", lambda t, s: dict(speculative_draft_model_path=str(t / "mtp.gguf")),
+     (), r"speculative_draft_model_path '\S*/mtp\.gguf' does not exist: no such file on this "
+     r"machine\. Pass the path of an existing Strata MTP pack", "none"),
     ("num_steps_negative_spec_off", lambda t, s: dict(speculative_algorithm="none",
                                                       speculative_num_steps=-1), (),
      r"-1 is outside 0\.\.8; leave it at the default 3 or 0 \(it is unused with speculation "
@@ -304,3 +321,25 @@ def test_algorithm_synonyms_documented():
         "mtp", "mtp", "mtp", "none", "none"]
     with pytest.raises(ConfigError, match="mtp also accepts nextn and eagle"):
         SpeculativeConfig(algorithm="medusa").validate()
+
+
+def test_engine_fields_checked_by_type():
+    """Every int, number and bool field of EngineConfig is checked against its type first,
+    naming the value, its type and the type expected (a string chunked_prefill_size used to
+    reach the range check and fail there with a TypeError); numpy scalars pass."""
+    import numpy as np
+
+    from mtp_jax.config import EngineConfig
+
+    for kwargs, message in [
+            (dict(mem_fraction="0.5"), "mem_fraction '0.5' is of type str, not a number; pass "
+                                       "mem_fraction=0.5."),
+            (dict(num_pages=2.0), "num_pages 2.0 is of type float, not an int or None; pass a "
+                                  "value of that type, e.g. num_pages=None (the default)."),
+            (dict(enable_prefix_cache=1), "enable_prefix_cache 1 is of type int, not True or "
+                                          "False"),
+            (dict(max_running_requests=True), "max_running_requests True is of type bool")]:
+        with pytest.raises(ConfigError) as e:
+            EngineConfig(**kwargs).validate()
+        assert message in str(e.value), str(e.value)
+    EngineConfig(max_prefill_batch=np.int64(4), mem_fraction=np.float32(0.5)).validate()

@@ -79,8 +79,9 @@ def _unknown_key(d):
 CASES = [
     ("target_without_draft", lambda f: dict(model=f["target"]),
      r"t\.gguf is a Flash-Next GGUF target, which carries no MTP draft .*nextn blocks are never "
-     r"read as a draft\): pass a Strata MTP pack, --speculative-draft-model-path mtp-q2_0\.gguf"
-     r".*or run without speculation \(--speculative-algorithm none\)"),
+     r"read as a draft\): pass a Strata MTP pack, --speculative-draft-model-path (one of )?/"
+     r"\S*/mtp\.gguf.*the Strata pack beside the target\), or run without speculation "
+     r"\(--speculative-algorithm none\)"),
     ("target_with_folder_draft", lambda f: dict(model=f["target"],
                                                 speculative_draft_model_path=CKPT),
      r"is a GGUF target, which reads its MTP draft from a Strata MTP pack .*is not a GGUF file"),

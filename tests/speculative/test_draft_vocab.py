@@ -251,7 +251,8 @@ def test_token_map_formats_and_sizes():
     (dict(algorithm="external", token_map_path="x.txt"), MAP_FLAG, "mtp"),
     (dict(draft_vocab_size=0), SIZE_FLAG, "1..300"),
     (dict(draft_vocab_size=301), SIZE_FLAG, "1..300"),
-    (dict(draft_vocab_size="8"), SIZE_FLAG, "outside"),
+    (dict(draft_vocab_size="8"), "speculative_draft_vocab_size '8' is of type str, not an int "
+     "or None", "pass speculative_draft_vocab_size=8"),
     (dict(token_map=[5, 300]), MAP_FLAG, "300"),
     (dict(token_map=[-1, 2]), MAP_FLAG, "-1"),
     (dict(token_map=[5, 9, 5]), MAP_FLAG, "repeats token id 5"),

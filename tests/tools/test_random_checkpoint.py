@@ -260,3 +260,28 @@ def test_real_config_plans_match_released_sizes(name):
     assert sum(p.nbytes(2) for p in plans) == RELEASED_BF16_BYTES[name]
     shards = family_rc.shard_plans(plans, 2, 2 << 30)
     assert all(sum(p.nbytes(2) for p in s) <= 2 << 30 or len(s) == 1 for s in shards)
+
+
+def test_cli_refuses_a_folder_holding_a_checkpoint(tmp_path, capsys):
+    """A second write into one --out is refused (naming the folder, its files and the fix)
+    and leaves the first checkpoint as it was; --overwrite replaces it, deleting the old
+    format's files (no GGUF left beside the new safetensors); other files stay."""
+    from tests.helpers.paths import fixture_path
+
+    qwen4 = fixture_path("tiny_qwen4_exp")
+    out = tmp_path / "out"
+    gguf_args = ["--config", qwen4, "--out", str(out), "--format", "gguf"]
+    assert rc.main(gguf_args) == 0
+    (out / "notes.txt").write_text("mine")
+    before = {f: os.path.getmtime(out / f) for f in ("model.gguf", "mtp.gguf")}
+    capsys.readouterr()
+    assert rc.main(gguf_args + ["--seed", "1"]) == 2
+    err = capsys.readouterr().err
+    assert (f"error: --out {out} already holds a checkpoint (model.gguf, mtp.gguf); writing "
+            "into it would replace or mix with its files. Pass --overwrite to replace it, or "
+            "another --out folder.") in err
+    assert {f: os.path.getmtime(out / f) for f in before} == before
+    assert rc.main(["--config", qwen4, "--out", str(out), "--overwrite"]) == 0
+    assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "notes.txt"]
+    assert rc.main(["--config", qwen4, "--out", str(out)]) == 2
+    assert "already holds a checkpoint (config.json, model.safetensors)" in capsys.readouterr().err

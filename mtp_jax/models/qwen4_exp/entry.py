@@ -45,7 +45,7 @@ from mtp_jax.models.qwen4_exp.ple_store import PLE_CHOICES
 from mtp_jax.models.qwen4_exp.pools import make_qwen4_pools
 from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
 from mtp_jax.models.qwen4_exp.slot_states import check_slot_states
-from mtp_jax.weights.gguf_header import gguf_file
+from mtp_jax.weights.gguf_header import folder_pack, gguf_draft_file, gguf_file
 
 __all__ = ["ENTRY", "make_entry"]
 
@@ -57,7 +57,9 @@ def build(cfg: Qwen4ExpConfig, dtype, with_mtp: bool) -> Qwen4ExpModel:
 def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp:
     """:func:`~mtp_jax.models.qwen4_exp.loader.load_qwen4_exp` for ``load_model`` (the entry's
     capabilities were checked before: no draft folder, kernels for GDN and MoE only; the
-    kernel choices are resolved there, before any weight is read); with ``dummy_weight``
+    kernel choices are resolved there, before any weight is read); a GGUF target reads its
+    Strata pack from the draft path, or from its folder when none is given
+    (:func:`~mtp_jax.weights.gguf_header.folder_pack`); with ``dummy_weight``
     random weights and synthetic PLE tables (:mod:`~mtp_jax.models.qwen4_exp.dummy`), with
     ``pack_small_params`` the programs take the small parameters packed."""
     backend = ple_backend_for(cfg, request.dtype, request.option_values.get("ple_backend"))
@@ -67,8 +69,11 @@ def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp
                                ple_backend=backend, cfg=cfg, backends=kernels,
                                read=functools.partial(read_random, seed=request.seed))
     elif (g := gguf_file(path)) is not None:  # a Flash-Next GGUF, with a Strata pack as draft
+        draft = request.draft_path
+        draft = (gguf_draft_file(draft) if draft is not None  # a file, or a folder's pack
+                 else folder_pack(path) if request.with_mtp else None)
         model = load_qwen4_exp_gguf(g, cfg, request.dtype, with_mtp=request.with_mtp,
-                                    draft_path=request.draft_path, ple_backend=backend,
+                                    draft_path=draft, ple_backend=backend,
                                     quantization=request.quantization, backends=kernels)
     else:
         model = load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,

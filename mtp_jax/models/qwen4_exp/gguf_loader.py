@@ -138,7 +138,8 @@ def read_gguf(path: str, cfg: Qwen4ExpConfig, expected: dict[str, tuple], *, dty
     if with_mtp:
         if draft_path is None:
             raise ConfigError(f"{path} is a GGUF target with no MTP draft: pass a Strata MTP "
-                              "pack (--speculative-draft-model-path mtp-q2_0.gguf), or "
+                              "pack as --speculative-draft-model-path "
+                              "(speculative_draft_model_path=...), or "
                               "--speculative-algorithm none.")
         pack = open_gguf(draft_path)
         check_pack(pack, cfg, repr(draft_path))
