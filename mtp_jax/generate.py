@@ -6,19 +6,17 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
-import os
 import sys
 import time
 import warnings
 
 from mtp_jax.cli_parser import CliParser
 from mtp_jax.cli_prompts import DEFAULT_PROMPT, read_prompts_file
+from mtp_jax.cli_report import print_model_line, print_program_wait
 
 __all__ = ["main", "build_parser", "add_engine_flags", "llm_kwargs", "read_prompts_file",
            "DEFAULT_PROMPT"]
 
-DEFAULT_MODEL_LINE = ("built-in default (tiny: layers and MTP head trained on the docs, "
-                      "random embedding and LM head; real Qwen3.5 tokenizer)")
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -319,13 +317,21 @@ def _main(argv) -> int:
     if sys.stderr.isatty():  # a progress note for a person waiting; logs get the line below
         print("[warm-up] compiling the programs this run calls (the compilation cache makes "
               "the next start faster) ...", file=sys.stderr, flush=True)
-    # Compile every program the run can call first, so that its seconds and tokens/s do not
-    # include compilation (which the persistent cache makes fast on the next start).
-    # Lean: one prefill and one batch bucket, which every call pads up to (issue 32 item 5:
-    # the start-up of a one-off run is mostly compilation).
-    warm_s = llm.warmup(prompts, todo_params, lean=True)
+    # Lean (one prefill and one batch bucket, which every call pads up to) and in the
+    # background (each call waits for its own program only: the first token comes after the
+    # prefill program alone); the time calls wait is left out of seconds and tokens/s
+    # (issue 32 item 5: the start-up of a one-off run is mostly compilation).
+    warm_s = llm.warmup(prompts, todo_params, lean=True, background=True)
+    try:
+        return _serve(args, llm, run, prompts, todo_params, warm_s)
+    finally:  # what the build has lowered is compiled and saved; what it has not is dropped
+        llm.engine.wait_for_programs(cancel=True)
+
+
+def _serve(args, llm, run, prompts: list, todo_params: list, warm_s: float) -> int:
+    """Generate the runnable prompts and print their outputs; returns the exit status."""
     before = llm.prefix_cache_stats()
-    _print_model_line(args, llm, warm_s)
+    print_model_line(args, llm, warm_s)
     try:
         t0 = time.perf_counter()
         if args.stream:
@@ -333,7 +339,7 @@ def _main(argv) -> int:
         else:  # a bar for a person watching; a log would fill with redraws
             done = llm.generate(prompts, todo_params,
                                 use_tqdm=bool(args.prompts_file) and sys.stderr.isatty())
-        seconds = time.perf_counter() - t0
+        seconds = print_program_wait(llm, time.perf_counter() - t0)
     except ValueError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
@@ -362,59 +368,6 @@ def scheduler_steps(text: str) -> int | None:
     except ValueError:
         raise argparse.ArgumentTypeError(f"{text!r} is neither 'auto' nor an int (use auto, "
                                          "the default, or 1..16)") from None
-
-
-def _adaptive_note(llm) -> str:
-    """The ``[model]`` line's note on adaptive speculation: the round cost a request's drafting
-    must beat, and a warning when no round can (k + 1 tokens at most)."""
-    policy = llm.engine.scheduler.adaptive
-    if policy is None:
-        return ""
-    note = f"; adaptive (drafts while a round commits > {policy.cost:.2f} tokens"
-    if policy.cost >= policy.k + 1:
-        note += (f": more than the k + 1 = {policy.k + 1} a round can, so no request drafts; "
-                 "--disable-adaptive-speculation drafts anyway")
-    return note + ")"
-
-
-def _quant_note(args, llm) -> str:
-    """The ``[model]`` line's note on a quantized checkpoint: its weights kept as stored (and
-    the bytes that saves), or dequantized at load (``--quantization`` and what ``auto``
-    chose); empty for an unquantized one."""
-    saved = getattr(llm.model, "weight_bytes_saved", 0)
-    if saved:
-        return (f"; quantized weights kept as stored ({saved / 2**30:.2f} GiB less than "
-                f"{llm.model.dtype})")
-    if args.model and os.path.isdir(args.model):
-        from mtp_jax.weights.quant_config import quantization_from_folder
-
-        method = quantization_from_folder(args.model).method
-        if method is not None:
-            return (f"; {method} checkpoint dequantized to {llm.model.dtype} at load "
-                    f"(--quantization {args.quantization})")
-    return ""
-
-
-def _print_model_line(args, llm, warm_s: float) -> None:
-    """The ``[model]`` and ``[warm-up]`` lines on stderr, once the run is accepted (so that a
-    refusal is the only thing on stderr)."""
-    print(f"[model] {args.model or DEFAULT_MODEL_LINE}"
-          f"; speculative_algorithm={llm.speculative.algorithm}"
-          + (f" (k={llm.speculative.num_steps})" if llm.speculative.enabled else "")
-          + (f"; draft vocabulary {llm.engine.draft_vocab_size} hot ids"
-             if llm.engine.draft_vocab_size else "")
-          + (f"; draft LM head {llm.speculative.draft_head_dtype}" if llm.speculative.draft_head_dtype
-             else "")
-          + (f"; draft layer {llm.speculative.draft_layer_dtype}" if llm.speculative.draft_layer_dtype
-             else "")
-          + _adaptive_note(llm)
-          + _quant_note(args, llm)
-          + (f"; {llm.engine.rounds_per_call} rounds per call"
-             if llm.engine.rounds_per_call > 1 else "")
-          + ("" if args.prompt or args.prompts_file else f"; prompt {DEFAULT_PROMPT!r}"),
-          file=sys.stderr)
-    print(f"[warm-up] programs compiled or loaded from the compilation cache in {warm_s:.1f}s",
-          file=sys.stderr)
 
 
 def _stream(llm, prompts: list, params: list, out) -> list:

@@ -1,7 +1,5 @@
-"""``LLM``: the notebook / Python face of the engine (vLLM-style).
-
-The family of the checkpoint is the registry's: the config-time checks, the loader and the
-engine that serves it (:func:`mtp_jax.engine.serving.make_engine`) all come from its entry."""
+"""``LLM``: the notebook / Python face of the engine (vLLM-style). The checkpoint's family
+entry gives the checks, the loader and the engine (:func:`mtp_jax.engine.serving.make_engine`)."""
 
 from __future__ import annotations
 
@@ -422,16 +420,17 @@ class LLM:
                           "engine (its clean-up after an error was interrupted); they were "
                           "aborted.", RuntimeWarning, stacklevel=4)
 
-    def warmup(self, prompts, sampling_params=None, lean: bool = False) -> float:
+    def warmup(self, prompts, sampling_params=None, lean: bool = False,
+               background: bool = False) -> float:
         """Compile, before timing anything, the programs that generating ``prompts`` with
         ``sampling_params`` (as for :meth:`generate`) can call: their prompt-length and batch
         buckets, sampling variant and prefix-cache snapshot variants. ``lean``: only the
-        largest prompt-chunk and batch bucket (one prefill program and one round program per
-        variant), which later calls pad up to: a faster start for a one-off run, slower
-        rounds once fewer requests run than that bucket holds (``python -m mtp_jax.generate``
-        warms up lean). The padding stays in force for this ``LLM`` until a warm-up without
-        ``lean`` or a :meth:`resize_cache`. Prompts that :meth:`generate` would refuse are skipped. Returns the
-        seconds spent (compilation, or loading from the persistent cache)."""
+        largest prompt-chunk and batch bucket, which later calls pad up to (a faster start for
+        a one-off run, slower rounds once fewer requests run than that bucket holds; in force
+        until a warm-up without ``lean`` or a :meth:`resize_cache`). ``background``: compile
+        on a thread and return at once; each call then waits for its own program only (the
+        first token comes after the prefill program alone; ``python -m mtp_jax.generate`` does
+        both). Prompts :meth:`generate` would refuse are skipped. Returns seconds spent."""
         next_id = self._next_id  # warm-up requests must not shift the default seeds
         try:
             _, requests = self._prepare(prompts, sampling_params) if prompts else ([], [])
@@ -439,7 +438,7 @@ class LLM:
             requests = []  # generate() reports it
         finally:
             self._next_id = next_id
-        return self.engine.warmup_for([r for _, r in requests], lean=lean)
+        return self.engine.warmup_for([r for _, r in requests], lean=lean, background=background)
 
     def flush_cache(self) -> None:
         """Empty the prefix cache (entries that running requests use stay)."""

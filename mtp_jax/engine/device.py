@@ -73,6 +73,11 @@ class DeviceState:
         return entry_of(self.shape.cfg).prefill_snapshots
 
     # ---- programs -----------------------------------------------------------------------------
+    def building(self) -> int:
+        """Programs a background build still has in hand (0 without an executable table)."""
+        table = self.programs.executables
+        return table.building() if table is not None else 0
+
     def prefill(self, batch: PrefillBatch, variant: PrefillVariant) -> jax.Array:
         """Run a prefill call; returns its first tokens and drafts ``[B, k+1]`` int32 (on the
         device)."""

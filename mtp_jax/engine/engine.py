@@ -247,17 +247,21 @@ class Engine:
     # ---- programs ----------------------------------------------------------------------------
     def warmup(self, sampled: bool = True, max_batch: int | None = None,
                max_prompt_len: int | None = None, workers: int | None = None,
-               filtering: bool | None = None, lean: bool = False) -> float:
+               filtering: bool | None = None, lean: bool = False,
+               background: bool = False, greedy: bool = True) -> float:
         """Compile every program serving can call (``lean``: only the largest buckets, which
-        later calls pad up to); :func:`mtp_jax.engine.warmup.warmup`. Returns seconds."""
+        later calls pad up to; ``background``: on a thread, each call waiting only for its own
+        program); :func:`mtp_jax.engine.warmup.warmup`. Returns seconds."""
         return warmup_ops.warmup(self.scheduler, sampled, max_batch, max_prompt_len, workers,
-                                 filtering, lean)
+                                 filtering, lean, background, greedy)
 
-    def warmup_for(self, requests: list[Request], lean: bool = False) -> float:
+    def warmup_for(self, requests: list[Request], lean: bool = False,
+                   background: bool = False) -> float:
         """Compile what serving ``requests`` can call: their prompt-length and batch buckets
         (``lean``: the largest of each, which the calls then pad up to: one prefill and one
-        batch bucket compiled), sampling variants (greedy only, or with or without the top-k /
-        top-p filter) and prefix-cache snapshot variants (:meth:`warmup`). Returns seconds."""
+        batch bucket compiled), sampling variants (greedy only where a request is greedy, with
+        or without the top-k / top-p filter where one samples) and prefix-cache snapshot
+        variants (:meth:`warmup`, ``background`` included). Returns seconds."""
         if not requests:
             return 0.0
         sampled = [r for r in requests if not r.params.greedy]
@@ -266,7 +270,23 @@ class Engine:
         return self.warmup(sampled=bool(sampled),
                            filtering=filters.pop() if len(filters) == 1 else None,
                            max_batch=len(requests),
-                           max_prompt_len=max(len(r.prompt_ids) for r in requests), lean=lean)
+                           max_prompt_len=max(len(r.prompt_ids) for r in requests), lean=lean,
+                           background=background,
+                           greedy=any(r.params.greedy for r in requests))
+
+    def wait_for_programs(self, cancel: bool = False) -> None:
+        """Wait until no background build (``warmup(background=True)``) runs; ``cancel``: drop
+        the programs it has not started on (a later call builds its own),
+        :meth:`~mtp_jax.engine.executable_cache.ExecutableTable.wait`."""
+        table = self.device.programs.executables
+        if table is not None:
+            table.wait(cancel)
+
+    def program_wait_seconds(self) -> float:
+        """Seconds calls have spent getting programs that were not in memory (waiting for a
+        background build, or building or loading them; 0.0 without an executable table)."""
+        table = self.device.programs.executables
+        return table.waited_s if table is not None else 0.0
 
     def warmup_calls(self, sampled: bool = True, max_batch: int | None = None,
                      max_prompt_len: int | None = None,

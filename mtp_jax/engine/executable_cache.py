@@ -10,58 +10,54 @@ process rebuilds it with ``deserialize_and_load`` from that key alone.
 
 Where: the subfolder ``executables`` of jax's compilation cache folder, so the same switch
 turns both on and off (``--compilation-cache-dir none``: nothing is read or written; the
-programs are still compiled ahead of time and kept in memory). One file per program,
-``<name>-<key>.exe``: a magic line, the sha256 of the body, and the body (a pickle of the
-serialized executable with its input/output pytree structures). A file that is truncated,
-altered, from another format or unreadable is ignored with an :class:`ExecutableCacheWarning`,
-removed, and the program rebuilt. Like jax's cache, the folder is trusted code (loading an
-entry unpickles it): do not point it at a folder others can write to.
+programs are still compiled ahead of time and kept in memory). The file format:
+:mod:`mtp_jax.engine.executable_store`. Like jax's cache, the folder is trusted code (loading
+an entry unpickles it): do not point it at a folder others can write to.
 
 Calls go through a dict keyed by ``(program, batch layout, variant, pool shapes)`` to a
 ``jax.stages.Compiled``, whose call is jax's C++ dispatch path, like a jitted function's
 (measured on CPU: +1.5 us per call over the jitted function, of about 60 us). Programs missing
 from the dict are loaded or built one by one as they are called, or all at once by
-:meth:`ExecutableTable.build` (traced in turn, compiled on :func:`compile_workers` threads:
-XLA releases the GIL while it compiles; :mod:`mtp_jax.engine.startup`).
+:meth:`ExecutableTable.build` (traced in turn, each compiled on one of :func:`compile_workers`
+threads while the next is traced: XLA releases the GIL while it compiles;
+:mod:`mtp_jax.engine.startup`), or by :meth:`ExecutableTable.build_in_background`, which
+returns at once: a call whose program is still being built waits for that program only.
 
 Two things loading skips that must be done here (jax 0.11.2 and 0.12): LAPACK, behind CPU
 custom calls, is initialized lazily while lowering (:func:`initialize_custom_call_libraries`);
 and an executable jax loaded from its own cache does not serialize into a runnable copy on
-CPU, so programs are compiled with jax's cache bypassed (:func:`_without_jax_cache`). A load
-is reported to ``jax.monitoring`` as jax reports a hit of its own cache (:func:`_report_load`),
-so :mod:`mtp_jax.bench.compiles` counts it as a persistent-cache hit.
+CPU, so programs are compiled with jax's cache bypassed (:func:`without_jax_cache`). A load
+is reported to ``jax.monitoring`` as jax reports a hit of its own cache
+(:func:`~mtp_jax.engine.executable_store.report_load`), so :mod:`mtp_jax.bench.compiles` counts
+it as a persistent-cache hit.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures
 import contextlib
 import dataclasses
-import hashlib
 import os
-import pickle
-import tempfile
+import threading
 import time
-import warnings
+import weakref
 
 import jax
 
 from mtp_jax.engine import executable_key as ek
+from mtp_jax.engine.executable_store import (FORMAT, THREADS_ENV, ExecutableCacheWarning,
+                                             ExecutableStore, bypassed_cache_dir, compile_workers,
+                                             report_load,
+                                             initialize_custom_call_libraries,
+                                             without_jax_cache)
+
+__all__ = ["ExecutableTable", "ExecutableStore", "ExecutableCacheWarning", "Call", "Record",
+           "cache_dir", "compile_workers", "SUBFOLDER", "SWITCH_ENV", "THREADS_ENV"]
 
 SUBFOLDER = "executables"
-FORMAT = "mtp_jax-executable-v1"
-MAGIC = (FORMAT + "\n").encode()
-SUFFIX = ".exe"
-THREADS_ENV = "MTP_JAX_COMPILE_THREADS"
 SWITCH_ENV = "MTP_JAX_EXECUTABLE_CACHE"  # "0": no executable is saved or loaded here
-MIN_CPUS_FOR_THREADS = 8
 DONATED = (1,)  # the pools; part of every key (the programs' jit donates them)
-BACKEND_COMPILE_EVENT = "/jax/core/compile/backend_compile_duration"  # jax's event names
-CACHE_HIT_EVENT = "/jax/compilation_cache/cache_hits"
-
-
-class ExecutableCacheWarning(UserWarning):
-    """A saved executable was unreadable (ignored, removed, rebuilt) or could not be saved."""
 
 
 def cache_dir() -> str | None:
@@ -72,36 +68,9 @@ def cache_dir() -> str | None:
 
     if os.environ.get(SWITCH_ENV, "").strip().lower() in ("0", "off", "false", "no"):
         return None
-    folder = active_cache_dir()
+    # while a build bypasses jax's cache (without_jax_cache), the folder it will restore
+    folder = bypassed_cache_dir() or active_cache_dir()
     return None if folder is None else os.path.join(folder, SUBFOLDER)
-
-
-def compile_workers() -> int:
-    """Threads that compile programs missing from the cache: ``$MTP_JAX_COMPILE_THREADS`` when
-    set, else ``min(4, cpus // 4)`` with at least :data:`MIN_CPUS_FOR_THREADS` cpus and 1
-    below (threads were slower than one compile at a time on a 2-core machine)."""
-    raw = os.environ.get(THREADS_ENV, "").strip()
-    if raw:
-        try:
-            n = int(raw)
-        except ValueError:
-            from mtp_jax.config import ConfigError
-
-            raise ConfigError(f"${THREADS_ENV}={raw!r} must be an integer >= 1 (threads that "
-                              "compile programs); unset it for the default.") from None
-        return max(1, n)
-    cpus = os.cpu_count() or 1
-    return min(4, cpus // 4) if cpus >= MIN_CPUS_FOR_THREADS else 1
-
-
-def initialize_custom_call_libraries() -> None:
-    """Initialize what jax initializes while lowering a program, which loading one skips: on
-    CPU the LAPACK functions behind custom calls such as ``lapack_strsm_ffi`` (the GDN chunked
-    prefill's triangular solve); run without it, a loaded program crashes the process.
-    ``jax.export`` does the same before it runs a deserialized module."""
-    from jax._src.lax import linalg
-
-    linalg.initialize_lapack()  # idempotent; present in jax 0.11.2 and 0.12
 
 
 @dataclasses.dataclass
@@ -168,100 +137,20 @@ class Record:
         return self.trace_s + self.lower_s + self.compile_s + self.load_s + self.save_s
 
 
-class ExecutableStore:
-    """The files of one cache folder (see the module docstring for the format)."""
-
-    def __init__(self, folder: str):
-        self.folder = folder
-        self._unwritable_warned = False
-
-    def path(self, name: str, key: str) -> str:
-        return os.path.join(self.folder, f"{name}-{key}{SUFFIX}")
-
-    def _discard(self, path: str, reason: str) -> None:
-        warnings.warn(f"executable cache entry {path!r} is unreadable ({reason}); it is ignored "
-                      "and the program rebuilt.", ExecutableCacheWarning, stacklevel=4)
-        with contextlib.suppress(OSError):
-            os.remove(path)
-
-    def load(self, name: str, key: str, devices=None):
-        """The ``jax.stages.Compiled`` saved under ``key``, loaded onto ``devices`` (those of
-        its inputs; default all of the backend's), or ``None`` (absent, or unreadable: warned
-        and removed)."""
-        from jax.experimental.serialize_executable import deserialize_and_load
-
-        initialize_custom_call_libraries()
-        path = self.path(name, key)
-        try:
-            with open(path, "rb") as f:
-                data = f.read()
-        except FileNotFoundError:
-            return None
-        except OSError as e:
-            self._discard(path, f"cannot read: {e.strerror or e}")
-            return None
-        head = len(MAGIC) + 32
-        if not data.startswith(MAGIC) or len(data) < head:
-            self._discard(path, "not an executable cache file of this format")
-            return None
-        body = data[head:]
-        if hashlib.sha256(body).digest() != data[len(MAGIC):head]:
-            self._discard(path, "checksum mismatch: truncated or altered")
-            return None
-        try:
-            rec = pickle.loads(body)
-            if rec.get("key") != key:
-                raise ValueError("stored key differs from its file name")
-            return deserialize_and_load(rec["payload"], rec["in_tree"], rec["out_tree"],
-                                        execution_devices=devices)
-        except Exception as e:  # noqa: BLE001 (any failure means: rebuild it)
-            self._discard(path, f"{type(e).__name__}: {e}")
-            return None
-
-    def save(self, name: str, key: str, compiled, description: str) -> bool:
-        """Write ``compiled`` under ``key`` (atomically: a temporary file, then a rename).
-        Returns False (with a warning) when it cannot be serialized or written."""
-        from jax.experimental.serialize_executable import serialize
-
-        try:
-            payload, in_tree, out_tree = serialize(compiled)
-            body = pickle.dumps({"format": FORMAT, "key": key, "program": description,
-                                 "payload": payload, "in_tree": in_tree, "out_tree": out_tree},
-                                protocol=pickle.HIGHEST_PROTOCOL)
-        except Exception as e:  # noqa: BLE001
-            warnings.warn(f"program {description} cannot be serialized ({type(e).__name__}: "
-                          f"{e}); it is not saved and will be compiled again next time.",
-                          ExecutableCacheWarning, stacklevel=3)
-            return False
-        tmp = None
-        try:
-            os.makedirs(self.folder, exist_ok=True)
-            fd, tmp = tempfile.mkstemp(dir=self.folder, prefix=".tmp-", suffix=SUFFIX)
-            with os.fdopen(fd, "wb") as f:
-                f.write(MAGIC + hashlib.sha256(body).digest() + body)
-            os.replace(tmp, self.path(name, key))
-            return True
-        except OSError as e:
-            if tmp is not None:
-                with contextlib.suppress(OSError):
-                    os.remove(tmp)
-            if not self._unwritable_warned:
-                self._unwritable_warned = True
-                warnings.warn(f"the executable cache folder {self.folder!r} is not writable "
-                              f"({e.strerror or e}); programs are not saved. Pass "
-                              "--compilation-cache-dir DIR with a writable folder, or 'none'.",
-                              ExecutableCacheWarning, stacklevel=3)
-            return False
-
-
 class ExecutableTable:
     """The compiled programs of one model by in-memory key (:meth:`call`), loaded from or saved to
     :func:`cache_dir` when that is on.
 
     Counters: ``loads`` (programs read from disk), ``traces`` (programs traced and lowered),
     ``compiles`` (programs compiled by XLA; jax's own persistent cache is bypassed while they
-    compile, see :func:`_without_jax_cache`), ``saves`` (files written). ``records``: a
-    :class:`Record` per program, in order.
+    compile, see :func:`without_jax_cache`), ``saves`` (files written), ``waited_s`` (seconds
+    calls spent getting a program that was not in memory: building it, or waiting for the
+    build that had it). ``records``: a
+    :class:`Record` per program, in the order they came into memory.
+
+    Thread use: :meth:`call` and :meth:`build` from one thread (the engine's); builds started
+    by :meth:`build_in_background` run on their own threads and hand each program over as it
+    is ready.
     """
 
     def __init__(self, graphdef, persist: bool = True):
@@ -275,7 +164,13 @@ class ExecutableTable:
         self._signatures: dict[tuple, int] = {}  # pools_signature -> small id (cheap to hash)
         self._last: tuple = (None, None)  # (pools a call returned, their signature id)
         self._recording: list[Call] | None = None
+        self._lock = threading.Lock()
+        self._building: dict[tuple, concurrent.futures.Future] = {}  # key -> done when built
+        self._queued: set = set()  # the futures of _building no build has started on yet
+        self._threads: list[threading.Thread] = []
+        self._cancel = threading.Event()  # set: background builds trace nothing more
         self.loads = self.traces = self.compiles = self.saves = 0
+        self.waited_s = 0.0
         self.records: list[Record] = []
 
     def __len__(self) -> int:
@@ -283,7 +178,8 @@ class ExecutableTable:
 
     def stats(self) -> dict:
         return {"programs": len(self), "loads": self.loads, "traces": self.traces,
-                "compiles": self.compiles, "saves": self.saves}
+                "compiles": self.compiles, "saves": self.saves, "building": self.building(),
+                "waited_s": round(self.waited_s, 3)}
 
     def _pools_id(self, pools) -> int:
         """A small id of the pools' shapes; free for the pools the last call returned."""
@@ -296,9 +192,10 @@ class ExecutableTable:
     def call(self, name: str, fn, leaves, pools, buf, layout, variant):
         """``fn(leaves, pools, buf, layout=layout, variant=variant)`` through the compiled
         program of its key: program, batch layout (structure, shapes, dtypes), variant and pool
-        shapes (the parameters are the model's, fixed per table). A miss builds or loads it.
-        While :meth:`recording`, nothing runs: a call missing from memory is recorded, and
-        every call returns ``(None, pools)`` (pools untouched)."""
+        shapes (the parameters are the model's, fixed per table). A miss waits for the build
+        that has the program in hand, or builds or loads it now. While :meth:`recording`,
+        nothing runs: a call missing from memory is recorded, and every call returns
+        ``(None, pools)`` (pools untouched). Raises what building its program raised."""
         sid = self._pools_id(pools)
         key = (name, layout, variant, sid)
         entry = self._compiled.get(key)
@@ -307,12 +204,39 @@ class ExecutableTable:
                 self._recording.append(Call(name, fn, leaves, pools, buf, layout, variant, key))
             return None, pools
         if entry is None:
-            self.build([Call(name, fn, leaves, pools, buf, layout, variant, key)])
-            entry = self._compiled[key]
+            t0 = time.perf_counter()
+            try:
+                entry = self._entry(Call(name, fn, leaves, pools, buf, layout, variant, key))
+            finally:
+                self.waited_s += time.perf_counter() - t0
         out = entry[0](leaves, pools, buf)
         if entry[1]:
             self._last = (out[1], sid)
         return out
+
+    def _entry(self, c: Call) -> tuple:
+        """The compiled program of ``c``: waited for while a build is working on it (a failed
+        build raises its error once; the next call builds again), else built now: also when a
+        build has it queued but not started (the call takes it over rather than wait behind
+        other programs) or dropped it."""
+        with self._lock:
+            fut = self._building.get(c.key)
+            if fut is not None and fut in self._queued:  # not started: taken over
+                self._queued.discard(fut)
+                del self._building[c.key]
+                fut.set_exception(_Dropped())
+                fut = None
+        if fut is None:
+            self.build([c])
+            return self._compiled[c.key]
+        try:
+            fut.result()
+        except _Dropped:  # a background build gave it up: build it now
+            self.build([c])
+        except BaseException:
+            self._forget(c, fut)
+            raise
+        return self._compiled[c.key]
 
     @contextlib.contextmanager
     def recording(self):
@@ -339,106 +263,215 @@ class ExecutableTable:
                          ek.leaf_signature(c.buf))
 
     # ---- building --------------------------------------------------------------------------
-    def _add(self, key: tuple, compiled, pools) -> None:
-        self._compiled[key] = (compiled, _keeps_pool_shapes(compiled, pools_signature(pools)))
-
     def build(self, calls: list[Call], workers: int | None = None) -> None:
         """Put the program of every call in memory: already there, loaded from disk (on
-        ``workers`` threads), or traced and lowered in turn and compiled on ``workers`` threads
-        (default :func:`compile_workers`), then saved."""
+        ``workers`` threads), or traced and lowered in turn, each compiled on one of
+        ``workers`` threads (default :func:`compile_workers`) while the next is traced, then
+        saved. Programs a background build has in hand are waited for. Raises the error of the
+        first program that failed (the others are built)."""
+        store, pending = self._schedule(calls)
+        self._run(store, pending, workers)
+        for c in calls:
+            if c.key not in self._compiled:
+                self._entry(c)
+
+    def build_in_background(self, calls: list[Call], workers: int | None = None) -> int:
+        """Start building the programs of ``calls`` (as :meth:`build`, in the calls' order) on
+        a thread of its own and return at once the number it builds; a later call of one of
+        them waits for that program only. The calls' pools are kept as shapes, so later calls
+        may donate them. :meth:`wait` waits for the thread; at interpreter exit,
+        :func:`_wait_at_exit` waits for what it has lowered (so that it is saved) and drops
+        the rest."""
+        store, pending = self._schedule(calls, abstract=True)
+        if pending:
+            thread = threading.Thread(target=self._run, args=(store, pending, workers, True),
+                                      name="mtp_jax-program-build", daemon=True)
+            thread.start()
+            self._threads.append(thread)
+            _BUILDING_TABLES.add(self)
+        return len(pending)
+
+    def building(self) -> int:
+        """Programs a build has in hand (scheduled, not yet in memory)."""
+        return len(self._building)
+
+    def wait(self, cancel: bool = False) -> None:
+        """Wait until no background build runs. ``cancel``: the programs those builds have not
+        started tracing yet are dropped (a later call builds its own), so only those already
+        lowered finish (and are saved). A program that failed raises at its call."""
+        if cancel:
+            self._cancel.set()
+        try:
+            for thread in list(self._threads):
+                thread.join()
+        finally:
+            self._cancel.clear()
+        self._threads = [t for t in self._threads if t.is_alive()]
+
+    def _schedule(self, calls: list[Call], abstract: bool = False) -> tuple:
+        """``(store, [(call, disk key, future)])`` for the calls neither in memory nor in a
+        build's hands (each now in :attr:`_building`); ``abstract``: the calls' pools as
+        shapes (:func:`abstract_pools`)."""
         folder = cache_dir() if self.persist else None
         store = ExecutableStore(folder) if folder is not None else None
         environment = ek.environment_digest() if store is not None else ""
-        workers = compile_workers() if workers is None else workers
-        pending, seen = [], set()
-        for c in calls:
-            if c.key in self._compiled or c.key in seen:
-                continue
-            seen.add(c.key)
-            pending.append((c, self.disk_key(c, environment) if store is not None else ""))
-        loaded = [None] * len(pending)
-        if store is not None:
-            initialize_custom_call_libraries()  # once, before any thread loads
+        pending = []
+        with self._lock:
+            for c in calls:
+                if c.key in self._compiled or c.key in self._building:
+                    continue
+                fut = concurrent.futures.Future()
+                self._building[c.key] = fut
+                self._queued.add(fut)
+                dkey = self.disk_key(c, environment) if store is not None else ""
+                if abstract:
+                    c = dataclasses.replace(c, pools=abstract_pools(c.pools))
+                pending.append((c, dkey, fut))
+        return store, pending
 
-            def load(item):
-                t0 = time.perf_counter()
-                compiled = store.load(item[0].name, item[1], input_devices(item[0].pools))
-                return compiled, time.perf_counter() - t0
-            loaded = _map(load, pending, workers)
-        todo = []
-        for (c, key), got in zip(pending, loaded):
-            if got is not None and got[0] is not None:
-                compiled, seconds = got
-                self.loads += 1
-                self._add(c.key, compiled, c.pools)
-                self.records.append(Record(c.describe(), "disk", key[:16], load_s=seconds))
-                _report_load(seconds)
-                continue
-            t0 = time.perf_counter()
-            traced = c.fn.trace(c.leaves, c.pools, c.buf, layout=c.layout, variant=c.variant)
-            t1 = time.perf_counter()
-            lowered = traced.lower()
-            self.traces += 1
-            todo.append((c, c.key, key, lowered,
-                         Record(c.describe(), "built", key[:16], trace_s=t1 - t0,
-                                lower_s=time.perf_counter() - t1)))
-        if not todo:
+    def _run(self, store, pending: list, workers: int | None, background: bool = False) -> None:
+        """Load (in parallel), else trace and lower in turn and compile on ``workers`` threads,
+        every scheduled program; each future is done when its program is in memory, or holds
+        the error that stopped it; ``background``: a program that fails is dropped instead
+        (:meth:`_drop`; the call that needs it builds it, and meets a lasting error there)."""
+        if not pending:
             return
-        with _without_jax_cache(store is not None):
-            done = _map(lambda t: _timed_compile(t[3]), todo, workers)
-        for (c, mkey, key, _, rec), (compiled, seconds) in zip(todo, done):
+        try:
+            workers = compile_workers() if workers is None else workers
+            # the cache stays bypassed until the pool has finished every compile
+            with without_jax_cache(store is not None), \
+                    concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+                loads = [None] * len(pending)
+                if store is not None:
+                    initialize_custom_call_libraries()  # once, before any thread loads
+                    loads = [pool.submit(self._load, store, *item) for item in pending]
+                for (c, dkey, fut), load in zip(pending, loads):
+                    if (load is not None and load.result()) or not self._start(fut):
+                        continue  # loaded, or taken over by its call
+                    if self._cancel.is_set():
+                        self._drop(c, fut)
+                        continue
+                    try:
+                        lowered, rec = self._lower(c, dkey)
+                    except BaseException as e:  # noqa: BLE001 (handed to the call that waits)
+                        self._fail(c, fut, e, background)
+                        continue
+                    pool.submit(self._compile, store, c, dkey, lowered, rec, fut, background)
+            error = RuntimeError("the program's build ended without a result")
+        except BaseException as e:  # noqa: BLE001 (the pool or cache itself failed)
+            error = e
+        for c, _, fut in pending:  # none is left unsettled: a waiting call would hang
+            if not fut.done():
+                self._fail(c, fut, error, background)
+
+    def _start(self, fut) -> bool:
+        """Claim the program of ``fut`` for this build; False when its call took it over."""
+        with self._lock:
+            if fut not in self._queued:
+                return False
+            self._queued.discard(fut)
+            return True
+
+    def _fail(self, c: Call, fut, error: BaseException, background: bool) -> None:
+        """``c``'s build failed: the error to its waiters, or (``background``) dropped: out
+        of :attr:`_building`, and a call waiting for it builds it (:class:`_Dropped`)."""
+        if background:
+            self._forget(c, fut)
+            error = _Dropped()
+        with self._lock:
+            if not fut.done():
+                fut.set_exception(error)
+
+    def _drop(self, c: Call, fut) -> None:
+        """Give up ``c``'s program (``wait(cancel=True)``)."""
+        self._fail(c, fut, _Dropped(), True)
+
+    def _forget(self, c: Call, fut) -> None:
+        """``c``'s program out of :attr:`_building` (if ``fut`` is still its build there)."""
+        with self._lock:
+            self._queued.discard(fut)
+            if self._building.get(c.key) is fut:
+                del self._building[c.key]
+
+    def _finish(self, c: Call, compiled, fut) -> None:
+        """Put ``compiled`` in memory under ``c``'s key and release those waiting for it."""
+        with self._lock:
+            self._compiled[c.key] = (compiled,
+                                     _keeps_pool_shapes(compiled, pools_signature(c.pools)))
+            self._queued.discard(fut)
+            if self._building.get(c.key) is fut:
+                del self._building[c.key]
+            if not fut.done():
+                fut.set_result(None)
+
+    def _load(self, store, c: Call, dkey: str, fut) -> bool:
+        """Load ``c``'s program from ``store``; False when it is not there (or unreadable)."""
+        t0 = time.perf_counter()
+        compiled = store.load(c.name, dkey, input_devices(c.pools))
+        if compiled is None:
+            return False
+        seconds = time.perf_counter() - t0
+        with self._lock:
+            self.loads += 1
+            self.records.append(Record(c.describe(), "disk", dkey[:16], load_s=seconds))
+        report_load(seconds)
+        self._finish(c, compiled, fut)
+        return True
+
+    def _lower(self, c: Call, dkey: str) -> tuple:
+        t0 = time.perf_counter()
+        traced = c.fn.trace(c.leaves, c.pools, c.buf, layout=c.layout, variant=c.variant)
+        t1 = time.perf_counter()
+        lowered = traced.lower()
+        with self._lock:
+            self.traces += 1
+        return lowered, Record(c.describe(), "built", dkey[:16], trace_s=t1 - t0,
+                               lower_s=time.perf_counter() - t1)
+
+    def _compile(self, store, c: Call, dkey: str, lowered, rec: Record, fut,
+                 background: bool = False) -> None:
+        """Compile ``lowered`` (on a worker thread), hand it over, then save it."""
+        t0 = time.perf_counter()
+        try:
+            compiled = lowered.compile()
+        except BaseException as e:  # noqa: BLE001 (handed to the call that waits)
+            self._fail(c, fut, e, background)
+            return
+        rec.compile_s = time.perf_counter() - t0
+        with self._lock:
             self.compiles += 1
-            self._add(mkey, compiled, c.pools)
-            rec.compile_s = seconds
-            if store is not None:
-                t0 = time.perf_counter()
-                self.saves += store.save(c.name, key, compiled, c.describe())
-                rec.save_s = time.perf_counter() - t0
+        self._finish(c, compiled, fut)  # a call waiting for it runs while it is saved
+        if store is not None:
+            t0 = time.perf_counter()
+            saved = store.save(c.name, dkey, compiled, c.describe())
+            rec.save_s = time.perf_counter() - t0
+            with self._lock:
+                self.saves += saved
+        with self._lock:
             self.records.append(rec)
 
 
-@contextlib.contextmanager
-def _without_jax_cache(active: bool):
-    """jax's persistent compilation cache off (and reset) inside the block when ``active``.
-
-    The programs saved here must be fresh compiles: an executable that jax loaded from its own
-    cache serializes into a copy that fails when run on XLA:CPU (jax 0.11.2 and 0.12: "Function
-    ... not found"). Programs are saved to the executable cache instead of jax's.
-    """
-    from jax._src import compilation_cache as cc
-
-    if not active or not jax.config.jax_enable_compilation_cache:
-        yield
-        return
-    jax.config.update("jax_enable_compilation_cache", False)
-    cc.reset_cache()
-    try:
-        yield
-    finally:
-        jax.config.update("jax_enable_compilation_cache", True)
-        cc.reset_cache()
+class _Dropped(Exception):
+    """A background build gave the program up (it failed there, or ``wait(cancel=True)``)."""
 
 
-def _report_load(seconds: float) -> None:
-    """Tell ``jax.monitoring`` listeners about a load as jax tells them about a hit of its own
-    persistent cache: a backend-compile duration and a cache hit (what
-    :mod:`mtp_jax.bench.compiles` counts as an executable "loaded from the persistent cache")."""
-    import jax.monitoring as monitoring
-
-    monitoring.record_event_duration_secs(BACKEND_COMPILE_EVENT, seconds)
-    monitoring.record_event(CACHE_HIT_EVENT)
-
-
-def _map(fn, items: list, workers: int) -> list:
-    """``[fn(x) for x in items]``, on up to ``workers`` threads when there are several items
-    (XLA releases the GIL while it compiles or loads)."""
-    if workers > 1 and len(items) > 1:
-        with concurrent.futures.ThreadPoolExecutor(min(workers, len(items))) as pool:
-            return list(pool.map(fn, items))
-    return [fn(x) for x in items]
+def abstract_pools(pools):
+    """``pools`` with every array as a ``jax.ShapeDtypeStruct`` (shape, dtype, sharding, weak
+    type): what tracing needs, and nothing a later call can donate away under a build."""
+    def spec(x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                        weak_type=x.aval.weak_type)
+        return x
+    return jax.tree_util.tree_map(spec, pools)
 
 
-def _timed_compile(lowered):
-    t0 = time.perf_counter()
-    compiled = lowered.compile()
-    return compiled, time.perf_counter() - t0
+_BUILDING_TABLES: "weakref.WeakSet[ExecutableTable]" = weakref.WeakSet()
+
+
+@atexit.register
+def _wait_at_exit() -> None:
+    """At interpreter exit: every table's background build finishes what it has lowered (its
+    threads are daemons, which would otherwise be stopped inside XLA) and drops the rest."""
+    for table in list(_BUILDING_TABLES):
+        table.wait(cancel=True)

@@ -23,6 +23,9 @@ Each :meth:`Scheduler.step`:
    advance on the device, so the host's readback, stop checks and next batch run while the
    device computes. With the prefix cache, a row whose next snapshot boundary the call may
    reach carries it and a snapshot id; the round that reaches it saves the GDN state there.
+   While programs are still being built in the background (``Engine.warmup(background=True)``)
+   a step that has new tokens (first tokens of a prefill) returns them before this part, so
+   they surface before the round waits for its program.
 
 Pages: a request's guaranteed pages cover its committed tokens; before a round it also takes
 pages for the k+1 verify positions and the k-1 chained draft positions from the free pool when
@@ -420,7 +423,8 @@ class Scheduler:
                               "its pages exceed the pool.")
         for req in self.prefill_step(self.settings.chunk_size):
             new[req] = list(req.output_ids)
-        self._round_step(new)
+        if not (new and self.device.building()):  # else: first tokens out before a round
+            self._round_step(new)                 # that may wait for its program's build
         self.release_finished()
         return new
 

@@ -28,6 +28,7 @@ from mtp_jax.engine.rounds import next_pow2
 from mtp_jax.engine.scheduler import Scheduler
 from mtp_jax.engine.variants import RoundVariant
 from mtp_jax.sampling import SamplingTensors
+from mtp_jax.speculative.adaptive import RequestAcceptance
 
 __all__ = ["prefill_buckets", "prefill_shapes", "batch_buckets", "round_variants",
            "padding_round_batch", "warm_buckets", "warmup_calls", "warmup"]
@@ -57,14 +58,19 @@ def round_variants(sched: Scheduler) -> list[RoundVariant]:
     """The round variants ``sched`` calls per batch bucket, before the sampling fields are
     set: ``rounds_per_call`` rounds per call, and, with the prefix cache, the same with the
     snapshot replay (calls that may reach a snapshot boundary); with adaptive speculation,
-    each also as plain decode steps (``k = 0``)."""
+    each also as plain decode steps (``k = 0``). In the order a run is likely to need them
+    (what a background build follows): without the snapshot replay first, and first the
+    ``k`` a fresh request's first call runs (:meth:`AdaptivePolicy.plan`)."""
     s = sched.settings
     base = [RoundVariant(k=s.k, proposer=s.proposer, rounds=s.rounds_per_call)]
-    if sched.adaptive is not None and sched.adaptive.enabled and s.k:
-        base.append(dataclasses.replace(base[0], k=0))
+    policy = sched.adaptive
+    if policy is not None and policy.enabled and s.k:
+        plain = dataclasses.replace(base[0], k=0)
+        drafts = any(policy.plan(RequestAcceptance.fresh(s.k), s.rounds_per_call))
+        base = base + [plain] if drafts else [plain] + base
     if sched.prefix is None:
         return base
-    return [w for v in base for w in (v, dataclasses.replace(v, snapshot=True))]
+    return base + [dataclasses.replace(v, snapshot=True) for v in base]
 
 
 def padding_round_batch(b: int, k: int, max_pages_per_req: int) -> RoundBatch:
@@ -122,12 +128,12 @@ def warm_buckets(sched: Scheduler, max_batch: int | None = None,
 
 
 def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,
-                 max_prompt_len: int | None = None,
-                 filtering: bool | None = None, lean: bool = False) -> Callable[[], None]:
+                 max_prompt_len: int | None = None, filtering: bool | None = None,
+                 lean: bool = False, greedy: bool = True) -> Callable[[], None]:
     """The program calls of :func:`warmup` (same arguments), as a function that makes them
     (each passes the pools on) without building anything ahead."""
     prefill, buckets = warm_buckets(sched, max_batch, max_prompt_len, lean)
-    sampling = [{"greedy_only": True, "filtering": None}]
+    sampling = [{"greedy_only": True, "filtering": None}] if greedy or not sampled else []
     if sampled:
         sampling += [{"greedy_only": False, "filtering": f}
                      for f in ((False, True) if filtering is None else (filtering,))]
@@ -147,31 +153,39 @@ def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None =
 
 def warmup(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,
            max_prompt_len: int | None = None, workers: int | None = None,
-           filtering: bool | None = None, lean: bool = False) -> float:
+           filtering: bool | None = None, lean: bool = False, background: bool = False,
+           greedy: bool = True) -> float:
     """Compile the programs ``sched`` can call, with rows that write only to the trash page and
     slot, so that no compile happens while requests are served. Returns seconds.
 
     Covers each prefill shape (:func:`prefill_shapes`, one variant) and each batch bucket's
-    round calls
-    (:func:`round_variants`), in the greedy-only variant and, with ``sampled``, the sampling
+    round calls (:func:`round_variants`), in the greedy-only variant (unless ``greedy`` is
+    False and ``sampled`` True: no call is all greedy rows) and, with ``sampled``, the sampling
     ones: with the top-k / top-p filter (``filtering`` True), without it (False) or both
-    (None). ``max_batch`` (requests at once) and ``max_prompt_len`` (tokens) limit it to the
-    buckets such a workload can reach; ``lean`` to the largest of them (:func:`warm_buckets`),
-    which every later call of no more rows and tokens pads up to (``Scheduler.ready_batch`` /
-    ``ready_prefill``; a larger call compiles its own bucket), so a start-up compiles one
-    prefill shape and one batch bucket; without ``lean`` every call runs at its own bucket.
-    Programs missing from memory and from the executable cache are first built together (:func:`mtp_jax.engine.startup.build_ahead`, compiling on
-    ``workers`` threads; default :func:`mtp_jax.engine.executable_cache.compile_workers`), then
-    the warm-up runs them. A call that fails and leaves the pools unusable gets them made anew
+    (None). ``max_batch`` (requests at once) and ``max_prompt_len`` (tokens) limit it
+    to the buckets such a workload can reach; ``lean`` to the largest of them
+    (:func:`warm_buckets`), which every later call of no more rows and tokens pads up to
+    (``Scheduler.ready_batch`` / ``ready_prefill``; a larger call compiles its own bucket), so
+    a start-up compiles one prefill shape and one batch bucket; without ``lean`` every call
+    runs at its own bucket. Programs missing from memory and from the executable cache are
+    first built together (:func:`mtp_jax.engine.startup.build_ahead`, compiling on ``workers``
+    threads; default :func:`mtp_jax.engine.executable_cache.compile_workers`), then the
+    warm-up runs them. ``background``: the build starts on a thread of its own (prefill
+    programs first) and this returns at once, running nothing; each later call waits only
+    for its own program (``Engine.wait_for_programs``). Without an executable table it is a
+    plain warm-up. A call that fails and leaves the pools unusable gets them made anew
     (:func:`~mtp_jax.engine.abort.pools_guard`) before its error is raised.
     """
     t0 = time.perf_counter()
     with pools_guard(sched):  # a failed call may consume the donated pools
-        run = warmup_calls(sched, sampled, max_batch, max_prompt_len, filtering, lean)
+        run = warmup_calls(sched, sampled, max_batch, max_prompt_len, filtering, lean,
+                           greedy)
         prefill, buckets = warm_buckets(sched, max_batch, max_prompt_len, lean)
         sched.ready_prefill = set(prefill) if lean else None
         sched.ready_batch = set(buckets) if lean else None
-        startup.build_ahead(sched.device.programs, run, workers)
+        built = startup.build_ahead(sched.device.programs, run, workers, background)
+        if background and built is not None:  # serving waits for each program at its call
+            return time.perf_counter() - t0
         run()
         jax.block_until_ready(sched.device.pools)
     return time.perf_counter() - t0

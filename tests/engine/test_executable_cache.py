@@ -2,7 +2,8 @@
 programs loads every program from disk without tracing or compiling and generates the same
 tokens as the jit path; changed static keywords, shapes or environment miss; corrupt entries
 warn and are rebuilt; the cache off writes nothing; a loaded program's call takes jax's C++
-dispatch path and consumes the donated pools.
+dispatch path and consumes the donated pools; a background build serves each call as soon as
+its own program is ready, and hands a failed build's error to its call once.
 
 Traces are counted by a spy around the jitted functions and compiles by jax's own monitoring
 events (:mod:`mtp_jax.bench.compiles`), not by the table's counters alone. Every cache folder is
@@ -11,6 +12,7 @@ under pytest's tmp_path; jax's cache settings are restored after the module."""
 import dataclasses
 import os
 import shutil
+import threading
 import warnings
 
 import jax
@@ -25,7 +27,8 @@ from mtp_jax.engine.engine import Engine
 from mtp_jax.engine import programs as programs_mod
 from mtp_jax.engine.programs import Programs, make_programs
 from mtp_jax.engine.variants import RoundVariant
-from mtp_jax.engine.warmup import padding_round_batch
+from mtp_jax.engine.prefill_batch import padding_prefill_batch
+from mtp_jax.engine.warmup import padding_round_batch, round_variants
 from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
 from tests.helpers.paths import REPO, fixture_path
@@ -394,3 +397,121 @@ def test_warmup_loads_saved_programs_on_threads(model, cold, tmp_path):
     t = _programs(m).executables
     assert (t.loads, t.traces, t.compiles) == (3, 0, 0) and _traces(m) == 0
     assert _generate(eng) == cold[1]
+
+
+def _hold_rounds(monkeypatch, release: threading.Event, events: list, fail: list):
+    """Make every round program's compile wait for ``release`` (30 s at most; ``events`` gets
+    whether it was released), and the first ``len(fail)`` of them raise ``fail.pop()`` out of
+    the compile worker (the table must still settle their programs)."""
+    compile_one = xc.ExecutableTable._compile
+
+    def held(self, store, c, dkey, lowered, rec, fut, *rest):
+        if c.name == "round":
+            events.append(("round released", release.wait(timeout=30)))
+            if fail:
+                raise fail.pop()  # as a failing compile would, out of the worker
+        return compile_one(self, store, c, dkey, lowered, rec, fut, *rest)
+
+    monkeypatch.setattr(xc.ExecutableTable, "_compile", held)
+
+
+def test_background_warmup_waits_for_each_program_only(model, cold, tmp_path, monkeypatch):
+    """``warmup(background=True)`` returns before its programs are built; the prefill runs
+    while both round programs are still held back (a call waits for its own program only);
+    each program is traced once and saved; the tokens are the jit path's."""
+    _use_cache(tmp_path / "xla")
+    m = _fresh(model)
+    eng = _engine(m)
+    release, events = threading.Event(), []
+    _hold_rounds(monkeypatch, release, events, [])
+    eng.warmup(sampled=False, background=True, workers=2)
+    t = _programs(m).executables
+    sched = eng.scheduler
+    sched.device.prefill(padding_prefill_batch(1, 16, sched.book.max_pages_per_req, None),
+                         sched.prefill_variant())
+    jax.block_until_ready(sched.device.pools)
+    events.append("prefill ran")
+    assert t.building() == 2 and len(t) == 1
+    release.set()
+    assert _generate(eng) == cold[2]
+    eng.wait_for_programs()
+    assert events == ["prefill ran", ("round released", True), ("round released", True)]
+    assert (t.traces, t.compiles, t.saves, len(t), _traces(m)) == (3, 3, 3, 3, 3)
+    assert len(_files(tmp_path / "xla")) == 3
+
+
+def test_failed_background_build_is_left_to_its_call(model, cold, tmp_path, monkeypatch):
+    """Round programs whose background compile fails are dropped from the build (nothing is
+    left in its hands, so no step waits on them); the call that needs one builds it itself
+    and the engine makes the jit path's tokens."""
+    _use_cache(tmp_path / "xla")
+    m = _fresh(model)
+    eng = _engine(m)
+    release, events = threading.Event(), []
+    _hold_rounds(monkeypatch, release, events, [RuntimeError("injected")] * 2)
+    release.set()
+    eng.warmup(sampled=False, background=True)
+    t = _programs(m).executables
+    t._threads[0].join()
+    assert (len(t), t.building(), t.compiles) == (1, 0, 1)
+    assert _generate(eng) == cold[2]
+    assert t.compiles >= 2
+
+
+def test_cancelled_background_build_drops_what_it_has_not_lowered(model, cold, tmp_path,
+                                                                   monkeypatch):
+    """``wait(cancel=True)`` arriving while the first round program is lowered: that one is
+    compiled, the other is dropped (out of the build's hands, not in memory), and the call
+    that needs it builds it then; tokens as the jit path's."""
+    _use_cache(tmp_path / "xla")
+    m = _fresh(model)
+    eng = _engine(m)
+    t = _programs(m).executables
+    lower_one = xc.ExecutableTable._lower
+
+    def lower(self, c, dkey):
+        if c.name == "round":
+            self._cancel.set()  # as wait(cancel=True) does
+        return lower_one(self, c, dkey)
+
+    monkeypatch.setattr(xc.ExecutableTable, "_lower", lower)
+    eng.warmup(sampled=False, background=True)
+    t._threads[0].join()
+    t._cancel.clear()
+    assert (len(t), t.building(), t.traces) == (2, 0, 2)
+    assert _generate(eng) == cold[2]
+    assert (len(t), t.traces) == (3, 3)
+
+
+def test_call_takes_over_a_program_the_background_build_has_not_started(model, cold, tmp_path,
+                                                                        monkeypatch):
+    """While the background build is held lowering the prefill, a call of a round program it
+    has queued builds that program itself instead of waiting behind the prefill (and saves it,
+    although jax's cache is bypassed then); nothing is traced twice, and the tokens are the
+    jit path's."""
+    _use_cache(tmp_path / "xla")
+    m = _fresh(model)
+    eng = _engine(m)
+    t = _programs(m).executables
+    release, events = threading.Event(), []
+    lower_one = xc.ExecutableTable._lower
+
+    def lower(self, c, dkey):
+        if c.name == "prefill":
+            events.append(("prefill released", release.wait(timeout=30)))
+        return lower_one(self, c, dkey)
+
+    monkeypatch.setattr(xc.ExecutableTable, "_lower", lower)
+    eng.warmup(sampled=False, background=True)
+    sched = eng.scheduler
+    variant = dataclasses.replace(round_variants(sched)[0], greedy_only=True, filtering=None)
+    sched.device.round(padding_round_batch(1, variant.k, sched.book.max_pages_per_req), variant)
+    jax.block_until_ready(sched.device.pools)
+    events.append("round ran")
+    release.set()
+    assert _generate(eng) == cold[2]
+    eng.wait_for_programs()
+    assert events == ["round ran", ("prefill released", True)]
+    assert (t.traces, len(t), t.building(), _traces(m)) == (3, 3, 0, 3)
+    # the call's own build ran while the background one had jax's cache bypassed: still saved
+    assert t.saves == 3 and len(_files(tmp_path / "xla")) == 3

@@ -133,7 +133,7 @@ def test_model_line_says_how_quantized_weights_are_held(fp8_ckpt):
     an unquantized checkpoint or the built-in model."""
     from types import SimpleNamespace
 
-    from mtp_jax.generate import _quant_note
+    from mtp_jax.cli_report import quant_note as _quant_note
     from mtp_jax.llm import LLM
 
     held = {}

@@ -1,0 +1,85 @@
+"""The CLI's ``[model]`` and ``[warm-up]`` lines on stderr (:mod:`mtp_jax.generate`)."""
+
+from __future__ import annotations
+
+import os
+import sys
+
+from mtp_jax.cli_prompts import DEFAULT_PROMPT
+
+__all__ = ["DEFAULT_MODEL_LINE", "adaptive_note", "quant_note", "print_model_line",
+           "print_program_wait"]
+
+DEFAULT_MODEL_LINE = ("built-in default (tiny: layers and MTP head trained on the docs, "
+                      "random embedding and LM head; real Qwen3.5 tokenizer)")
+
+
+def adaptive_note(llm) -> str:
+    """The ``[model]`` line's note on adaptive speculation: the round cost a request's drafting
+    must beat, and a warning when no round can (k + 1 tokens at most)."""
+    policy = llm.engine.scheduler.adaptive
+    if policy is None:
+        return ""
+    note = f"; adaptive (drafts while a round commits > {policy.cost:.2f} tokens"
+    if policy.cost >= policy.k + 1:
+        note += (f": more than the k + 1 = {policy.k + 1} a round can, so no request drafts; "
+                 "--disable-adaptive-speculation drafts anyway")
+    return note + ")"
+
+
+def quant_note(args, llm) -> str:
+    """The ``[model]`` line's note on a quantized checkpoint: its weights kept as stored (and
+    the bytes that saves), or dequantized at load (``--quantization`` and what ``auto``
+    chose); empty for an unquantized one."""
+    saved = getattr(llm.model, "weight_bytes_saved", 0)
+    if saved:
+        return (f"; quantized weights kept as stored ({saved / 2**30:.2f} GiB less than "
+                f"{llm.model.dtype})")
+    if args.model and os.path.isdir(args.model):
+        from mtp_jax.weights.quant_config import quantization_from_folder
+
+        method = quantization_from_folder(args.model).method
+        if method is not None:
+            return (f"; {method} checkpoint dequantized to {llm.model.dtype} at load "
+                    f"(--quantization {args.quantization})")
+    return ""
+
+
+def print_model_line(args, llm, warm_s: float) -> None:
+    """The ``[model]`` and ``[warm-up]`` lines on stderr, once the run is accepted (so that a
+    refusal is the only thing on stderr). ``warm_s``: seconds the warm-up took (with programs
+    still building in the background, the ``[warm-up]`` line says how many)."""
+    print(f"[model] {args.model or DEFAULT_MODEL_LINE}"
+          f"; speculative_algorithm={llm.speculative.algorithm}"
+          + (f" (k={llm.speculative.num_steps})" if llm.speculative.enabled else "")
+          + (f"; draft vocabulary {llm.engine.draft_vocab_size} hot ids"
+             if llm.engine.draft_vocab_size else "")
+          + (f"; draft LM head {llm.speculative.draft_head_dtype}" if llm.speculative.draft_head_dtype
+             else "")
+          + (f"; draft layer {llm.speculative.draft_layer_dtype}" if llm.speculative.draft_layer_dtype
+             else "")
+          + adaptive_note(llm)
+          + quant_note(args, llm)
+          + (f"; {llm.engine.rounds_per_call} rounds per call"
+             if llm.engine.rounds_per_call > 1 else "")
+          + ("" if args.prompt or args.prompts_file else f"; prompt {DEFAULT_PROMPT!r}"),
+          file=sys.stderr)
+    building = llm.engine.device.programs.executables
+    building = building.building() if building is not None else 0
+    if building:
+        print(f"[warm-up] {building} programs compiling or loading in the background (the "
+              "prefill's first); each call waits for its own", file=sys.stderr)
+    else:
+        print(f"[warm-up] programs compiled or loaded from the compilation cache in "
+              f"{warm_s:.1f}s", file=sys.stderr)
+
+
+def print_program_wait(llm, seconds: float) -> float:
+    """Say on stderr how long the run's calls spent getting programs that were not ready
+    (waiting for the background build, or compiling or loading them themselves). Returns
+    ``seconds`` (the run's wall time) less that time: the run's own time."""
+    waited = llm.engine.program_wait_seconds()
+    if waited >= 0.05:
+        print(f"[warm-up] the run's calls spent {waited:.1f}s waiting for programs to compile or"
+              " load (not in its seconds)", file=sys.stderr)
+    return max(seconds - waited, 1e-9)
