@@ -84,3 +84,28 @@ def test_lean_warmup_compiles_one_bucket_each_and_pads_up_to_them(model):
     assert eng.scheduler.ready_batch == {4}
     eng.resize_cache(max_running_requests=2)
     assert eng.scheduler.ready_batch is None and eng.scheduler.ready_prefill is None
+
+
+def test_background_build_order_and_variants_follow_the_run(model):
+    """The round variants come in the order a fresh request needs them (what a background
+    build follows): the k its first call runs first (k = 3 while a round's cost is below k + 1
+    tokens, the plain step when it is above: no request drafts then), the snapshot replay
+    after; a warm-up for sampled requests only records no greedy round call (no call of
+    theirs is all greedy rows). Recorded dry, nothing compiles."""
+    from mtp_jax.engine.warmup import round_variants, warmup_calls
+
+    mtp_model = load_model(CKPT, "float32", with_mtp=True)
+    for cost, first in ((1.5, 3), (5.0, 0)):
+        eng = Engine(mtp_model, EngineConfig(max_running_requests=2, dtype="float32",
+                                             max_model_len=96, chunked_prefill_size=32),
+                     SpeculativeConfig(algorithm="mtp", num_steps=3,
+                                       adaptive_round_cost=cost))
+        got = [(v.k, v.snapshot) for v in round_variants(eng.scheduler)]
+        assert got == [(first, False), (3 - first, False), (first, True), (3 - first, True)]
+    table = eng.device.programs.executables
+    for greedy in (True, False):
+        with table.recording() as calls:
+            warmup_calls(eng.scheduler, sampled=True, filtering=False, lean=True,
+                         greedy=greedy)()
+        rounds = [c.variant.greedy_only for c in calls if c.name == "round"]
+        assert len(rounds) == 4 * (1 + greedy) and any(rounds) == greedy
