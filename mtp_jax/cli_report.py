@@ -8,7 +8,7 @@ import sys
 from mtp_jax.cli_prompts import DEFAULT_PROMPT
 
 __all__ = ["DEFAULT_MODEL_LINE", "adaptive_note", "quant_note", "print_model_line",
-           "print_program_wait"]
+           "print_program_wait", "finish_programs"]
 
 DEFAULT_MODEL_LINE = ("built-in default (tiny: layers and MTP head trained on the docs, "
                       "random embedding and LM head; real Qwen3.5 tokenizer)")
@@ -83,3 +83,22 @@ def print_program_wait(llm, seconds: float) -> float:
         print(f"[warm-up] the run's calls spent {waited:.1f}s waiting for programs to compile or"
               " load (not in its seconds)", file=sys.stderr)
     return max(seconds - waited, 1e-9)
+
+
+def finish_programs(llm) -> None:
+    """At the end of a CLI run: the background build finishes the programs it is compiling
+    (saved for the next start) and drops those it has not started, with a note on stderr
+    when that takes more than half a second. Ctrl-C there ends the process at once (``os._exit(130)``, output
+    flushed): the programs still compiling are not saved."""
+    try:
+        if llm.engine.wait_for_programs(cancel=True, timeout=0.5):
+            return
+        print("[warm-up] finishing the programs being compiled, for the next start (Ctrl-C "
+              "skips) ...", file=sys.stderr, flush=True)
+        llm.engine.wait_for_programs(cancel=True)
+    except KeyboardInterrupt:
+        print("\ninterrupted (Ctrl-C): the programs still compiling are not saved.",
+              file=sys.stderr)
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(130)

@@ -6,13 +6,14 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import json
+import os
 import sys
 import time
 import warnings
 
 from mtp_jax.cli_parser import CliParser
 from mtp_jax.cli_prompts import DEFAULT_PROMPT, read_prompts_file
-from mtp_jax.cli_report import print_model_line, print_program_wait
+from mtp_jax.cli_report import finish_programs, print_model_line, print_program_wait
 
 __all__ = ["main", "build_parser", "add_engine_flags", "llm_kwargs", "read_prompts_file",
            "DEFAULT_PROMPT"]
@@ -322,10 +323,9 @@ def _main(argv) -> int:
     # prefill program alone); the time calls wait is left out of seconds and tokens/s
     # (issue 32 item 5: the start-up of a one-off run is mostly compilation).
     warm_s = llm.warmup(prompts, todo_params, lean=True, background=True)
-    try:
-        return _serve(args, llm, run, prompts, todo_params, warm_s)
-    finally:  # what the build has lowered is compiled and saved; what it has not is dropped
-        llm.engine.wait_for_programs(cancel=True)
+    status = _serve(args, llm, run, prompts, todo_params, warm_s)
+    finish_programs(llm)  # not after an error or Ctrl-C: the process ends without waiting
+    return status
 
 
 def _serve(args, llm, run, prompts: list, todo_params: list, warm_s: float) -> int:
@@ -449,4 +449,9 @@ def _json_record(out, seconds: float, prefix_cache: dict | None = None) -> dict:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    status = main()
+    if status == 130:  # interrupted: exit now, not after the programs still compiling
+        sys.stdout.flush()
+        sys.stderr.flush()
+        os._exit(status)
+    sys.exit(status)

@@ -274,13 +274,13 @@ class Engine:
                            background=background,
                            greedy=any(r.params.greedy for r in requests))
 
-    def wait_for_programs(self, cancel: bool = False) -> None:
-        """Wait until no background build (``warmup(background=True)``) runs; ``cancel``: drop
-        the programs it has not started on (a later call builds its own),
+    def wait_for_programs(self, cancel: bool = False, timeout: float | None = None) -> bool:
+        """Wait until no background build (``warmup(background=True)``) runs, at most
+        ``timeout`` seconds; returns whether none does. ``cancel``: drop the programs it is not
+        compiling yet (a later call builds its own);
         :meth:`~mtp_jax.engine.executable_cache.ExecutableTable.wait`."""
         table = self.device.programs.executables
-        if table is not None:
-            table.wait(cancel)
+        return True if table is None else table.wait(cancel, timeout)
 
     def program_wait_seconds(self) -> float:
         """Seconds calls have spent getting programs that were not in memory (waiting for a

@@ -43,9 +43,9 @@ import threading
 import time
 import weakref
 
-import jax
-
 from mtp_jax.engine import executable_key as ek
+from mtp_jax.engine.executable_key import (abstract_pools, input_devices,
+                                          pools_signature)
 from mtp_jax.engine.executable_store import (FORMAT, THREADS_ENV, ExecutableCacheWarning,
                                              ExecutableStore, bypassed_cache_dir, compile_workers,
                                              report_load,
@@ -95,20 +95,6 @@ class Call:
     def static(self) -> dict:
         """The variant's fields by name."""
         return dataclasses.asdict(self.variant)
-
-
-def pools_signature(pools) -> tuple:
-    """The shapes of the pools' leaves, in order (their dtypes follow the model)."""
-    return tuple([x.shape for x in jax.tree_util.tree_leaves(pools)])
-
-
-def input_devices(tree) -> list | None:
-    """The devices of a pytree's first array leaf, by id (what a program on it runs on)."""
-    for leaf in jax.tree_util.tree_leaves(tree):
-        sharding = getattr(leaf, "sharding", None)
-        if sharding is not None:
-            return sorted(sharding.device_set, key=lambda d: d.id)
-    return None
 
 
 def _keeps_pool_shapes(compiled, signature: tuple) -> bool:
@@ -282,6 +268,8 @@ class ExecutableTable:
         may donate them. :meth:`wait` waits for the thread; at interpreter exit,
         :func:`_wait_at_exit` waits for what it has lowered (so that it is saved) and drops
         the rest."""
+        if not self.wait(timeout=0):  # a cancel in force applies to running builds only
+            self._cancel.clear()
         store, pending = self._schedule(calls, abstract=True)
         if pending:
             thread = threading.Thread(target=self._run, args=(store, pending, workers, True),
@@ -295,18 +283,20 @@ class ExecutableTable:
         """Programs a build has in hand (scheduled, not yet in memory)."""
         return len(self._building)
 
-    def wait(self, cancel: bool = False) -> None:
-        """Wait until no background build runs. ``cancel``: the programs those builds have not
-        started tracing yet are dropped (a later call builds its own), so only those already
-        lowered finish (and are saved). A program that failed raises at its call."""
+    def wait(self, cancel: bool = False, timeout: float | None = None) -> bool:
+        """Wait until no background build runs (at most ``timeout`` seconds); returns whether
+        none does. ``cancel``: the programs those builds are not compiling yet are dropped (a
+        later call builds its own), so only those being compiled finish (and are saved). A
+        program that failed raises at its call."""
         if cancel:
             self._cancel.set()
-        try:
-            for thread in list(self._threads):
-                thread.join()
-        finally:
-            self._cancel.clear()
+        end = None if timeout is None else time.monotonic() + timeout
+        for thread in list(self._threads):
+            thread.join(None if end is None else max(0.0, end - time.monotonic()))
         self._threads = [t for t in self._threads if t.is_alive()]
+        if not self._threads:
+            self._cancel.clear()
+        return not self._threads
 
     def _schedule(self, calls: list[Call], abstract: bool = False) -> tuple:
         """``(store, [(call, disk key, future)])`` for the calls neither in memory nor in a
@@ -337,26 +327,34 @@ class ExecutableTable:
         if not pending:
             return
         try:
-            workers = compile_workers() if workers is None else workers
+            workers = max(1, compile_workers() if workers is None else workers)
+            # at most one lowered program waits per worker, so a cancel drops what is not
+            # being compiled yet (and lowered modules do not pile up in memory)
+            ahead = threading.Semaphore(workers + 1)
             # the cache stays bypassed until the pool has finished every compile
             with without_jax_cache(store is not None), \
-                    concurrent.futures.ThreadPoolExecutor(max(1, workers)) as pool:
+                    concurrent.futures.ThreadPoolExecutor(workers) as pool:
                 loads = [None] * len(pending)
                 if store is not None:
                     initialize_custom_call_libraries()  # once, before any thread loads
-                    loads = [pool.submit(self._load, store, *item) for item in pending]
+                    loads = [pool.submit(self._load, store, *item, background)
+                             for item in pending]
                 for (c, dkey, fut), load in zip(pending, loads):
                     if (load is not None and load.result()) or not self._start(fut):
                         continue  # loaded, or taken over by its call
-                    if self._cancel.is_set():
+                    ahead.acquire()
+                    if background and self._cancel.is_set():
+                        ahead.release()
                         self._drop(c, fut)
                         continue
                     try:
                         lowered, rec = self._lower(c, dkey)
                     except BaseException as e:  # noqa: BLE001 (handed to the call that waits)
+                        ahead.release()
                         self._fail(c, fut, e, background)
                         continue
-                    pool.submit(self._compile, store, c, dkey, lowered, rec, fut, background)
+                    pool.submit(self._compile, store, c, dkey, lowered, rec, fut, background,
+                                ahead)
             error = RuntimeError("the program's build ended without a result")
         except BaseException as e:  # noqa: BLE001 (the pool or cache itself failed)
             error = e
@@ -404,8 +402,12 @@ class ExecutableTable:
             if not fut.done():
                 fut.set_result(None)
 
-    def _load(self, store, c: Call, dkey: str, fut) -> bool:
-        """Load ``c``'s program from ``store``; False when it is not there (or unreadable)."""
+    def _load(self, store, c: Call, dkey: str, fut, background: bool = False) -> bool:
+        """Load ``c``'s program from ``store``; False when it is not there (or unreadable).
+        True without loading when a background build was cancelled (dropped)."""
+        if background and self._cancel.is_set():
+            self._drop(c, fut)
+            return True
         t0 = time.perf_counter()
         compiled = store.load(c.name, dkey, input_devices(c.pools))
         if compiled is None:
@@ -429,8 +431,20 @@ class ExecutableTable:
                                lower_s=time.perf_counter() - t1)
 
     def _compile(self, store, c: Call, dkey: str, lowered, rec: Record, fut,
-                 background: bool = False) -> None:
-        """Compile ``lowered`` (on a worker thread), hand it over, then save it."""
+                 background: bool = False, ahead: threading.Semaphore | None = None) -> None:
+        """Compile ``lowered`` (on a worker thread; dropped instead when the build was
+        cancelled meanwhile), hand it over, then save it; then release ``ahead``."""
+        try:
+            self._compile_one(store, c, dkey, lowered, rec, fut, background)
+        finally:
+            if ahead is not None:
+                ahead.release()
+
+    def _compile_one(self, store, c: Call, dkey: str, lowered, rec: Record, fut,
+                     background: bool) -> None:
+        if background and self._cancel.is_set():
+            self._drop(c, fut)
+            return
         t0 = time.perf_counter()
         try:
             compiled = lowered.compile()
@@ -453,17 +467,6 @@ class ExecutableTable:
 
 class _Dropped(Exception):
     """A background build gave the program up (it failed there, or ``wait(cancel=True)``)."""
-
-
-def abstract_pools(pools):
-    """``pools`` with every array as a ``jax.ShapeDtypeStruct`` (shape, dtype, sharding, weak
-    type): what tracing needs, and nothing a later call can donate away under a build."""
-    def spec(x):
-        if isinstance(x, jax.Array):
-            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
-                                        weak_type=x.aval.weak_type)
-        return x
-    return jax.tree_util.tree_map(spec, pools)
 
 
 _BUILDING_TABLES: "weakref.WeakSet[ExecutableTable]" = weakref.WeakSet()

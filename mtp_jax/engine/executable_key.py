@@ -20,7 +20,8 @@ compiling read, and a change of any of it is a miss, never a stale hit:
   structure, shapes, dtypes, weak types and shardings of every input.
 
 All strings here are built from ``repr``s with memory addresses (`` at 0x...``) removed, so two
-processes with the same inputs get the same key.
+processes with the same inputs get the same key. Also the in-memory side of a program's inputs:
+:func:`pools_signature`, :func:`input_devices` and :func:`abstract_pools`.
 """
 
 from __future__ import annotations
@@ -199,3 +200,34 @@ def model_digest(graphdef) -> str:
     """Digest of the model's nnx graphdef (module tree and static attributes, among them the
     model config, kernel backends and dtypes)."""
     return digest(stable_repr(graphdef))
+
+
+def pools_signature(pools) -> tuple:
+    """The shapes of the pools' leaves, in order (their dtypes follow the model)."""
+    import jax
+
+    return tuple([x.shape for x in jax.tree_util.tree_leaves(pools)])
+
+
+def input_devices(tree) -> list | None:
+    """The devices of a pytree's first array leaf, by id (what a program on it runs on)."""
+    import jax
+
+    for leaf in jax.tree_util.tree_leaves(tree):
+        sharding = getattr(leaf, "sharding", None)
+        if sharding is not None:
+            return sorted(sharding.device_set, key=lambda d: d.id)
+    return None
+
+
+def abstract_pools(pools):
+    """``pools`` with every array as a ``jax.ShapeDtypeStruct`` (shape, dtype, sharding, weak
+    type): what tracing needs, and nothing a later call can donate away under a build."""
+    import jax
+
+    def spec(x):
+        if isinstance(x, jax.Array):
+            return jax.ShapeDtypeStruct(x.shape, x.dtype, sharding=x.sharding,
+                                        weak_type=x.aval.weak_type)
+        return x
+    return jax.tree_util.tree_map(spec, pools)
