@@ -315,9 +315,6 @@ def _main(argv) -> int:
         return 1
     todo = run.runnable
     prompts, todo_params = [run.prompts[i] for i in todo], [params[i] for i in todo]
-    if sys.stderr.isatty():  # a progress note for a person waiting; logs get the line below
-        print("[warm-up] compiling the programs this run calls (the compilation cache makes "
-              "the next start faster) ...", file=sys.stderr, flush=True)
     # Lean (one prefill and one batch bucket, which every call pads up to) and in the
     # background (each call waits for its own program only: the first token comes after the
     # prefill program alone); the time calls wait is left out of seconds and tokens/s
