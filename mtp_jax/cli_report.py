@@ -64,8 +64,7 @@ def print_model_line(args, llm, warm_s: float) -> None:
              if llm.engine.rounds_per_call > 1 else "")
           + ("" if args.prompt or args.prompts_file else f"; prompt {DEFAULT_PROMPT!r}"),
           file=sys.stderr)
-    building = llm.engine.device.programs.executables
-    building = building.building() if building is not None else 0
+    building = llm.engine.device.building()
     if building:
         print(f"[warm-up] {building} programs compiling or loading in the background (the "
               "prefill's first); each call waits for its own", file=sys.stderr)
