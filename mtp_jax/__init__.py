@@ -4,20 +4,34 @@ Qwen3.8-Flash-Next with MTP speculative decoding.
 Public API: :class:`LLM`, :class:`SamplingParams`, :class:`RequestOutput` (engine level) and
 :func:`load_model` (research level: ``forward`` / ``mtp_forward`` functions). The map of the
 package is docs/design.md.
-"""
 
-from mtp_jax.config import ConfigError, EngineConfig, ModelConfig, SpeculativeConfig
-from mtp_jax.models.loaded import LoadedModel
-from mtp_jax.models.loader import load_model
+Every name is imported on first use (PEP 562): ``import mtp_jax`` itself imports neither jax
+nor flax, so ``python -m mtp_jax.generate`` parses its flags and starts reading the tokenizer
+before jax loads (issue 32 item 5: start-up).
+"""
 
 __all__ = ["ConfigError", "EngineConfig", "LoadedModel", "ModelConfig", "SpeculativeConfig",
            "load_model", "LLM", "SamplingParams", "RequestOutput", "StreamOutput"]
 
+_HOMES = {  # public name -> the module that defines it
+    "ConfigError": "mtp_jax.config", "EngineConfig": "mtp_jax.config",
+    "ModelConfig": "mtp_jax.config", "SpeculativeConfig": "mtp_jax.config",
+    "LoadedModel": "mtp_jax.models.loaded", "load_model": "mtp_jax.models.loader",
+    "LLM": "mtp_jax.llm", "SamplingParams": "mtp_jax.llm", "RequestOutput": "mtp_jax.llm",
+    "StreamOutput": "mtp_jax.llm",
+}
+
 
 def __getattr__(name):
-    # The face is imported on first use: `import mtp_jax` for load_model stays light.
-    if name in ("LLM", "SamplingParams", "RequestOutput", "StreamOutput"):
-        from mtp_jax import llm
+    home = _HOMES.get(name)
+    if home is None:
+        raise AttributeError(f"module 'mtp_jax' has no attribute {name!r}")
+    import importlib
 
-        return getattr(llm, name)
-    raise AttributeError(f"module 'mtp_jax' has no attribute {name!r}")
+    value = getattr(importlib.import_module(home), name)
+    globals()[name] = value  # the next lookup is a plain attribute
+    return value
+
+
+def __dir__():
+    return sorted(set(globals()) | set(__all__))

@@ -124,3 +124,23 @@ def test_no_module_is_too_long():
     long = {m: n for m, p in _modules().items()
             if (n := sum(1 for _ in open(p))) > 500}
     assert long == {}, f"modules over 500 lines (split them by meaning): {long}"
+
+
+def test_package_and_cli_import_without_jax():
+    """``import mtp_jax`` and the CLI module import neither jax nor flax (the package's names
+    load on first use), so the CLI parses its flags in well under a second and a Ctrl-C
+    while the engine imports is the CLI's, not a traceback; the names still resolve."""
+    import subprocess
+    import sys
+
+    code = ("import sys, mtp_jax, mtp_jax.generate\n"
+            "assert 'jax' not in sys.modules and 'flax' not in sys.modules, "
+            "sorted(m for m in sys.modules if m.split('.')[0] in ('jax', 'flax'))[:5]\n"
+            "from mtp_jax import LLM, ConfigError, load_model, LoadedModel\n"
+            "assert mtp_jax.SamplingParams.__module__ == 'mtp_jax.sampling.params', "
+            "mtp_jax.SamplingParams.__module__\n"
+            "assert 'jax' in sys.modules\n")
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+    env = dict(os.environ, PYTHONPATH=root + os.pathsep + os.environ.get("PYTHONPATH", ""))
+    run = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, env=env)
+    assert run.returncode == 0, run.stderr[-2000:]
