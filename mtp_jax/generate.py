@@ -149,11 +149,12 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "$MTP_JAX_COMPILATION_CACHE or ~/.cache/mtp_jax/xla)")
     p.add_argument("--quantization", default="auto", choices=["auto", "dequantize", "keep"],
                    help="how a quantized checkpoint's projections (block FP8, ModelOpt FP8 / "
-                        "NVFP4, compressed-tensors NVFP4) are held: keep = kept as stored and "
-                        "dequantized inside each program (FP8 half, NVFP4 about 0.28 of the "
-                        "bf16 bytes, but slower on the H200); dequantize = dequantized to "
-                        "--dtype at load; auto = dequantize (docs/quantization.md; default "
-                        "%(default)s)")
+                        "NVFP4, compressed-tensors NVFP4, GGUF blocks) are held: keep = kept "
+                        "as stored and dequantized inside each program (FP8 half, NVFP4 about "
+                        "0.28 of the bf16 bytes, but slower on the GPU); dequantize = "
+                        "dequantized to --dtype at load; auto = dequantize, or keep (with a "
+                        "warning) where only the kept weights fit the device "
+                        "(docs/quantization.md; default %(default)s)")
     p.add_argument("--ple-backend", default=None, choices=["auto", "disk", "memory", "device"],
                    help="Qwen3.8-Flash-Next checkpoints (model_type qwen4_exp) only: their "
                         "PLE n-gram tables memory-mapped from disk, held in host RAM, or "

@@ -18,7 +18,8 @@ from mtp_jax.config import (EngineConfig, SpeculativeConfig, normalize_algorithm
 from mtp_jax.default_model import default_model_path
 from mtp_jax.engine.requests import ABORT, Request, RequestOutput, StreamOutput
 from mtp_jax.engine.samples import sample_seed, split_ready, waits_for_first
-from mtp_jax.engine.serving import check_memory_before_load, make_engine
+from mtp_jax.engine.load_plan import check_memory_and_quantization
+from mtp_jax.engine.serving import make_engine
 from mtp_jax.models.checks import check_backends
 from mtp_jax.models.loaded import resolve_dtype
 from mtp_jax.models.loader import load_model, load_request
@@ -121,9 +122,10 @@ class LLM:
       quantization: how a quantized checkpoint's projections (block FP8, ModelOpt FP8 /
         NVFP4, compressed-tensors NVFP4) are held: ``"keep"`` (kept as stored, dequantized
         inside each program: FP8 half and NVFP4 about 0.28 of the bf16 bytes),
-        ``"dequantize"`` (dequantized to ``dtype`` at load) or ``"auto"`` (default; today
-        ``"dequantize"``: ``"keep"`` is measured slower on the H200, docs/quantization.md); the output is the
-        same either way (docs/quantization.md).
+        ``"dequantize"`` (dequantized to ``dtype`` at load) or ``"auto"`` (default:
+        ``"dequantize"``, measured faster, unless only the kept weights fit the device, then
+        ``"keep"`` with a warning; :mod:`mtp_jax.engine.load_plan`); the output is the same
+        either way (docs/quantization.md).
       dummy_weight: random weights of the checkpoint's shapes instead of its weights (benchmarks,
         tests of the non-speculative path); refused with ``speculative_algorithm="mtp"``.
       before_load: ``fn(tokenizer, limits)``, called once the settings and the config passed
@@ -191,16 +193,15 @@ class LLM:
         model_cfg = check_before_load(model, speculative=speculative, engine=engine_cfg,
                                       dummy_weight=dummy_weight,
                                       has_proposer=proposer is not None, request=request)
-        check_memory_before_load(model_cfg, engine_cfg, speculative, weights_saved=_kept_saving(
-            model, engine_cfg.dtype, request, dummy_weight) - _device_table_bytes(
-                model_cfg, engine_cfg.dtype, ple_backend, dummy_weight))
+        request = check_memory_and_quantization(model, model_cfg, engine_cfg, speculative,
+                                                request, dummy_weight, ple_backend)
         self.tokenizer = load_tokenizer(model)  # the one a check_prompts call just read
         if before_load is not None:
             before_load(self.tokenizer, PromptLimits.of(model_cfg, engine_cfg.max_model_len))
         self.model = load_model(model, engine_cfg.dtype, with_mtp=algorithm == "mtp",
                                 dummy_weight=dummy_weight, cfg=model_cfg,
                                 draft_path=speculative_draft_model_path, ple_backend=ple_backend,
-                                quantization=quantization,
+                                quantization=request.quantization,  # auto: resolved
                                 **{f"{op}_backend": v for op, v in backends.items()})
         self.engine = make_engine(self.model, engine_cfg, speculative, proposer=proposer,
                                   tokenizer=self.tokenizer)
@@ -465,35 +466,3 @@ def _new_logprobs(r: Request, count: int):
     end = len(r.output_ids)
     return r.logprobs[end - count:end]
 
-
-def _device_table_bytes(cfg, dtype: str, ple_backend: str | None, dummy_weight: bool) -> int:
-    """Device bytes of qwen4_exp's n-gram tables when they go to the device (``ple_backend``
-    ``"device"``, or ``"auto"`` / None choosing it); 0 otherwise, and for random weights (their
-    synthetic tables are small)."""
-    if dummy_weight or not getattr(cfg, "ple_layers", ()):
-        return 0
-    from mtp_jax.models.qwen4_exp.entry import table_bytes
-    from mtp_jax.models.qwen4_exp.ple_device import choose_backend
-
-    size = table_bytes(cfg, dtype)
-    return size if choose_backend(ple_backend, size) == "device" else 0
-
-
-def _kept_saving(model, dtype: str, request, dummy_weight: bool) -> int:
-    """Bytes the checkpoint's quantized projections save when kept quantized (read from the
-    headers; 0 when they are dequantized, for random weights, or without a local folder)."""
-    import os
-
-    from mtp_jax.weights.quant_config import keeps_quantized
-    from mtp_jax.weights.quant_tensors import folder_kept_bytes_saved
-
-    if dummy_weight or not isinstance(model, str) or not os.path.isdir(model) \
-            or not keeps_quantized(request.quantization):
-        return 0
-    from mtp_jax.models.loaded import resolve_dtype
-
-    itemsize = 4 if resolve_dtype(dtype) == "float32" else 2
-    draft = request.draft_path if request.draft_path and os.path.isdir(request.draft_path) \
-        else None
-    return folder_kept_bytes_saved(model, itemsize, with_mtp=request.with_mtp,
-                                   draft_folder=draft)

@@ -99,7 +99,8 @@ NO_QUANT = QuantConfig()
 # "dequantize": dequantized to the model dtype at load (the reference path); "keep": the
 # projections kept as stored (FP8 codes with block scales, packed NVFP4) and dequantized inside
 # each program (routed experts too; the untied LM head stays dequantized); "auto":
-# the path measured best, today "dequantize" everywhere: on the H200, XLA does not fuse the
+# the path measured best, today "dequantize" everywhere (but where only the kept weights fit
+# the device: mtp_jax.engine.load_plan): on the H200, XLA does not fuse the
 # in-program dequantization into the projections, and the 27B with kept FP8 weights decodes at
 # 0.54x its bf16 speed (docs/benchmarks.md, session 32), so "keep" is smaller, not faster.
 AUTO_KEEPS_ON: tuple[str, ...] = ()  # backends on which "auto" means "keep"
@@ -110,7 +111,7 @@ def check_quantization_mode(mode) -> str:
     """``mode`` if it is one of :data:`QUANTIZATION_MODES`, else a ConfigError naming it."""
     if mode not in QUANTIZATION_MODES:
         raise ConfigError(f"quantization (--quantization) {mode!r} is unknown; use 'auto' (the "
-                          "default: today the same as 'dequantize'), "
+                          "default: 'dequantize', or 'keep' where only kept weights fit), "
                           "'dequantize' (dequantized to the model dtype at load) or 'keep' "
                           "(kept quantized on any backend; docs/quantization.md).")
     return mode

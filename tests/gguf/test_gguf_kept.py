@@ -93,3 +93,51 @@ def test_random_packed_weights_for_the_bench():
     assert experts_bytes_ratio(module) == pytest.approx(34 / (32 * 4))
     logits, _ = model.forward(np.array([[1, 2, 3, 4]], np.int32))
     assert np.isfinite(np.asarray(logits)).all()
+
+
+def test_kept_saving_read_from_the_headers(q8_files):
+    """What ``keep`` saves, predicted from the GGUF headers before any data is read (the memory
+    check's and ``quantization="auto"``'s input), equals what the load then saves."""
+    from mtp_jax.models.qwen4_exp.gguf_loader import gguf_kept_bytes_saved
+
+    target, pack = q8_files
+    kept = load_model(target, "float32", with_mtp=True, draft_path=pack, quantization="keep")
+    predicted = gguf_kept_bytes_saved(target, itemsize=4, with_mtp=True, draft_path=pack)
+    assert predicted == kept.weight_bytes_saved > 0
+    assert gguf_kept_bytes_saved(target, itemsize=4, with_mtp=False) == predicted  # F32 pack
+
+
+def test_auto_keeps_only_what_does_not_fit_dequantized(q8_files, monkeypatch):
+    """``quantization="auto"`` dequantizes where the dequantized weights fit the memory budget,
+    keeps the GGUF's blocks packed (with a warning) where only the kept ones fit, and where
+    neither fits raises the memory check's error, all before any weight loads. The budget is
+    faked at the memory check: the fit is decided by the bytes that keeping saves."""
+    import warnings
+
+    from mtp_jax import LLM, ConfigError, SamplingParams
+    from mtp_jax.engine import load_plan
+    from mtp_jax.models.qwen4_exp.gguf_loader import gguf_kept_bytes_saved
+
+    target, pack = q8_files
+    saving = gguf_kept_bytes_saved(target, itemsize=4, with_mtp=True, draft_path=pack)
+    need = {"saved": 0}
+
+    def check(cfg, engine_cfg, speculative, weights_saved=0):
+        if weights_saved < need["saved"]:
+            raise ConfigError(f"fake budget: {weights_saved} bytes saved < {need['saved']}")
+
+    monkeypatch.setattr(load_plan, "check_memory_before_load", check)
+    kw = dict(dtype="float32", speculative_draft_model_path=pack, max_model_len=64,
+              max_running_requests=2)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error", UserWarning)
+        assert LLM(target, **kw).model.weight_bytes_saved == 0  # fits dequantized
+    need["saved"] = saving  # only the kept weights fit
+    with pytest.warns(UserWarning, match="keeping them packed"):
+        llm = LLM(target, **kw)
+    assert llm.model.weight_bytes_saved == saving
+    out = llm.generate([[5, 9, 1, 7]], SamplingParams(max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4
+    need["saved"] = saving + 1  # nothing fits: the check's own error, nothing loads
+    with pytest.raises(ConfigError, match="fake budget"):
+        LLM(target, **kw)

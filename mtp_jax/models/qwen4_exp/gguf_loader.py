@@ -22,8 +22,8 @@ import functools
 import numpy as np
 
 from mtp_jax.config import ConfigError
-from mtp_jax.models.loaded import NP_DTYPES
-from mtp_jax.models.qwen4_exp import gguf_names
+from mtp_jax.models.loaded import DTYPES, NP_DTYPES
+from mtp_jax.models.qwen4_exp import gguf_names, names
 from mtp_jax.models.qwen4_exp.config import Qwen4ExpConfig
 from mtp_jax.models.qwen4_exp.gguf_config import ARCH, PLE_TABLE, config_from_gguf
 from mtp_jax.models.qwen4_exp.loaded import PLEHost
@@ -175,3 +175,39 @@ def load_qwen4_exp_gguf(path: str, cfg: Qwen4ExpConfig, dtype: str, *, with_mtp:
     return load_qwen4_exp(path, dtype, with_mtp=with_mtp, ple_backend=ple_backend, cfg=cfg,
                           read=read, quantization=quantization, read_keeps=True,
                           backends=backends)
+
+
+def gguf_kept_bytes_saved(path: str, *, itemsize: int, with_mtp: bool,
+                          draft_path: str | None = None) -> int:
+    """Bytes ``quantization="keep"`` saves on the device for the GGUF target at ``path`` (and,
+    with ``with_mtp``, its Strata pack ``draft_path``) against the model dtype of ``itemsize``
+    bytes: each tensor :func:`read_gguf` would keep packed (a name
+    :func:`~mtp_jax.models.quantized.kept_names` allows, stored as is or as gate and up, in a
+    block type :mod:`pallas_kernels.quant.ggml` decodes) holds its ggml bytes instead of
+    ``numel * itemsize``. Reads the headers only (and builds the model abstractly)."""
+    from flax import nnx
+
+    from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
+    from mtp_jax.models.quantized import kept_names
+
+    with_mtp = with_mtp and draft_path is not None
+    cfg = gguf_config(path, draft_path if with_mtp else None)
+    g = open_gguf(path)
+    expected = dict(names.target_tensors(cfg))
+    if with_mtp:
+        expected.update(names.mtp_tensors(cfg))
+    keep = kept_names(nnx.eval_shape(lambda: Qwen4ExpModel(cfg, DTYPES["float32"], with_mtp=with_mtp,
+                                                           ple_source=None)))
+
+    def saved(name: str, sources: list[GGUFTensor]) -> int:
+        kinds = {type_name(t.type_id) for t in sources}
+        if name not in keep or len(kinds) != 1 or kinds.pop() not in GGML_BLOCKS:
+            return 0
+        return int(np.prod(expected[name])) * itemsize - sum(t.nbytes for t in sources)
+
+    total = sum(saved(r.canonical, [g.tensors[s] for s in r.sources])
+                for r in _target_plan(g, cfg, expected) if r.kind in ("plain", "concat1"))
+    if with_mtp:
+        pack_names = pack_tensors(open_gguf(draft_path))
+        total += sum(saved(c, [pack_names[c]]) for c in expected if c.startswith("mtp."))
+    return total
