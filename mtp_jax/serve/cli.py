@@ -11,7 +11,7 @@ import sys
 
 from mtp_jax.cli_parser import CliParser
 
-__all__ = ["build_parser", "main"]
+__all__ = ["build_parser", "main", "warm_up"]
 
 
 def build_parser() -> argparse.ArgumentParser:
@@ -31,6 +31,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--api-key", default=os.environ.get("MTP_JAX_API_KEY"),
                    help="require 'Authorization: Bearer KEY' on /v1 routes (default: "
                         "$MTP_JAX_API_KEY; none when unset)")
+    p.add_argument("--warmup", default="background", choices=["background", "blocking", "none"],
+                   help="compiling the programs serving can call (every prompt-length and batch "
+                        "bucket, greedy and sampled): background = on threads while the server "
+                        "listens, a request waiting only for the programs it calls (default); "
+                        "blocking = all before listening; none = each when first called")
     p.add_argument("--log-level", default="info",
                    choices=["critical", "error", "warning", "info", "debug"],
                    help="uvicorn's log level (default %(default)s)")
@@ -45,6 +50,24 @@ def make_llm(args: argparse.Namespace):
     if not 0 <= args.seed < 2**32:
         raise ValueError(f"seed (--seed) {args.seed} must be an int in [0, 2**32).")
     return LLM(**llm_kwargs(args))
+
+
+def warm_up(llm, mode: str) -> None:
+    """Compile (or load from the compilation cache) every program serving can call
+    (:meth:`mtp_jax.engine.engine.Engine.warmup`): on threads with ``mode="background"``
+    (requests then wait only for the programs they call, building those not started yet
+    themselves), before returning with ``"blocking"``, not at all with ``"none"``; a line on
+    stderr says which."""
+    if mode == "none":
+        return
+    seconds = llm.engine.warmup(background=mode == "background")
+    building = llm.engine.device.building()
+    if building:
+        print(f"[serve] {building} programs compiling or loading in the background; a request "
+              "waits only for the programs it calls", file=sys.stderr, flush=True)
+    else:
+        print(f"[serve] programs compiled or loaded in {seconds:.1f}s", file=sys.stderr,
+              flush=True)
 
 
 def main(argv=None) -> int:
@@ -68,6 +91,7 @@ def main(argv=None) -> int:
         return 2
     app = create_app(llm, served_model_name=args.served_model_name, api_key=args.api_key,
                      model_path=args.model)
+    warm_up(llm, args.warmup)
     print(f"[serve] model {args.model or 'built-in default'} as "
           f"{app.state.server.served}; http://{args.host}:{args.port}/v1", file=sys.stderr)
     uvicorn.run(app, host=args.host, port=args.port, log_level=args.log_level)

@@ -53,6 +53,30 @@ def test_unsupported_fields_are_named(live, field, value):
     assert "not supported" in err["message"]
 
 
+def test_background_warmup_serves_requests_while_it_builds(live, monkeypatch):
+    """``--warmup background`` (the server's default): :func:`mtp_jax.serve.cli.warm_up`
+    returns with programs still building, a request served meanwhile gets the tokens
+    ``LLM.generate`` gives, and a cancel leaves nothing building; ``--warmup none`` builds nothing."""
+    from mtp_jax.serve.cli import warm_up
+
+    monkeypatch.setenv("MTP_JAX_COMPILE_THREADS", "1")  # the cancel waits for one compile
+    engine = live.llm.engine
+    before = engine.device.programs.compiled_count()
+    live.state.worker.call(lambda: warm_up(live.llm, "none"), idle=True).result(timeout=60)
+    assert engine.device.building() == 0 and engine.device.programs.compiled_count() == before
+    live.state.worker.call(lambda: warm_up(live.llm, "background"), idle=True).result(timeout=60)
+    try:
+        assert engine.device.building() > 0  # it returned before its programs were built
+        resp = live.client.post("/v1/completions", json=GREEDY)
+        assert resp.status_code == 200, resp.text
+        want = live.reference(IDS, SamplingParams(temperature=0, max_tokens=6,
+                                                  ignore_eos=True))
+        assert resp.json()["choices"][0]["token_ids"] == want.token_ids
+    finally:
+        assert engine.wait_for_programs(cancel=True, timeout=300)
+    assert engine.device.building() == 0
+
+
 def test_bad_requests_are_4xx_and_good_ones_still_served(live):
     post = lambda body, **kw: live.client.post("/v1/completions", json=body, **kw)  # noqa
     check_error(live.client.post("/v1/completions", content=b"{not json"), 400)
