@@ -27,14 +27,36 @@ def adaptive_note(llm) -> str:
     return note + ")"
 
 
+def _size(n: int) -> str:
+    """``n`` bytes as GiB, MiB or KiB, whichever shows it with a leading digit."""
+    for unit, scale in (("GiB", 2**30), ("MiB", 2**20)):
+        if n >= scale:
+            return f"{n / scale:.2f} {unit}"
+    return f"{n / 2**10:.1f} KiB"
+
+
+def gguf_note(args, llm) -> str:
+    """The ``[model]`` line's note on a GGUF target: the file and the Strata pack it drafts
+    with (the draft path's, else the target folder's one pack); empty for other checkpoints."""
+    from mtp_jax.weights.gguf_header import folder_pack, gguf_draft_file, gguf_file
+
+    if not args.model or not os.path.exists(args.model) or gguf_file(args.model) is None:
+        return ""
+    note = f"; GGUF target {os.path.basename(gguf_file(args.model))}"
+    if not llm.speculative.enabled:
+        return note
+    draft = args.speculative_draft_model_path
+    pack = gguf_draft_file(draft) if draft else folder_pack(args.model)
+    return note + (f", draft: Strata pack {pack}" if pack else "")
+
+
 def quant_note(args, llm) -> str:
     """The ``[model]`` line's note on a quantized checkpoint: its weights kept as stored (and
     the bytes that saves), or dequantized at load (``--quantization`` and what ``auto``
     chose); empty for an unquantized one."""
     saved = getattr(llm.model, "weight_bytes_saved", 0)
     if saved:
-        return (f"; quantized weights kept as stored ({saved / 2**30:.2f} GiB less than "
-                f"{llm.model.dtype})")
+        return f"; quantized weights kept as stored ({_size(saved)} less than {llm.model.dtype})"
     if args.model and os.path.isdir(args.model):
         from mtp_jax.weights.quant_config import quantization_from_folder
 
@@ -58,6 +80,7 @@ def print_model_line(args, llm, warm_s: float) -> None:
              else "")
           + (f"; draft layer {llm.speculative.draft_layer_dtype}" if llm.speculative.draft_layer_dtype
              else "")
+          + gguf_note(args, llm)
           + adaptive_note(llm)
           + quant_note(args, llm)
           + (f"; {llm.engine.rounds_per_call} rounds per call"

@@ -27,11 +27,11 @@ def prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int, *,
     ``max_position_embeddings``, when known) says whether raising ``max_model_len`` can help."""
     if isinstance(prompt, str):
         if tokenizer is None:
-            raise ValueError("this checkpoint folder has no tokenizer files; pass prompts "
+            raise ValueError("this checkpoint has no tokenizer files; pass prompts "
                              "as lists of token ids (Python: LLM.generate([[1, 2, 3]]); "
                              "CLI: --prompts-file FILE with lines like "
-                             "{\"prompt\": [1, 2, 3]}). (A GGUF's tokenizer is its "
-                             "tokenizer.ggml.* metadata.)")
+                             "{\"prompt\": [1, 2, 3]}). (A GGUF has no tokenizer when its "
+                             "metadata holds no tokenizer.ggml.* keys.)")
         check_text(prompt)
         ids, text = tokenizer.encode(prompt), prompt
     elif isinstance(prompt, (list, tuple)) or (hasattr(prompt, "tolist")
@@ -92,7 +92,7 @@ def check_stops(params: SamplingParams, vocab_size: int, tokenizer) -> None:
                          f"{vocab_size}); use ids from this checkpoint's tokenizer.")
     if params.stop and tokenizer is None:
         raise ValueError(f"stop strings {params.stop!r} need a tokenizer to match the text, and "
-                         "this checkpoint folder has no tokenizer files; use stop_token_ids "
+                         "this checkpoint has no tokenizer files; use stop_token_ids "
                          "instead, or a checkpoint with its tokenizer.")
 
 

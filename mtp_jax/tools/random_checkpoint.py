@@ -88,7 +88,8 @@ def write_random_checkpoint(config: dict | str, out_dir: str, dtype: str = "bflo
         if vocab < n_tok:
             raise ValueError(f"tokenizer=True (--tokenizer) writes the real Qwen vocabulary "
                              f"({n_tok} ids) but the config's vocab_size is {vocab}; use a "
-                             "config with vocab_size 248320 (the released ones), or drop it.")
+                             f"config with vocab_size >= {n_tok} (the released ones have 248320), "
+                             "or drop it.")
         zero_from = n_tok  # logit rows past the tokenizer's ids (none when vocab == n_tok)
     entry.write_random(raw, out_dir, dtype=dtype, experts=experts, mtp_experts=mtp_experts,
                        include_mtp=include_mtp, shard_size_bytes=shard_size_bytes, seed=seed,
@@ -241,12 +242,15 @@ def _write(args) -> list[str]:
 
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    existed = os.path.exists(args.out)
     try:
         _check_format_options(args)
         check_out(args.out, args.overwrite)
         lines = _write(args)
     except (ValueError, OSError) as e:  # ConfigError is a ValueError
         print(f"error: {e}", file=sys.stderr)
+        if not existed and os.path.isdir(args.out) and not os.listdir(args.out):
+            os.rmdir(args.out)  # a refused run leaves no empty folder behind
         return 2
     print("\n".join(lines))
     return 0

@@ -212,7 +212,8 @@ def _tokenizer_folder(cfg: Qwen4ExpConfig, cache_dir: str | None, tmp: str) -> i
     if cfg.vocab_size < n_tok:
         raise ValueError(f"tokenizer=True (--tokenizer) writes the real Qwen vocabulary "
                          f"({n_tok} ids) but the config's vocab_size is {cfg.vocab_size}; use "
-                         "a config with vocab_size 248320 (the released ones), or drop it.")
+                         f"a config with vocab_size >= {n_tok} (the released ones have 248320), "
+                         "or drop it.")
     qwen_vocab.write_tokenizer_files(tmp, cache_dir=cache_dir)
     return n_tok
 
@@ -271,11 +272,19 @@ def write_random_gguf(config: dict | str, out_dir: str, *, expert_type: str = "Q
     return out
 
 
+def _size(n: int) -> str:
+    """``n`` bytes in GB, MB or kB (decimal), whichever shows it with a leading digit."""
+    for unit, scale in (("GB", 1e9), ("MB", 1e6)):
+        if n >= scale:
+            return f"{n / scale:.3f} {unit}"
+    return f"{n / 1e3:.1f} kB"
+
+
 def describe(summary: dict) -> str:
     """One line per file of a :func:`write_random_gguf` summary."""
-    types = ", ".join(f"{k}: {n} tensors {b / 1e9:.3f} GB" for k, (n, b) in
+    types = ", ".join(f"{k}: {n} tensors {_size(b)}" for k, (n, b) in
                       sorted(summary["types"].items()))
-    text = f"{summary['path']} ({summary['bytes'] / 1e9:.3f} GB; {types})"
+    text = f"{summary['path']} ({_size(summary['bytes'])}; {types})"
     if summary["fallback"]:
         first = sorted(summary["fallback"].items())[:3]
         text += (f"; {len(summary['fallback'])} tensor(s) in another type than asked, e.g. "

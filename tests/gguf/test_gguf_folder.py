@@ -106,3 +106,22 @@ def test_target_file_refusal_names_the_pack_beside_it(made, tmp_path, gguf_spy):
                                           r"pack beside the target\)"):
         LLM(f"{d}/model.gguf", dtype="float32")
     assert gguf_spy.data == []
+
+
+def test_model_line_names_the_target_and_its_pack(made, tmp_path):
+    """The CLI's ``[model]`` line names a GGUF run's target file and the pack it drafts with
+    (the folder's, or the draft path's); nothing for speculation off or a safetensors
+    folder."""
+    from argparse import Namespace
+    from types import SimpleNamespace
+
+    from mtp_jax.cli_report import gguf_note
+
+    d = _folder(tmp_path / "g", made, **{"a-mtp.gguf": "pack", "z.gguf": "target"})
+    on, off = (SimpleNamespace(speculative=SimpleNamespace(enabled=e)) for e in (True, False))
+    args = Namespace(model=d, speculative_draft_model_path=None)
+    assert gguf_note(args, on) == f"; GGUF target z.gguf, draft: Strata pack {d}/a-mtp.gguf"
+    assert gguf_note(args, off) == "; GGUF target z.gguf"
+    args = Namespace(model=made["target"], speculative_draft_model_path=made["pack"])
+    assert gguf_note(args, on).endswith(f"draft: Strata pack {made['pack']}")
+    assert gguf_note(Namespace(model=CKPT, speculative_draft_model_path=None), on) == ""
