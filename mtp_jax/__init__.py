@@ -6,8 +6,8 @@ Public API: :class:`LLM`, :class:`SamplingParams`, :class:`RequestOutput` (engin
 package is docs/design.md.
 
 Every name is imported on first use (PEP 562): ``import mtp_jax`` itself imports neither jax
-nor flax, so ``python -m mtp_jax.generate`` parses its flags and starts reading the tokenizer
-before jax loads (issue 32 item 5: start-up).
+nor flax, so ``python -m mtp_jax.generate`` parses (and refuses) its flags before jax loads,
+and a Ctrl-C while the engine imports is the CLI's, not a traceback.
 """
 
 __all__ = ["ConfigError", "EngineConfig", "LoadedModel", "ModelConfig", "SpeculativeConfig",

@@ -82,8 +82,9 @@ def check_memory_and_quantization(model, model_cfg, engine_cfg: EngineConfig,
     from mtp_jax.weights.quant_config import keeps_quantized
 
     tables = device_table_bytes(model_cfg, engine_cfg.dtype, ple_backend, dummy_weight)
-    saving = kept_saving(model, engine_cfg.dtype, request, dummy_weight)
     keep = keeps_quantized(request.quantization)
+    saving = (0 if request.quantization == "dequantize"
+              else kept_saving(model, engine_cfg.dtype, request, dummy_weight))
     if request.quantization == "auto" and not keep and saving > 0 \
             and not _fits(model_cfg, engine_cfg, speculative, -tables) \
             and _fits(model_cfg, engine_cfg, speculative, saving - tables):

@@ -56,7 +56,8 @@ def test_unsupported_fields_are_named(live, field, value):
 def test_background_warmup_serves_requests_while_it_builds(live, monkeypatch):
     """``--warmup background`` (the server's default): :func:`mtp_jax.serve.cli.warm_up`
     returns with programs still building, a request served meanwhile gets the tokens
-    ``LLM.generate`` gives, and a cancel leaves nothing building; ``--warmup none`` builds nothing."""
+    ``LLM.generate`` gives, and a cancel leaves nothing building; ``--warmup none`` builds
+    nothing."""
     from mtp_jax.serve.cli import warm_up
 
     monkeypatch.setenv("MTP_JAX_COMPILE_THREADS", "1")  # the cancel waits for one compile

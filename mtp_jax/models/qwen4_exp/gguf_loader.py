@@ -196,8 +196,8 @@ def gguf_kept_bytes_saved(path: str, *, itemsize: int, with_mtp: bool,
     expected = dict(names.target_tensors(cfg))
     if with_mtp:
         expected.update(names.mtp_tensors(cfg))
-    keep = kept_names(nnx.eval_shape(lambda: Qwen4ExpModel(cfg, DTYPES["float32"], with_mtp=with_mtp,
-                                                           ple_source=None)))
+    keep = kept_names(nnx.eval_shape(
+        lambda: Qwen4ExpModel(cfg, DTYPES["float32"], with_mtp=with_mtp, ple_source=None)))
 
     def saved(name: str, sources: list[GGUFTensor]) -> int:
         kinds = {type_name(t.type_id) for t in sources}
