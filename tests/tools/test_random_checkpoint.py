@@ -285,3 +285,23 @@ def test_cli_refuses_a_folder_holding_a_checkpoint(tmp_path, capsys):
     assert sorted(os.listdir(out)) == ["config.json", "model.safetensors", "notes.txt"]
     assert rc.main(["--config", qwen4, "--out", str(out)]) == 2
     assert "already holds a checkpoint (config.json, model.safetensors)" in capsys.readouterr().err
+
+
+@pytest.mark.parametrize("fmt", ["safetensors", "gguf"])
+def test_refused_tokenizer_leaves_no_empty_out_folder(tmp_path, capsys, fmt):
+    """``--tokenizer`` on a config whose vocabulary is smaller than Qwen's is refused with the
+    bound its help states, and the ``--out`` folder the run would have created is not left
+    behind empty; an ``--out`` that existed before stays."""
+    from mtp_jax.tools.random_checkpoint import main
+    from tests.helpers.paths import fixture_path
+
+    out = tmp_path / "new"
+    assert main(["--config", fixture_path("tiny_qwen4_exp"), "--out", str(out),
+                 "--tokenizer", "--format", fmt]) == 2
+    assert "vocab_size >= 248077" in capsys.readouterr().err
+    assert not out.exists()
+    kept = tmp_path / "kept"
+    kept.mkdir()
+    assert main(["--config", fixture_path("tiny_qwen4_exp"), "--out", str(kept),
+                 "--tokenizer", "--format", fmt]) == 2
+    assert kept.is_dir()
