@@ -37,7 +37,8 @@ SIXTEEN_BIT_ONLY = ("attention", "moe")
 OP_DESCRIPTIONS = {"attention": "paged attention (decode/verify rows)",
                    "gdn": "the GDN decode/verify/commit step form",
                    "moe": "the MoE experts and router",
-                   "norm": "the decoder layers' residual add + RMSNorm",
+                   "norm": "the decoder layers' residual add + RMSNorm (qwen4_exp: the "
+                           "hyper-connections' inject, norms and mix)",
                    "gemv": "the projections and LM head of one-row calls (batch-1 decode with "
                            "speculation off; batch-1 MTP draft steps)"}
 EXPERIMENTAL = {
@@ -210,7 +211,8 @@ def check_kernel_ops(model_type: str, kernel_ops: tuple[str, ...], chosen: dict)
     if not asked:
         return
     ops = _either([op for op, _ in asked])
-    kernels = (f"its GPU kernels run {' and '.join(kernel_ops)} only" if kernel_ops
+    kernels = (f"its GPU kernels run {_either(list(kernel_ops)).replace(' or ', ' and ')} only"
+               if kernel_ops
                else "it runs the XLA kernels only for now")
     raise ConfigError(
         f"{model_type} runs {ops} on XLA ({kernels}), but "

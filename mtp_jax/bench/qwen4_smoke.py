@@ -89,7 +89,7 @@ def run_row(llm, prompts, k: int, max_tokens: int, rng, backend: str = "disk",
                 accept_length=outs[0].accept_length, weights_gb=held_weights_gb(llm))
 
 
-def device_profile(model, k: int, prompt_len: int, out: str) -> str:
+def device_profile(model, k: int, prompt_len: int, out: str, tag: str = "") -> str:
     """The head of :func:`mtp_jax.bench.profile_round.text_of` for 10 traced rounds at batch 1."""
     from mtp_jax.bench.profile_round import profile, text_of
 
@@ -97,7 +97,7 @@ def device_profile(model, k: int, prompt_len: int, out: str) -> str:
                            trace_dir=os.path.join(out, "traces"))
     wall, summary, _ = profile(a, model, model.cfg, k)
     text = text_of(f"k={k} batch 1: untraced wall {wall * 1e3:.2f} ms/round", summary)
-    with open(os.path.join(out, f"q4_profile_k{k}.txt"), "w") as f:
+    with open(os.path.join(out, f"q4_profile_k{k}{tag}.txt"), "w") as f:
         f.write(text + "\n")  # the whole report: every category, top kernel and the sequence
     head = "\n".join(text.splitlines()[:12])
     print(head, flush=True)
@@ -156,6 +156,10 @@ def main(argv=None) -> int:
         p.add_argument(f"--{op}-backend", default="auto", choices=["auto", "xla", "pallas"],
                        help=f"the {op.upper()} kernels (default auto: the Pallas kernels on a "
                             "GPU, XLA on the CPU; pallas needs a GPU)")
+    p.add_argument("--norm-backend", nargs="+", default=["auto"],
+                   choices=["auto", "xla", "pallas"],
+                   help="the hyper-connection kernels of each run, e.g. xla pallas for an A/B "
+                        "(default auto: pallas on a GPU)")
     p.add_argument("--gguf", default=None, choices=TYPES, metavar="TYPE",
                    help="write a GGUF target + Strata pack with routed experts in TYPE "
                         f"({', '.join(TYPES)}) and run them (default: a bf16 safetensors "
@@ -172,13 +176,14 @@ def main(argv=None) -> int:
     model, draft = write_checkpoint(a)
     rng = np.random.default_rng(0)
     rows = []
-    kernels = f"gdn={a.gdn_backend},moe={a.moe_backend}"
-    for quantization, k in [(q, k) for q in a.quantization for k in a.k]:
+    for quantization, norm, k in [(q, n, k) for q in a.quantization for n in a.norm_backend
+                                  for k in a.k]:
+        kernels = f"gdn={a.gdn_backend},moe={a.moe_backend},norm={norm}"
         llm = LLM(model, dtype="bfloat16", max_running_requests=8, max_model_len=512,
                   speculative_algorithm="mtp" if k else "none",
                   speculative_num_steps=k if k else 3, ple_backend=a.ple_backend,
                   gdn_backend=a.gdn_backend, moe_backend=a.moe_backend,
-                  quantization=quantization,
+                  norm_backend=norm, quantization=quantization,
                   speculative_draft_model_path=draft if k else None)
         for b in a.batches:
             prompts = [rng.integers(100, 200_000, a.prompt_len).tolist() for _ in range(b)]
@@ -189,7 +194,8 @@ def main(argv=None) -> int:
             print(rows[-1], flush=True)
         print("weights GB (as held):", held_weights_gb(llm), flush=True)
         if a.profile:
-            rows[-1]["profile"] = device_profile(llm.model, k, a.prompt_len, a.out)
+            rows[-1]["profile"] = device_profile(llm.model, k, a.prompt_len, a.out,
+                                                 tag=f"_norm_{norm}")
         del llm
     json.dump(rows, open(os.path.join(a.out, "q4_smoke.json"), "w"), indent=1)
     return 0

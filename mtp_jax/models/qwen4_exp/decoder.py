@@ -59,7 +59,8 @@ class DecoderLayer(nnx.Module):
                  ple_index: int | None = None, rope_theta: float | None = None):
         self.layer_type, self.cache_index, self.ple_index = layer_type, cache_index, ple_index
         mk = lambda inj=True: GatedResidual(cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank,
-                                            cfg.rms_norm_eps, dtype, inject=inj)
+                                            cfg.rms_norm_eps, dtype, inject=inj,
+                                            backend=kernels_of(cfg).norm)
         self.attn_hyper_connection = mk()
         self.mlp_hyper_connection = mk()
         if layer_type == "full_attention":
@@ -90,7 +91,6 @@ class DecoderLayer(nnx.Module):
             gdn_form = (self.linear_attn.decode if x.shape[1] <= STEP_FORM_ROWS
                         else self.linear_attn.prefill)
             y, gdn = gdn_form(x, gdn, batch.valid)
-        h = inject(h, inj, y)
-        x, inj = self.mlp_hyper_connection(h)
+        h, x, inj = self.mlp_hyper_connection.mix(h, (inj, y))  # h + inj * y first
         h = inject(h, inj, self.mlp(x))
         return h, qsa, gdn, ple_conv

@@ -10,6 +10,11 @@ The residual ``h [..., hc*H]`` holds ``hc`` streams of width ``H``. Around every
 
 The final ``hyper_connection_mixer`` (and the MTP head's own) has no inject and returns ``x``.
 Source: HF transformers ``qwen4_exp`` (``Qwen4ExpTextGatedResidual``), MODEL_FACTS.md.
+
+With ``backend="pallas"`` (``--norm-backend``; the loader sets it) calls of at most
+:data:`pallas_kernels.hyper.MAX_ROWS` rows run the mix, with the previous block's inject folded
+in (:meth:`GatedResidual.mix`), as two Triton kernels (:mod:`pallas_kernels.hyper.mix`); other
+calls, and weights held quantized, take the XLA composition below.
 """
 
 from __future__ import annotations
@@ -19,6 +24,7 @@ import jax.numpy as jnp
 from flax import nnx
 
 from mtp_jax.models.layers.basic import Linear, rms_normalize
+from pallas_kernels.hyper import hyper_mix, supports
 
 
 class GroupedRMSNorm(nnx.Module):
@@ -36,10 +42,14 @@ class GroupedRMSNorm(nnx.Module):
 
 
 class GatedResidual(nnx.Module):
+    """The mix before a block (or, ``inject=False``, the final mixer). ``backend`` (static):
+    ``"xla"`` or ``"pallas"`` (see the module docstring)."""
+
     def __init__(self, hc: int, hidden: int, lowrank: int, eps: float, dtype,
-                 inject: bool = True):
+                 inject: bool = True, backend: str = "xla"):
         w = hc * hidden
-        self.hc, self.hidden = hc, hidden
+        self.hc, self.hidden, self.lowrank, self.eps = hc, hidden, lowrank, eps
+        self.backend = backend
         self.hc_norm = GroupedRMSNorm(w, hidden, eps, dtype)
         self.input_mix_weight_down = Linear(w, lowrank, dtype)
         self.input_mix_weight_up = Linear(lowrank, w, dtype)
@@ -47,6 +57,34 @@ class GatedResidual(nnx.Module):
 
     def __call__(self, h: jax.Array):
         """``h [..., hc*H]`` -> ``(x [..., H], inj [..., hc] or None)``."""
+        _, x, inj = self.mix(h, None)
+        return x, inj
+
+    def _kernel_applies(self, h: jax.Array) -> bool:
+        rows = 1
+        for n in h.shape[:-1]:
+            rows *= n
+        linears = [self.input_mix_weight_down, self.input_mix_weight_up]
+        if self.block_inject_weight is not None:
+            linears.append(self.block_inject_weight)
+        return (self.backend == "pallas" and supports(rows, self.hc, self.hidden, self.lowrank)
+                and all(m.quant is None and m.scale is None for m in linears))
+
+    def mix(self, h: jax.Array, pending=None):
+        """``h [..., hc*H]`` with ``pending = (inj_prev [..., hc], y_prev [..., H])`` (the
+        previous block's inject, applied first) or ``None`` -> ``(h after the inject, x [...,
+        H], inj [..., hc] or None)``."""
+        if self._kernel_applies(h):
+            w_inj = self.block_inject_weight
+            return hyper_mix(h, pending, self.hc_norm.weight[...],
+                             self.input_mix_weight_down.weight[...],
+                             None if w_inj is None else w_inj.weight[...],
+                             self.input_mix_weight_up.weight[...], hc=self.hc, eps=self.eps)
+        if pending is not None:
+            h = inject(h, *pending)
+        return (h, *self._mix_xla(h))
+
+    def _mix_xla(self, h: jax.Array):
         hn = self.hc_norm(h)
         mix = jax.nn.silu(self.input_mix_weight_down(hn) / self.hc)
         mix = jax.nn.sigmoid(self.input_mix_weight_up(mix))

@@ -7,19 +7,35 @@ Its GDN layers and MoE blocks are the shared ones (:mod:`mtp_jax.models.layers.g
 where :meth:`KernelBackends.resolve` would for Qwen3.5 (16-bit MoE weights, GDN head sizes the
 fused kernels take) and the MoE tiles fit (:func:`moe_misfit`): measured on the H200 at the
 Flash-Next shape cut to 8 layers / 64 experts (docs/benchmarks.md, session 33), 596 against
-573 tokens/s at batch 1 and 2,321 against 942 at batch 8. QSA attention, the norms and the
-one-row projections have no kernel in this family: ``pallas`` (or ``reduce`` / ``fused``) for
-them is refused.
+573 tokens/s at batch 1 and 2,321 against 942 at batch 8. ``--norm-backend`` picks the
+hyper-connections' inject, norms and mix (:mod:`pallas_kernels.hyper`: two Triton kernels a
+block for calls of up to 8 rows). QSA attention and the one-row projections have no kernel in
+this family: ``pallas`` (or ``reduce`` / ``fused``) for them is refused.
 """
 
 from __future__ import annotations
 
+import dataclasses
+
 from mtp_jax.config import ConfigError
 from mtp_jax.kernels import KernelBackends, check_kernel_ops, gdn_dims_of
+from pallas_kernels.hyper import supports as hyper_supports
 
-__all__ = ["KERNEL_OPS", "resolve_kernels"]
+__all__ = ["KERNEL_OPS", "hyper_misfit", "resolve_kernels"]
 
-KERNEL_OPS = ("gdn", "moe")  # the registry entry's kernel_ops
+KERNEL_OPS = ("gdn", "moe", "norm")  # the registry entry's kernel_ops
+# Whether ``auto`` takes the hyper-connection kernels on a GPU: not until they are measured
+# faster than XLA there (docs/benchmarks.md).
+AUTO_HYPER_ON_GPU = False
+
+
+def hyper_misfit(cfg) -> str | None:
+    """Why the hyper-connection kernels cannot take ``cfg``, or ``None`` when they can."""
+    if hyper_supports(1, cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank):
+        return None
+    return (f"hc_count {cfg.hc_count}, hidden_size {cfg.hidden_size} and hc_lowrank "
+            f"{cfg.hc_lowrank} are not a power-of-two stream count with sizes of "
+            "power-of-two blocks (pallas_kernels.hyper.supports)")
 
 
 def moe_misfit(cfg) -> str | None:
@@ -36,12 +52,15 @@ def resolve_kernels(cfg, dtype: str | None, backends: dict | None = None,
     """The :class:`~mtp_jax.kernels.KernelBackends` of a qwen4_exp load: for ``gdn`` / ``moe``
     the choice in ``backends`` (``{op: choice}``, ``load_model``'s ``*_backend`` arguments),
     ``auto`` resolved as :meth:`KernelBackends.resolve` does (``pallas`` on a GPU where the
-    kernels take the model) but XLA where the MoE tiles do not fit; ``xla`` for every other
-    op. ``platform``: as :meth:`KernelBackends.resolve` (default: JAX's).
+    kernels take the model) but XLA where the MoE tiles do not fit; for ``norm`` (the
+    hyper-connection kernels) ``auto`` is ``pallas`` on a GPU where :func:`hyper_misfit` is
+    ``None`` and :data:`AUTO_HYPER_ON_GPU` is set; ``xla`` for every other op. ``platform``: as :meth:`KernelBackends.resolve`
+    (default: JAX's).
 
     Raises ConfigError for a non-XLA choice for another op (naming it), and for ``pallas``
     where :meth:`KernelBackends.resolve` refuses it (no GPU, float32 MoE, GDN head sizes the
-    fused kernels cannot take) or the MoE kernels cannot tile the experts."""
+    fused kernels cannot take), the MoE kernels cannot tile the experts or the
+    hyper-connection kernels cannot take the shape."""
     chosen = {op: v for op, v in (backends or {}).items() if v is not None}
     check_kernel_ops(cfg.model_type, KERNEL_OPS, chosen)
     pick = {op: chosen.get(op, "auto") for op in KERNEL_OPS}
@@ -51,6 +70,22 @@ def resolve_kernels(cfg, dtype: str | None, backends: dict | None = None,
                           "kernels' tiles); use --moe-backend xla or auto.")
     if pick["moe"] == "auto" and misfit:
         pick["moe"] = "xla"  # auto takes what runs
-    return KernelBackends.resolve("xla", pick["gdn"], pick["moe"], platform=platform,
-                                  dtype=dtype, gdn_dims=gdn_dims_of(cfg), norm="xla",
-                                  hidden_size=cfg.hidden_size, gemv="xla", dense_mlp=False)
+    hyper = hyper_misfit(cfg)
+    if pick["norm"] == "pallas" and hyper:
+        raise ConfigError(f"norm_backend 'pallas' cannot run this model: {hyper}; use "
+                          "--norm-backend xla or auto.")
+    out = KernelBackends.resolve("xla", pick["gdn"], pick["moe"], platform=platform,
+                                 dtype=dtype, gdn_dims=gdn_dims_of(cfg),
+                                 norm="xla" if hyper else pick["norm"],
+                                 hidden_size=None, gemv="xla", dense_mlp=False)
+    if pick["norm"] == "auto" and AUTO_HYPER_ON_GPU and not hyper and _on_gpu(platform):
+        out = dataclasses.replace(out, norm="pallas")
+    return out
+
+
+def _on_gpu(platform: str | None) -> bool:
+    if platform is None:
+        import jax
+
+        platform = jax.default_backend()
+    return platform in ("gpu", "cuda")

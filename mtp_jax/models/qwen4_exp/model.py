@@ -24,6 +24,7 @@ from flax import nnx
 
 from mtp_jax.cache.linear_state import LinearState
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
+from mtp_jax.kernels import kernels_of
 from mtp_jax.models.draft_head import head_greedy, head_logits
 from mtp_jax.models.layers.gdn import GDNConvRows
 from mtp_jax.models.layers.basic import Embed, Linear
@@ -58,7 +59,8 @@ class Qwen4ExpModel(nnx.Module):
             n_gdn += t != "full_attention"
         self.layers = nnx.List(layers)
         self.hyper_connection_mixer = GatedResidual(cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank,
-                                                    cfg.rms_norm_eps, dtype, inject=False)
+                                                    cfg.rms_norm_eps, dtype, inject=False,
+                                                    backend=kernels_of(cfg).norm)
         self.lm_head = None if cfg.tie_word_embeddings else Linear(cfg.hidden_size,
                                                                     cfg.vocab_size, dtype)
         self.mtp = MTPDraft(cfg, dtype) if with_mtp else None

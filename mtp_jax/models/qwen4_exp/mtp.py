@@ -19,6 +19,7 @@ import jax
 from flax import nnx
 
 from mtp_jax.cache.paged import AttentionBatch, PagedKV
+from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import Embed, Linear, RMSNorm
 from mtp_jax.models.qwen4_exp.decoder import DecoderLayer
 from mtp_jax.models.qwen4_exp.hyper_connection import GatedResidual
@@ -37,7 +38,8 @@ class MTPDraft(nnx.Module):
                                              rope_theta=cfg.mtp_rope_theta)
                                 for i in range(cfg.mtp_num_hidden_layers)])
         self.hyper_connection_mixer = GatedResidual(cfg.hc_count, h, cfg.hc_lowrank,
-                                                    cfg.rms_norm_eps, dtype, inject=False)
+                                                    cfg.rms_norm_eps, dtype, inject=False,
+                                                    backend=kernels_of(cfg).norm)
 
     def __call__(self, embed: Embed, streams: jax.Array, next_ids: jax.Array,
                  batch: AttentionBatch, draft: QSAPaged, step: int = 0):

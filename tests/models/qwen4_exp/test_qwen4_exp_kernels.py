@@ -52,33 +52,50 @@ def _flash() -> Qwen4ExpConfig:
     return Qwen4ExpConfig.from_dict(json.load(open(FLASH)))
 
 
-@pytest.mark.parametrize("op", ["attention", "norm", "gemv"])
+@pytest.mark.parametrize("op", ["attention", "gemv"])
 def test_pallas_for_xla_ops_is_refused_before_weights(op, fake_gpu, no_weights):
     with pytest.raises(ConfigError, match=rf"qwen4_exp runs {op} on XLA \(its GPU kernels run "
-                                          rf"gdn and moe only\), but {op}_backend 'pallas' was "
-                                          rf"asked for; use --{op}-backend xla"):
+                                          rf"gdn, moe and norm only\), but {op}_backend 'pallas' "
+                                          rf"was asked for; use --{op}-backend xla"):
         mtp_jax.load_model(FIX, dtype="bfloat16", **{f"{op}_backend": "pallas"})
     with pytest.raises(ConfigError, match=rf"runs {op} on XLA"):  # the loader's own check
         resolve_kernels(_flash(), "bfloat16", {op: "pallas"}, platform="gpu")
 
 
-def test_auto_takes_the_gdn_and_moe_kernels_on_a_gpu_only():
+@pytest.fixture
+def auto_hyper(monkeypatch):
+    """``auto`` takes the hyper-connection kernels on a GPU (the measured default or not)."""
+    monkeypatch.setattr("mtp_jax.models.qwen4_exp.kernels.AUTO_HYPER_ON_GPU", True)
+
+
+def test_auto_takes_the_gdn_moe_and_hyper_connection_kernels_on_a_gpu_only(auto_hyper):
     cfg = _flash()
-    kernels = KernelBackends(gdn="pallas", moe="pallas")
+    kernels = KernelBackends(gdn="pallas", moe="pallas", norm="pallas")
     for backends in ({}, {op: "auto" for op in ("attention", "gdn", "moe", "norm", "gemv")},
                      {"gdn": None, "moe": "pallas"}):
         assert resolve_kernels(cfg, "bfloat16", backends, platform="gpu") == kernels
         if "pallas" not in backends.values():
             assert resolve_kernels(cfg, "bfloat16", backends,
                                    platform="cpu") == KernelBackends()
-    assert resolve_kernels(cfg, "bfloat16", {"gdn": "xla"},
+    assert resolve_kernels(cfg, "bfloat16", {"gdn": "xla", "norm": "xla"},
                            platform="gpu") == KernelBackends(moe="pallas")
-    # auto takes XLA where a kernel cannot run: float32 MoE, MoE tiles, GDN head sizes
-    assert resolve_kernels(cfg, "float32", {}, platform="gpu") == KernelBackends(gdn="pallas")
+    # auto takes XLA where a kernel cannot run: float32 MoE, MoE tiles, GDN head sizes,
+    # stream counts and ranks the hyper-connection kernels cannot block
+    hyper = {"norm": "xla"}
+    assert resolve_kernels(cfg, "float32", hyper, platform="gpu") == KernelBackends(gdn="pallas")
     odd = dataclasses.replace(cfg, moe_intermediate_size=648)
-    assert resolve_kernels(odd, "bfloat16", {}, platform="gpu") == KernelBackends(gdn="pallas")
+    assert resolve_kernels(odd, "bfloat16", hyper, platform="gpu") == KernelBackends(
+        gdn="pallas")
     odd = dataclasses.replace(cfg, linear_key_head_dim=96)
-    assert resolve_kernels(odd, "bfloat16", {}, platform="gpu") == KernelBackends(moe="pallas")
+    assert resolve_kernels(odd, "bfloat16", hyper, platform="gpu") == KernelBackends(
+        moe="pallas")
+    for odd in (dataclasses.replace(cfg, hc_count=3), dataclasses.replace(cfg, hc_lowrank=8)):
+        assert resolve_kernels(odd, "bfloat16", {}, platform="gpu").norm == "xla"
+        with pytest.raises(ConfigError, match="norm_backend 'pallas' cannot run this model: "
+                                              "hc_count"):
+            resolve_kernels(odd, "bfloat16", {"norm": "pallas"}, platform="gpu")
+    with pytest.raises(ConfigError, match="norm_backend 'pallas' needs a CUDA GPU"):
+        resolve_kernels(cfg, "bfloat16", {"norm": "pallas"}, platform="cpu")
 
 
 def test_pallas_refusals_at_resolution():
@@ -105,7 +122,7 @@ def _backends(m) -> tuple[set, set]:
     return gdn, moe
 
 
-def test_explicit_pallas_reaches_the_layers(fake_gpu):
+def test_explicit_pallas_reaches_the_layers(fake_gpu, auto_hyper):
     auto = mtp_jax.load_model(FIX, dtype="bfloat16", ple_backend="disk", gdn_backend="xla",
                               moe_backend="xla")
     assert auto.cfg.kernels == KernelBackends() and _backends(auto) == ({"xla"}, {"xla"})
@@ -190,3 +207,35 @@ def test_flash_next_gdn_layer_lowers_for_cuda(b, fake_gpu):
                           spec((b, 4), jnp.bool_))
     for name in ("gdn_conv_write", "gdn_fused_decode", "gdn_fused_verify", "gdn_fused_commit"):
         assert name in text
+
+
+def test_hyper_connection_kernels_in_the_model_match_xla(tmp_path, monkeypatch, auto_hyper):
+    """float32, a random checkpoint of 4 streams (the kernels' blocks; the golden fixture has
+    3), the hyper-connection kernels interpreted around every block and in the final mixer:
+    a 5-row prefill, one-row decode steps and a verify of 4 rows with a commit of 2 give the
+    XLA model's logits, so the previous block's inject is folded in where the XLA path adds it."""
+    from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
+    from tests.models.qwen4_exp.test_qwen4_exp_shapes import BASE, L, Q
+
+    text = dict(BASE, hc_count=4, hc_lowrank=16, layer_types=[L, Q, L], ple_layer_ids=[1],
+                indexer_compress_ratio=2, indexer_budget=4, num_hidden_layers=3)
+    write_random_qwen4_exp(text, str(tmp_path), dtype="float32", seed=3)
+    load = lambda **kw: mtp_jax.load_model(str(tmp_path), dtype="float32", ple_backend="memory",
+                                           with_mtp=False, **kw)
+    ref = load()
+    with monkeypatch.context() as mp:
+        mp.setattr(jax, "default_backend", lambda: "gpu")
+        m = load(gdn_backend="xla", moe_backend="xla")  # auto: the hyper-connection kernels
+    assert m.cfg.kernels == KernelBackends(norm="pallas") and ref.cfg.kernels.norm == "xla"
+    model = nnx.merge(m.graphdef, m.params)
+    assert {la.mlp_hyper_connection.backend for la in model.layers} == {"pallas"}
+    assert model.hyper_connection_mixer.backend == "pallas"
+    seq = np.asarray([[5, 9, 1, 12, 3, 33, 8, 40, 2, 17]])
+    caches = [x.new_cache(1, 16) for x in (ref, m)]
+    both = lambda f: [np.asarray(f(x, c)) for x, c in zip((ref, m), caches)]
+    steps = [lambda x, c: x.extend(c, seq[:, :5]), lambda x, c: x.extend(c, seq[:, 5:6]),
+             lambda x, c: _verify_commit(x, c, seq[:, 6:10], 2),
+             lambda x, c: x.extend(c, seq[:, 8:9])]
+    for i, step in enumerate(steps):
+        want, got = both(step)
+        np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"step {i}")
