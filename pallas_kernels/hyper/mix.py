@@ -6,14 +6,16 @@ small kernels (the streams' sums of squares, the low-rank down and inject projec
 projection, the weighted mean, the previous block's inject add), each a few microseconds at
 one row: latency, not bytes. Here it is two:
 
-* :func:`hyper_down` (kernel A, ``r / bn`` programs plus one for the inject rows): the pending
-  inject ``h + inj_prev * y_prev`` (optional), the streams' RMS statistics and the
-  projections ``d = hn @ [w_down; w_inj].T``. Every program recomputes the statistics of its
-  rows from ``h`` (``hc*H`` values a row, from L2), so no program waits for another; program 0
-  writes ``h`` and the statistics ``rs``.
-* :func:`hyper_up` (kernel B, ``H / bj`` programs): ``silu(d / hc)``, the up projection for
-  its ``bj`` columns of every stream, ``sigmoid``, the normalised streams and their mean: the
-  block input ``x``; program 0 writes ``inj = 2 * sigmoid(d_inj / hc)``.
+* :func:`hyper_down` (kernel A, a program per ``bn`` rows of ``[w_down; w_inj]`` and stream
+  ``s``): the pending inject ``h + inj_prev * y_prev`` (optional) on stream ``s``, its RMS
+  statistic, and stream ``s``'s part of the projections ``d = hn @ [w_down; w_inj].T`` (float32
+  partials ``[hc, M, r + hc]``). The norm is per stream, so a program reads only its stream of
+  ``h`` (``H`` values a row) and waits for no other; programs ``(0, s)`` write ``h`` and the
+  statistics ``rs``.
+* :func:`hyper_up` (kernel B, ``H / bj`` programs): the partials summed and rounded once (the
+  projection's output), ``silu(d / hc)``, the up projection for its ``bj`` columns of every
+  stream, ``sigmoid``, the normalised streams and their mean: the block input ``x``; program 0
+  writes ``inj = 2 * sigmoid(d_inj / hc)``.
 
 Every rounding is the reference's (the model dtype after each elementwise op, float32 sums
 rounded once), so the results equal :func:`hyper_mix_reference` up to the order of float32
@@ -38,16 +40,14 @@ MAX_ROWS = 8
 
 
 class HyperTiles(NamedTuple):
-    """Kernel A: ``bn`` projection rows per program, ``bk`` columns of ``h`` per step (a power
-    of two dividing H), ``unroll`` its steps in Python (else a loop), ``warps_a`` /
-    ``stages_a`` (Triton; stages pipeline the loop). Kernel B: ``bj`` columns of each stream
-    per program, ``bkr`` columns of ``r`` per step, ``warps_b``."""
+    """Kernel A: ``bn`` projection rows per program (one program per ``bn`` rows and stream),
+    ``bk`` columns of a stream per step (a power of two dividing H), ``warps_a`` (Triton).
+    Kernel B: ``bj`` columns of each stream per program, ``bkr`` columns of ``r`` per step,
+    ``warps_b``."""
     bn: int = 4
     bk: int = 512
-    unroll: bool = True
     warps_a: int = 4
-    stages_a: int = 1
-    bj: int = 16
+    bj: int = 8
     bkr: int = 64
     warps_b: int = 4
 
@@ -62,18 +62,18 @@ def _pow2_divisor(n: int, cap: int) -> int:
 
 def default_tiles(hidden: int, r: int) -> HyperTiles:
     """First tiles (not yet swept): ``bk`` the largest power of two up to 512 dividing H,
-    ``bkr`` up to 64 dividing r, ``bn`` 4, ``bj`` 16 (both halved until they divide)."""
+    ``bkr`` up to 64 dividing r, ``bn`` 4, ``bj`` 8 (both halved until they divide)."""
     return HyperTiles(bn=_pow2_divisor(r, 4), bk=_pow2_divisor(hidden, 512),
-                      bj=_pow2_divisor(hidden, 16), bkr=_pow2_divisor(r, 64))
+                      bj=_pow2_divisor(hidden, 8), bkr=_pow2_divisor(r, 64))
 
 
 def supports(rows: int, hc: int, hidden: int, r: int) -> bool:
     """Whether the kernels take the shape: 1 to :data:`MAX_ROWS` rows, a power-of-two stream
-    count, H and r with power-of-two divisors of at least 16 (Triton blocks), at most 64 steps
-    of ``bk`` over ``hc*H`` and 16 of ``bkr`` over r (compile time)."""
+    count, H and r with power-of-two divisors of at least 16 and 8 (Triton blocks), at most 16
+    steps of ``bk`` over H and of ``bkr`` over r (the steps are unrolled)."""
     t = default_tiles(hidden, r)
     return (1 <= rows <= MAX_ROWS and hc >= 1 and not hc & (hc - 1) and t.bk >= 16
-            and t.bkr >= 16 and t.bj >= 16 and hc * hidden // t.bk <= 64 and r // t.bkr <= 16)
+            and t.bkr >= 16 and t.bj >= 8 and hidden // t.bk <= 16 and r // t.bkr <= 16)
 
 
 def _round(v, dtype):
@@ -95,68 +95,51 @@ def _pick(vec, lane, s):
     return jnp.sum(jnp.where(lane == s, vec, 0.0))
 
 
-def _down_kernel(*refs, rows, hc, hidden, r, inj, pending, bn, bk, unroll, eps):
+def _down_kernel(*refs, rows, hc, hidden, r, inj, pending, bn, bk, eps):
     it = iter(refs)
     h_ref = next(it)
     ip_ref, y_ref = (next(it), next(it)) if pending else (None, None)
     nw_ref, wd_ref = next(it), next(it)
     wi_ref = next(it) if inj else None
-    d_ref, rs_ref = next(it), next(it)
+    dp_ref, rs_ref = next(it), next(it)
     ho_ref = next(it) if pending else None
     dt = h_ref.dtype
-    j = pl.program_id(0)
-    per = hidden // bk
-    steps = hc * per
+    j, s = pl.program_id(0), pl.program_id(1)
     lane = lax.broadcasted_iota(jnp.int32, (hc,), 0)
-    inj_prev = [ip_ref[m, :].astype(F32) for m in range(rows)] if pending else None
+    base = s * hidden
+    steps = [_at(base + p * bk, bk) for p in range(hidden // bk)]
+    inj_s = [_pick(ip_ref[m, :].astype(F32), lane, s) for m in range(rows)] if pending else None
 
     def piece(m, p):
-        """Row m's residual (after the pending inject) at columns [p*bk, (p+1)*bk), float32."""
-        h = h_ref[m, _at(p * bk, bk)].astype(F32)
+        """Row m's stream s (after the pending inject), step p of bk columns, float32."""
+        h = h_ref[m, steps[p]].astype(F32)
         if pending:
-            y = y_ref[m, _at((p % per) * bk, bk)].astype(F32)
-            h = _round(h + _round(_pick(inj_prev[m], lane, p // per) * y, dt), dt)
+            y = y_ref[m, pl.ds(p * bk, bk)].astype(F32)
+            h = _round(h + _round(inj_s[m] * y, dt), dt)
         return h
 
-    def loop(n, body, init):
-        if unroll:
-            acc = init
-            for p in range(n):
-                acc = body(p, acc)
-            return acc
-        return lax.fori_loop(0, n, body, init)
-
-    def squares(p, acc):
-        return tuple(acc[m] + jnp.where(lane == p // per, jnp.sum(piece(m, p) ** 2), 0.0)
-                     for m in range(rows))
-
-    ss = loop(steps, squares, tuple(jnp.zeros((hc,), F32) for _ in range(rows)))
-    rs = [lax.rsqrt(ss[m] / hidden + eps) for m in range(rows)]
+    hs = [[piece(m, p) for p in range(len(steps))] for m in range(rows)]
+    rs = [lax.rsqrt(sum(jnp.sum(v * v) for v in hs[m]) / hidden + eps) for m in range(rows)]
 
     @pl.when(j == 0)
     def _():
         for m in range(rows):
-            rs_ref[m, :] = rs[m]
-        if pending:
-            def store(p, c):
-                for m in range(rows):
-                    ho_ref[m, _at(p * bk, bk)] = piece(m, p).astype(dt)
-                return c
-            loop(steps, store, 0)
+            plgpu.store(rs_ref.at[jnp.int32(m), :], jnp.full((hc,), rs[m], F32),
+                        mask=lane == s)
+            if pending:
+                for p, cols in enumerate(steps):
+                    ho_ref[m, cols] = hs[m][p].astype(dt)
 
     def project(w_ref, row0, n_out, col0):
-        def step(p, acc):
-            cols = _at(p * bk, bk)
+        acc = [jnp.zeros((n_out,), F32) for _ in range(rows)]
+        for p, cols in enumerate(steps):
             w = w_ref[pl.ds(row0, n_out), cols].astype(F32)
             g = 1.0 + nw_ref[cols].astype(F32)
-            out = []
             for m in range(rows):
-                hn = _round(piece(m, p) * _pick(rs[m], lane, p // per) * g, dt)
-                out.append(acc[m] + jnp.sum(w * hn[None, :], axis=1))
-            return tuple(out)
-        acc = loop(steps, step, tuple(jnp.zeros((n_out,), F32) for _ in range(rows)))
+                hn = _round(hs[m][p] * rs[m] * g, dt)
+                acc[m] = acc[m] + jnp.sum(w * hn[None, :], axis=1)
         for m in range(rows):
-            d_ref[m, pl.ds(col0, n_out)] = acc[m].astype(dt)
+            dp_ref[s, m, pl.ds(col0, n_out)] = acc[m]
 
     nd = r // bn
 
@@ -174,29 +157,28 @@ def _down_kernel(*refs, rows, hc, hidden, r, inj, pending, bn, bk, unroll, eps):
 @functools.partial(jax.jit, static_argnames=("hc", "eps", "tiles", "interpret"))
 def hyper_down(h, pending, nw, w_down, w_inj, *, hc: int, eps: float, tiles: HyperTiles,
                interpret: bool = False):
-    """Kernel A on ``h [M, hc*H]`` (M <= :data:`MAX_ROWS`): returns ``(h [M, hc*H] after the
-    pending inject (``h`` itself without one), d [M, r (+ hc)] in h's dtype (the down, then
-    the inject projection), rs [M, hc] float32)``. Arguments as
+    """Kernel A on ``h [M, hc*H]`` (M <= :data:`MAX_ROWS`), program ``(j, s)`` for ``bn``
+    projection rows and stream ``s``: returns ``(h [M, hc*H] after the pending inject (``h``
+    itself without one), dp [hc, M, r (+ hc)] float32 (each stream's part of the down, then
+    the inject projection; their sum is the projection), rs [M, hc] float32)``. Arguments as
     :func:`~pallas_kernels.hyper.reference.hyper_mix_reference`."""
     rows, w = h.shape
     hidden, r = w // hc, w_down.shape[0]
     inj = w_inj is not None
     args = [h] + (list(pending) if pending is not None else []) + [nw, w_down] + (
         [w_inj] if inj else [])
-    out_shape = [jax.ShapeDtypeStruct((rows, r + (hc if inj else 0)), h.dtype),
+    out_shape = [jax.ShapeDtypeStruct((hc, rows, r + (hc if inj else 0)), F32),
                  jax.ShapeDtypeStruct((rows, hc), F32)]
     if pending is not None:
         out_shape.append(jax.ShapeDtypeStruct((rows, w), h.dtype))
     res = pl.pallas_call(
         functools.partial(_down_kernel, rows=rows, hc=hc, hidden=hidden, r=r, inj=inj,
-                          pending=pending is not None, bn=tiles.bn, bk=tiles.bk,
-                          unroll=tiles.unroll, eps=eps),
-        grid=(r // tiles.bn + (1 if inj else 0),),
+                          pending=pending is not None, bn=tiles.bn, bk=tiles.bk, eps=eps),
+        grid=(r // tiles.bn + (1 if inj else 0), hc),
         in_specs=[whole(a.shape) for a in args],
         out_specs=[whole(s.shape) for s in out_shape],
         out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps_a,
-                                             num_stages=tiles.stages_a),
+        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps_a, num_stages=1),
         interpret=interpret,
         name="hyper_down",
     )(*args)
@@ -205,18 +187,19 @@ def hyper_down(h, pending, nw, w_down, w_inj, *, hc: int, eps: float, tiles: Hyp
 
 def _up_kernel(*refs, rows, hc, hidden, r, inj, bj, bkr):
     it = iter(refs)
-    d_ref, h_ref, rs_ref, nw_ref, wu_ref = (next(it) for _ in range(5))
+    dp_ref, h_ref, rs_ref, nw_ref, wu_ref = (next(it) for _ in range(5))
     x_ref = next(it)
     inj_ref = next(it) if inj else None
     dt = h_ref.dtype
     j = pl.program_id(0)
     lane = lax.broadcasted_iota(jnp.int32, (hc,), 0)
     col0 = pl.multiple_of(j * bj, bj)
+    d = lambda m, cols: _round(sum(dp_ref[t, m, cols] for t in range(hc)), dt)  # one rounding
     act = []
     for m in range(rows):
         pieces = []
         for q in range(r // bkr):
-            a = _round(_round(d_ref[m, pl.ds(q * bkr, bkr)].astype(F32), dt) / hc, dt)
+            a = _round(d(m, pl.ds(q * bkr, bkr)) / hc, dt)
             pieces.append(_round(a * _sigmoid(a, dt), dt))
         act.append(pieces)
     rs = [rs_ref[m, :] for m in range(rows)]
@@ -237,19 +220,19 @@ def _up_kernel(*refs, rows, hc, hidden, r, inj, bj, bkr):
         @pl.when(j == 0)
         def _():
             for m in range(rows):
-                z = _round(_round(d_ref[m, pl.ds(r, hc)].astype(F32), dt) / hc, dt)
+                z = _round(d(m, pl.ds(r, hc)) / hc, dt)
                 inj_ref[m, :] = (2.0 * _sigmoid(z, dt)).astype(dt)
 
 
 @functools.partial(jax.jit, static_argnames=("hc", "inj", "tiles", "interpret"))
-def hyper_up(d, h, rs, nw, w_up, *, hc: int, inj: bool, tiles: HyperTiles,
+def hyper_up(dp, h, rs, nw, w_up, *, hc: int, inj: bool, tiles: HyperTiles,
              interpret: bool = False):
-    """Kernel B: ``d [M, r (+ hc)]`` and ``rs`` of :func:`hyper_down`, ``h [M, hc*H]`` (after
+    """Kernel B: ``dp [hc, M, r (+ hc)]`` and ``rs`` of :func:`hyper_down`, ``h [M, hc*H]`` (after
     the pending inject), ``nw [hc*H]``, ``w_up [hc*H, r]``. Returns ``(x [M, H], inj [M, hc]
     or None)`` in h's dtype."""
     rows, w = h.shape
     hidden, r = w // hc, w_up.shape[1]
-    args = [d, h, rs, nw, w_up]
+    args = [dp, h, rs, nw, w_up]
     out_shape = [jax.ShapeDtypeStruct((rows, hidden), h.dtype)] + (
         [jax.ShapeDtypeStruct((rows, hc), h.dtype)] if inj else [])
     res = pl.pallas_call(
@@ -278,8 +261,7 @@ def hyper_mix(h, pending, nw, w_down, w_inj, w_up, *, hc: int, eps: float,
       nw: ``[hc*H]`` the zero-centred norm weight.
       w_down, w_inj, w_up: ``[r, hc*H]``, ``[hc, hc*H]`` or ``None``, ``[hc*H, r]``.
       hc, eps: the stream count and the norm's epsilon.
-      tiles: :class:`HyperTiles` (default :func:`default_tiles`; in interpret mode with
-        ``unroll`` off, the same sums traced once instead of per step).
+      tiles: :class:`HyperTiles` (default :func:`default_tiles`).
       interpret: Pallas interpret mode (``None``: when the default device is not a GPU).
     Returns:
       ``(h, x [..., H], inj [..., hc] or None)``, as
@@ -301,13 +283,13 @@ def hyper_mix(h, pending, nw, w_down, w_inj, w_up, *, hc: int, eps: float,
         raise ValueError(f"hyper_mix: {rows} rows of {hc} streams x {hidden} with rank {r} "
                          "is not a shape the kernels take (see supports()).")
     interpret = interpret_mode(interpret)
-    tiles = tiles or default_tiles(hidden, r)._replace(unroll=not interpret)
+    tiles = tiles or default_tiles(hidden, r)
     flat = lambda a, n: a.reshape(rows, n)
     pend = None if pending is None else (flat(pending[0], hc).astype(h.dtype),
                                          flat(pending[1], hidden).astype(h.dtype))
-    h2, d, rs = hyper_down(flat(h, w), pend, nw, w_down, w_inj, hc=hc, eps=float(eps),
+    h2, dp, rs = hyper_down(flat(h, w), pend, nw, w_down, w_inj, hc=hc, eps=float(eps),
                            tiles=tiles, interpret=interpret)
-    x, inj = hyper_up(d, h2, rs, nw, w_up, hc=hc, inj=w_inj is not None, tiles=tiles,
+    x, inj = hyper_up(dp, h2, rs, nw, w_up, hc=hc, inj=w_inj is not None, tiles=tiles,
                       interpret=interpret)
     return (h2.reshape(h.shape), x.reshape(*lead, hidden),
             None if inj is None else inj.reshape(*lead, hc))

@@ -1,5 +1,5 @@
 """The hyper-connection mix kernels (pallas_kernels.hyper) against a float64 numpy derivation
-and the XLA reference (interpret mode on the CPU, and the Triton lowering of the unrolled form);
+and the XLA reference (interpret mode on the CPU, and their Triton lowering);
 the model's GatedResidual with the kernels against its XLA composition."""
 
 from __future__ import annotations
@@ -14,7 +14,7 @@ from tests.helpers.triton_lowering import lower_for_cuda
 
 EPS = 1e-6
 HC, H, R = 4, 64, 32
-TILES = HyperTiles(bn=4, bk=32, unroll=False, bj=16, bkr=16)
+TILES = HyperTiles(bn=4, bk=32, bj=16, bkr=16)
 
 
 def _inputs(rows, dtype, seed, pending=True, inj=True):
@@ -83,9 +83,9 @@ def test_stream_statistics_are_per_stream():
     np.testing.assert_allclose(np.asarray(stream_rsqrt(h, HC, 0.0))[0], [0.5, 2, 1, 1])
 
 
-def test_unrolled_form_lowers_to_triton():
+def test_kernels_lower_to_triton():
     args = _inputs(4, jnp.bfloat16, seed=1)
-    tiles = HyperTiles(bn=4, bk=32, unroll=True, bj=16, bkr=16)
+    tiles = HyperTiles(bn=4, bk=32, bj=8, bkr=16)
     text = lower_for_cuda(lambda *a: hyper_mix(*a, hc=HC, eps=EPS, tiles=tiles,
                                                interpret=False), *args)
     assert text.count("hyper_down") and text.count("hyper_up")
