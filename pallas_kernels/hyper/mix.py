@@ -1,10 +1,11 @@
 """The hyper-connection mix of qwen4_exp as two Pallas (Triton) kernels, for calls of a few rows
 (decode, verify and draft steps).
 
-XLA runs the mix (:mod:`pallas_kernels.hyper.reference`) around every block as about six
-small kernels (the streams' sums of squares, the low-rank down and inject projections, the up
-projection, the weighted mean, the previous block's inject add), each a few microseconds at
-one row: latency, not bytes. Here it is two:
+XLA runs the mix (:mod:`pallas_kernels.hyper.reference`) before every block as about nine
+small kernels (the previous block's inject add, the streams' sums of squares, converts, the
+low-rank down and inject projections, the up projection with the weighted mean), about 18 us
+at one row on the H200 for 6 us of weight bytes (docs/benchmarks.md, session 36): latency,
+not bytes. Here it is two:
 
 * :func:`hyper_down` (kernel A, a program per ``bn`` rows of ``[w_down; w_inj]`` and stream
   ``s``): the pending inject ``h + inj_prev * y_prev`` (optional) on stream ``s``, its RMS
