@@ -68,13 +68,27 @@ def default_tiles(hidden: int, r: int) -> HyperTiles:
                       bj=_pow2_divisor(hidden, 8), bkr=_pow2_divisor(r, 64))
 
 
-def supports(rows: int, hc: int, hidden: int, r: int) -> bool:
-    """Whether the kernels take the shape: 1 to :data:`MAX_ROWS` rows, a power-of-two stream
-    count, H and r with power-of-two divisors of at least 16 and 8 (Triton blocks), at most 16
-    steps of ``bk`` over H and of ``bkr`` over r (the steps are unrolled)."""
+def unsupported(rows: int, hc: int, hidden: int, r: int) -> str | None:
+    """Why the kernels cannot take the shape (naming the value and the rule), or ``None``: they
+    take 1 to :data:`MAX_ROWS` rows, a power-of-two stream count, a width H and a rank r that
+    are multiples of 16 (Triton blocks are powers of two of at least 16) and at most 16 steps
+    of :func:`default_tiles`' ``bk`` over H and ``bkr`` over r (the steps are unrolled)."""
     t = default_tiles(hidden, r)
-    return (1 <= rows <= MAX_ROWS and hc >= 1 and not hc & (hc - 1) and t.bk >= 16
-            and t.bkr >= 16 and t.bj >= 8 and hidden // t.bk <= 16 and r // t.bkr <= 16)
+    if not 1 <= rows <= MAX_ROWS:
+        return f"{rows} rows (the kernels take 1 to {MAX_ROWS}; XLA takes more)"
+    if hc < 1 or hc & (hc - 1):
+        return f"hc_count {hc} is not a power of two"
+    if hidden % 16 or hidden // t.bk > 16:
+        return (f"hidden_size {hidden} is not a multiple of 16 of at most 16 steps of "
+                f"{t.bk} columns")
+    if r % 16 or r // t.bkr > 16:
+        return f"hc_lowrank {r} is not a multiple of 16 of at most 16 steps of {t.bkr} columns"
+    return None
+
+
+def supports(rows: int, hc: int, hidden: int, r: int) -> bool:
+    """Whether :func:`unsupported` finds nothing."""
+    return unsupported(rows, hc, hidden, r) is None
 
 
 def _round(v, dtype):
@@ -280,9 +294,9 @@ def hyper_mix(h, pending, nw, w_down, w_inj, w_up, *, hc: int, eps: float,
         raise ValueError(f"hyper_mix: h {h.shape}, nw {nw.shape}, w_down {w_down.shape}, "
                          f"w_inj {None if w_inj is None else w_inj.shape}, w_up {w_up.shape} "
                          f"do not fit {hc} streams.")
-    if not supports(rows, hc, hidden, r):
-        raise ValueError(f"hyper_mix: {rows} rows of {hc} streams x {hidden} with rank {r} "
-                         "is not a shape the kernels take (see supports()).")
+    why = unsupported(rows, hc, hidden, r)
+    if why:
+        raise ValueError(f"hyper_mix: not a shape the kernels take: {why}.")
     interpret = interpret_mode(interpret)
     tiles = tiles or default_tiles(hidden, r)
     flat = lambda a, n: a.reshape(rows, n)
@@ -297,4 +311,4 @@ def hyper_mix(h, pending, nw, w_down, w_inj, w_up, *, hc: int, eps: float,
 
 
 __all__ = ["MAX_ROWS", "HyperTiles", "default_tiles", "hyper_down", "hyper_mix", "hyper_up",
-           "supports"]
+           "supports", "unsupported"]

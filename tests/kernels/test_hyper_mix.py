@@ -9,7 +9,7 @@ import numpy as np
 import pytest
 
 from pallas_kernels.hyper import (HyperTiles, hyper_mix, hyper_mix_reference, stream_rsqrt,
-                                  supports)
+                                  supports, unsupported)
 from tests.helpers.triton_lowering import lower_for_cuda
 
 EPS = 1e-6
@@ -96,10 +96,13 @@ def test_supports_and_refusals():
     assert not supports(9, 4, 2560, 320)  # more rows than unrolled: XLA
     assert not supports(1, 3, 2560, 320)  # streams not a power of two
     assert not supports(1, 4, 2560, 8)  # rank below a 16-wide block
+    assert unsupported(1, 4, 2560, 8) == ("hc_lowrank 8 is not a multiple of 16 of at most 16 "
+                                          "steps of 8 columns")
+    assert "hidden_size 72 " in unsupported(1, 4, 72, 320)
     h, pend, nw, wd, wi, wu = _inputs(1, jnp.float32, seed=2)
     with pytest.raises(ValueError, match="do not fit"):
         hyper_mix(h, pend, nw, wd[:, :-1], wi, wu, hc=HC, eps=EPS, interpret=True)
-    with pytest.raises(ValueError, match="not a shape the kernels take"):
+    with pytest.raises(ValueError, match="not a shape the kernels take: 9 rows"):
         hyper_mix(jnp.tile(h, (9, 1)), None, nw, wd, wi, wu, hc=HC, eps=EPS, interpret=True)
 
 

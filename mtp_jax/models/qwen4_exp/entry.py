@@ -19,9 +19,9 @@ inside the program (:mod:`~mtp_jax.models.qwen4_exp.ple_device`, no host callbac
 memory, else ``disk`` (:func:`ple_backend_for`).
 
 Kernels (:mod:`~mtp_jax.models.qwen4_exp.kernels`): the GDN and MoE ops take ``pallas`` on a GPU
-when asked for (``--gdn-backend pallas`` / ``--moe-backend pallas``: opt-in, not yet measured on
-this family's shapes, so ``auto`` is XLA); QSA attention, the norms and the one-row projections
-run on XLA (``pallas`` for them is refused before any weight loads).
+(``auto`` too, where the kernels take the model); ``norm`` is the hyper-connections' kernels
+(opt-in: ``auto`` is XLA until they are measured faster); QSA attention and the one-row
+projections run on XLA (``pallas`` for them is refused before any weight loads).
 """
 
 from __future__ import annotations
@@ -56,7 +56,7 @@ def build(cfg: Qwen4ExpConfig, dtype, with_mtp: bool) -> Qwen4ExpModel:
 
 def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp:
     """:func:`~mtp_jax.models.qwen4_exp.loader.load_qwen4_exp` for ``load_model`` (the entry's
-    capabilities were checked before: no draft folder, kernels for GDN and MoE only; the
+    capabilities were checked before: no draft folder, kernels for GDN, MoE and norm only; the
     kernel choices are resolved there, before any weight is read); a GGUF target reads its
     Strata pack from the draft path, or from its folder when none is given
     (:func:`~mtp_jax.weights.gguf_header.folder_pack`); with ``dummy_weight``

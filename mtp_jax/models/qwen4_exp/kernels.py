@@ -1,5 +1,5 @@
 """Which kernels a qwen4_exp (Qwen3.8-Flash-Next) load runs: the GDN and MoE Pallas (Triton)
-kernels on a GPU, XLA for everything else.
+kernels on a GPU, the hyper-connection kernels when asked for, XLA for everything else.
 
 Its GDN layers and MoE blocks are the shared ones (:mod:`mtp_jax.models.layers.gdn`,
 :class:`~mtp_jax.models.layers.mlp.SparseMoE`), so ``--gdn-backend pallas`` and
@@ -19,7 +19,7 @@ import dataclasses
 
 from mtp_jax.config import ConfigError
 from mtp_jax.kernels import KernelBackends, check_kernel_ops, gdn_dims_of
-from pallas_kernels.hyper import supports as hyper_supports
+from pallas_kernels.hyper import unsupported as hyper_unsupported
 
 __all__ = ["KERNEL_OPS", "hyper_misfit", "resolve_kernels"]
 
@@ -30,12 +30,9 @@ AUTO_HYPER_ON_GPU = False
 
 
 def hyper_misfit(cfg) -> str | None:
-    """Why the hyper-connection kernels cannot take ``cfg``, or ``None`` when they can."""
-    if hyper_supports(1, cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank):
-        return None
-    return (f"hc_count {cfg.hc_count}, hidden_size {cfg.hidden_size} and hc_lowrank "
-            f"{cfg.hc_lowrank} are not a power-of-two stream count with sizes of "
-            "power-of-two blocks (pallas_kernels.hyper.supports)")
+    """Why the hyper-connection kernels cannot take ``cfg`` (the value and the rule), or
+    ``None`` when they can (:func:`pallas_kernels.hyper.unsupported`)."""
+    return hyper_unsupported(1, cfg.hc_count, cfg.hidden_size, cfg.hc_lowrank)
 
 
 def moe_misfit(cfg) -> str | None:

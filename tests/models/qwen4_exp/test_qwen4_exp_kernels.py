@@ -1,6 +1,7 @@
 """qwen4_exp kernel backends: GDN and MoE take ``pallas`` on a GPU (``auto`` too, where the kernels
-take the model; a GPU is faked where a load must pass the checks), XLA on the CPU and for every
-other op, and ``pallas`` for QSA attention, norm and gemv is refused before any weight is read.
+take the model; a GPU is faked where a load must pass the checks), the hyper-connection kernels
+(``norm``) when asked for, XLA on the CPU and for every other op, and ``pallas`` for QSA
+attention and gemv is refused before any weight is read.
 The GDN kernels' path through the model (decode rows, verify, partial commit) runs in Pallas
 interpret mode on the CPU against the golden logits of tests/fixtures/tiny_qwen4_exp. The Triton
 lowering at Flash-Next's shapes: tests/kernels/test_pallas_gdn_fused.py,
@@ -89,10 +90,12 @@ def test_auto_takes_the_gdn_moe_and_hyper_connection_kernels_on_a_gpu_only(auto_
     odd = dataclasses.replace(cfg, linear_key_head_dim=96)
     assert resolve_kernels(odd, "bfloat16", hyper, platform="gpu") == KernelBackends(
         moe="pallas")
-    for odd in (dataclasses.replace(cfg, hc_count=3), dataclasses.replace(cfg, hc_lowrank=8)):
+    for change, why in ((dict(hc_count=3), "hc_count 3 is not a power of two"),
+                        (dict(hc_lowrank=8), "hc_lowrank 8 is not a multiple of 16")):
+        odd = dataclasses.replace(cfg, **change)
         assert resolve_kernels(odd, "bfloat16", {}, platform="gpu").norm == "xla"
-        with pytest.raises(ConfigError, match="norm_backend 'pallas' cannot run this model: "
-                                              "hc_count"):
+        with pytest.raises(ConfigError, match=f"norm_backend 'pallas' cannot run this model: "
+                                              f"{why}"):
             resolve_kernels(odd, "bfloat16", {"norm": "pallas"}, platform="gpu")
     with pytest.raises(ConfigError, match="norm_backend 'pallas' needs a CUDA GPU"):
         resolve_kernels(cfg, "bfloat16", {"norm": "pallas"}, platform="cpu")
