@@ -61,9 +61,9 @@ def choices_of(op: str) -> tuple[str, ...]:
     return CHOICES + EXTRA_CHOICES.get(op, ())
 
 
-def _either(items: list[str]) -> str:
-    """``["a", "b", "c"]`` -> ``"a, b or c"``."""
-    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + " or " + items[-1]
+def _either(items: list[str], word: str = "or") -> str:
+    """``["a", "b", "c"]`` -> ``"a, b or c"`` (``word="and"``: ``"a, b and c"``)."""
+    return items[0] if len(items) == 1 else ", ".join(items[:-1]) + f" {word} " + items[-1]
 
 
 def add_backend_flags(parser) -> None:
@@ -213,8 +213,7 @@ def check_kernel_ops(model_type: str, kernel_ops: tuple[str, ...], chosen: dict)
     if not asked:
         return
     ops = _either([op for op, _ in asked])
-    kernels = (f"its GPU kernels run {_either(list(kernel_ops)).replace(' or ', ' and ')} only"
-               if kernel_ops
+    kernels = (f"its GPU kernels run {_either(list(kernel_ops), 'and')} only" if kernel_ops
                else "it runs the XLA kernels only for now")
     raise ConfigError(
         f"{model_type} runs {ops} on XLA ({kernels}), but "

@@ -158,8 +158,8 @@ def main(argv=None) -> int:
                             "GPU, XLA on the CPU; pallas needs a GPU)")
     p.add_argument("--norm-backend", nargs="+", default=["auto"],
                    choices=["auto", "xla", "pallas"],
-                   help="the hyper-connection kernels of each run, e.g. xla pallas for an A/B "
-                        "(default auto: pallas on a GPU)")
+                   help="the hyper-connections of each run (--norm-backend), e.g. xla pallas "
+                        "for an A/B (default auto: XLA until the kernels are measured faster)")
     p.add_argument("--gguf", default=None, choices=TYPES, metavar="TYPE",
                    help="write a GGUF target + Strata pack with routed experts in TYPE "
                         f"({', '.join(TYPES)}) and run them (default: a bf16 safetensors "

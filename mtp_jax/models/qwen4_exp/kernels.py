@@ -51,8 +51,8 @@ def resolve_kernels(cfg, dtype: str | None, backends: dict | None = None,
     ``auto`` resolved as :meth:`KernelBackends.resolve` does (``pallas`` on a GPU where the
     kernels take the model) but XLA where the MoE tiles do not fit; for ``norm`` (the
     hyper-connection kernels) ``auto`` is ``pallas`` on a GPU where :func:`hyper_misfit` is
-    ``None`` and :data:`AUTO_HYPER_ON_GPU` is set; ``xla`` for every other op. ``platform``: as :meth:`KernelBackends.resolve`
-    (default: JAX's).
+    ``None`` and :data:`AUTO_HYPER_ON_GPU` is set; ``xla`` for every other op. ``platform``:
+    as :meth:`KernelBackends.resolve` (default: JAX's).
 
     Raises ConfigError for a non-XLA choice for another op (naming it), and for ``pallas``
     where :meth:`KernelBackends.resolve` refuses it (no GPU, float32 MoE, GDN head sizes the
