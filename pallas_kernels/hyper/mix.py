@@ -26,6 +26,7 @@ sums. Rows are unrolled (at most :data:`MAX_ROWS`); calls with more rows take XL
 from __future__ import annotations
 
 import functools
+import math
 from typing import NamedTuple
 
 import jax
@@ -110,6 +111,16 @@ def _pick(vec, lane, s):
     return jnp.sum(jnp.where(lane == s, vec, 0.0))
 
 
+def _call(kernel, grid, args, out_shape, warps: int, interpret: bool, name: str):
+    """``pl.pallas_call`` of ``kernel`` over ``grid`` with every array whole (the kernels
+    index their pieces themselves)."""
+    return pl.pallas_call(
+        kernel, grid=grid, in_specs=[whole(a.shape) for a in args],
+        out_specs=[whole(s.shape) for s in out_shape], out_shape=out_shape,
+        compiler_params=plgpu.CompilerParams(num_warps=warps, num_stages=1),
+        interpret=interpret, name=name)(*args)
+
+
 def _down_kernel(*refs, rows, hc, hidden, r, inj, pending, bn, bk, eps):
     it = iter(refs)
     h_ref = next(it)
@@ -186,17 +197,10 @@ def hyper_down(h, pending, nw, w_down, w_inj, *, hc: int, eps: float, tiles: Hyp
                  jax.ShapeDtypeStruct((rows, hc), F32)]
     if pending is not None:
         out_shape.append(jax.ShapeDtypeStruct((rows, w), h.dtype))
-    res = pl.pallas_call(
-        functools.partial(_down_kernel, rows=rows, hc=hc, hidden=hidden, r=r, inj=inj,
-                          pending=pending is not None, bn=tiles.bn, bk=tiles.bk, eps=eps),
-        grid=(r // tiles.bn + (1 if inj else 0), hc),
-        in_specs=[whole(a.shape) for a in args],
-        out_specs=[whole(s.shape) for s in out_shape],
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps_a, num_stages=1),
-        interpret=interpret,
-        name="hyper_down",
-    )(*args)
+    kernel = functools.partial(_down_kernel, rows=rows, hc=hc, hidden=hidden, r=r, inj=inj,
+                               pending=pending is not None, bn=tiles.bn, bk=tiles.bk, eps=eps)
+    res = _call(kernel, (r // tiles.bn + (1 if inj else 0), hc), args, out_shape,
+                tiles.warps_a, interpret, "hyper_down")
     return (res[2] if pending is not None else h), res[0], res[1]
 
 
@@ -250,17 +254,10 @@ def hyper_up(dp, h, rs, nw, w_up, *, hc: int, inj: bool, tiles: HyperTiles,
     args = [dp, h, rs, nw, w_up]
     out_shape = [jax.ShapeDtypeStruct((rows, hidden), h.dtype)] + (
         [jax.ShapeDtypeStruct((rows, hc), h.dtype)] if inj else [])
-    res = pl.pallas_call(
-        functools.partial(_up_kernel, rows=rows, hc=hc, hidden=hidden, r=r, inj=inj,
-                          bj=tiles.bj, bkr=tiles.bkr),
-        grid=(hidden // tiles.bj,),
-        in_specs=[whole(a.shape) for a in args],
-        out_specs=[whole(s.shape) for s in out_shape],
-        out_shape=out_shape,
-        compiler_params=plgpu.CompilerParams(num_warps=tiles.warps_b, num_stages=1),
-        interpret=interpret,
-        name="hyper_up",
-    )(*args)
+    kernel = functools.partial(_up_kernel, rows=rows, hc=hc, hidden=hidden, r=r, inj=inj,
+                               bj=tiles.bj, bkr=tiles.bkr)
+    res = _call(kernel, (hidden // tiles.bj,), args, out_shape, tiles.warps_b, interpret,
+                "hyper_up")
     return res[0], (res[1] if inj else None)
 
 
@@ -285,9 +282,7 @@ def hyper_mix(h, pending, nw, w_down, w_inj, w_up, *, hc: int, eps: float,
       ValueError: a shape :func:`supports` does not take, or mismatched arrays.
     """
     lead, w = h.shape[:-1], h.shape[-1]
-    rows = 1
-    for n in lead:
-        rows *= n
+    rows = math.prod(lead)
     r, hidden = w_down.shape[0], w // hc
     if (w % hc or w_down.shape != (r, w) or w_up.shape != (w, r) or nw.shape != (w,)
             or (w_inj is not None and w_inj.shape != (hc, w))):

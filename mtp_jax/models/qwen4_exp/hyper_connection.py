@@ -19,6 +19,8 @@ calls, and weights held quantized, take the XLA composition below.
 
 from __future__ import annotations
 
+import math
+
 import jax
 import jax.numpy as jnp
 from flax import nnx
@@ -61,9 +63,7 @@ class GatedResidual(nnx.Module):
         return x, inj
 
     def _kernel_applies(self, h: jax.Array) -> bool:
-        rows = 1
-        for n in h.shape[:-1]:
-            rows *= n
+        rows = math.prod(h.shape[:-1])
         linears = [self.input_mix_weight_down, self.input_mix_weight_up]
         if self.block_inject_weight is not None:
             linears.append(self.block_inject_weight)
