@@ -46,7 +46,7 @@ EXPERIMENTAL = {
             "experimental: the 2B decode step -0.016 ms on one H200 and +0.024 ms on another "
             "(docs/benchmarks.md)"}
 NOTES = {"norm": "qwen4_exp: pallas = its hyper-connections as two Triton kernels a block, auto "
-                 "= xla there (not yet measured faster)",
+                 "= xla there (no faster in the engine, slower above one row)",
          "gemv": "reduce = XLA's multiply-reduce form of one-row calls with K <= 8192 (XLA's "
                  "GEMM for the others); pallas = a Triton kernel for one-row calls with >= 4096 "
                  "output columns, and for projections kept quantized (--quantization keep) a "

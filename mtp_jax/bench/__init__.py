@@ -3,11 +3,13 @@ speculative-round timings on a random-weight model of a real shape, against the 
 exactness-confirming forced drafts. (``python -m mtp_jax.bench --help`` lists the other
 subcommands, each with its own ``--help``; :mod:`mtp_jax.bench.commands` dispatches.)
 
-For each configuration (``configs/*.json``), batch size and k (0 = speculation off), in the
-chosen dtype, with ``--prompt-len`` prompt tokens and ``--decode-tokens`` timed tokens per
-request, it reports:
+For each configuration (``configs/*.json``), batch size, prompt length (``--prompt-len N [N
+...]``: long-context rows on one model) and k (0 = speculation off), in the chosen dtype, with
+``--decode-tokens`` timed tokens per request, it reports:
 
-* prefill tokens/s at the prompt length (median of ``--prefill-reps`` single-prompt prefills);
+* prefill tokens/s at the prompt length (median of ``--prefill-reps`` single-prompt prefills;
+  the whole prompt in one call up to 8192 tokens, 2048-token calls above, or
+  ``--chunked-prefill-size`` tokens a call);
 * the median decode-step (k = 0) or round (k > 0) time over the timed phase, its p10 / p90 and
   the context range covered; rounds run overlapped as the engine serves them (the next round
   dispatched before the previous result is read), and a round's time is the interval between

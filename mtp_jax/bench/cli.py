@@ -39,7 +39,12 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
     p.add_argument("--batch", type=int, nargs="+", default=[1], help="batch sizes")
     p.add_argument("--k", type=int, nargs="+", default=[0, 3],
                    help="drafts per round; 0 = speculation off (plain decode steps)")
-    p.add_argument("--prompt-len", type=int, default=1024, help="prompt tokens per request")
+    p.add_argument("--prompt-len", type=int, nargs="+", default=[1024],
+                   help="prompt tokens per request, a set of rows per value (long contexts: "
+                        "8192 32768 131072; default 1024)")
+    p.add_argument("--chunked-prefill-size", type=int, default=None,
+                   help="prompt tokens per prefill call (default: the whole prompt up to "
+                        "8192 tokens, 2048-token chunks above, the engine's default)")
     p.add_argument("--decode-tokens", type=int, default=1024,
                    help="tokens each request decodes in the timed phase (k=0: steps; k>0: "
                         "rounds until that many are committed)")
@@ -232,7 +237,8 @@ def main(argv=None, description: str | None = None) -> int:
             raise ValueError(f"--batch {args.batch}: every batch size must be >= 1.")
         if any(not 0 <= k <= 8 for k in ks):
             raise ValueError(f"--k {args.k}: every k must be in 0..8.")
-        s = Settings(prompt_len=args.prompt_len, decode_tokens=args.decode_tokens,
+        s = Settings(prompt_len=args.prompt_len[0], chunk=args.chunked_prefill_size,
+                     decode_tokens=args.decode_tokens,
                      warmup_rounds=args.warmup_rounds, page_size=args.page_size,
                      hbm_tbps=args.hbm_tbps, accept_lengths=tuple(args.accept_lengths),
                      prefill_reps=args.prefill_reps, max_k=max(ks),
@@ -241,7 +247,8 @@ def main(argv=None, description: str | None = None) -> int:
                      draft_layer_dtype=_dtype(args.draft_layer_dtype[0]),
                      num_scheduler_steps=tuple(args.num_scheduler_steps),
                      prefix_cache=not args.disable_prefix_cache)
-        s.validate()
+        for n in args.prompt_len:
+            dataclasses.replace(s, prompt_len=n).validate()
         for t in args.temperature:
             dataclasses.replace(s, temperature=t, top_p=args.top_p, top_k=args.top_k).validate()
         for k in ks:  # forced only in greedy rows
@@ -286,15 +293,15 @@ def main(argv=None, description: str | None = None) -> int:
         meta["kernel_backends"] = _kernels(model)
         print(f"{path}: random weights in {time.perf_counter() - t0:.1f}s", file=sys.stderr,
               flush=True)
-        for b in args.batch:
-            refs: dict = {}  # this batch's continuations, shared by its rows (bench_one)
-            plan = [(t, *row) for t in dict.fromkeys(args.temperature)
-                    for row in row_plan(ks, s.num_scheduler_steps, args.draft_head_dtype,
-                                        args.draft_layer_dtype, forced=t == 0)]
+        plan = [(t, *row) for t in dict.fromkeys(args.temperature)
+                for row in row_plan(ks, s.num_scheduler_steps, args.draft_head_dtype,
+                                    args.draft_layer_dtype, forced=t == 0)]
+        for b, n in [(b, n) for b in args.batch for n in dict.fromkeys(args.prompt_len)]:
+            refs: dict = {}  # this batch and prompt's continuations, shared by its rows
             for t, k, steps, head, layer in plan:
                 r = bench_one(model, b, k, dataclasses.replace(
-                    s, draft_head_dtype=head, draft_layer_dtype=layer, temperature=t,
-                    top_p=args.top_p, top_k=args.top_k), refs, steps)
+                    s, prompt_len=n, draft_head_dtype=head, draft_layer_dtype=layer,
+                    temperature=t, top_p=args.top_p, top_k=args.top_k), refs, steps)
                 r = {"config": path, **r, "kernel_backends": _kernels(model),
                      "quantization": (None if args.quantization == "none"
                                       else args.quantization)}

@@ -59,7 +59,7 @@ def make_engine(model, batch: int, k: int, s: Settings, steps: int = 1) -> Engin
                                     adaptive=False)  # forced and timed rounds draft every time
     eng = Engine(model, EngineConfig(max_running_requests=batch + 1, page_size=s.page_size,
                                      max_model_len=s.max_model_len,
-                                     chunked_prefill_size=s.prompt_len,
+                                     chunked_prefill_size=s.chunk_size,
                                      enable_prefix_cache=s.prefix_cache, dtype=model.dtype,
                                      num_scheduler_steps=steps or None),
                  speculative)
@@ -71,7 +71,7 @@ def make_engine(model, batch: int, k: int, s: Settings, steps: int = 1) -> Engin
 def bucket_names(eng: Engine, batch: int, k: int, s: Settings) -> tuple[str, str]:
     """The row's program names as the tables show them: ``("prefill[T=1024,k=3]",
     "round[B=1,k=3,steps=4,sampled]")`` (T and B the padded buckets)."""
-    t = max(16, next_pow2(s.prompt_len))
+    t = max(16, next_pow2(s.chunk_size))
     b = min(next_pow2(batch), next_pow2(eng.cfg.max_running_requests))
     steps = f",steps={eng.rounds_per_call}" if eng.rounds_per_call > 1 else ""
     steps += ",sampled" if s.sampled else ""

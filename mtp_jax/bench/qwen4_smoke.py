@@ -159,7 +159,7 @@ def main(argv=None) -> int:
     p.add_argument("--norm-backend", nargs="+", default=["auto"],
                    choices=["auto", "xla", "pallas"],
                    help="the hyper-connections of each run (--norm-backend), e.g. xla pallas "
-                        "for an A/B (default auto: XLA until the kernels are measured faster)")
+                        "for an A/B (default auto: XLA, the kernels measured no faster)")
     p.add_argument("--gguf", default=None, choices=TYPES, metavar="TYPE",
                    help="write a GGUF target + Strata pack with routed experts in TYPE "
                         f"({', '.join(TYPES)}) and run them (default: a bf16 safetensors "

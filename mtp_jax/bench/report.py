@@ -172,14 +172,14 @@ def bytes_table(results: list[dict]) -> str:
 
 def step_ratios(results: list[dict]) -> list[dict]:
     """Each k > 0 row's round time over the decode step (the k = 0 row) of the same shape,
-    batch, rounds per call and sampling: issue 5's "k = 3 round at most 1.25x the decode
+    batch, prompt length, rounds per call and sampling: issue 5's "k = 3 round at most 1.25x the decode
     step". Rows without such a k = 0 row are left out. Returns ``[{config, batch, k,
-    steps_per_call, round_ms, step_ms, ratio, draft_head_dtype, draft_layer_dtype,
+    prompt_len, steps_per_call, round_ms, step_ms, ratio, draft_head_dtype, draft_layer_dtype,
     sampling}]``."""
     def key_of(r: dict) -> tuple:
         sampling = r.get("sampling")
         return (r["config"], r["batch"], r.get("steps_per_call", 1),
-                sampling_text(sampling) if sampling else None)
+                sampling_text(sampling) if sampling else None, r.get("prompt_len"))
 
     steps = {key_of(r): r["round_ms"] for r in results if not r["k"]}
     out = []
@@ -187,7 +187,7 @@ def step_ratios(results: list[dict]) -> list[dict]:
         key = key_of(r)
         if r["k"] and key in steps:
             out.append({"config": r["config"], "batch": r["batch"], "k": r["k"],
-                        "steps_per_call": key[2], "round_ms": r["round_ms"],
+                        "prompt_len": key[4], "steps_per_call": key[2], "round_ms": r["round_ms"],
                         "step_ms": steps[key], "ratio": r["round_ms"] / steps[key],
                         "draft_head_dtype": r.get("draft_head_dtype"),
                         "draft_layer_dtype": r.get("draft_layer_dtype"),
@@ -200,10 +200,10 @@ def ratio_table(results: list[dict]) -> str:
     rows = step_ratios(results)
     if not rows:
         return ""
-    lines = ["| shape | batch | k | round ms | decode step ms (k = 0, same rounds per call) | "
-             "round / step |", "|---|---|---|---|---|---|"]
+    lines = ["| shape | batch | prompt | k | round ms | decode step ms (k = 0, same rounds "
+             "per call) | round / step |", "|---|---|---|---|---|---|---|"]
     for x in rows:
-        lines.append(f"| {_shape(x['config'])} | {x['batch']} | {_k_cell(x)} | "
+        lines.append(f"| {_shape(x['config'])} | {x['batch']} | {x['prompt_len']} | {_k_cell(x)} | "
                      f"{x['round_ms']:.2f} | {x['step_ms']:.2f} | {x['ratio']:.3f}x |")
     return "\n".join(lines)
 

@@ -95,6 +95,7 @@ def bench_one(model, batch: int, k: int, s: Settings, refs: dict,
         eng = make_engine(model, batch, k, s, steps)
     names = bucket_names(eng, batch, k, s)
     res: dict = {"batch": batch, "k": k, "prompt_len": s.prompt_len,
+                 "prefill_chunk": s.chunk_size,
                  "decode_tokens": s.decode_tokens, "steps_per_call": eng.rounds_per_call,
                  "prefix_cache": s.prefix_cache,
                  "draft_vocab_size": s.draft_vocab_size if k else None,

@@ -15,12 +15,21 @@ from mtp_jax.engine.requests import Request
 from mtp_jax.sampling import SamplingParams, is_greedy
 
 
+# Prompts up to WHOLE_PROMPT_MAX tokens are prefilled in one call (the prefill-throughput rows);
+# longer ones in LONG_PROMPT_CHUNK-token calls, the engine's default chunked_prefill_size: an
+# 8192-token chunk at 32K of context ran out of memory beside the 27B's weights on an H100
+# (docs/benchmarks.md, session 37).
+WHOLE_PROMPT_MAX = 8192
+LONG_PROMPT_CHUNK = 2048
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
     """What every row shares. ``max_k``: the largest k of the run (all engines of a batch get
     the same page-table width, so k = 0 and k > 0 compute over identical tables)."""
 
     prompt_len: int = 1024
+    chunk: int | None = None  # prompt tokens per prefill call; None: see chunk_size
     decode_tokens: int = 1024
     warmup_rounds: int = 3
     page_size: int = 16
@@ -46,6 +55,14 @@ class Settings:
     top_k: int = -1
 
     @property
+    def chunk_size(self) -> int:
+        """Prompt tokens per prefill call: ``chunk``, else the whole prompt up to
+        :data:`WHOLE_PROMPT_MAX` tokens and :data:`LONG_PROMPT_CHUNK` above."""
+        if self.chunk:
+            return self.chunk
+        return self.prompt_len if self.prompt_len <= WHOLE_PROMPT_MAX else LONG_PROMPT_CHUNK
+
+    @property
     def sampled(self) -> bool:
         return not is_greedy(self.temperature)
 
@@ -58,6 +75,9 @@ class Settings:
     def validate(self) -> None:
         """Raises ``ValueError`` naming the flag (``--prompt-len``, ``--k``, ``--top-p``, ...)
         whose value cannot run, and what it must be."""
+        if self.chunk is not None and self.chunk < 1:
+            raise ValueError(f"--chunked-prefill-size {self.chunk} must be >= 1 (prompt tokens "
+                             "per prefill call), or omitted.")
         for name in ("prompt_len", "decode_tokens", "warmup_rounds", "prefill_reps"):
             if getattr(self, name) < 1:
                 raise ValueError(f"--{name.replace('_', '-')} {getattr(self, name)} must be "

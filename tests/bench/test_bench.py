@@ -152,7 +152,7 @@ def test_bench_runs_exact_and_reports(cold):
     by = {(r["k"], r["steps_per_call"]): r["round_ms"] for r in data["results"]}
     got = [(x["k"], x["steps_per_call"], x["step_ms"], x["ratio"]) for x in data["round_to_step"]]
     assert got == [(2, n, by[0, n], pytest.approx(by[2, n] / by[0, n])) for n in (1, 3)]
-    assert f"| tiny | 2 | 2 | {by[2, 1]:.2f} | {by[0, 1]:.2f} | {by[2, 1] / by[0, 1]:.3f}x |" \
+    assert f"| tiny | 2 | 16 | 2 | {by[2, 1]:.2f} | {by[0, 1]:.2f} | {by[2, 1] / by[0, 1]:.3f}x |" \
         in stdout
 
 
@@ -195,7 +195,8 @@ def test_multiround_spec_row_with_own_drafts(cold):
                                                     "round[B=2,k=2,steps=3]"}
     assert "k=2 steps/call=3" in stderr
     # the main, bytes, programs (prefill and round) and round / step tables
-    assert stdout.count("| tiny | 2 | 2 (3/call) |") == 5
+    assert stdout.count("| tiny | 2 | 2 (3/call) |") == 4
+    assert stdout.count("| tiny | 2 | 16 | 2 (3/call) |") == 1  # the ratio table
     assert forced_row["steps_per_call"] == 1 and forced_row["forced"]
 
 
@@ -599,3 +600,33 @@ def test_quantized_rows_count_the_quantized_bytes(workdir, capsys):
         if q["k"]:
             assert (d["bytes"]["draft_weights"] - q["bytes"]["draft_weights"]
                     == q["k"] * saving(True))
+
+
+def test_several_prompt_lengths_in_chunks(workdir, capsys):
+    """``--prompt-len 16 40 --chunked-prefill-size 16``: a set of rows per prompt length on one
+    model (long-context rows), each prompt prefilled in 16-token calls; each length's forced
+    rows reproduce its own continuation, the timed context starts past its prompt, and the
+    round / step ratios pair rows of the same length."""
+    rc, data, out, err = _bench(workdir, capsys, "prompts", "--batch", "1", "--k", "0", "2",
+                                "--prompt-len", "16", "40", "--chunked-prefill-size", "16",
+                                "--accept-lengths", "2.0")
+    assert rc == 0, err
+    rows = data["results"]
+    assert [(r["prompt_len"], r["k"]) for r in rows] == [(16, 0), (16, 2), (40, 0), (40, 2)]
+    for r in rows:
+        assert r["prefill_chunk"] == 16
+        assert r["context"]["start"] >= r["prompt_len"]
+        assert r["context"]["end"] < r["prompt_len"] + 64
+    assert [r["exact"] for r in rows if r["k"]] == [True, True]
+    ratios = data["round_to_step"]
+    assert [(x["prompt_len"], x["step_ms"]) for x in ratios] == [
+        (16, rows[0]["round_ms"]), (40, rows[2]["round_ms"])]
+    assert "| tiny | 1 | 40 | 2 |" in out
+
+
+def test_chunked_prefill_size_is_checked_before_weights(workdir, capsys):
+    from mtp_jax.bench import main
+
+    rc = main(["--config", str(workdir / "tiny.json"), "--chunked-prefill-size", "0"])
+    assert rc == 2
+    assert "--chunked-prefill-size 0 must be >= 1" in capsys.readouterr().err

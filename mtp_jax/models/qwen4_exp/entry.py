@@ -20,7 +20,7 @@ memory, else ``disk`` (:func:`ple_backend_for`).
 
 Kernels (:mod:`~mtp_jax.models.qwen4_exp.kernels`): the GDN and MoE ops take ``pallas`` on a GPU
 (``auto`` too, where the kernels take the model); ``norm`` is the hyper-connections' kernels
-(opt-in: ``auto`` is XLA until they are measured faster); QSA attention and the one-row
+(opt-in: ``auto`` is XLA, the kernels measured no faster in the engine); QSA attention and the one-row
 projections run on XLA (``pallas`` for them is refused before any weight loads).
 """
 

@@ -24,8 +24,8 @@ from pallas_kernels.hyper import unsupported as hyper_unsupported
 __all__ = ["KERNEL_OPS", "hyper_misfit", "resolve_kernels"]
 
 KERNEL_OPS = ("gdn", "moe", "norm")  # the registry entry's kernel_ops
-# Whether ``auto`` takes the hyper-connection kernels on a GPU: not until they are measured
-# faster than XLA there (docs/benchmarks.md).
+# Whether ``auto`` takes the hyper-connection kernels on a GPU: no; on an H100 they won 9% a mix
+# at one row but nothing in the engine, and lost at 4 and 8 rows (docs/benchmarks.md, session 37).
 AUTO_HYPER_ON_GPU = False
 
 
