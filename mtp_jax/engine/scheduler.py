@@ -17,8 +17,9 @@ Each :meth:`Scheduler.step`:
 3. runs one speculative round (a decode step when k = 0) for every decoding request in one
    program call over a power-of-two batch bucket; ``rounds_per_call`` rounds in a row in one
    call when it is above 1 (multi-step scheduling); with adaptive speculation, a request whose
-   drafts do not pay verifies none, and a call where no request drafts runs plain decode
-   steps (:mod:`mtp_jax.speculative.adaptive`). With ``overlap`` that call is dispatched
+   drafts do not pay verifies none (greedy requests draft together: in every call that
+   drafts), and a call where no request drafts runs plain decode steps
+   (:mod:`mtp_jax.speculative.adaptive`). With ``overlap`` that call is dispatched
    before the previous call's result is read: each slot's position and generated-token count
    advance on the device, so the host's readback, stop checks and next batch run while the
    device computes. With the prefix cache, a row whose next snapshot boundary the call may
@@ -62,7 +63,7 @@ from mtp_jax.engine.rounds import (InFlightRound, batch_bucket, external_tokens,
                                    round_batch, snapshot_targets, span, surely_saved)
 from mtp_jax.engine.token_logprobs import call_top, record, record_first, round_logprobs
 from mtp_jax.engine.variants import PrefillVariant, RoundVariant, sampling_choice
-from mtp_jax.speculative.adaptive import AdaptivePolicy, RequestAcceptance
+from mtp_jax.speculative.adaptive import AdaptivePolicy
 from mtp_jax.speculative.external import Proposer
 
 __all__ = ["EngineStats", "LoopSettings", "Scheduler", "MIN_PREFILL_BUCKET",
@@ -329,17 +330,19 @@ class Scheduler:
                    ) -> tuple[np.ndarray, np.ndarray]:
         """``(first_cap, draft_cap)``, ``[bucket]`` int32 each: the most drafts each row of
         the next call verifies in its first round and in the others: ``settings.k``, or 0
-        where the adaptive policy finds that the request's drafting does not pay (padding
-        rows 0). The call runs plain decode steps when every cap is 0."""
-        k = self.settings.k
+        where the adaptive policy (:meth:`AdaptivePolicy.plan_call`) finds that the request's
+        drafting does not pay (padding rows 0). The call runs plain decode steps when every cap is 0."""
         first, later = np.zeros((bucket,), np.int32), np.zeros((bucket,), np.int32)
-        for i, r in enumerate(running):
-            if self.adaptive is None:
-                first[i] = later[i] = k
-                continue
+        if self.adaptive is None:
+            first[:len(running)] = later[:len(running)] = self.settings.k
+            return first, later
+        greedy = [r.params.greedy for r in running]
+        for r, g in zip(running, greedy):
             if r.acceptance is None:
-                r.acceptance = RequestAcceptance.fresh(k)
-            first[i], later[i] = self.adaptive.plan(r.acceptance, rounds)
+                r.acceptance = self.adaptive.fresh(g)
+        caps = self.adaptive.plan_call([r.acceptance for r in running], greedy, rounds)
+        for i, (a, b) in enumerate(caps):
+            first[i], later[i] = a, b
         return first, later
 
     def collect(self, f: InFlightRound, later: InFlightRound | None = None
@@ -378,6 +381,8 @@ class Scheduler:
                 if r.acceptance is not None and f.k and num_draft[j, i] == f.k:
                     # a round that verified all its drafts (its index: the rounds before it)
                     r.acceptance.observe(r.num_rounds - 1, n + 1)
+                    if r.params.greedy:
+                        self.adaptive.greedy.observe(n + 1)
                 r.num_accepted_tokens += min(n, kept)
                 r.position += n + 1
         if unsaved:  # boundaries not reached (or saved by an earlier call), rows finished

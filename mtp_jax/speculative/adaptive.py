@@ -24,6 +24,19 @@ drafts are stale), so a probe is at least two rounds. An observation counts for 
 call later than it could (the call in flight under overlap scheduling), with and without
 overlap, so that both schedules make the same choices.
 
+**Greedy requests share.** A greedy request's tokens are the target's argmax whatever it drafts,
+so its choices may follow the batch, and they do (:meth:`AdaptivePolicy.plan_call`): a call
+drafts when some request's own rule says so (a sampled request's, as above, or a greedy
+request whose estimate beats ``c``) or in a probe window that the engine's greedy requests
+share (:class:`GreedyShare`: the same doubling gaps, counted in the engine's rounds; a new
+greedy request resets the gap to :data:`PROBE_FIRST`), and in a call that drafts every greedy
+request drafts too (the program verifies k + 1 rows a request either way, so its drafts cost
+nothing more there). A new greedy request starts from the estimate of the engine's recent
+greedy rounds (the optimistic ``k + 1`` before there is one). With per-request probes, 32
+requests that never accept put a drafting call in most calls (each probes 2 rounds in 64, at
+different times): on an H100 a burst of 32 2B requests gave 25% fewer tokens/s with MTP on
+than off (docs/benchmarks.md, session 37).
+
 ``c`` comes from the bytes the round and the decode step must read at batch 1
 (:func:`round_cost`, :func:`~mtp_jax.models.round_bytes.round_bytes`), not from timings or the
 batch, so that the choices and therefore a seeded sampled output do not depend on the
@@ -40,7 +53,7 @@ from mtp_jax.config import ModelConfig, SpeculativeConfig
 from mtp_jax.models.round_bytes import round_bytes
 
 __all__ = ["DECAY", "ROUND_OVERHEAD", "PROBE_FIRST", "PROBE_MAX", "PROBE_ROUNDS", "ROUND_COST_CONTEXT",
-           "RequestAcceptance", "AdaptivePolicy", "round_cost", "policy_for"]
+           "RequestAcceptance", "GreedyShare", "AdaptivePolicy", "round_cost", "policy_for"]
 
 DECAY = 0.8  # weight of the past per observed round (about the last 5 rounds count)
 PROBE_FIRST = 64  # plain rounds before the first probe
@@ -120,6 +133,44 @@ def round_cost(cfg: ModelConfig, k: int, batch: int, itemsize: int,
 
 
 @dataclasses.dataclass
+class GreedyShare:
+    """What an engine's greedy requests share (the module docstring, "Greedy requests share"):
+    the decayed mean of the tokens their full rounds committed (``weighted_tokens / weight``;
+    weight 0 before the first), and the probe window's clock: plain rounds since the last
+    call that drafted, the current gap, and the open window's rounds still to run."""
+
+    weighted_tokens: float = 0.0
+    weight: float = 0.0
+    plain_rounds: int = 0
+    interval: int = PROBE_FIRST
+    window_left: int = 0
+
+    def observe(self, tokens: int) -> None:
+        """A greedy request's round verified all its drafts and committed ``tokens``."""
+        self.weighted_tokens = DECAY * self.weighted_tokens + tokens
+        self.weight = DECAY * self.weight + 1.0
+
+    def due(self, rounds: int) -> bool:
+        """Whether a call of ``rounds`` rounds that no request's own rule drafts in probes."""
+        return self.window_left > 0 or self.plain_rounds + rounds >= self.interval
+
+    def after_call(self, rounds: int, drafted: bool, window: bool) -> None:
+        """Count a call: a probe ``window`` (opening one doubles the gap, up to
+        :data:`PROBE_MAX`), else one that ``drafted`` anyway (the gap's count restarts), else
+        a plain one."""
+        if window and self.window_left > 0:
+            self.window_left = max(0, self.window_left - rounds)
+        elif window:
+            self.plain_rounds = 0
+            self.interval = min(2 * self.interval, PROBE_MAX)
+            self.window_left = max(0, PROBE_ROUNDS - rounds)
+        elif drafted:
+            self.plain_rounds = 0
+        else:
+            self.plain_rounds += rounds
+
+
+@dataclasses.dataclass
 class AdaptivePolicy:
     """Chooses, per request and call, whether the request drafts (see the module docstring).
 
@@ -131,6 +182,47 @@ class AdaptivePolicy:
     k: int
     cost: float
     enabled: bool = True
+    greedy: GreedyShare = dataclasses.field(default_factory=GreedyShare)
+
+    def fresh(self, greedy: bool) -> RequestAcceptance:
+        """A new request's state: a sampled one starts optimistic (:meth:`RequestAcceptance.
+        fresh`); a greedy one from the engine's greedy estimate when there is one, and it
+        resets the greedy probe gap to :data:`PROBE_FIRST`."""
+        share = self.greedy
+        if not greedy or share.weight == 0:
+            return RequestAcceptance.fresh(self.k)
+        share.interval = min(share.interval, PROBE_FIRST)
+        return RequestAcceptance(share.weighted_tokens / share.weight)
+
+    def plan_call(self, states: list[RequestAcceptance], greedy: list[bool], rounds: int
+                  ) -> list[tuple[int, int]]:
+        """The drafts each request of the next call verifies, ``(in its first round, in the
+        others)`` per request, each ``k`` or 0: sampled requests by :meth:`plan`; greedy ones
+        all draft when the call drafts (some request's own rule, or the greedy probe window),
+        none otherwise, and none in the first round after a call they did not draft in.
+        Advances every state and the greedy clock past the call."""
+        if not self.enabled or self.k == 0:
+            return [self.plan(st, rounds) for st in states]
+        caps: list = [None] * len(states)
+        own = False  # some request's own rule drafts
+        for i, (st, g) in enumerate(zip(states, greedy)):
+            if not g:
+                caps[i] = self.plan(st, rounds)
+                own = own or caps[i][1] > 0
+                continue
+            st.settle(st.dispatched - rounds)
+            st.dispatched += rounds
+            if st.tokens_per_round > self.cost:
+                own = True
+                self.greedy.interval = PROBE_FIRST
+        window = any(greedy) and not own and self.greedy.due(rounds)
+        self.greedy.after_call(rounds, own, window)
+        for i, (st, g) in enumerate(zip(states, greedy)):
+            if g:
+                draft = own or window
+                caps[i] = (self.k if draft and st.drafting else 0, self.k if draft else 0)
+                st.drafting = draft
+        return caps
 
     def plan(self, st: RequestAcceptance, rounds: int) -> tuple[int, int]:
         """The drafts ``st``'s request verifies in the next call of ``rounds`` rounds: ``(in

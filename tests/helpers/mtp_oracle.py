@@ -13,6 +13,8 @@ from __future__ import annotations
 
 import numpy as np
 
+from mtp_jax.speculative.adaptive import GreedyShare, RequestAcceptance
+
 
 def chain_outputs(model, hidden: np.ndarray, ids: np.ndarray, k: int):
     """Chains started at every row of one sequence.
@@ -91,6 +93,13 @@ class ScriptedAdaptive:
 
     def __init__(self, plan, k: int):
         self.ks, self.k, self.drafting = list(plan), k, True
+        self.greedy = GreedyShare()  # observed by the scheduler, unused here
+
+    def fresh(self, greedy: bool) -> RequestAcceptance:
+        return RequestAcceptance.fresh(self.k)
+
+    def plan_call(self, states, greedy, rounds):
+        return [self.plan(st, rounds) for st in states]
 
     def plan(self, st, rounds):
         k = self.ks.pop(0) if self.ks else self.k

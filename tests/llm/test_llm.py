@@ -151,9 +151,10 @@ def test_generate_stream_yields_tokens_as_rounds_complete(llm_mtp):
 
 
 def test_cli_prompts_file(llm_mtp, tmp_path, capsys):
-    """``--prompts-file`` with ``--json``: each record's tokens and draft counts are a solo
-    run's, and every record carries the run's prefix-cache counters, the ``[prefix-cache]``
-    line's figures (the same run without ``--json``)."""
+    """``--prompts-file`` with ``--json``: each record's tokens are a solo run's (its draft
+    counts may differ: adaptive speculation decides greedy requests together), and every
+    record carries the run's prefix-cache counters, the ``[prefix-cache]`` line's figures (the
+    same run without ``--json``)."""
     from mtp_jax import generate
 
     f = tmp_path / "reqs.jsonl"
@@ -171,8 +172,7 @@ def test_cli_prompts_file(llm_mtp, tmp_path, capsys):
         solo = llm_mtp.generate([p], SamplingParams(
             temperature=0, max_tokens=rec["output_tokens"], ignore_eos=True))[0]
         assert rec["token_ids"] == solo.token_ids
-        assert (rec["num_draft_tokens"], rec["num_accepted_tokens"]) == (
-            solo.num_draft_tokens, solo.num_accepted_tokens)
+        assert 0 <= rec["num_accepted_tokens"] <= rec["num_draft_tokens"]
     assert sum(rec["num_draft_tokens"] for rec in lines) > 0
     cache = lines[0]["prefix_cache"]
     assert all(rec["prefix_cache"] == cache for rec in lines)

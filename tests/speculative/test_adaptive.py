@@ -218,6 +218,75 @@ def test_a_sampled_request_draws_the_same_alone_and_beside_one_that_drafts(model
     assert together[0].num_draft_tokens == alone[0].num_draft_tokens  # the same choices
 
 
+def test_greedy_rows_draft_together_and_probe_in_shared_windows():
+    """The policy alone: greedy rows draft in every call that drafts (a paying greedy row, a
+    sampled row's own rule, or the shared window) and in no other; a sampled row keeps its
+    own rule."""
+    pol = AdaptivePolicy(K, 2.0)
+    low = lambda: RequestAcceptance(1.0)  # an estimate that does not pay
+    g1, g2, s1 = low(), low(), low()
+    caps = [pol.plan_call([g1, g2], [True, True], 1) for _ in range(3 * PROBE_FIRST + 8)]
+    assert all(c[0] == c[1] for c in caps)  # the greedy rows together
+    drafting = [i for i, c in enumerate(caps) if c[0][1]]
+    # the window: PROBE_ROUNDS calls after PROBE_FIRST - 1 plain ones, then a doubled gap
+    first = list(range(PROBE_FIRST - 1, PROBE_FIRST - 1 + PROBE_ROUNDS))
+    second = [first[-1] + 2 * PROBE_FIRST + j for j in range(PROBE_ROUNDS)]
+    assert drafting == first + second, drafting
+    assert [c[0][0] for c in caps if c[0][1]] == [0, K] * 2  # stale drafts after plain calls
+    # beside a sampled row, the greedy rows draft whenever its own rule does
+    caps = [pol.plan_call([g1, g2, s1], [True, True, False], 1) for _ in range(PROBE_FIRST + 4)]
+    own = [i for i, c in enumerate(caps) if c[2][1]]
+    assert own == first and all(caps[i][0][1] == K for i in own)
+    # a paying greedy row makes every greedy row draft; the sampled row keeps its own rule
+    rich = RequestAcceptance(float(K + 1))
+    c = pol.plan_call([g1, rich, s1], [True, True, False], 1)
+    assert c[0][1] == c[1][1] == K and c[2] == (0, 0)
+    # a new greedy request starts from the engine's greedy estimate once there is one
+    assert pol.fresh(True).tokens_per_round == K + 1  # none yet: optimistic
+    for _ in range(20):
+        pol.greedy.observe(1)
+    assert pol.fresh(True).tokens_per_round == pytest.approx(1.0, abs=0.1)
+    assert pol.fresh(False).tokens_per_round == K + 1
+
+
+def test_a_batch_of_greedy_requests_that_never_accept_drafts_in_few_calls(model):
+    """8 greedy requests whose drafts are never right, then 8 more on the same engine. With
+    per-request probes about a quarter of the calls drafted (each request probing at its own
+    time); shared windows leave the optimistic start and one window, and the second 8 start
+    from the engine's estimate, so they draft only in a window. The output is plain
+    decoding's, and drafts that are always right still draft in every call."""
+    n = 8
+    prompts = motif_prompts(2 * n, seed=11)
+    ids = [f"r{i}" for i in range(2 * n)]
+
+    def engine(algo, proposer=None):
+        return Engine(model, EngineConfig(max_running_requests=n, dtype="float32", page_size=4,
+                                          max_model_len=160, enable_prefix_cache=False,
+                                          chunked_prefill_size=16),
+                      SpeculativeConfig(algorithm=algo, num_steps=K), proposer=proposer)
+
+    reqs = greedy_requests(prompts, ids, MAX_NEW)
+    engine("none").run(reqs)
+    truth = {r.request_id: r.prompt_ids + r.output_ids for r in reqs}
+    for p, most in ((0.0, (0.15, 0.05)), (1.0, None)):
+        eng = engine("external", right_with(p, truth, model.cfg.vocab_size))
+        for half in (0, 1):
+            batch = greedy_requests(prompts[half * n:(half + 1) * n],
+                                    ids[half * n:(half + 1) * n], MAX_NEW)
+            rounds, plain = eng.stats.rounds, eng.stats.plain_rounds
+            run_per_round(eng, batch)
+            calls = eng.stats.rounds - rounds
+            drafting = calls - (eng.stats.plain_rounds - plain)
+            for r in batch:
+                assert r.prompt_ids + r.output_ids == truth[r.request_id], r.request_id
+            if most is None:
+                assert drafting == calls
+                assert all(r.num_accepted_tokens == r.num_draft_tokens > 0 for r in batch)
+            else:
+                assert drafting <= most[half] * calls, (half, drafting, calls)
+                assert all(r.num_accepted_tokens == 0 for r in batch)
+
+
 def test_round_cost_needs_adaptation_on():
     for kw in (dict(adaptive=False), dict(algorithm="none", num_steps=0)):
         with pytest.raises(ConfigError, match="--speculative-adaptive-round-cost"):
