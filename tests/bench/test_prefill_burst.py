@@ -67,3 +67,17 @@ def test_gguf_mtp_refusal_names_the_bench_options(tmp_path, capsys):
     assert "is a GGUF folder with no Strata MTP pack" in err and "--settings off" in err
     bench_part = err.replace("python -m mtp_jax.tools.random_checkpoint --format gguf", "")
     assert {w.strip("(),.;") for w in bench_part.split() if w.startswith("--")} <= flags
+
+
+def test_mtp_burst_compiles_nothing_in_the_timed_burst(tmp_path):
+    """With MTP the warm-up runs two bursts: the first starts every greedy request drafting,
+    the timed one starts from the engine's acceptance estimate (random head: plain steps),
+    so it calls plain-step variants at batch sizes the first burst drafted at."""
+    out = tmp_path / "burst.json"
+    assert main(["prefill-burst", "--model", fixture_path("tiny_dense"), "--requests", "5",
+                 "--prompt-len", "3", "40", "--max-tokens", "12", "--chunked-prefill-size",
+                 "64", "--prefill-batch", "1", "--settings", "mtp", "--k", "2",
+                 "--out", str(out)]) == 0
+    row = json.loads(out.read_text())["results"][0]
+    assert row["output_tokens"] == 5 * 12 and row["accepted_tokens"] <= row["draft_tokens"]
+    assert row["compiles_timed"] == 0, row["compiles_timed"]
