@@ -28,14 +28,14 @@ overlap, so that both schedules make the same choices.
 so its choices may follow the batch, and they do (:meth:`AdaptivePolicy.plan_call`): a call
 drafts when some request's own rule says so (a sampled request's, as above, or a greedy
 request whose estimate beats ``c``) or in a probe window that the engine's greedy requests
-share (:class:`GreedyShare`: the same doubling gaps, counted in the engine's rounds; a new
-greedy request resets the gap to :data:`PROBE_FIRST`), and in a call that drafts every greedy
+share (:class:`GreedyShare`: the same doubling gaps, counted in the engine's plain rounds; a
+new greedy request resets the gap to :data:`PROBE_FIRST`), and in a call that drafts every greedy
 request drafts too (the program verifies k + 1 rows a request either way, so its drafts cost
 nothing more there). A new greedy request starts from the estimate of the engine's recent
-greedy rounds (the optimistic ``k + 1`` before there is one). With per-request probes, 32
-requests that never accept put a drafting call in most calls (each probes 2 rounds in 64, at
-different times): on an H100 a burst of 32 2B requests gave 25% fewer tokens/s with MTP on
-than off (docs/benchmarks.md, session 37).
+greedy rounds (the optimistic ``k + 1`` before there is one). With per-request probes (each
+request probing at its own time), 8 requests that never accept drafted in 24 of 106 calls on
+the CPU (11 now, 2 for the next 8), and on an H100 a burst of 32 2B requests gave 25% fewer
+tokens/s with MTP on than off (docs/benchmarks.md, session 37).
 
 ``c`` comes from the bytes the round and the decode step must read at batch 1
 (:func:`round_cost`, :func:`~mtp_jax.models.round_bytes.round_bytes`), not from timings or the
@@ -176,8 +176,9 @@ class AdaptivePolicy:
 
     ``k``: the engine's k (``speculative_num_steps``, the most a round drafts); ``cost``: the
     round's time in decode steps that drafting must beat (:func:`round_cost` at batch 1, or a
-    fixed ratio; one figure for every batch, so that a request's choices do not depend on the
-    others); ``enabled``: False drafts in every call."""
+    fixed ratio; one figure for every batch, so that a sampled request's choices do not depend
+    on the others); ``enabled``: False drafts in every call; ``greedy``: the greedy requests'
+    shared state (:class:`GreedyShare`)."""
 
     k: int
     cost: float
