@@ -101,9 +101,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "about half the draft layer's bytes per draft step; output stays exact, "
                         "the drafts may change a little (default: model, the model dtype)")
     p.add_argument("--disable-adaptive-speculation", action="store_true",
-                   help="draft in every round; by default each request drafts only while its "
+                   help="draft in every round; by default a request drafts only while its "
                         "accepted drafts pay for a round, else it decodes plainly and probes "
-                        "again now and then (output exact either way)")
+                        "again now and then (greedy requests decide together, so their draft "
+                        "counts depend on the batch; output exact either way)")
     p.add_argument("--speculative-adaptive-round-cost", type=float, default=None,
                    help="a round's time in decode steps that a request's drafting must beat "
                         "(1..100, e.g. 1.5; default: the ratio of the bytes a round and a "

@@ -44,7 +44,8 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                         "8192 32768 131072; default 1024)")
     p.add_argument("--chunked-prefill-size", type=int, default=None,
                    help="prompt tokens per prefill call (default: the whole prompt up to "
-                        "8192 tokens, 2048-token chunks above, the engine's default)")
+                        "8192 tokens, 2048-token chunks above, the engine's default); the "
+                        "prefill program pads a call to a power of two of at least 16")
     p.add_argument("--decode-tokens", type=int, default=1024,
                    help="tokens each request decodes in the timed phase (k=0: steps; k>0: "
                         "rounds until that many are committed)")
@@ -201,7 +202,8 @@ def _progress(r: dict) -> str:
     n += f" layer={r['draft_layer_dtype']}" if r.get("draft_layer_dtype") else ""
     n += f" steps/call={r['steps_per_call']}" if r.get("steps_per_call", 1) > 1 else ""
     n += f" sampled({report.sampling_text(r['sampling'])})" if r.get("sampling") else ""
-    return (f"{r['config']} B={r['batch']} k={r['k']}{n} round={r['round_ms']:.2f}ms "
+    return (f"{r['config']} B={r['batch']} prompt={r['prompt_len']} k={r['k']}{n} "
+            f"round={r['round_ms']:.2f}ms "
             f"host={r['host_ms']:.2f}ms floor={r['floor_ms']:.2f}ms "
             f"({r['fraction_of_floor']:.0%}) tok/s={tps} "
             f"exact={report.exact_cell(r)} startup={r['startup_s']:.1f}s "
@@ -218,6 +220,20 @@ def check_benchable(path: str, cfg) -> None:
                           "engine bench draws random weights and runs the batched engine, and "
                           f"{cfg.model_type} has not both (its registry entry); bench a config of a "
                           "family whose entry has both.")
+
+
+def check_context(path: str, cfg, settings: list[Settings]) -> None:
+    """Refuse a prompt length whose rows need a longer context (prompt, warm-up, timed and
+    slack tokens: :attr:`Settings.max_model_len`) than the config's
+    ``max_position_embeddings`` (``ValueError`` naming both)."""
+    for s in settings:
+        if s.max_model_len > cfg.max_position_embeddings:
+            raise ValueError(f"--prompt-len {s.prompt_len}: the rows need {s.max_model_len} "
+                             f"tokens of context (the prompt, then warm-up and "
+                             f"--decode-tokens {s.decode_tokens} tokens and slack), more than "
+                             f"{path}'s max_position_embeddings "
+                             f"{cfg.max_position_embeddings}; pass a shorter --prompt-len or "
+                             "fewer --decode-tokens.")
 
 
 def main(argv=None, description: str | None = None) -> int:
@@ -268,6 +284,8 @@ def main(argv=None, description: str | None = None) -> int:
         configs = [(path, load_config(path)) for path in args.config]
         for path, cfg in configs:  # kernel choices checked before any weight is drawn
             check_benchable(path, cfg)
+            check_context(path, cfg, [dataclasses.replace(s, prompt_len=n)
+                                      for n in args.prompt_len])
             KernelBackends.for_model(
                 cfg, args.dtype, **{n: v for n, v in backends.items() if n.endswith("_backend")})
             if s.draft_vocab_size is not None and s.draft_vocab_size > cfg.vocab_size:

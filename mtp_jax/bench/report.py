@@ -89,8 +89,9 @@ def sampling_text(sampling: dict) -> str:
 
 
 def main_table(results: list[dict]) -> str:
-    """One row per (config, batch, k): times, floor, tokens/s, exactness, compiles, memory."""
-    head = ("| shape | batch | k | round ms (p10-p90) | floor ms | of floor | context | "
+    """One row per (config, batch, prompt length, k): times, floor, tokens/s, exactness,
+    compiles, memory."""
+    head = ("| shape | batch | prompt | k | round ms (p10-p90) | floor ms | of floor | context | "
             "tokens/s (k=0) or at AL " + " / ".join(_al_names(results)) + " | e2e tokens/s "
             "(measured AL) | exact | prefill tok/s | start-up s (built, cached) | timed compiles "
             "| peak GiB |")
@@ -109,7 +110,8 @@ def main_table(results: list[dict]) -> str:
         ctx = r["context"]
         timed = r["compiles_timed"]
         lines.append(
-            f"| {_shape(r['config'])} | {r['batch']} | {_k_cell(r)} | {r['round_ms']:.2f} "
+            f"| {_shape(r['config'])} | {r['batch']} | {r['prompt_len']} | {_k_cell(r)} | "
+            f"{r['round_ms']:.2f} "
             f"({r['round_ms_p10']:.2f}-{r['round_ms_p90']:.2f}) | {r['floor_ms']:.2f} | "
             f"{r['fraction_of_floor']:.0%} | {ctx['start']}-{ctx['end']} | {derived} | {e2e} | "
             f"{exact_cell(r)} | {_n(r['prefill_tokens_per_s'])} | "
@@ -172,8 +174,8 @@ def bytes_table(results: list[dict]) -> str:
 
 def step_ratios(results: list[dict]) -> list[dict]:
     """Each k > 0 row's round time over the decode step (the k = 0 row) of the same shape,
-    batch, prompt length, rounds per call and sampling: issue 5's "k = 3 round at most 1.25x the decode
-    step". Rows without such a k = 0 row are left out. Returns ``[{config, batch, k,
+    batch, prompt length, rounds per call and sampling: issue 5's "k = 3 round at most 1.25x
+    the decode step". Rows without such a k = 0 row are left out. Returns ``[{config, batch, k,
     prompt_len, steps_per_call, round_ms, step_ms, ratio, draft_head_dtype, draft_layer_dtype,
     sampling}]``."""
     def key_of(r: dict) -> tuple:
@@ -203,8 +205,9 @@ def ratio_table(results: list[dict]) -> str:
     lines = ["| shape | batch | prompt | k | round ms | decode step ms (k = 0, same rounds "
              "per call) | round / step |", "|---|---|---|---|---|---|---|"]
     for x in rows:
-        lines.append(f"| {_shape(x['config'])} | {x['batch']} | {x['prompt_len']} | {_k_cell(x)} | "
-                     f"{x['round_ms']:.2f} | {x['step_ms']:.2f} | {x['ratio']:.3f}x |")
+        lines.append(f"| {_shape(x['config'])} | {x['batch']} | {x['prompt_len']} | "
+                     f"{_k_cell(x)} | {x['round_ms']:.2f} | {x['step_ms']:.2f} | "
+                     f"{x['ratio']:.3f}x |")
     return "\n".join(lines)
 
 

@@ -331,7 +331,8 @@ class Scheduler:
         """``(first_cap, draft_cap)``, ``[bucket]`` int32 each: the most drafts each row of
         the next call verifies in its first round and in the others: ``settings.k``, or 0
         where the adaptive policy (:meth:`AdaptivePolicy.plan_call`) finds that the request's
-        drafting does not pay (padding rows 0). The call runs plain decode steps when every cap is 0."""
+        drafting does not pay (padding rows 0). The call runs plain decode steps when every
+        cap is 0."""
         first, later = np.zeros((bucket,), np.int32), np.zeros((bucket,), np.int32)
         if self.adaptive is None:
             first[:len(running)] = later[:len(running)] = self.settings.k

@@ -144,9 +144,10 @@ def test_bench_runs_exact_and_reports(cold):
         assert f["tokens_per_s_e2e"] > 0 and f["tokens_per_s_derived"] > 0
     assert set(spec["tokens_per_s_at_accept_length"]) == {"2.5", "3.0"}
     lines = stdout.splitlines()
-    assert lines[0].startswith("| shape | batch | k | round ms")
+    assert lines[0].startswith("| shape | batch | prompt | k | round ms")
     assert set(lines[1]) <= set("|-")
-    assert lines[2].startswith("| tiny | 2 | 0 |") and lines[4].startswith("| tiny | 2 | 2 |")
+    assert lines[2].startswith("| tiny | 2 | 16 | 0 |")
+    assert lines[4].startswith("| tiny | 2 | 16 | 2 |")
     assert os.listdir(meta["compilation_cache_dir"])  # programs were written to the cache
     # each k > 0 row's round over the k = 0 step at the same rounds per call
     by = {(r["k"], r["steps_per_call"]): r["round_ms"] for r in data["results"]}
@@ -167,8 +168,9 @@ def test_multistep_decode_row(cold):
     assert r["rounds_timed"] >= DECODE > r["rounds_timed"] - 3
     assert 0 < r["host_ms"] <= r["round_ms"]
     assert "k=0 steps/call=3" in stderr
-    # the main and the bytes tables, and the programs table (prefill and round)
-    assert stdout.count("| tiny | 2 | 0 (3/call) |") == 4
+    # the main table (with the prompt), the bytes table, the programs table (prefill, round)
+    assert stdout.count("| tiny | 2 | 0 (3/call) |") == 3
+    assert stdout.count("| tiny | 2 | 16 | 0 (3/call) |") == 1
     assert {p["program"] for p in r["programs"]} == {"prefill[T=16,k=0]",
                                                     "round[B=2,k=0,steps=3]"}
 
@@ -195,8 +197,8 @@ def test_multiround_spec_row_with_own_drafts(cold):
                                                     "round[B=2,k=2,steps=3]"}
     assert "k=2 steps/call=3" in stderr
     # the main, bytes, programs (prefill and round) and round / step tables
-    assert stdout.count("| tiny | 2 | 2 (3/call) |") == 4
-    assert stdout.count("| tiny | 2 | 16 | 2 (3/call) |") == 1  # the ratio table
+    assert stdout.count("| tiny | 2 | 2 (3/call) |") == 3
+    assert stdout.count("| tiny | 2 | 16 | 2 (3/call) |") == 2  # the main and ratio tables
     assert forced_row["steps_per_call"] == 1 and forced_row["forced"]
 
 
@@ -624,9 +626,14 @@ def test_several_prompt_lengths_in_chunks(workdir, capsys):
     assert "| tiny | 1 | 40 | 2 |" in out
 
 
-def test_chunked_prefill_size_is_checked_before_weights(workdir, capsys):
+def test_chunked_prefill_size_and_context_are_checked_before_weights(workdir, capsys):
     from mtp_jax.bench import main
 
     rc = main(["--config", str(workdir / "tiny.json"), "--chunked-prefill-size", "0"])
     assert rc == 2
     assert "--chunked-prefill-size 0 must be >= 1" in capsys.readouterr().err
+    # the tiny config's max_position_embeddings is 4096
+    rc = main(["--config", str(workdir / "tiny.json"), "--prompt-len", "16", "4000"])
+    assert rc == 2
+    err = capsys.readouterr().err
+    assert "--prompt-len 4000: the rows need" in err and "max_position_embeddings 4096" in err
