@@ -105,6 +105,13 @@ class RequestAcceptance:
         ``tokens`` (accepted drafts + 1); it counts from the call :meth:`settle` allows."""
         self.pending.append((round_index, tokens))
 
+    def advance(self, rounds: int) -> None:
+        """Count a call of ``rounds`` rounds as dispatched and fold in the observations that
+        count for it (those of rounds before the call in flight)."""
+        start = self.dispatched
+        self.dispatched += rounds
+        self.settle(start - rounds)
+
     def settle(self, before: int) -> None:
         """Fold the observations of rounds ``< before`` into the estimate."""
         while self.pending and self.pending[0][0] < before:
@@ -192,7 +199,7 @@ class AdaptivePolicy:
         share = self.greedy
         if not greedy or share.weight == 0:
             return RequestAcceptance.fresh(self.k)
-        share.interval = min(share.interval, PROBE_FIRST)
+        share.interval = PROBE_FIRST
         return RequestAcceptance(share.weighted_tokens / share.weight)
 
     def plan_call(self, states: list[RequestAcceptance], greedy: list[bool], rounds: int
@@ -211,8 +218,7 @@ class AdaptivePolicy:
                 caps[i] = self.plan(st, rounds)
                 own = own or caps[i][1] > 0
                 continue
-            st.settle(st.dispatched - rounds)
-            st.dispatched += rounds
+            st.advance(rounds)
             if st.tokens_per_round > self.cost:
                 own = True
                 self.greedy.interval = PROBE_FIRST
@@ -220,9 +226,7 @@ class AdaptivePolicy:
         self.greedy.after_call(rounds, own, window)
         for i, (st, g) in enumerate(zip(states, greedy)):
             if g:
-                draft = own or window
-                caps[i] = (self.k if draft and st.drafting else 0, self.k if draft else 0)
-                st.drafting = draft
+                caps[i] = self._caps(st, own or window)
         return caps
 
     def plan(self, st: RequestAcceptance, rounds: int) -> tuple[int, int]:
@@ -230,12 +234,15 @@ class AdaptivePolicy:
         its first round, in the others)``, each ``k`` or 0. A request that drafts verifies
         ``k`` drafts per round, but none in the first round after a call it did not draft in
         (its drafts are stale). Advances ``st`` past the call."""
-        start = st.dispatched
-        st.dispatched += rounds
         if not self.enabled or self.k == 0:
+            st.dispatched += rounds
             return self.k, self.k
-        st.settle(start - rounds)
-        draft = self._drafts(st, rounds)
+        st.advance(rounds)
+        return self._caps(st, self._drafts(st, rounds))
+
+    def _caps(self, st: RequestAcceptance, draft: bool) -> tuple[int, int]:
+        """``(first, later)`` caps of a call that ``draft``s or not (none in the first round
+        after a call without drafts: they are stale); records whether it drafted."""
         first = self.k if draft and st.drafting else 0
         st.drafting = draft
         return first, self.k if draft else 0
