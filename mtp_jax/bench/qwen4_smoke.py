@@ -16,11 +16,14 @@ round (None with ``device``: its programs look the rows up themselves). Writes `
 with each ``--quantization`` given (``keep``: experts and plain projections in a kept block
 type stay packed on the device; ``dequantize``: bf16 at load; ``auto`` = dequantize). Each row
 carries ``weights_gb``, the device bytes of the weights as held (packed bytes where kept).
+``--merge-projections on off`` runs each row with the loader's merged projections and without
+(:func:`mtp_jax.models.qwen4_exp.entry.merged` skipped), an A/B in one process.
 """
 
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import time
@@ -28,6 +31,7 @@ import time
 import numpy as np
 
 from mtp_jax.engine.memory import weights_bytes
+from mtp_jax.models.qwen4_exp import entry as qwen4_entry
 from mtp_jax.llm import LLM
 from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
 from mtp_jax.sampling import SamplingParams
@@ -57,6 +61,19 @@ def lookup_ms(model, prompts, k: int, repeats: int = 50) -> float:
     for _ in range(repeats):
         model.host_rows(ctx, ids)
     return 1e3 * (time.perf_counter() - t0) / repeats
+
+
+@contextlib.contextmanager
+def merging(on: bool):
+    """Loads inside run with the qwen4_exp loader's merged projections (``on``, the default
+    everywhere) or with one parameter per checkpoint tensor."""
+    keep = qwen4_entry.merged
+    if not on:
+        qwen4_entry.merged = lambda model: model
+    try:
+        yield
+    finally:
+        qwen4_entry.merged = keep
 
 
 def held_weights_gb(llm) -> float:
@@ -170,21 +187,32 @@ def main(argv=None) -> int:
                    choices=["auto", "keep", "dequantize"],
                    help="LLM(quantization=...) of each run, e.g. keep dequantize: keep = "
                         "packed weights stay packed on the device (default auto = dequantize)")
+    p.add_argument("--gemv-backend", nargs="+", default=["auto"],
+                   choices=["auto", "xla", "reduce"],
+                   help="one-row projections of each run (--gemv-backend): auto = reduce on a "
+                        "GPU (XLA's multiply-reduce form), xla = XLA's GEMM; e.g. xla reduce "
+                        "for an A/B")
+    p.add_argument("--merge-projections", nargs="+", default=["on"], choices=["on", "off"],
+                   help="load with the projections that read one input merged (on, the "
+                        "default) and/or without (off), e.g. on off for an A/B")
     a = p.parse_args(argv)
     if max(a.batches) > 8:
         p.error(f"--batches {max(a.batches)}: at most 8 (max_running_requests=8)")
     model, draft = write_checkpoint(a)
     rng = np.random.default_rng(0)
     rows = []
-    for quantization, norm, k in [(q, n, k) for q in a.quantization for n in a.norm_backend
-                                  for k in a.k]:
-        kernels = f"gdn={a.gdn_backend},moe={a.moe_backend},norm={norm}"
-        llm = LLM(model, dtype="bfloat16", max_running_requests=8, max_model_len=512,
-                  speculative_algorithm="mtp" if k else "none",
-                  speculative_num_steps=k if k else 3, ple_backend=a.ple_backend,
-                  gdn_backend=a.gdn_backend, moe_backend=a.moe_backend,
-                  norm_backend=norm, quantization=quantization,
-                  speculative_draft_model_path=draft if k else None)
+    for quantization, norm, gemv, merge, k in [
+            (q, n, g, m, k) for q in a.quantization for n in a.norm_backend
+            for g in a.gemv_backend for m in a.merge_projections for k in a.k]:
+        kernels = (f"gdn={a.gdn_backend},moe={a.moe_backend},norm={norm},gemv={gemv},"
+                   f"merge={merge}")
+        with merging(merge == "on"):
+            llm = LLM(model, dtype="bfloat16", max_running_requests=8, max_model_len=512,
+                      speculative_algorithm="mtp" if k else "none",
+                      speculative_num_steps=k if k else 3, ple_backend=a.ple_backend,
+                      gdn_backend=a.gdn_backend, moe_backend=a.moe_backend,
+                      norm_backend=norm, gemv_backend=gemv, quantization=quantization,
+                      speculative_draft_model_path=draft if k else None)
         for b in a.batches:
             prompts = [rng.integers(100, 200_000, a.prompt_len).tolist() for _ in range(b)]
             used = a.ple_backend if a.ple_backend != "auto" else (
@@ -195,7 +223,7 @@ def main(argv=None) -> int:
         print("weights GB (as held):", held_weights_gb(llm), flush=True)
         if a.profile:
             rows[-1]["profile"] = device_profile(llm.model, k, a.prompt_len, a.out,
-                                                 tag=f"_norm_{norm}")
+                                                 tag=f"_norm_{norm}_gemv_{gemv}_merge_{merge}")
         del llm
     json.dump(rows, open(os.path.join(a.out, "q4_smoke.json"), "w"), indent=1)
     return 0

@@ -30,6 +30,9 @@ MERGED = {  # merged parameter -> the checkpoint tensors stacked in it, in order
     "mlp.in_proj.weight": ["mlp.gate.weight", "mlp.shared_expert_gate.weight",
                            "mlp.shared_expert.gate_proj.weight",
                            "mlp.shared_expert.up_proj.weight"],
+    # qwen4_exp: a hyper-connection's low-rank down and inject projections (both read hn)
+    "hyper_connection.down_inject.weight": ["hyper_connection.input_mix_weight_down.weight",
+                                            "hyper_connection.block_inject_weight.weight"],
 }
 
 
@@ -66,7 +69,7 @@ def _flat(model) -> dict[str, np.ndarray]:
     return {param_name(p): np.asarray(v[...]) for p, v in nnx.to_flat_state(model.params)}
 
 
-@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe_fused"])
+@pytest.mark.parametrize("name", ["tiny_dense", "tiny_moe_fused", "tiny_qwen4_exp"])
 def test_loader_merges_the_checkpoint_tensors(name):
     path = os.path.join(FIXTURES, name)
     plain = _flat(mtp_jax.load_model(path, dtype="float32", merge_projections=False))
@@ -85,7 +88,15 @@ def test_loader_merges_the_checkpoint_tensors(name):
     assert set(plain) == {n for n in merged if not any(n.endswith(s) for s in MERGED)}
     kinds = {s for n in merged for s in MERGED if n.endswith(s)}
     assert "linear_attn.in_proj.weight" in kinds and "self_attn.qkv_proj.weight" in kinds
-    assert ("mlp.in_proj.weight" if "moe" in name else "mlp.gate_up_proj.weight") in kinds
+    moe = "moe" in name or "qwen4" in name
+    assert ("mlp.in_proj.weight" if moe else "mlp.gate_up_proj.weight") in kinds
+    if "qwen4" in name:  # both hyper-connections of every layer, the target's and the draft's
+        n = sum(n.endswith("hyper_connection.down_inject.weight") for n in merged)
+        layers = sum(n.endswith("mlp.in_proj.weight") for n in merged)
+        assert n == 2 * layers and layers >= 2
+        # the final mixers have no inject: left as they were
+        assert any(n.endswith("hyper_connection_mixer.input_mix_weight_down.weight")
+                   for n in merged)
     assert found >= 4
 
 

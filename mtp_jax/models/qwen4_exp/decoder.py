@@ -70,6 +70,17 @@ class DecoderLayer(nnx.Module):
         self.mlp = SparseMoE(cfg, dtype, backend=kernels_of(cfg).moe)
         self.ple = PLE(cfg, dtype) if ple_index is not None else None
 
+    def merge_projections(self) -> None:
+        """Merge the projections that read one input into one matrix each: the mixer's
+        in-projections (GDN ``in_proj_qkv/z/b/a``, QSA ``q/k/v_proj``), the MoE block's router,
+        shared gate and shared gate/up, and each hyper-connection's down and inject
+        projections (:meth:`GatedResidual.merge_projections`). Idempotent."""
+        (self.self_attn if self.layer_type == "full_attention" else
+         self.linear_attn).merge_projections()
+        self.mlp.merge_projections()
+        self.attn_hyper_connection.merge_projections()
+        self.mlp_hyper_connection.merge_projections()
+
     def __call__(self, h, batch: AttentionBatch, *, qsa=None, gdn=None, ple_emb=None,
                  ple_conv=None, verify: bool = False):
         """``qsa = (k_pages, v_pages, idx_pages, open_group or None)`` for a QSA layer, ``gdn =

@@ -30,8 +30,10 @@ import dataclasses
 import functools
 
 import numpy as np
+from flax import nnx
 
 from mtp_jax.models.entry import LoadRequest, ModelEntry, SlotState
+from mtp_jax.models.layers.basic import set_gemv_backend
 from mtp_jax.models.loaded import NP_DTYPES, resolve_dtype
 from mtp_jax.models.qwen4_exp import names
 from mtp_jax.models.qwen4_exp.config import MODEL_TYPES, Qwen4ExpConfig, ple_table_bytes
@@ -56,12 +58,14 @@ def build(cfg: Qwen4ExpConfig, dtype, with_mtp: bool) -> Qwen4ExpModel:
 
 def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp:
     """:func:`~mtp_jax.models.qwen4_exp.loader.load_qwen4_exp` for ``load_model`` (the entry's
-    capabilities were checked before: no draft folder, kernels for GDN, MoE and norm only; the
+    capabilities were checked before: no draft folder, kernels for GDN, MoE, norm and gemv; the
     kernel choices are resolved there, before any weight is read); a GGUF target reads its
     Strata pack from the draft path, or from its folder when none is given
     (:func:`~mtp_jax.weights.gguf_header.folder_pack`); with ``dummy_weight``
     random weights and synthetic PLE tables (:mod:`~mtp_jax.models.qwen4_exp.dummy`), with
-    ``pack_small_params`` the programs take the small parameters packed."""
+    ``pack_small_params`` the programs take the small parameters packed; with
+    ``merge_projections`` (the default) the projections that read one input merged
+    (:func:`merged`)."""
     backend = ple_backend_for(cfg, request.dtype, request.option_values.get("ple_backend"))
     kernels = request.backend_choices
     if request.dummy_weight:
@@ -79,9 +83,33 @@ def load(path: str, cfg: Qwen4ExpConfig, request: LoadRequest) -> LoadedQwen4Exp
         model = load_qwen4_exp(path, request.dtype, with_mtp=request.with_mtp,
                                ple_backend=backend, cfg=cfg, quantization=request.quantization,
                                backends=kernels)
+    if request.merge_projections:
+        model = merged(model)
+    if model.cfg.kernels.gemv != "xla":
+        model = with_gemv_backend(model, model.cfg.kernels.gemv)
     if request.pack_small_params:
         model = dataclasses.replace(model, pack_small_params=True)
     return model
+
+
+def with_gemv_backend(model: LoadedQwen4Exp, backend: str) -> LoadedQwen4Exp:
+    """``model`` with every projection's one-row form set to ``backend``
+    (:func:`~mtp_jax.models.layers.basic.set_gemv_backend`; ``cfg.kernels.gemv``)."""
+    module = nnx.merge(model.graphdef, model.params)
+    set_gemv_backend(module, backend)
+    graphdef, params = nnx.split(module)
+    return dataclasses.replace(model, graphdef=graphdef, params=params)
+
+
+def merged(model: LoadedQwen4Exp) -> LoadedQwen4Exp:
+    """``model`` with the projections that read one input merged
+    (:meth:`Qwen4ExpModel.merge_projections`): one GEMM per group in a step, where XLA runs
+    small one-row projections as slow reduction kernels (docs/design.md, "Merged
+    projections")."""
+    module = nnx.merge(model.graphdef, model.params)
+    module.merge_projections()
+    graphdef, params = nnx.split(module)
+    return dataclasses.replace(model, graphdef=graphdef, params=params)
 
 
 def table_bytes(cfg: Qwen4ExpConfig, dtype: str | None) -> int:

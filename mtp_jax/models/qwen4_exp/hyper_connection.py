@@ -14,7 +14,10 @@ Source: HF transformers ``qwen4_exp`` (``Qwen4ExpTextGatedResidual``), MODEL_FAC
 With ``backend="pallas"`` (``--norm-backend``; the loader sets it) calls of at most
 :data:`pallas_kernels.hyper.MAX_ROWS` rows run the mix, with the previous block's inject folded
 in (:meth:`GatedResidual.mix`), as two Triton kernels (:mod:`pallas_kernels.hyper.mix`); other
-calls, and weights held quantized, take the XLA composition below.
+calls, and weights held quantized, take the XLA composition below. After
+:meth:`GatedResidual.merge_projections` (the loader's default; XLA backend only) the low-rank
+down projection and the inject projection, which both read ``hn``, are one matrix
+(``down_inject``): one one-row GEMM a mix in place of two.
 """
 
 from __future__ import annotations
@@ -25,7 +28,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
-from mtp_jax.models.layers.basic import Linear, rms_normalize
+from mtp_jax.models.layers.basic import Linear, as_data, merge_linears, mergeable, rms_normalize
 from pallas_kernels.hyper import hyper_mix, supports
 
 
@@ -56,6 +59,19 @@ class GatedResidual(nnx.Module):
         self.input_mix_weight_down = Linear(w, lowrank, dtype)
         self.input_mix_weight_up = Linear(lowrank, w, dtype)
         self.block_inject_weight = Linear(w, hc, dtype) if inject else None
+        # MergedLinear of (input_mix_weight_down, block_inject_weight) after
+        # merge_projections()
+        self.down_inject = None
+
+    def merge_projections(self) -> None:
+        """Merge ``input_mix_weight_down`` and ``block_inject_weight`` into one ``down_inject``
+        (:class:`~mtp_jax.models.layers.basic.MergedLinear`; the two are removed). Only with
+        the ``xla`` backend (the Pallas mix reads them apart) and an inject; idempotent."""
+        parts = [self.input_mix_weight_down, self.block_inject_weight]
+        if (self.down_inject is None and self.backend == "xla" and parts[1] is not None
+                and parts[0] is not None and mergeable(parts)):
+            self.down_inject = as_data(merge_linears(parts))
+            self.input_mix_weight_down = self.block_inject_weight = None
 
     def __call__(self, h: jax.Array):
         """``h [..., hc*H]`` -> ``(x [..., H], inj [..., hc] or None)``."""
@@ -63,6 +79,8 @@ class GatedResidual(nnx.Module):
         return x, inj
 
     def _kernel_applies(self, h: jax.Array) -> bool:
+        if self.down_inject is not None:
+            return False
         rows = math.prod(h.shape[:-1])
         linears = [self.input_mix_weight_down, self.input_mix_weight_up]
         if self.block_inject_weight is not None:
@@ -86,15 +104,18 @@ class GatedResidual(nnx.Module):
 
     def _mix_xla(self, h: jax.Array):
         hn = self.hc_norm(h)
-        mix = jax.nn.silu(self.input_mix_weight_down(hn) / self.hc)
-        mix = jax.nn.sigmoid(self.input_mix_weight_up(mix))
+        if self.down_inject is not None:
+            down, inj = self.down_inject(hn)
+        else:
+            down = self.input_mix_weight_down(hn)
+            inj = None if self.block_inject_weight is None else self.block_inject_weight(hn)
+        mix = jax.nn.sigmoid(self.input_mix_weight_up(jax.nn.silu(down / self.hc)))
         lead = h.shape[:-1]
         x = jnp.mean(mix.reshape(*lead, self.hc, self.hidden)
                      * hn.reshape(*lead, self.hc, self.hidden), axis=-2)
-        if self.block_inject_weight is None:
+        if inj is None:
             return x, None
-        inj = 2.0 * jax.nn.sigmoid(self.block_inject_weight(hn) / self.hc)
-        return x, inj
+        return x, 2.0 * jax.nn.sigmoid(inj / self.hc)
 
 
 def inject(h: jax.Array, inj: jax.Array, y: jax.Array) -> jax.Array:

@@ -9,8 +9,12 @@ fused kernels take) and the MoE tiles fit (:func:`moe_misfit`): measured on the 
 Flash-Next shape cut to 8 layers / 64 experts (docs/benchmarks.md, session 33), 596 against
 573 tokens/s at batch 1 and 2,321 against 942 at batch 8. ``--norm-backend`` picks the
 hyper-connections' inject, norms and mix (:mod:`pallas_kernels.hyper`: two Triton kernels a
-block for calls of up to 8 rows). QSA attention and the one-row projections have no kernel in
-this family: ``pallas`` (or ``reduce`` / ``fused``) for them is refused.
+block for calls of up to 8 rows). ``--gemv-backend`` picks the form of one-row projections:
+``auto`` is ``reduce`` on a GPU (XLA's multiply-reduce form, as for Qwen3.5: the GDN and QSA
+projections here have the Qwen3.5-4B's input width, 2560, where that form is the measured
+default; :mod:`pallas_kernels.gemv`), ``xla`` XLA's GEMM; the experimental Triton GEMV and the
+``fused`` dense-MLP kernel are refused. QSA attention has no kernel in this family: ``pallas``
+for it is refused.
 """
 
 from __future__ import annotations
@@ -23,7 +27,7 @@ from pallas_kernels.hyper import unsupported as hyper_unsupported
 
 __all__ = ["KERNEL_OPS", "hyper_misfit", "resolve_kernels"]
 
-KERNEL_OPS = ("gdn", "moe", "norm")  # the registry entry's kernel_ops
+KERNEL_OPS = ("gdn", "moe", "norm", "gemv")  # the registry entry's kernel_ops
 # Whether ``auto`` takes the hyper-connection kernels on a GPU: no; on an H100 they won 9% a mix
 # at one row but nothing in the engine, and lost at 4 and 8 rows (docs/benchmarks.md, session 37).
 AUTO_HYPER_ON_GPU = False
@@ -51,10 +55,12 @@ def resolve_kernels(cfg, dtype: str | None, backends: dict | None = None,
     ``auto`` resolved as :meth:`KernelBackends.resolve` does (``pallas`` on a GPU where the
     kernels take the model) but XLA where the MoE tiles do not fit; for ``norm`` (the
     hyper-connection kernels) ``auto`` is ``pallas`` on a GPU where :func:`hyper_misfit` is
-    ``None`` and :data:`AUTO_HYPER_ON_GPU` is set; ``xla`` for every other op. ``platform``:
-    as :meth:`KernelBackends.resolve` (default: JAX's).
+    ``None`` and :data:`AUTO_HYPER_ON_GPU` is set; for ``gemv`` ``auto`` is ``reduce`` on a
+    GPU (:data:`mtp_jax.kernels.AUTO_ON_GPU`); ``xla`` for every other op. ``platform``: as
+    :meth:`KernelBackends.resolve` (default: JAX's).
 
-    Raises ConfigError for a non-XLA choice for another op (naming it), and for ``pallas``
+    Raises ConfigError for a non-XLA choice for another op (naming it), for ``gemv``
+    ``pallas`` or ``fused``, and for ``pallas``
     where :meth:`KernelBackends.resolve` refuses it (no GPU, float32 MoE, GDN head sizes the
     fused kernels cannot take), the MoE kernels cannot tile the experts or the
     hyper-connection kernels cannot take the shape."""
@@ -68,13 +74,17 @@ def resolve_kernels(cfg, dtype: str | None, backends: dict | None = None,
     if pick["moe"] == "auto" and misfit:
         pick["moe"] = "xla"  # auto takes what runs
     hyper = hyper_misfit(cfg)
+    if pick["gemv"] in ("pallas", "fused"):
+        raise ConfigError(f"gemv_backend {pick['gemv']!r} is not run for qwen4_exp (the Triton "
+                          "GEMV is experimental, the fused kernel needs dense MLPs); use "
+                          "--gemv-backend reduce, xla or auto.")
     if pick["norm"] == "pallas" and hyper:
         raise ConfigError(f"norm_backend 'pallas' cannot run this model: {hyper}; use "
                           "--norm-backend xla or auto.")
     out = KernelBackends.resolve("xla", pick["gdn"], pick["moe"], platform=platform,
                                  dtype=dtype, gdn_dims=gdn_dims_of(cfg),
                                  norm="xla" if hyper else pick["norm"],
-                                 hidden_size=None, gemv="xla", dense_mlp=False)
+                                 hidden_size=None, gemv=pick["gemv"], dense_mlp=False)
     if pick["norm"] == "auto" and AUTO_HYPER_ON_GPU and not hyper and _on_gpu(platform):
         out = dataclasses.replace(out, norm="pallas")
     return out

@@ -68,6 +68,14 @@ class Qwen4ExpModel(nnx.Module):
         # mtp_jax.models.draft_head.with_draft_head; None: the draft uses the target's head.
         self.draft_head = None
 
+    def merge_projections(self) -> None:
+        """Merge, in every decoder layer and the MTP draft's, the projections that read one
+        input (:meth:`DecoderLayer.merge_projections`); the loader does this unless asked
+        not to (``merge_projections=False``: one parameter per checkpoint tensor)."""
+        layers = list(self.layers) + (list(self.mtp.layers) if self.mtp is not None else [])
+        for layer in layers:
+            layer.merge_projections()
+
     def head(self, x: jax.Array) -> jax.Array:
         """``x [..., H]`` (mixed) -> logits float32."""
         if self.lm_head is None:

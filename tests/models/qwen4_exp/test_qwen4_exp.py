@@ -135,18 +135,22 @@ def test_load_model_and_registry_hooks(golden):
 
 
 def test_load_model_refuses_only_asked_kernels(monkeypatch):
-    """qwen4_exp runs gemv (and attention, norm) on XLA: an explicitly asked non-XLA backend
-    for it is refused before any weight is read, naming it; ``auto`` is not refused even where
-    it resolves to kernels for the other families (on a GPU: the GDN and MoE kernels, the
-    reduce gemv form). GDN and MoE: tests/models/qwen4_exp/test_qwen4_exp_kernels.py."""
+    """qwen4_exp runs attention on XLA: an explicitly asked non-XLA backend for it is refused
+    before any weight is read, naming it; ``auto`` is not refused even where it resolves to
+    kernels for the other families (on a GPU: the GDN and MoE kernels, the reduce gemv form).
+    GDN, MoE, norm and gemv: tests/models/qwen4_exp/test_qwen4_exp_kernels.py."""
     import mtp_jax
     from mtp_jax.config import ConfigError
     from mtp_jax.kernels import KernelBackends
     from mtp_jax.models import registry
 
-    with pytest.raises(ConfigError, match=r"qwen4_exp runs gemv on XLA .*"
-                                          r"gemv_backend 'reduce' was asked for"):
-        mtp_jax.load_model(FIX, dtype="float32", gemv_backend="reduce")
+    import jax
+
+    with monkeypatch.context() as mp, pytest.raises(
+            ConfigError, match=r"qwen4_exp runs attention on XLA .*"
+                               r"attention_backend 'pallas' was asked for"):
+        mp.setattr(jax, "default_backend", lambda: "gpu")  # else: "needs a CUDA GPU"
+        mtp_jax.load_model(FIX, dtype="float32", attention_backend="pallas")
     gpu_auto = KernelBackends.resolve(platform="gpu")
     assert gpu_auto != KernelBackends()  # what auto means for the other families on a GPU
     monkeypatch.setattr(KernelBackends, "resolve", classmethod(lambda cls, *a, **k: gpu_auto))

@@ -1,7 +1,9 @@
 """qwen4_exp kernel backends: GDN and MoE take ``pallas`` on a GPU (``auto`` too, where the kernels
 take the model; a GPU is faked where a load must pass the checks), the hyper-connection kernels
-(``norm``) when asked for, XLA on the CPU and for every other op, and ``pallas`` for QSA
-attention and gemv is refused before any weight is read.
+(``norm``) when asked for, the multiply-reduce form of one-row projections (``gemv``
+``reduce``; ``auto`` on a GPU), XLA on the CPU and for every other op; ``pallas`` for QSA
+attention is refused before any weight is read, ``pallas`` / ``fused`` for gemv at the kernels'
+resolution, also before.
 The GDN kernels' path through the model (decode rows, verify, partial commit) runs in Pallas
 interpret mode on the CPU against the golden logits of tests/fixtures/tiny_qwen4_exp. The Triton
 lowering at Flash-Next's shapes: tests/kernels/test_pallas_gdn_fused.py,
@@ -53,14 +55,30 @@ def _flash() -> Qwen4ExpConfig:
     return Qwen4ExpConfig.from_dict(json.load(open(FLASH)))
 
 
-@pytest.mark.parametrize("op", ["attention", "gemv"])
-def test_pallas_for_xla_ops_is_refused_before_weights(op, fake_gpu, no_weights):
-    with pytest.raises(ConfigError, match=rf"qwen4_exp runs {op} on XLA \(its GPU kernels run "
-                                          rf"gdn, moe and norm only\), but {op}_backend 'pallas' "
-                                          rf"was asked for; use --{op}-backend xla"):
-        mtp_jax.load_model(FIX, dtype="bfloat16", **{f"{op}_backend": "pallas"})
-    with pytest.raises(ConfigError, match=rf"runs {op} on XLA"):  # the loader's own check
-        resolve_kernels(_flash(), "bfloat16", {op: "pallas"}, platform="gpu")
+def test_pallas_attention_is_refused_before_weights(fake_gpu, no_weights):
+    with pytest.raises(ConfigError, match=r"qwen4_exp runs attention on XLA \(its GPU kernels "
+                                          r"run gdn, moe, norm and gemv only\), but "
+                                          r"attention_backend 'pallas' was asked for; use "
+                                          r"--attention-backend xla"):
+        mtp_jax.load_model(FIX, dtype="bfloat16", attention_backend="pallas")
+    with pytest.raises(ConfigError, match=r"runs attention on XLA"):  # the loader's own check
+        resolve_kernels(_flash(), "bfloat16", {"attention": "pallas"}, platform="gpu")
+
+
+@pytest.mark.parametrize("choice", ["pallas", "fused"])
+def test_gemv_kernels_are_refused_at_resolution(choice, fake_gpu, monkeypatch):
+    """The Triton GEMV and the fused dense-MLP kernel are not run for qwen4_exp: refused when
+    the loader resolves the kernels, before it reads a tensor."""
+    from mtp_jax.models.qwen4_exp import loader
+
+    def read(*a, **k):
+        raise AssertionError("a tensor was read: the refusal came too late")
+    monkeypatch.setattr(loader, "read_checkpoint", read)
+    why = rf"gemv_backend '{choice}' is not run for qwen4_exp"
+    with pytest.raises(ConfigError, match=why):
+        resolve_kernels(_flash(), "bfloat16", {"gemv": choice}, platform="gpu")
+    with pytest.raises(ConfigError, match=why):
+        mtp_jax.load_model(FIX, dtype="bfloat16", gemv_backend=choice)
 
 
 @pytest.fixture
@@ -71,18 +89,20 @@ def auto_hyper(monkeypatch):
 
 def test_auto_takes_the_gdn_moe_and_hyper_connection_kernels_on_a_gpu_only(auto_hyper):
     cfg = _flash()
-    kernels = KernelBackends(gdn="pallas", moe="pallas", norm="pallas")
+    kernels = KernelBackends(gdn="pallas", moe="pallas", norm="pallas", gemv="reduce")
     for backends in ({}, {op: "auto" for op in ("attention", "gdn", "moe", "norm", "gemv")},
                      {"gdn": None, "moe": "pallas"}):
         assert resolve_kernels(cfg, "bfloat16", backends, platform="gpu") == kernels
         if "pallas" not in backends.values():
             assert resolve_kernels(cfg, "bfloat16", backends,
                                    platform="cpu") == KernelBackends()
-    assert resolve_kernels(cfg, "bfloat16", {"gdn": "xla", "norm": "xla"},
+    assert resolve_kernels(cfg, "bfloat16", {"gdn": "xla", "norm": "xla", "gemv": "xla"},
                            platform="gpu") == KernelBackends(moe="pallas")
+    assert resolve_kernels(cfg, "bfloat16", {"gemv": "reduce"},
+                           platform="cpu") == KernelBackends(gemv="reduce")
     # auto takes XLA where a kernel cannot run: float32 MoE, MoE tiles, GDN head sizes,
     # stream counts and ranks the hyper-connection kernels cannot block
-    hyper = {"norm": "xla"}
+    hyper = {"norm": "xla", "gemv": "xla"}
     assert resolve_kernels(cfg, "float32", hyper, platform="gpu") == KernelBackends(gdn="pallas")
     odd = dataclasses.replace(cfg, moe_intermediate_size=648)
     assert resolve_kernels(odd, "bfloat16", hyper, platform="gpu") == KernelBackends(
@@ -127,15 +147,17 @@ def _backends(m) -> tuple[set, set]:
 
 def test_explicit_pallas_reaches_the_layers(fake_gpu, auto_hyper):
     auto = mtp_jax.load_model(FIX, dtype="bfloat16", ple_backend="disk", gdn_backend="xla",
-                              moe_backend="xla")
+                              moe_backend="xla", gemv_backend="xla")
     assert auto.cfg.kernels == KernelBackends() and _backends(auto) == ({"xla"}, {"xla"})
     m = mtp_jax.load_model(FIX, dtype="bfloat16", ple_backend="disk")  # auto, on a "GPU"
-    assert m.cfg.kernels == KernelBackends(gdn="pallas", moe="pallas") and m.has_mtp
+    assert m.cfg.kernels == KernelBackends(gdn="pallas", moe="pallas", gemv="reduce")
+    assert m.has_mtp
     assert _backends(m) == ({"pallas"}, {"pallas"})
     assert hash(m.cfg) != hash(auto.cfg) and m.cfg != auto.cfg  # static args, cache keys
     assert m.cfg == dataclasses.replace(auto.cfg, kernels=m.cfg.kernels)
     kept = mtp_jax.load_model(FIX, dtype="bfloat16", ple_backend="disk", quantization="keep")
-    assert kept.cfg.kernels == KernelBackends(gdn="pallas")  # kept experts: XLA decodes few
+    # kept experts: XLA decodes few
+    assert kept.cfg.kernels == KernelBackends(gdn="pallas", gemv="reduce")
 
 
 def _verify_commit(m, cache, ids, accept: int):
@@ -228,7 +250,8 @@ def test_hyper_connection_kernels_in_the_model_match_xla(tmp_path, monkeypatch, 
     ref = load()
     with monkeypatch.context() as mp:
         mp.setattr(jax, "default_backend", lambda: "gpu")
-        m = load(gdn_backend="xla", moe_backend="xla")  # auto: the hyper-connection kernels
+        # auto: the hyper-connection kernels
+        m = load(gdn_backend="xla", moe_backend="xla", gemv_backend="xla")
     assert m.cfg.kernels == KernelBackends(norm="pallas") and ref.cfg.kernels.norm == "xla"
     model = nnx.merge(m.graphdef, m.params)
     assert {la.mlp_hyper_connection.backend for la in model.layers} == {"pallas"}
@@ -242,3 +265,25 @@ def test_hyper_connection_kernels_in_the_model_match_xla(tmp_path, monkeypatch, 
     for i, step in enumerate(steps):
         want, got = both(step)
         np.testing.assert_allclose(got, want, rtol=2e-5, atol=2e-5, err_msg=f"step {i}")
+
+
+def test_reduce_gemv_reaches_the_projections_and_keeps_the_logits():
+    """``gemv_backend="reduce"`` (``auto`` on a GPU) sets every projection's one-row form, and
+    one-row decode calls in that form give the golden logits."""
+    from mtp_jax.models.layers.basic import Linear, MergedLinear
+
+    m = mtp_jax.load_model(FIX, dtype="float32", ple_backend="disk", gemv_backend="reduce")
+    assert m.cfg.kernels == KernelBackends(gemv="reduce")
+    model = nnx.merge(m.graphdef, m.params)
+    forms = {node.backend for _, node in nnx.iter_graph(model)
+             if isinstance(node, (Linear, MergedLinear))}
+    assert forms == {"reduce"}
+    with np.load(f"{FIX}/golden.npz") as z:
+        ids, greedy, full = z["input_ids"], z["greedy_tokens"], z["full_logits"]
+    seq = np.concatenate([ids, greedy], axis=1)[:1]
+    n = ids.shape[1]
+    cache = m.new_cache(1, seq.shape[1] + 1)
+    m.extend(cache, seq[:, :n])
+    for t in range(n, n + 3):  # one-row calls: the reduce form
+        np.testing.assert_allclose(np.asarray(m.extend(cache, seq[:, t:t + 1]), np.float32),
+                                   full[:1, t:t + 1], rtol=1e-4, atol=1e-4)
