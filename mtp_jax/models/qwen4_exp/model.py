@@ -92,7 +92,9 @@ class Qwen4ExpModel(nnx.Module):
         repeated on every stream)."""
         return jnp.tile(self.embed_tokens(input_ids), (1, 1, self.cfg.hc_count))
 
-    gdn_modes = ("prefill", "verify")  # no fused decode form: a k = 0 round verifies + commits
+    # "decode": a plain (k = 0) round advances every slot state by its one row as a prefill
+    # does (the GDN step form, the fused decode kernel on a GPU), so no commit runs
+    gdn_modes = ("prefill", "verify", "decode")
 
     def draft_logits(self, y: jax.Array):
         """MTP streams ``y [..., hc*H]`` -> the draft's own mixer, then ``(logits [..., N]
@@ -124,7 +126,9 @@ class Qwen4ExpModel(nnx.Module):
           state: the :class:`~mtp_jax.models.qwen4_exp.pools.Qwen4Slots` batch view, or (with
             ``slots [B]``) the pool, gathered here.
           gdn_mode: ``"prefill"`` (the slot states advance by the valid rows; returns the new
-            batch view) or ``"verify"`` (they do not; returns what :meth:`commit` takes).
+            batch view), ``"decode"`` (the same, and with ``slots`` returns the pool with
+            those slots' states replaced: a plain round's rows, equal to verify + commit of
+            them) or ``"verify"`` (they do not advance; returns what :meth:`commit` takes).
           host_rows: ``[B, T, n_ple * ple_embed_dim]`` float, the looked-up PLE n-gram rows of
             every PLE layer, concatenated (:meth:`LoadedQwen4Exp.host_rows`); None: looked up
             from the slots' n-gram context, inside the program from the device tables
@@ -178,6 +182,8 @@ class Qwen4ExpModel(nnx.Module):
         new_view = Qwen4Slots(LinearState(tuple(g[0] for g in gdn_out),
                                           tuple(g[1] for g in gdn_out)), tuple(op), tuple(pc),
                               token_register_commit(ctx, input_ids, None, length))
+        if gdn_mode == "decode" and slots is not None:
+            return h, new_paged, state.scatter(slots, new_view)
         return h, new_paged, new_view
 
     @property
