@@ -23,6 +23,7 @@ and prints a markdown table.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import sys
 import time
@@ -103,7 +104,7 @@ def one_row(model, setting: str, batch: int, lengths: list[int], a) -> dict:
         for rep in range(2 if setting == "mtp" else 1):
             eng.run(burst(lengths, a.max_tokens, vocab, a.seed + 1000 + rep, tag=f"w{rep}"))
             eng.flush_cache()
-    before = eng.stats.prefill_calls, eng.stats.prefill_chunks, eng.stats.prompt_tokens
+    before = dataclasses.replace(eng.stats)
     reqs = burst(lengths, a.max_tokens, vocab, a.seed)
     with CompileWatch() as timed:
         got = serve_burst(eng, reqs)
@@ -116,25 +117,39 @@ def one_row(model, setting: str, batch: int, lengths: list[int], a) -> dict:
             "ttft_max_s": ttft["max"], "wall_s": got["wall_s"], "prompt_tokens": prompt,
             "output_tokens": out, "output_tokens_per_s": out / got["wall_s"],
             "total_tokens_per_s": (prompt + out) / got["wall_s"],
-            "prefill_calls": eng.stats.prefill_calls - before[0],
-            "prefill_chunks": eng.stats.prefill_chunks - before[1],
+            **stats_delta(eng.stats, before),
             "draft_tokens": sum(r.num_draft_tokens for r in reqs),
             "accepted_tokens": sum(r.num_accepted_tokens for r in reqs),
             "warmup_s": warm.seconds, "warmup_compiles": warm.compiles,
             "compiles_timed": timed.compiles, "ttft_s": got["ttft_s"]}
 
 
+def stats_delta(now, before) -> dict:
+    """What the timed burst added to the engine's counters (``EngineStats``): prefill calls
+    and chunks, the seconds the host spent in prefill calls (dispatch to the first tokens
+    read) and between round results, round program calls, rounds and the plain ones (adaptive
+    speculation's k = 0 calls). Where a setting's extra wall time goes."""
+    d = lambda f: getattr(now, f) - getattr(before, f)
+    return {"prefill_calls": d("prefill_calls"), "prefill_chunks": d("prefill_chunks"),
+            "prefill_s": d("prefill_seconds"), "round_s": d("round_seconds"),
+            "round_calls": d("round_calls"), "rounds": d("rounds"),
+            "plain_rounds": d("plain_rounds")}
+
+
 def burst_table(rows: list[dict]) -> str:
     """The rows as a markdown table."""
     out = ["| setting | prefill batch | TTFT p50 s | TTFT p99 s | wall s | output tok/s | "
-           "total tok/s | prefill calls (chunks) | accepted / drafted | compiles timed |",
-           "|---|---|---|---|---|---|---|---|---|---|"]
+           "total tok/s | prefill calls (chunks) | prefill s / rounds s | round calls (plain "
+           "rounds / rounds) | accepted / drafted | compiles timed |",
+           "|---|---|---|---|---|---|---|---|---|---|---|---|"]
     for r in rows:
         name = f"MTP k={r['k']}" if r["k"] else "off"
         out.append(f"| {name} | {r['prefill_batch']} | {r['ttft_p50_s']:.3f} | "
                    f"{r['ttft_p99_s']:.3f} | {r['wall_s']:.2f} | "
                    f"{r['output_tokens_per_s']:.1f} | {r['total_tokens_per_s']:.1f} | "
                    f"{r['prefill_calls']} ({r['prefill_chunks']}) | "
+                   f"{r['prefill_s']:.3f} / {r['round_s']:.3f} | "
+                   f"{r['round_calls']} ({r['plain_rounds']} / {r['rounds']}) | "
                    f"{r['accepted_tokens']} / {r['draft_tokens']} | {r['compiles_timed']} |")
     return "\n".join(out)
 

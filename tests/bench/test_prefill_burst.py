@@ -34,6 +34,10 @@ def test_burst_runs_on_cpu(tmp_path, capsys):
         assert r["output_tokens"] == 5 * 3 and len(r["ttft_s"]) == 5
         assert 0 < r["ttft_p50_s"] <= r["ttft_p99_s"] <= r["ttft_max_s"] <= r["wall_s"]
         assert r["compiles_timed"] == 0 and r["warmup_compiles"] >= 0
+        # the burst's own counters: 3 tokens a request = the first + 2 from rounds
+        assert 0 < r["prefill_s"] < r["wall_s"] and 0 < r["round_s"] < r["wall_s"]
+        assert r["plain_rounds"] == 0 and 2 <= r["rounds"] and 1 <= r["round_calls"]
+        assert r["round_calls"] <= r["rounds"]
 
 
 def test_gguf_mtp_refusal_names_the_bench_options(tmp_path, capsys):
