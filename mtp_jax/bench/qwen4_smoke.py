@@ -31,8 +31,8 @@ import time
 import numpy as np
 
 from mtp_jax.engine.memory import weights_bytes
-from mtp_jax.models.qwen4_exp import entry as qwen4_entry
 from mtp_jax.llm import LLM
+from mtp_jax.models.qwen4_exp import entry as qwen4_entry
 from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.tools.gguf_blocks import TYPES

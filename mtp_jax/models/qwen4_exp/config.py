@@ -86,8 +86,8 @@ class Qwen4ExpConfig(LayerShapes):
     # mtp_rope_theta
     rope_scaling: RopeScaling = DEFAULT_ROPE
     # Not from config.json: which implementation runs the GDN, MoE, hyper-connection (norm) and
-    # one-row projection (gemv) ops (a frozen, hashable mtp_jax.kernels.KernelBackends; None = XLA), set at load by
-    # mtp_jax.models.qwen4_exp.kernels.resolve_kernels.
+    # one-row projection (gemv) ops (a frozen, hashable mtp_jax.kernels.KernelBackends; None =
+    # XLA), set at load by mtp_jax.models.qwen4_exp.kernels.resolve_kernels.
     kernels: Any = None
 
     # ---- derived -------------------------------------------------------------------------
