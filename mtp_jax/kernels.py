@@ -53,7 +53,7 @@ NOTES = {"norm": "qwen4_exp: pallas = its hyper-connections as two Triton kernel
                  "Triton kernel that dequantizes as it reads, for calls of up to 8 rows; "
                  "fused = reduce, with each one-row dense MLP's residual add + "
                  "norm, gate/up projection and SwiGLU as one Triton kernel (qwen3_5; merged "
-                 "projections)"}
+                 "projections); qwen4_exp takes xla and reduce only"}
 
 
 def choices_of(op: str) -> tuple[str, ...]:
