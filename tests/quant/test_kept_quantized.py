@@ -204,8 +204,10 @@ def test_qwen4_exp_kept_nvfp4_forward_equals_dequantized(tmp_path):
     folder = write_random_checkpoint(fixture_path("tiny_qwen4_exp"), str(tmp_path / "q"),
                                      dtype="float32", quantize="modelopt-nvfp4",
                                      quantize_mtp_fc=True)
-    dense = load_model(folder, "float32", quantization="dequantize")
-    kept = load_model(folder, "float32", quantization="keep")
+    # one parameter per tensor in both: a kept projection is not merged with plain ones, and
+    # a merged GEMM sums in another order than the separate ones
+    dense = load_model(folder, "float32", quantization="dequantize", merge_projections=False)
+    kept = load_model(folder, "float32", quantization="keep", merge_projections=False)
     names = {n for n, _ in kept_projections(kept.module())}
     assert {"mtp.fc_embedding", "mtp.fc_hidden", "layers.0.linear_attn.in_proj_qkv"} <= names
     assert kept.weight_bytes_saved > 0
@@ -214,6 +216,9 @@ def test_qwen4_exp_kept_nvfp4_forward_equals_dequantized(tmp_path):
     np.testing.assert_array_equal(np.asarray(la), np.asarray(lb))
     np.testing.assert_array_equal(np.asarray(dense.mtp_forward(ha, ids)[0]),
                                   np.asarray(kept.mtp_forward(hb, ids)[0]))
+    merged = load_model(folder, "float32", quantization="keep")  # the default: merged groups
+    np.testing.assert_allclose(np.asarray(merged.forward(ids)[0]), np.asarray(la),
+                               rtol=1e-5, atol=1e-5)
 
 
 @pytest.mark.parametrize("fmt,experts,mtp_experts", [("fp8-block", "fused", "per-expert"),
