@@ -14,8 +14,13 @@ the timed burst runs, ``Engine.step`` by step. A request's time to first
 token (TTFT) is from the burst's start to the end of the step that gave its first token. Per
 row: TTFT p50 / p99 / mean / max (seconds), the wall time, output tokens/s (generated tokens /
 wall) and total tokens/s (prompt + generated), the prefill calls and the prompt chunks they
-held, the accept counts, and the compiles in the timed burst (0 expected; a compile there
-means the warm-up burst missed a program). Prompt lengths are drawn uniformly from
+held, the host's seconds in prefill calls (dispatch to the first tokens read) and between
+round results (they add up to about the wall time), the round program calls, the rounds that
+adaptive speculation ran plain (k = 0; "-" with speculation off, where every round is plain)
+and all rounds, the accept counts, and the compiles in the timed burst (0 expected; a compile
+there means the warm-up burst missed a program). One timed burst per row: on a small burst
+(wall time under a second) the seconds vary from run to run more than the settings differ.
+Prompt lengths are drawn uniformly from
 ``--prompt-len LO HI`` (``--seed``); token ids are random, not text. Writes JSON to ``--out``
 and prints a markdown table.
 """
@@ -149,7 +154,8 @@ def burst_table(rows: list[dict]) -> str:
                    f"{r['output_tokens_per_s']:.1f} | {r['total_tokens_per_s']:.1f} | "
                    f"{r['prefill_calls']} ({r['prefill_chunks']}) | "
                    f"{r['prefill_s']:.3f} / {r['round_s']:.3f} | "
-                   f"{r['round_calls']} ({r['plain_rounds']} / {r['rounds']}) | "
+                   f"{r['round_calls']} ({r['plain_rounds'] if r['k'] else '-'} / "
+                   f"{r['rounds']}) | "
                    f"{r['accepted_tokens']} / {r['draft_tokens']} | {r['compiles_timed']} |")
     return "\n".join(out)
 

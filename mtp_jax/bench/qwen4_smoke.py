@@ -163,15 +163,16 @@ def main(argv=None) -> int:
     p.add_argument("--profile", action="store_true",
                    help="also trace 10 rounds at batch 1 (python -m mtp_jax.bench profile's "
                         "analysis: device busy time per round, top kernels, the first 600 "
-                        "kernels in order; the whole report in $OUT/q4_profile_k<k>.txt; GPU "
-                        "only)")
+                        "kernels in order; the whole report in "
+                        "$OUT/q4_profile_k<k>_norm_<n>_gemv_<g>_merge_<m>.txt; GPU only)")
     p.add_argument("--k", type=int, nargs="+", default=[0, 3],
                    help="speculative_num_steps of each run, 0 = MTP off (default 0 3)")
     p.add_argument("--batches", type=int, nargs="+", default=[1, 8],
                    help="requests per row (default 1 8; at most 8)")
     for op in ("gdn", "moe"):
         p.add_argument(f"--{op}-backend", default="auto", choices=["auto", "xla", "pallas"],
-                       help=f"the {op.upper()} kernels (default auto: the Pallas kernels on a "
+                       help=f"the {'GDN' if op == 'gdn' else 'MoE'} kernels (default auto: the "
+                            "Pallas kernels on a "
                             "GPU, XLA on the CPU; pallas needs a GPU)")
     p.add_argument("--norm-backend", nargs="+", default=["auto"],
                    choices=["auto", "xla", "pallas"],
@@ -189,9 +190,11 @@ def main(argv=None) -> int:
                         "packed weights stay packed on the device (default auto = dequantize)")
     p.add_argument("--gemv-backend", nargs="+", default=["auto"],
                    choices=["auto", "xla", "reduce"],
-                   help="one-row projections of each run (--gemv-backend): auto = reduce on a "
-                        "GPU (XLA's multiply-reduce form), xla = XLA's GEMM; e.g. xla reduce "
-                        "for an A/B")
+                   help="one-row projections of each run (default auto = reduce on a GPU: "
+                        "XLA's multiply-reduce form; xla = XLA's GEMM), e.g. xla reduce for an "
+                        "A/B. The list-valued flags (--quantization, --norm-backend, "
+                        "--gemv-backend, --merge-projections, --k) run every combination, each "
+                        "with a fresh LLM")
     p.add_argument("--merge-projections", nargs="+", default=["on"], choices=["on", "off"],
                    help="load with the projections that read one input merged (on, the "
                         "default) and/or without (off), e.g. on off for an A/B")

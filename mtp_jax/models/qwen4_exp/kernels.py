@@ -75,9 +75,11 @@ def resolve_kernels(cfg, dtype: str | None, backends: dict | None = None,
         pick["moe"] = "xla"  # auto takes what runs
     hyper = hyper_misfit(cfg)
     if pick["gemv"] in ("pallas", "fused"):
-        raise ConfigError(f"gemv_backend {pick['gemv']!r} is not run for qwen4_exp (the Triton "
-                          "GEMV is experimental, the fused kernel needs dense MLPs); use "
-                          "--gemv-backend reduce, xla or auto.")
+        why = {"pallas": "the experimental Triton GEMV is not wired into this family",
+               "fused": "it fuses a dense MLP; qwen4_exp has mixture-of-experts blocks only"}
+        raise ConfigError(f"gemv_backend {pick['gemv']!r} is not supported for qwen4_exp "
+                          f"({why[pick['gemv']]}); use gemv_backend='reduce', 'xla' or 'auto' "
+                          "(--gemv-backend reduce, xla or auto).")
     if pick["norm"] == "pallas" and hyper:
         raise ConfigError(f"norm_backend 'pallas' cannot run this model: {hyper}; use "
                           "--norm-backend xla or auto.")

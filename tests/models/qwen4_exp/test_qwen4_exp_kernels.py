@@ -74,7 +74,7 @@ def test_gemv_kernels_are_refused_at_resolution(choice, fake_gpu, monkeypatch):
     def read(*a, **k):
         raise AssertionError("a tensor was read: the refusal came too late")
     monkeypatch.setattr(loader, "read_checkpoint", read)
-    why = rf"gemv_backend '{choice}' is not run for qwen4_exp"
+    why = rf"gemv_backend '{choice}' is not supported for qwen4_exp"
     with pytest.raises(ConfigError, match=why):
         resolve_kernels(_flash(), "bfloat16", {"gemv": choice}, platform="gpu")
     with pytest.raises(ConfigError, match=why):
