@@ -301,7 +301,9 @@ class ExecutableTable:
     def _schedule(self, calls: list[Call], abstract: bool = False) -> tuple:
         """``(store, [(call, disk key, future)])`` for the calls neither in memory nor in a
         build's hands (each now in :attr:`_building`); ``abstract``: the calls' pools as
-        shapes (:func:`abstract_pools`)."""
+        shapes (:func:`abstract_pools`). With a store each program is claimed for its load
+        (a call that needs it waits for that load; :meth:`_load` queues it again when it is
+        not saved), else queued (a call that comes first builds it itself)."""
         folder = cache_dir() if self.persist else None
         store = ExecutableStore(folder) if folder is not None else None
         environment = ek.environment_digest() if store is not None else ""
@@ -312,7 +314,8 @@ class ExecutableTable:
                     continue
                 fut = concurrent.futures.Future()
                 self._building[c.key] = fut
-                self._queued.add(fut)
+                if store is None:
+                    self._queued.add(fut)
                 dkey = self.disk_key(c, environment) if store is not None else ""
                 if abstract:
                     c = dataclasses.replace(c, pools=abstract_pools(c.pools))
@@ -326,6 +329,7 @@ class ExecutableTable:
         (:meth:`_drop`; the call that needs it builds it, and meets a lasting error there)."""
         if not pending:
             return
+        requeued: list = []  # the programs loads did not find, queued anew (_load)
         try:
             workers = max(1, compile_workers() if workers is None else workers)
             # at most one lowered program waits per worker, so a cancel drops what is not
@@ -337,11 +341,13 @@ class ExecutableTable:
                 loads = [None] * len(pending)
                 if store is not None:
                     initialize_custom_call_libraries()  # once, before any thread loads
-                    loads = [pool.submit(self._load, store, *item, background)
+                    loads = [pool.submit(self._load, store, *item, background, requeued)
                              for item in pending]
                 for (c, dkey, fut), load in zip(pending, loads):
-                    if (load is not None and load.result()) or not self._start(fut):
-                        continue  # loaded, or taken over by its call
+                    if load is not None:
+                        fut = load.result()  # None: loaded (or dropped); else queued anew
+                    if fut is None or not self._start(fut):
+                        continue  # loaded or dropped, or taken over by its call
                     ahead.acquire()
                     if background and self._cancel.is_set():
                         ahead.release()
@@ -358,7 +364,7 @@ class ExecutableTable:
             error = RuntimeError("the program's build ended without a result")
         except BaseException as e:  # noqa: BLE001 (the pool or cache itself failed)
             error = e
-        for c, _, fut in pending:  # none is left unsettled: a waiting call would hang
+        for c, _, fut in pending + requeued:  # none left unsettled: a waiting call would hang
             if not fut.done():
                 self._fail(c, fut, error, background)
 
@@ -402,23 +408,36 @@ class ExecutableTable:
             if not fut.done():
                 fut.set_result(None)
 
-    def _load(self, store, c: Call, dkey: str, fut, background: bool = False) -> bool:
-        """Load ``c``'s program from ``store``; False when it is not there (or unreadable).
-        True without loading when a background build was cancelled (dropped)."""
+    def _load(self, store, c: Call, dkey: str, fut, background: bool = False,
+              requeued: list | None = None):
+        """Load ``c``'s program from ``store`` (claimed by this load since :meth:`_schedule`:
+        a call that needs it meanwhile waits for it rather than loading it a second time
+        beside it); None when loaded, or dropped (a cancelled background build). When it is
+        not there (or unreadable) ``fut`` is dropped, so its waiters build it themselves,
+        and a new future, queued for the build, is returned (and added to ``requeued``)."""
         if background and self._cancel.is_set():
             self._drop(c, fut)
-            return True
+            return None
         t0 = time.perf_counter()
         compiled = store.load(c.name, dkey, input_devices(c.pools))
         if compiled is None:
-            return False
+            with self._lock:  # queued anew, for the build or a call to claim
+                new = None
+                if self._building.get(c.key) is fut:
+                    new = self._building[c.key] = concurrent.futures.Future()
+                    self._queued.add(new)
+                    if requeued is not None:
+                        requeued.append((c, dkey, new))
+                if not fut.done():  # its waiting calls build it themselves (_entry)
+                    fut.set_exception(_Dropped())
+            return new
         seconds = time.perf_counter() - t0
         with self._lock:
             self.loads += 1
             self.records.append(Record(c.describe(), "disk", dkey[:16], load_s=seconds))
         report_load(seconds)
         self._finish(c, compiled, fut)
-        return True
+        return None
 
     def _lower(self, c: Call, dkey: str) -> tuple:
         t0 = time.perf_counter()
