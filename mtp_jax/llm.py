@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import os
 import warnings
 from typing import Callable, Iterator, Sequence
 
@@ -16,6 +17,8 @@ from mtp_jax.compile_cache import enable_compilation_cache
 from mtp_jax.config import (EngineConfig, SpeculativeConfig, normalize_algorithm,
                             normalize_draft_dtype)
 from mtp_jax.default_model import default_model_path
+from mtp_jax.engine import executable_prefetch
+from mtp_jax.engine.executable_cache import cache_dir
 from mtp_jax.engine.requests import ABORT, Request, RequestOutput, StreamOutput
 from mtp_jax.engine.samples import sample_seed, split_ready, waits_for_first
 from mtp_jax.engine.load_plan import check_memory_and_quantization
@@ -32,6 +35,15 @@ from mtp_jax.tokenizer import Tokenizer
 from mtp_jax.weights.quant_config import check_quantization_mode
 
 __all__ = ["LLM", "RequestOutput", "SamplingParams", "StreamOutput"]
+
+
+def _prefetch_programs(model: str, args: dict) -> None:
+    """Start loading the programs the last start-up with the same ``LLM`` arguments ``args``
+    built first, from the executable cache (:mod:`mtp_jax.engine.executable_prefetch`), so
+    that they load while the tokenizer is read."""
+    settings = {k: v for k, v in args.items() if k not in ("self", "before_load", "proposer")}
+    settings.update(model=os.path.abspath(model), proposer=args["proposer"] is not None)
+    executable_prefetch.start(cache_dir(), repr(sorted(settings.items())))
 
 
 class LLM:
@@ -158,6 +170,7 @@ class LLM:
                  compilation_cache_dir: str | None = None, norm_backend: str = "auto",
                  gemv_backend: str = "auto", quantization: str = "auto",
                  before_load: Callable[[Tokenizer | None, PromptLimits], None] | None = None):
+        args = dict(locals())
         enable_compilation_cache(compilation_cache_dir)  # before anything compiles
         check_quantization_mode(quantization)
         backends = dict(attention=attention_backend, gdn=gdn_backend, moe=moe_backend,
@@ -165,6 +178,7 @@ class LLM:
         check_backends(backends, dtype=resolve_dtype(dtype))  # errors first
         if model is None:
             model = default_model_path()
+        _prefetch_programs(model, args)  # loaded while the tokenizer is read
         algorithm = normalize_algorithm(speculative_algorithm)
         speculative = SpeculativeConfig(
             algorithm=algorithm, num_steps=speculative_num_steps,

@@ -29,7 +29,8 @@ and an executable jax loaded from its own cache does not serialize into a runnab
 CPU, so programs are compiled with jax's cache bypassed (:func:`without_jax_cache`). A load
 is reported to ``jax.monitoring`` as jax reports a hit of its own cache
 (:func:`~mtp_jax.engine.executable_store.report_load`), so :mod:`mtp_jax.bench.compiles` counts
-it as a persistent-cache hit.
+it as a persistent-cache hit. A start-up's first programs may have been loaded ahead, beside
+the tokenizer's read (:mod:`mtp_jax.engine.executable_prefetch`).
 """
 
 from __future__ import annotations
@@ -44,12 +45,12 @@ import time
 import weakref
 
 from mtp_jax.engine import executable_key as ek
-from mtp_jax.engine.executable_key import (abstract_pools, input_devices,
+from mtp_jax.engine import executable_prefetch as prefetch
+from mtp_jax.engine.executable_key import (abstract_pools, input_devices, keeps_pool_shapes,
                                           pools_signature)
 from mtp_jax.engine.executable_store import (FORMAT, THREADS_ENV, ExecutableCacheWarning,
                                              ExecutableStore, bypassed_cache_dir, compile_workers,
-                                             report_load,
-                                             initialize_custom_call_libraries,
+                                             initialize_custom_call_libraries, report_load,
                                              without_jax_cache)
 
 __all__ = ["ExecutableTable", "ExecutableStore", "ExecutableCacheWarning", "Call", "Record",
@@ -95,14 +96,6 @@ class Call:
     def static(self) -> dict:
         """The variant's fields by name."""
         return dataclasses.asdict(self.variant)
-
-
-def _keeps_pool_shapes(compiled, signature: tuple) -> bool:
-    """Whether ``compiled``'s output pools (its second output) have the input pools' shapes."""
-    try:
-        return pools_signature(compiled.out_info[1]) == signature
-    except Exception:  # noqa: BLE001 (no output info: never assume)
-        return False
 
 
 @dataclasses.dataclass
@@ -320,6 +313,9 @@ class ExecutableTable:
                 if abstract:
                     c = dataclasses.replace(c, pools=abstract_pools(c.pools))
                 pending.append((c, dkey, fut))
+        if store is not None and pending:  # the next start-up loads these first
+            prefetch.note_first(folder, [(c.name, k) for c, k, _ in pending],
+                                input_devices(pending[0][0].pools))
         return store, pending
 
     def _run(self, store, pending: list, workers: int | None, background: bool = False) -> None:
@@ -401,7 +397,7 @@ class ExecutableTable:
         """Put ``compiled`` in memory under ``c``'s key and release those waiting for it."""
         with self._lock:
             self._compiled[c.key] = (compiled,
-                                     _keeps_pool_shapes(compiled, pools_signature(c.pools)))
+                                     keeps_pool_shapes(compiled, pools_signature(c.pools)))
             self._queued.discard(fut)
             if self._building.get(c.key) is fut:
                 del self._building[c.key]
@@ -418,8 +414,10 @@ class ExecutableTable:
         if background and self._cancel.is_set():
             self._drop(c, fut)
             return None
-        t0 = time.perf_counter()
-        compiled = store.load(c.name, dkey, input_devices(c.pools))
+        t0, devices = time.perf_counter(), input_devices(c.pools)
+        compiled = prefetch.take(dkey, devices)  # loaded ahead by the start-up, else now
+        if compiled is None:
+            compiled = store.load(c.name, dkey, devices)
         if compiled is None:
             with self._lock:  # queued anew, for the build or a call to claim
                 new = None

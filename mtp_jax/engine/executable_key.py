@@ -21,7 +21,8 @@ compiling read, and a change of any of it is a miss, never a stale hit:
 
 All strings here are built from ``repr``s with memory addresses (`` at 0x...``) removed, so two
 processes with the same inputs get the same key. Also the in-memory side of a program's inputs:
-:func:`pools_signature`, :func:`input_devices` and :func:`abstract_pools`.
+:func:`pools_signature`, :func:`keeps_pool_shapes`, :func:`input_devices` and
+:func:`abstract_pools`.
 """
 
 from __future__ import annotations
@@ -207,6 +208,15 @@ def pools_signature(pools) -> tuple:
     import jax
 
     return tuple([x.shape for x in jax.tree_util.tree_leaves(pools)])
+
+
+def keeps_pool_shapes(compiled, signature: tuple) -> bool:
+    """Whether ``compiled``'s output pools (its second output) have the input pools' shapes
+    (``signature``: :func:`pools_signature`)."""
+    try:
+        return pools_signature(compiled.out_info[1]) == signature
+    except Exception:  # noqa: BLE001 (no output info: never assume)
+        return False
 
 
 def input_devices(tree) -> list | None:

@@ -59,13 +59,15 @@ class ExecutableStore:
         with contextlib.suppress(OSError):
             os.remove(path)
 
-    def load(self, name: str, key: str, devices=None):
+    def load(self, name: str, key: str, devices=None, initialize: bool = True):
         """The ``jax.stages.Compiled`` saved under ``key``, loaded onto ``devices`` (those of
         its inputs; default all of the backend's), or ``None`` (absent, or unreadable: warned
-        and removed)."""
+        and removed). ``initialize=False``: without :func:`initialize_custom_call_libraries`
+        (which holds the GIL), for a caller that runs it before the program does."""
         from jax.experimental.serialize_executable import deserialize_and_load
 
-        initialize_custom_call_libraries()
+        if initialize:
+            initialize_custom_call_libraries()
         path = self.path(name, key)
         try:
             with open(path, "rb") as f:
