@@ -1,5 +1,6 @@
 """Helpers shared by the engine scheduling tests (overlap, multi-step): requests from
-``(prompt, SamplingParams)`` pairs, random prompts, and a whole run on a fresh engine."""
+``(prompt, SamplingParams)`` pairs, random prompts, a whole run on a fresh engine, and a count
+of the commits programs trace."""
 
 import numpy as np
 
@@ -59,3 +60,17 @@ def run_per_round(engine, reqs):
 
     engine.run(reqs, on_round=on_round)
     return seen
+
+
+def trace_commits(monkeypatch, model_class) -> list:
+    """Count ``model_class.commit`` calls (one entry per call, made while a program traces):
+    the list the patched method appends to. Keeps the programs off the executable cache's
+    disk, whose key does not see a patched class attribute, so every run traces."""
+    from mtp_jax.engine import executable_cache
+
+    monkeypatch.setattr(executable_cache, "cache_dir", lambda: None)
+    calls: list = []
+    original = model_class.commit
+    monkeypatch.setattr(model_class, "commit",
+                        lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    return calls

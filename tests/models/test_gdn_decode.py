@@ -246,17 +246,11 @@ def test_plain_round_skips_commit_and_falls_back_without_decode(monkeypatch):
     """A k = 0 round of a model with the decode mode traces no commit; a model without it
     (``gdn_modes`` lacking ``"decode"``) runs verify + commit. Both generate the same tokens
     and leave the same GDN states after every round."""
-    from mtp_jax.engine import executable_cache
     from mtp_jax.models.loader import load_model
     from mtp_jax.models.qwen3_5.model import Qwen35Model
+    from tests.helpers.engine_runs import trace_commits
 
-    # Patching a class attribute is invisible to the on-disk executable cache's key (source
-    # files, graphdef, shapes), so keep programs of this test off disk: both runs must trace.
-    monkeypatch.setattr(executable_cache, "cache_dir", lambda: None)
-    calls = []
-    original = Qwen35Model.commit
-    monkeypatch.setattr(Qwen35Model, "commit",
-                        lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    calls = trace_commits(monkeypatch, Qwen35Model)
     rng = np.random.default_rng(3)
     prompts = [rng.integers(2, 300, n).tolist() for n in (4, 9)]
     load = lambda: load_model(fixture_path("tiny_dense"), "float32", with_mtp=False,

@@ -46,16 +46,11 @@ def _engine_run(m, prompts, max_tokens: int, follow_up: bool):
 
 
 def test_plain_rounds_in_decode_mode_equal_verify_and_commit(monkeypatch):
-    from mtp_jax.engine import executable_cache
     from mtp_jax.models.loader import load_model
     from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
+    from tests.helpers.engine_runs import trace_commits
 
-    # A patched class attribute is invisible to the executable cache's key: both runs trace.
-    monkeypatch.setattr(executable_cache, "cache_dir", lambda: None)
-    calls = []
-    original = Qwen4ExpModel.commit
-    monkeypatch.setattr(Qwen4ExpModel, "commit",
-                        lambda self, *a, **kw: calls.append(1) or original(self, *a, **kw))
+    calls = trace_commits(monkeypatch, Qwen4ExpModel)
     rng = np.random.default_rng(5)
     prompts = [rng.integers(2, 200, n).tolist() for n in (5, 11)]  # inside / on index blocks
     load = lambda: load_model(FIX, "float32", with_mtp=False, ple_backend="memory")
