@@ -147,6 +147,11 @@ def mergeable(linears: Sequence[Linear]) -> bool:
     return len(forms) == 1
 
 
+def _value(param):
+    """``param``'s array, or None for an absent parameter (GGUF rows hold their own scales)."""
+    return None if param is None else param[...]
+
+
 def merge_linears(linears: Sequence[Linear]) -> MergedLinear:
     """A :class:`MergedLinear` of ``linears`` (their weights copied, in order; the first one's
     ``backend``); checkpoint-quantized ones are merged in their quantized form
@@ -164,8 +169,7 @@ def merge_linears(linears: Sequence[Linear]) -> MergedLinear:
         return MergedLinear([m.weight[...] for m in linears], backend=first.backend)
     fmt, (codes, scale, scale_2) = concat_parts(
         [m.quant for m in linears],
-        [(m.weight[...], m.scale[...], None if m.scale_2 is None else m.scale_2[...])
-         for m in linears])
+        [(m.weight[...], _value(m.scale), _value(m.scale_2)) for m in linears])
     merged = MergedLinear([m.weight[...] for m in linears], backend=first.backend,
                           in_features=first.in_features, dtype=first.dtype)
     keep_quantized(merged, fmt, codes, scale, scale_2)
