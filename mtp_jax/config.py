@@ -13,6 +13,7 @@ import json
 import os
 from typing import Any
 
+from mtp_jax.config_fields import check_fixed_fields, check_shared_expert
 from mtp_jax.errors import ConfigError, check_field_types
 from mtp_jax.rope import DEFAULT_ROPE, RopeScaling, parse_rope_scaling, rope_section
 
@@ -118,6 +119,7 @@ class ModelConfig(LayerShapes):
                 f"{', '.join(SUPPORTED_MODEL_TYPES)} (and their *_text variants). "
                 "Check that --model points at a Qwen3.5-family checkpoint.")
         rope = rope_section(cfg, raw)[0]  # refuses unsupported RoPE types and keys
+        check_fixed_fields([cfg, raw] if composite else [cfg], model_type)
 
         def get(key, default=_MISSING):
             for src in (cfg, rope, raw):
@@ -215,6 +217,8 @@ class ModelConfig(LayerShapes):
                  "linear_num_value_heads", "linear_key_head_dim", "linear_value_head_dim",
                  "linear_conv_kernel_dim", "max_position_embeddings"]
         sizes += ["num_experts", "moe_intermediate_size"] if self.is_moe else ["intermediate_size"]
+        if self.is_moe:
+            check_shared_expert(self.shared_expert_intermediate_size)
         for key in sizes:
             if getattr(self, key) < 1:
                 raise ConfigError(f"config.json key {key!r} is {getattr(self, key)}; it must be "

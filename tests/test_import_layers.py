@@ -17,7 +17,7 @@ ROOT = os.path.join(os.path.dirname(__file__), "..")
 LAYERS = {
     "pallas_kernels": 0, "mtp_jax.config": 0, "mtp_jax.sampling": 0, "mtp_jax.cache": 0,
     "mtp_jax.kernels": 0, "mtp_jax.compile_cache": 0, "mtp_jax.home": 0,
-    "mtp_jax.tokenizer": 0, "mtp_jax.errors": 0, "mtp_jax.rope": 0,
+    "mtp_jax.tokenizer": 0, "mtp_jax.errors": 0, "mtp_jax.rope": 0, "mtp_jax.config_fields": 0,
     "mtp_jax.weights": 1,
     "mtp_jax.models": 2,
     "mtp_jax.speculative": 3,

@@ -3,7 +3,9 @@ message naming the value, what is supported and the fix; through every entry poi
 load_model, the CLI, check_before_load)."""
 
 import dataclasses
+import json
 import os
+import re
 
 import pytest
 
@@ -12,9 +14,24 @@ from mtp_jax.checks import DUMMY_WEIGHT_MTP_MESSAGE, check_before_load
 from mtp_jax.models import registry
 from mtp_jax.weights import hub
 from mtp_jax.weights.safetensors_files import CheckpointError
-from tests.helpers.paths import DOCS
+from tests.helpers.paths import DOCS, fixture_path
 from tests.helpers.refusals import (MOE, config_only, edit_config, split_moe,  # noqa: F401
                                     weight_spy, write_gguf)
+
+
+QWEN4 = fixture_path("tiny_qwen4_exp")
+CONFIGS = os.path.join(os.path.dirname(DOCS), "configs")
+
+
+def _qwen4_config(tmp_path, **text_changes) -> str:
+    """A folder holding only tiny_qwen4_exp's config.json with ``text_changes`` made in its
+    text_config."""
+    folder = config_only(QWEN4, tmp_path / "qwen4")
+    path = os.path.join(folder, "config.json")
+    cfg = json.load(open(path))
+    cfg["text_config"].update(text_changes)
+    json.dump(cfg, open(path, "w"))
+    return folder
 
 
 @pytest.fixture(scope="module")
@@ -103,6 +120,35 @@ CASES = [
      lambda t, s: dict(model=config_only(MOE, t / "nomtp", mtp_num_hidden_layers=0)), (),
      r"declares no MTP layer \(mtp_num_hidden_layers is 0\) and no "
      r"speculative_draft_model_path was given", "none"),
+    # config fields mtp_jax implements one way only (mtp_jax.config_fields)
+    *[(f"fixed_{key}", (lambda key, value: lambda t, s: dict(model=config_only(
+        MOE, t / "fixed", **{key: value})))(key, value), (),
+       rf"config\.json sets {key} = {re.escape(repr(value))}, .*mtp_jax runs qwen3_5_moe with "
+       rf"{key} = .* only", "none")
+      for key, value in [("hidden_act", "gelu"), ("attention_bias", True),
+                         ("attn_output_gate", False), ("use_sliding_window", True),
+                         ("mtp_use_dedicated_embeddings", True), ("mamba_ssm_dtype", "bfloat16"),
+                         ("mlp_only_layers", [0]), ("decoder_sparse_step", 2)]],
+    ("no_shared_expert", lambda t, s: dict(model=config_only(
+        MOE, t / "noshared", shared_expert_intermediate_size=0)), (),
+     r"shared_expert_intermediate_size = 0, a MoE block without a shared expert", "none"),
+    ("qwen4_hidden_act", lambda t, s: dict(model=_qwen4_config(t, hidden_act="relu2")), (),
+     r"hidden_act = 'relu2', .*mtp_jax runs qwen4_exp with hidden_act = 'silu' or 'swish'",
+     "none"),
+    ("qwen4_hc_lowrank", lambda t, s: dict(model=_qwen4_config(t, hc_lowrank=0)), (),
+     r"hc_lowrank 0 must be >= 1", "none"),
+    *[(f"qwen4_mtp_{name}", (lambda mtp: lambda t, s: dict(model=_qwen4_config(
+        t, mtp=mtp)))(mtp), (), pattern, "none")
+      for name, mtp, pattern in [
+          ("unknown_key", {"num_hidden_layers": 1, "tie_heads": True},
+           r"mtp section holds keys mtp_jax does not know: \['tie_heads'\]"),
+          ("hybrid", {"hybrid": False}, r"mtp\.hybrid = False"),
+          ("layer_types", {"layer_types": ["linear_attention"]},
+           r"mtp\.layer_types holds \['linear_attention'\]"),
+          ("hidden_from_layer", {"mtp_use_hidden_state_from_layer": 2},
+           r"mtp\.mtp_use_hidden_state_from_layer = 2"),
+          ("layers", {"num_hidden_layers": 2}, r"mtp\.num_hidden_layers 2 and "
+           r"mtp_num_hidden_layers 1 disagree")]],
     ("slot_state_without_handler", lambda t, s: {}, ("unhandled_slot_state",),
      r"slot state 'ngram_context' whose verify handler is None: it declares no way to commit "
      r"a speculative verify \(handlers: replay, checkpoint\)", "none"),
@@ -343,3 +389,14 @@ def test_engine_fields_checked_by_type():
             EngineConfig(**kwargs).validate()
         assert message in str(e.value), str(e.value)
     EngineConfig(max_prefill_batch=np.int64(4), mem_fraction=np.float32(0.5)).validate()
+
+
+@pytest.mark.parametrize("name", sorted(f for f in os.listdir(CONFIGS) if f.endswith(".json")
+                                        and not f.startswith("Qwen3-Next")))
+def test_released_configs_pass_the_fixed_fields(name):
+    """Every released config kept in configs/ (Qwen3-Next, another model_type, aside) holds the
+    values mtp_jax implements: none is refused by the fixed-field checks."""
+    raw = {k: v for k, v in json.load(open(os.path.join(CONFIGS, name))).items()
+           if not k.startswith("_")}
+    cfg = registry.config_from_dict(raw)
+    assert cfg.num_hidden_layers >= 1

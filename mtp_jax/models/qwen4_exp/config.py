@@ -23,6 +23,7 @@ import math
 from typing import Any
 
 from mtp_jax.config import ConfigError, LayerShapes, read_config_json
+from mtp_jax.config_fields import check_fixed_fields, check_mtp_section, check_shared_expert
 from mtp_jax.rope import DEFAULT_ROPE, RopeScaling, describe, parse_rope_scaling, rope_section
 
 MODEL_TYPES = ("qwen4_exp", "qwen4_exp_text")
@@ -131,6 +132,9 @@ class Qwen4ExpConfig(LayerShapes):
             raise ConfigError(f"model_type {mt!r} is not a qwen4_exp config (expected one of "
                               f"{', '.join(MODEL_TYPES)}).")
         rope = rope_section(cfg, raw)[0]  # refuses unsupported RoPE types and keys
+        check_fixed_fields([cfg, raw] if composite else [cfg], "qwen4_exp")
+        if isinstance(cfg.get("mtp"), dict):
+            check_mtp_section(cfg["mtp"], cfg.get("mtp_num_hidden_layers"), QSA_SPELLINGS)
 
         def get(key, default=_MISSING):
             for src in (cfg, rope, raw):
@@ -240,6 +244,11 @@ class Qwen4ExpConfig(LayerShapes):
             raise ConfigError(f"hc_count {self.hc_count} must be >= 2: qwen4_exp has at least "
                               "two residual streams (transformers' Qwen4ExpTextConfig refuses "
                               "hc_count <= 1 too); fix hc_count in config.json.")
+        if self.hc_lowrank < 1:
+            raise ConfigError(f"hc_lowrank {self.hc_lowrank} must be >= 1: it is the width of "
+                              "each hyper-connection's low-rank mix; use the checkpoint's own "
+                              "value (320 in the released config).")
+        check_shared_expert(self.shared_expert_intermediate_size)
         if not 0 < self.num_experts_per_tok <= self.num_experts:
             raise ConfigError(f"num_experts_per_tok {self.num_experts_per_tok} must be in "
                               f"1..num_experts ({self.num_experts}).")
