@@ -104,7 +104,9 @@ def apply_trained_weights(folder: str, path: str = TRAINED_WEIGHTS) -> None:
     import json
 
     import ml_dtypes  # noqa: F401  (registers numpy's bfloat16, which the files use)
-    from safetensors.numpy import load_file, save_file
+    from safetensors.numpy import load_file
+
+    from mtp_jax.weights.safetensors_write import save_file
 
     trained = load_file(path)
     with open(os.path.join(folder, "model.safetensors.index.json")) as f:

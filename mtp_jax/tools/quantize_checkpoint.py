@@ -22,11 +22,11 @@ import json
 import os
 
 import numpy as np
-from safetensors.numpy import save_file
 
 from mtp_jax.tools.quantize_weights import SCHEMES, quantize
 from mtp_jax.weights.safetensors_files import (_Files, checkpoint_files, read_header,
                                                read_stored)
+from mtp_jax.weights.safetensors_write import save_file
 
 __all__ = ["quantize_folder", "SCHEMES"]
 

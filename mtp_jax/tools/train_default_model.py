@@ -41,7 +41,6 @@ import ml_dtypes
 import numpy as np
 import optax
 from flax import nnx
-from safetensors.numpy import save_file
 
 from mtp_jax.default_model import default_config
 from mtp_jax.home import cache_root
@@ -51,6 +50,7 @@ from mtp_jax.models.params import param_name
 from mtp_jax.tokenizer import Tokenizer
 from mtp_jax.tools.random_checkpoint import write_random_checkpoint
 from mtp_jax.weights.names import disk_name
+from mtp_jax.weights.safetensors_write import save_file
 
 __all__ = ["doc_files", "doc_token_ids", "line_starts", "window_batches", "doc_softmax_loss",
            "zero_head_rows", "trained_tensors", "random_base", "main"]

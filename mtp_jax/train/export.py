@@ -36,12 +36,12 @@ import tempfile
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 
 from mtp_jax.config import ConfigError, read_config_json
 from mtp_jax.models.registry import entry_of, read_config
 from mtp_jax.weights.names import canonical_name
 from mtp_jax.weights.safetensors_files import INDEX_FILE, checkpoint_files, read_header
+from mtp_jax.weights.safetensors_write import save_file
 
 __all__ = ["write_draft_checkpoint", "mtp_tensor_shapes", "with_mtp_layer", "check_tensors",
            "Stored", "plan_mtp_tensors", "draft_config", "copy_without"]

@@ -28,12 +28,12 @@ import os
 
 import ml_dtypes
 import numpy as np
-from safetensors.numpy import save_file
 
 from mtp_jax.models.qwen3_5.random_checkpoint import EXPERT_LAYOUTS
 from mtp_jax.models.qwen4_exp import names
 from mtp_jax.models.qwen4_exp.config import (Qwen4ExpConfig, head_offsets, head_vocab_sizes,
                                              layer_multipliers)
+from mtp_jax.weights.safetensors_write import save_file
 
 _NP = {"float32": np.float32, "bfloat16": ml_dtypes.bfloat16, "float16": np.float16}
 
