@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import warnings
 
 __all__ = ["DEFAULT_PROMPT", "FILE_KEYS", "CliPrompts", "read_prompts_file", "decode_line",
            "prompt_labels", "prepare_prompts", "check_stream"]
@@ -128,13 +129,29 @@ def prepare_prompts(args, prompts: list, labels: list[str], params: list,
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}])
                    if isinstance(p, str) else p for p in prompts]
     todo = [i for i in range(len(prompts)) if i not in errors]
-    _, found = check_prompts([prompts[i] for i in todo], [labels[i] for i in todo], tokenizer,
-                             limits, [params[i] for i in todo])
+    ids, found = check_prompts([prompts[i] for i in todo], [labels[i] for i in todo],
+                               tokenizer, limits, [params[i] for i in todo])
     errors = {**errors, **{todo[j]: msg for j, msg in found.items()}}
+    _warn_context_cuts([(labels[i], ids[j], params[i]) for j, i in enumerate(todo)
+                        if ids[j] is not None], limits.context)
     if len(prompts) == 1 and errors:
         raise ValueError(errors[0])
     check_stream(args, len(prompts), tokenizer is not None)
     return CliPrompts(prompts=prompts, labels=labels, errors=dict(sorted(errors.items())))
+
+
+def _warn_context_cuts(requests: list, context: int) -> None:
+    """A warning for each request ``(label, prompt ids, SamplingParams)`` whose prompt plus
+    ``max_tokens`` exceed the engine's ``context`` (``--max-model-len``, capped by the model):
+    its output stops at the context with ``finish_reason=length``, before ``max_tokens``."""
+    for label, ids, params in requests:
+        room = context - len(ids)
+        if params is not None and params.max_tokens > room:
+            warnings.warn(f"{label}: {len(ids)} prompt tokens + max_tokens {params.max_tokens} "
+                          f"exceed the context of {context} tokens (--max-model-len, capped by "
+                          f"the model's max_position_embeddings), so its output stops after "
+                          f"{room} tokens (finish_reason=length); raise --max-model-len or "
+                          "lower --max-tokens.", stacklevel=2)
 
 
 def check_stream(args, n_prompts: int, has_tokenizer: bool) -> None:

@@ -85,6 +85,21 @@ def test_cli_limit_capped_by_the_model_says_to_shorten(tmp_path, no_load, capsys
     assert "--max-model-len" not in err
 
 
+def test_cli_warns_when_the_context_cuts_max_tokens(words, no_load, capsys):
+    """A prompt that fits but leaves less room than --max-tokens: one warning before the load
+    (the run goes on), naming the counts, what its output stops at and the two fixes; none for
+    a request with room."""
+    with pytest.raises(AssertionError, match="weights were loaded"):
+        generate.main(["--model", words, "--prompt", _text(5), "--prompt", "t5",
+                       "--max-model-len", "12", "--max-tokens", "10"])
+    err = _err(capsys)
+    assert ("warning: --prompt 1 of 2: 5 prompt tokens + max_tokens 10 exceed the context of 12 "
+            "tokens (--max-model-len, capped by the model's max_position_embeddings), so its "
+            "output stops after 7 tokens (finish_reason=length); raise --max-model-len or lower "
+            "--max-tokens.") in err
+    assert err.count("warning:") == 1
+
+
 def test_cli_good_prompt_among_bad_ones_goes_on_to_load(words, no_load, capsys):
     """A bad prompt among several fails alone: the run goes on to load the model."""
     with pytest.raises(AssertionError, match="weights were loaded"):
