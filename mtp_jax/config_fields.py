@@ -35,8 +35,8 @@ FIXED_FIELDS: dict[str, tuple[tuple[Any, ...], str]] = {
                             "layer of a MoE model its experts)"),
 }
 
-# qwen4_exp's ``mtp`` section: key -> what mtp_jax reads of it (the values are checked by
-# check_mtp_section)
+# the keys of qwen4_exp's ``mtp`` section that mtp_jax reads (their values: check_mtp_section
+# and the config's own parsing of the draft's RoPE)
 MTP_SECTION_KEYS = ("hybrid", "layer_types", "mtp_use_hidden_state_from_layer",
                     "num_hidden_layers", "rope_theta", "rope_parameters", "rope_scaling")
 
