@@ -161,7 +161,8 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
         end = batch.start + batch.length
         limit = batch.page_table.shape[1] * pools.kv.page_size * jnp.ones_like(end)
         drafts, pools = mtp_drafts(model, pools, hidden, next_ids, abatch, last,
-                                   batch.step + 1, end, limit, batch.sampling, k, greedy_only)
+                                   batch.step + 1, end, limit, batch.sampling, k, greedy_only,
+                                   kv_only=True)
     pools = store_next_tokens(pools, batch.slot, first, drafts, k)
     pools = dataclasses.replace(
         pools, position=pools.position.at[batch.slot].set(batch.start + batch.length),

@@ -3,7 +3,9 @@
 Inside a compiled program (prefill or round), after the target's forward::
 
     draft extend over T rows        row t pairs the target's hidden h_t with token x_{t+1}
-                                    (at position t), writing the draft KV of every row
+                                    (at position t), writing the draft KV of every row (a
+                                    prefill writes only the KV of the rows, then runs the
+                                    whole draft step on the pick row: ``kv_only``)
     d_1 from row pick[b]            the last committed row of each request
     d_2..d_k: k-1 chained steps     the draft's own hidden z fed back with the token it drafted,
                                     step j at position pos + j - 1
@@ -87,14 +89,28 @@ def chain_drafts(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, s
 
 
 def mtp_drafts(model, pools: Pools, hidden, next_ids, abatch, pick, step, pos, limit,
-               sampling, k: int, greedy_only: bool, filtering: bool | None = None):
+               sampling, k: int, greedy_only: bool, filtering: bool | None = None,
+               kv_only: bool = False):
     """Draft extend over the rows of ``hidden [B, T, H]`` (row t pairs the hidden at t with
     ``next_ids[:, t]``, at ``abatch``'s positions), then draft ``d_1`` from row ``pick [B]``
     and ``d_2..d_k`` by chained steps at ``pos [B]`` onwards (writes below ``limit [B]``
-    only); the random streams use ``step [B]``. Returns ``((drafts [B, k] int32, q [B, k, V]
-    float32), pools with the new draft KV)``."""
-    z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
-    z_pick = row_at(z, pick)
+    only); the random streams use ``step [B]``. ``kv_only`` (static; for a prefill's chunk,
+    whose rows but ``pick`` feed no draft): the extend writes the draft KV of every row
+    (``model.mtp.write_kv``, where the family has it: the KV projections only) and runs the
+    whole draft step on row ``pick`` alone, saving the draft's attention, MLP and norm over
+    the other rows. Returns ``((drafts [B, k] int32, q [B, k, V] float32), pools with the
+    new draft KV)``."""
+    write = getattr(model.mtp, "write_kv", None) if kv_only else None
+    if write is None:
+        z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
+        z_pick = row_at(z, pick)
+    else:
+        draft_kv = write(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
+        one = AttentionBatch(row_at(abatch.positions, pick)[:, None],
+                             row_at(abatch.valid, pick)[:, None], abatch.page_table)
+        z, draft_kv = model.mtp(model.embed_tokens, row_at(hidden, pick)[:, None],
+                                row_at(next_ids, pick)[:, None], one, draft_kv)
+        z_pick = z[:, 0]
     tok, q = draft_token(model, z_pick, sampling, step, 0, greedy_only, filtering)
     drafts, qs, draft_kv = chain_drafts(model, draft_kv, z_pick, tok, q, pos,
                                         abatch.page_table, limit, sampling, step, k,
