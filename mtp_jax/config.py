@@ -22,6 +22,7 @@ _TEXT_MODEL_TYPES = {"qwen3_5_text": "qwen3_5", "qwen3_5_moe_text": "qwen3_5_moe
 SPECULATIVE_ALGORITHMS = ("none", "mtp", "external")
 MAX_SPECULATIVE_NUM_STEPS = 8
 DRAFT_HEAD_DTYPES = ("int8",)  # speculative_draft_head_dtype besides None (the model dtype)
+DRAFT_DTYPE_AUTO = "auto"  # the draft dtypes' default: mtp_jax.speculative.draft_dtypes
 DRAFT_LAYER_DTYPES = ("int8",)  # speculative_draft_layer_dtype besides None (the model dtype)
 
 
@@ -299,7 +300,9 @@ class SpeculativeConfig:
     :mod:`mtp_jax.speculative.draft_vocab`, which also checks them: the token map is a file,
     read by the config-time checks, :func:`mtp_jax.checks.check_settings`). ``None``/``None``
     is the full vocabulary.
-    ``draft_head_dtype`` (``speculative_draft_head_dtype``, MTP only): ``None`` scores drafts
+    ``draft_head_dtype`` (``speculative_draft_head_dtype``, MTP only): ``"auto"`` (the default)
+    is int8 for a 16-bit compute dtype on an accelerator, else the model dtype (resolved by
+    :func:`mtp_jax.speculative.draft_dtypes.resolve_draft_dtypes`); ``None`` scores drafts
     with the LM head in the model dtype; ``"int8"`` with an int8 copy of its rows (half the
     bytes per draft step) whose best few logits are re-scored in the model dtype
     (:mod:`mtp_jax.models.draft_head`).
@@ -318,8 +321,8 @@ class SpeculativeConfig:
     draft_model_path: str | None = None
     draft_vocab_size: int | None = None
     token_map_path: str | None = None
-    draft_head_dtype: str | None = None
-    draft_layer_dtype: str | None = None
+    draft_head_dtype: str | None = DRAFT_DTYPE_AUTO
+    draft_layer_dtype: str | None = DRAFT_DTYPE_AUTO
     adaptive: bool = True
     adaptive_round_cost: float | None = None
 
@@ -362,13 +365,12 @@ class SpeculativeConfig:
                               "'mtp'. Drop the path or use --speculative-algorithm mtp.")
         for part, value, known in (("head", self.draft_head_dtype, DRAFT_HEAD_DTYPES),
                                    ("layer", self.draft_layer_dtype, DRAFT_LAYER_DTYPES)):
-            if value is None:
+            if value in (None, DRAFT_DTYPE_AUTO):
                 continue
             flag = f"speculative_draft_{part}_dtype (--speculative-draft-{part}-dtype)"
             if value not in known:
-                raise ConfigError(f"{flag} {value!r} is unknown; use "
-                                  f"{' or '.join(map(repr, known))}, or leave it unset for the "
-                                  "model dtype.")
+                raise ConfigError(f"{flag} {value!r} is unknown; use {', '.join(map(repr, known))}"
+                                  ", 'model' (the model dtype) or 'auto' (the default).")
             if self.algorithm != "mtp":
                 what = "draft's LM head" if part == "head" else "draft layer's projections"
                 raise ConfigError(f"{flag} {value!r} was given but speculative_algorithm is "
@@ -391,14 +393,14 @@ class SpeculativeConfig:
 
 def normalize_draft_dtype(name):
     """Map user spellings of ``speculative_draft_head_dtype`` and
-    ``speculative_draft_layer_dtype`` to :class:`SpeculativeConfig`'s: None,
-    ``"model"``, ``"auto"`` and ``""`` (any case) -> None (the model dtype); other strings
-    lower-cased (``"INT8"`` -> ``"int8"``); anything else unchanged, for
+    ``speculative_draft_layer_dtype`` to :class:`SpeculativeConfig`'s: None, ``"model"`` and
+    ``""`` (any case) -> None (the model dtype); other strings lower-cased (``"AUTO"`` ->
+    ``"auto"``, ``"INT8"`` -> ``"int8"``); anything else unchanged, for
     :meth:`SpeculativeConfig.validate` to refuse."""
     if not isinstance(name, str):
         return name
     n = name.strip().lower()
-    return None if n in ("", "model", "auto") else n
+    return None if n in ("", "model") else n
 
 
 def normalize_algorithm(name: str | None) -> str:

@@ -87,19 +87,23 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="file of hot token ids for the MTP draft (.npy int array, .json list, "
                         "or text with one id per line), in order (SGLang's "
                         "speculative_token_map)")
-    p.add_argument("--speculative-draft-head-dtype", default="model", choices=["model", "int8"],
+    p.add_argument("--speculative-draft-head-dtype", default="auto",
+                   choices=["auto", "model", "int8"],
                    type=str.lower,
                    help="int8: the MTP draft scores with an int8 copy of the LM head (a scale "
                         "per row; the rows around the best 8 logits re-scored in the model "
                         "dtype): 1 byte per weight read per draft step instead of 2 (bf16), "
-                        "V x (H + 4) bytes more memory; output stays exact (default: model, "
-                        "the model dtype)")
-    p.add_argument("--speculative-draft-layer-dtype", default="model", choices=["model", "int8"],
+                        "V x (H + 4) bytes more memory; output stays exact; model: the model "
+                        "dtype (default: auto = int8 on a GPU in bfloat16 / float16, else "
+                        "model)")
+    p.add_argument("--speculative-draft-layer-dtype", default="auto",
+                   choices=["auto", "model", "int8"],
                    type=str.lower,
                    help="int8: the MTP draft's projections (fc, attention, dense MLP; not a MoE "
                         "layer's routed experts) run from an int8 copy with a scale per row: "
                         "about half the draft layer's bytes per draft step; output stays exact, "
-                        "the drafts may change a little (default: model, the model dtype)")
+                        "the drafts may change a little; model: the model dtype (default: auto "
+                        "= int8 on a GPU in bfloat16 / float16, else model)")
     p.add_argument("--disable-adaptive-speculation", action="store_true",
                    help="draft in every round; by default a request drafts only while its "
                         "accepted drafts pay for a round, else it decodes plainly and probes "

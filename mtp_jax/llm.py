@@ -30,6 +30,7 @@ from mtp_jax.prompt_checks import PromptLimits, check_prompts_before_load, load_
 from mtp_jax.prompts import (chat_prompt, check_stops, error_output, params_list, prompt_ids,
                              prompt_list, request_output)
 from mtp_jax.sampling import SamplingParams
+from mtp_jax.speculative.draft_dtypes import resolve_draft_dtypes
 from mtp_jax.speculative.external import Proposer
 from mtp_jax.tokenizer import Tokenizer
 from mtp_jax.weights.quant_config import check_quantization_mode
@@ -75,15 +76,17 @@ class LLM:
         re-scored in the model dtype): 1 byte per weight read per draft step instead of 2
         (bf16), for the memory of that copy (N x (H + 4) bytes, N = V or the hot ids).
         Output stays exact; greedy drafts are the model-dtype head's but for a quantization
-        error as large as the gap between the best and the 8th logit. Default ``None`` (or
-        ``"model"``): the model dtype. See :mod:`mtp_jax.models.draft_head`.
+        error as large as the gap between the best and the 8th logit. ``None`` or
+        ``"model"``: the model dtype. Default ``"auto"``: int8 for a bfloat16 / float16 model
+        on an accelerator, else the model dtype (:mod:`mtp_jax.speculative.draft_dtypes`).
+        See :mod:`mtp_jax.models.draft_head`.
       speculative_draft_layer_dtype: MTP only; ``"int8"`` runs the draft's projections (its
         ``fc`` and its decoder layer's attention and dense MLP projections; a MoE layer's
         router and shared expert, not its routed experts) from an int8 copy with a float32
         scale per row: about half the draft layer's bytes per draft step, for the memory of
         that copy (out x (in + 4) bytes per projection). Output stays exact; the drafts, hence
-        the accept length, may change a little. Default ``None`` (or ``"model"``): the model
-        dtype.
+        the accept length, may change a little. ``None`` or ``"model"``: the model dtype.
+        Default ``"auto"``, as for the head.
       speculative_adaptive: draft only when it pays (default True): each request drafts only
         while its accepted drafts pay for a round, else it decodes plainly and probes again
         now and then; ``speculative_num_steps`` is the most a round drafts. Output is exact
@@ -155,8 +158,8 @@ class LLM:
                  speculative_num_steps: int = 3, speculative_draft_model_path: str | None = None,
                  speculative_draft_vocab_size: int | None = None,
                  speculative_token_map: str | None = None,
-                 speculative_draft_head_dtype: str | None = None,
-                 speculative_draft_layer_dtype: str | None = None,
+                 speculative_draft_head_dtype: str | None = "auto",
+                 speculative_draft_layer_dtype: str | None = "auto",
                  speculative_adaptive: bool = True,
                  speculative_adaptive_round_cost: float | None = None,
                  proposer: Proposer | None = None, seed: int = 0, max_model_len: int = 4096,
@@ -187,6 +190,7 @@ class LLM:
             draft_head_dtype=normalize_draft_dtype(speculative_draft_head_dtype),
             draft_layer_dtype=normalize_draft_dtype(speculative_draft_layer_dtype),
             adaptive=speculative_adaptive, adaptive_round_cost=speculative_adaptive_round_cost)
+        speculative = resolve_draft_dtypes(speculative, resolve_dtype(dtype))  # before checks
         engine_cfg = EngineConfig(max_running_requests=max_running_requests, page_size=page_size,
                                   max_model_len=max_model_len, dtype=resolve_dtype(dtype),
                                   chunked_prefill_size=chunked_prefill_size,

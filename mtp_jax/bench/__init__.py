@@ -55,7 +55,8 @@ value on one model and machine (the k = 0 rows once): a same-machine A/B.
 ``--draft-layer-dtype int8``: the draft's projections in int8 (``speculative_draft_layer_dtype``;
 the floor counts out x (in + 4) bytes per projection and draft step); recorded as
 ``draft_layer_dtype``; with several values of both options, k > 0 rows for every (head, layer)
-pair.
+pair. Both default to ``auto``, the engine's default (int8 for a bfloat16 / float16 run on a
+GPU, :mod:`mtp_jax.speculative.draft_dtypes`), replaced by what it picks before the rows run.
 
 ``--temperature T [T ...]`` (default 0: greedy) with ``--top-p`` / ``--top-k``: a set of rows per
 temperature; above 0 every request samples (seeded, request i with seed i), so the programs'

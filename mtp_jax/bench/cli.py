@@ -21,6 +21,7 @@ from mtp_jax.config import ConfigError
 from mtp_jax.kernels import OPS, KernelBackends, add_backend_flags
 from mtp_jax.models.loader import load_model
 from mtp_jax.models.registry import entry_of
+from mtp_jax.speculative.draft_dtypes import auto_draft_dtype
 
 
 SUMMARY = ("(the default) prefill, decode-step and speculative-round times of the engine on a "
@@ -66,18 +67,19 @@ def build_parser(description: str | None = None) -> argparse.ArgumentParser:
                    help="k > 0 rows: the MTP draft scores only the N lowest token ids "
                         "(speculative_draft_vocab_size); the floor counts N draft LM-head rows "
                         "(default: the full vocabulary)")
-    p.add_argument("--draft-head-dtype", nargs="+", default=["model"],
-                   choices=["model", "int8"],
+    p.add_argument("--draft-head-dtype", nargs="+", default=["auto"],
+                   choices=["auto", "model", "int8"],
                    help="k > 0 rows: the MTP draft's LM head in the model dtype and/or int8 "
                         "(speculative_draft_head_dtype), a set of k > 0 rows per value, one "
                         "model and one k = 0 row for all (a same-machine A/B); the floor "
-                        "counts the head's bytes (default: model)")
-    p.add_argument("--draft-layer-dtype", nargs="+", default=["model"],
-                   choices=["model", "int8"],
+                        "counts the head's bytes (default: auto, the engine's default: int8 on "
+                        "a GPU in bfloat16 / float16, else model)")
+    p.add_argument("--draft-layer-dtype", nargs="+", default=["auto"],
+                   choices=["auto", "model", "int8"],
                    help="k > 0 rows: the MTP draft's projections in the model dtype and/or "
                         "int8 (speculative_draft_layer_dtype); with --draft-head-dtype, a set "
                         "of k > 0 rows per (head, layer) pair; the floor counts their bytes "
-                        "(default: model)")
+                        "(default: auto, as --draft-head-dtype)")
     p.add_argument("--disable-prefix-cache", action="store_true",
                    help="run the rows with the prefix cache off (on by default, as for every "
                         "user: prefills end on snapshot boundaries, rounds save snapshots)")
@@ -194,6 +196,16 @@ def _dtype(name: str) -> str | None:
     return None if name == "model" else name
 
 
+def _auto_dtypes(args) -> None:
+    """Replace ``auto`` in ``--draft-head-dtype`` / ``--draft-layer-dtype`` by what the engine
+    picks for ``--dtype`` on this platform
+    (:func:`~mtp_jax.speculative.draft_dtypes.auto_draft_dtype`), so rows and floors name
+    the dtype they ran."""
+    auto = auto_draft_dtype("mtp", args.dtype) or "model"
+    for name in ("draft_head_dtype", "draft_layer_dtype"):
+        setattr(args, name, [auto if d == "auto" else d for d in getattr(args, name)])
+
+
 def _progress(r: dict) -> str:
     tps = (f"{r['tokens_per_s']:.1f}" if not r["k"] else " / ".join(
         f"{v:.1f}" for v in r["tokens_per_s_at_accept_length"].values()))
@@ -243,6 +255,7 @@ def main(argv=None, description: str | None = None) -> int:
     from mtp_jax.compile_cache import enable_compilation_cache
 
     args = build_parser(description).parse_args(argv)
+    _auto_dtypes(args)
     if args.steps is not None:
         print(f"note: --steps is now --decode-tokens; using --decode-tokens {args.steps}",
               file=sys.stderr)

@@ -43,6 +43,7 @@ from mtp_jax.models.draft_head import with_draft_head
 from mtp_jax.models.loaded import DTYPES, LoadedModel
 from mtp_jax.models.registry import entry_of
 from mtp_jax.speculative.adaptive import policy_for
+from mtp_jax.speculative.draft_dtypes import resolve_draft_dtypes
 from mtp_jax.speculative.draft_vocab import hot_token_ids
 from mtp_jax.speculative.external import Proposer
 
@@ -84,6 +85,7 @@ class Engine:
                  tokenizer=None):
         engine_cfg.validate()
         speculative.validate(model.cfg)
+        speculative = resolve_draft_dtypes(speculative, model.dtype)  # "auto" -> int8 / model
         if speculative.algorithm == "mtp" and not model.has_mtp:
             raise ConfigError("speculative_algorithm='mtp' needs the mtp.* draft, which was not "
                               "loaded.")

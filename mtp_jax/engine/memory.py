@@ -20,6 +20,7 @@ from mtp_jax.config import ConfigError, ModelConfig, SpeculativeConfig
 from mtp_jax.models.draft_head import draft_head_bytes, draft_layer_bytes
 from mtp_jax.models.loaded import DTYPES
 from mtp_jax.models.registry import entry_of
+from mtp_jax.speculative.draft_dtypes import resolve_draft_dtypes
 from mtp_jax.speculative.draft_vocab import hot_token_ids
 
 _ITEMSIZE = {"float32": 4, "bfloat16": 2, "float16": 2}
@@ -175,11 +176,13 @@ def planned_weights_bytes(cfg: ModelConfig, dtype: str, mtp: bool,
     (a reduced vocabulary, read from the token map if there is one, and/or int8 rows;
     :func:`mtp_jax.models.draft_head.draft_head_bytes`) and the int8 copy of the draft's
     projections when it asks for one (:func:`~mtp_jax.models.draft_head.draft_layer_bytes`).
-    The engine's plan and the check before load both count this. Raises ConfigError for an
-    unreadable token map."""
+    The engine's plan and the check before load both count this; draft dtypes left at
+    ``"auto"`` count as what they resolve to for ``dtype`` on this platform
+    (:mod:`mtp_jax.speculative.draft_dtypes`). Raises ConfigError for an unreadable token map."""
     total = weights_bytes(cfg, dtype, mtp)
     if not mtp or speculative is None:
         return total
+    speculative = resolve_draft_dtypes(speculative, dtype)
     hot = hot_token_ids(speculative.algorithm, speculative.draft_vocab_size,
                         speculative.token_map_path, cfg.vocab_size)
     return (total + draft_head_bytes(cfg, None if hot is None else hot.size, dtype,

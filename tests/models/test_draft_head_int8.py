@@ -216,8 +216,8 @@ def test_cli_llm_and_bench_refuse_before_load(capsys, tmp_path):
         generate.build_parser().parse_args(["--speculative-draft-head-dtype", "int4"])
     parse = generate.build_parser().parse_args
     assert parse(["--speculative-draft-head-dtype", "INT8"]).speculative_draft_head_dtype == "int8"
-    assert parse([]).speculative_draft_head_dtype == "model"
-    for given, want in ((None, None), ("model", None), (" Auto", None), ("INT8", "int8"),
+    assert parse([]).speculative_draft_head_dtype == "auto"
+    for given, want in ((None, None), ("model", None), (" Auto", "auto"), ("INT8", "int8"),
                         ("fp8", "fp8"), (8, 8)):
         assert normalize_draft_dtype(given) == want
     with pytest.raises(ConfigError, match="speculative_draft_head_dtype"):  # no draft there

@@ -204,7 +204,7 @@ def test_cli_llm_and_bench_take_the_option_and_refuse_before_load(capsys, tmp_pa
     parse = generate.build_parser().parse_args
     assert parse(["--speculative-draft-layer-dtype", "INT8"]).speculative_draft_layer_dtype \
         == "int8"
-    assert parse([]).speculative_draft_layer_dtype == "model"
+    assert parse([]).speculative_draft_layer_dtype == "auto"
     with pytest.raises(SystemExit):
         parse(["--speculative-draft-layer-dtype", "int4"])
     with pytest.raises(ConfigError, match="speculative_draft_layer_dtype"):
