@@ -39,7 +39,7 @@ from mtp_jax.config import DRAFT_HEAD_DTYPES as HEAD_DTYPES
 from mtp_jax.config import DRAFT_LAYER_DTYPES as LAYER_DTYPES
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import as_data, quantize_projections
-from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows
+from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows_in_blocks
 from mtp_jax.weights import names
 from pallas_kernels.gemv import gemv
 
@@ -214,7 +214,7 @@ def _head(model, module, ids, head_dtype) -> DraftHead:
     rows = table[...] if ids is None else jnp.take(table[...], dev_ids, axis=0)
     scale = None
     if head_dtype == "int8":
-        rows, scale = jax.jit(quantize_rows)(rows)
+        rows, scale = jax.jit(quantize_rows_in_blocks)(rows)
     return DraftHead(rows, dev_ids, scale, backend=kernels_of(model.cfg).gemv)
 
 

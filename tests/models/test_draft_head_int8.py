@@ -7,6 +7,7 @@ Engine runs (every draft accepted, output equal to plain decoding) are in
 ``test_draft_vocab.py``, which has the "chain" model whose full-head drafts are all right.
 """
 
+import jax
 import jax.numpy as jnp
 import numpy as np
 import pytest
@@ -15,7 +16,7 @@ from mtp_jax.config import ConfigError, ModelConfig, SpeculativeConfig, normaliz
 from mtp_jax.speculative.mtp import draft_token
 from mtp_jax.models.draft_head import (BLOCK, RESCORE, DraftHead, candidates, draft_head_bytes,
                                       with_draft_head)
-from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows
+from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows, quantize_rows_in_blocks
 from mtp_jax.models.loader import load_model
 from mtp_jax.sampling import SamplingTensors
 from pallas_kernels.gemv import gemv
@@ -44,6 +45,20 @@ def test_quantize_rows_bounds_and_scale():
     assert np.abs(q).max() == 127 and q.min() >= -127
     with pytest.raises(ValueError, match="expected"):
         quantize_rows(jnp.ones((2, 3, 4)))
+
+
+@pytest.mark.parametrize("block", [7, 512, 5000])
+def test_quantize_rows_in_blocks_equals_one_piece(block):
+    """The blocked form (what the draft head uses at load) stores the same int8 rows and
+    scales for blocks that divide the rows, do not (a remainder) and exceed them."""
+    w = _table()
+    q, s = quantize_rows(jnp.asarray(w))
+    qb, sb = jax.jit(quantize_rows_in_blocks, static_argnums=1)(jnp.asarray(w), block)
+    assert qb.dtype == jnp.int8 and qb.shape == q.shape and sb.shape == s.shape
+    np.testing.assert_array_equal(np.asarray(qb), np.asarray(q))
+    np.testing.assert_array_equal(np.asarray(sb), np.asarray(s))
+    with pytest.raises(ValueError, match="expected"):
+        quantize_rows_in_blocks(jnp.ones((2, 3, 4)))
 
 
 @pytest.mark.parametrize("rows", [(1,), (5,), (2, 3), (9,)])
