@@ -4,9 +4,9 @@ save bytes a round waits on, the model dtype elsewhere.
 
 ``auto`` is int8 for the MTP draft on an accelerator with a 16-bit compute dtype (bfloat16,
 float16): there every draft step reads the draft's LM head and projections from memory, and
-int8 halves those reads. On the H200 the 27B k = 3 round took 1.302x the decode step with the
-model-dtype draft and 1.232x with the int8 head and layer (docs/benchmarks.md, sessions 18 and
-22). On the CPU and in float32 ``auto`` keeps the model dtype (float32 is a reference dtype:
+int8 halves those reads. The 27B k = 3 round took 1.287x the decode step with the model-dtype
+draft and 1.214x with the int8 head and layer on an H100 (1.302x and 1.232x on the H200;
+docs/benchmarks.md, sessions 39, 18 and 22). On the CPU and in float32 ``auto`` keeps the model dtype (float32 is a reference dtype:
 its drafts are the exact ones).
 
 The output stays exact either way (the target verifies every draft with its own head). The
@@ -15,8 +15,8 @@ in the model dtype, so a greedy draft is the model-dtype head's argmax unless th
 reaches the gap between the best and the 8th logit; the int8 layer carries each weight's
 rounding (at most 1/254 of its row's largest) into the draft's hidden state. On the trained
 fixture (tests/fixtures/tiny_trained, k = 3, 16 motif prompts of 64 greedy tokens) the accept
-rate moved from 0.4901 to 0.4942 with both; a test holds the accept length within 1%
-(tests/speculative/test_draft_dtypes_auto.py). The cost is memory: the int8 copies are held
+rate moved from 0.4901 to 0.4942 with both, the tokens unchanged; a test holds the accept
+length no more than 1% below the model dtype's (tests/speculative/test_draft_dtypes_auto.py). The cost is memory: the int8 copies are held
 beside the model-dtype weights (N x (H + 4) bytes for the head, out x (in + 4) per draft
 projection; on the 27B about 1.7 GB), and the memory plan counts them.
 """
