@@ -439,7 +439,9 @@ class ExecutableTable:
 
     def _lower(self, c: Call, dkey: str) -> tuple:
         t0 = time.perf_counter()
-        traced = c.fn.trace(c.leaves, c.pools, c.buf, layout=c.layout, variant=c.variant)
+        # from shapes: a loaded program's outputs carry layouts that jax 0.12.1 types (scan)
+        traced = c.fn.trace(*map(abstract_pools, (c.leaves, c.pools, c.buf)), layout=c.layout,
+                            variant=c.variant)
         t1 = time.perf_counter()
         lowered = traced.lower()
         with self._lock:
