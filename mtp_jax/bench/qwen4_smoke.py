@@ -8,7 +8,8 @@ layers and ``--experts`` routed experts with a small n-gram table (``--ngram-bas
 (default 0 and 3; with the random MTP head adaptive speculation lowers k: a k = 3 row is what a
 user gets from a head that is never right). Prints one dict per row: the PLE backend, the
 kernels, end-to-end tokens/s, ms per round (host + device) and the host PLE lookup's ms per
-round (None with ``device``: its programs look the rows up themselves). Writes ``$OUT/q4_smoke.json`` (or ``--out``).
+round (None with ``device``: its programs look the rows up themselves), by the form the
+programs use (``ple_lookup``: ``native`` or ``callback``, ``--ple-lookup``). Writes ``$OUT/q4_smoke.json`` (or ``--out``).
 
 ``--gguf TYPE`` writes the cut shape as a Flash-Next GGUF target and a Strata MTP pack instead
 (:mod:`mtp_jax.tools.random_gguf`: routed experts in TYPE, the other matrices in
@@ -24,6 +25,7 @@ from __future__ import annotations
 
 import argparse
 import contextlib
+import functools
 import json
 import os
 import time
@@ -33,6 +35,7 @@ import numpy as np
 from mtp_jax.engine.memory import weights_bytes
 from mtp_jax.llm import LLM
 from mtp_jax.models.qwen4_exp import entry as qwen4_entry
+from mtp_jax.models.qwen4_exp import ple_native
 from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.tools.gguf_blocks import TYPES
@@ -52,14 +55,27 @@ def cut_config(path: str, layers: int, experts: int, ngram_base: int) -> dict:
     return raw
 
 
+def lookup_form(model) -> str | None:
+    """How the programs look the PLE rows up on the host: ``native`` (the FFI call,
+    :mod:`~mtp_jax.models.qwen4_exp.ple_native`), ``callback``, or None (device tables)."""
+    if not model.host_callbacks:
+        return None
+    return "native" if ple_native.registered(model.module().ple_source) else "callback"
+
+
 def lookup_ms(model, prompts, k: int, repeats: int = 50) -> float:
-    """Mean ms of one round's host PLE lookup (``k + 1`` tokens per request)."""
+    """Mean ms of one round's host PLE lookup (``k + 1`` tokens per request), by the form
+    the programs use (:func:`lookup_form`)."""
     ctx = np.stack([model.ngram_context(p[:-k - 1]) for p in prompts])
     ids = np.asarray([p[-k - 1:] for p in prompts])
-    model.host_rows(ctx, ids)
+    look = model.host_rows
+    if lookup_form(model) == "native":
+        look = functools.partial(ple_native.host_rows, model.module().ple_source,
+                                 width=model.host_row_width)
+    look(ctx, ids)
     t0 = time.perf_counter()
     for _ in range(repeats):
-        model.host_rows(ctx, ids)
+        look(ctx, ids)
     return 1e3 * (time.perf_counter() - t0) / repeats
 
 
@@ -98,7 +114,8 @@ def run_row(llm, prompts, k: int, max_tokens: int, rng, backend: str = "disk",
     wall = time.perf_counter() - t0
     rounds = max(eng.stats.rounds - r0, 1)
     toks = sum(len(o.token_ids) for o in outs)
-    return dict(ple_backend=backend, kernels=kernels, k=k, batch=len(prompts), tokens=toks,
+    return dict(ple_backend=backend, ple_lookup=lookup_form(llm.model), kernels=kernels, k=k,
+                batch=len(prompts), tokens=toks,
                 tok_s=round(toks / wall, 1),
                 ms_per_round=round(1e3 * (eng.stats.round_seconds - s0) / rounds, 3),
                 lookup_ms=(None if backend == "device"
@@ -158,6 +175,11 @@ def main(argv=None) -> int:
     p.add_argument("--ple-backend", default="auto", choices=["auto", "disk", "memory", "device"],
                    help="where the PLE n-gram tables live (default %(default)s; device: on "
                         "the GPU, looked up inside the programs, no host callback)")
+    p.add_argument("--ple-lookup", nargs="+", default=["auto"], choices=ple_native.CHOICES,
+                   help="host tables: how the programs look their rows up, per run "
+                        "($MTP_JAX_PLE_LOOKUP; default auto = native on a GPU: the FFI call "
+                        "that does not block the launch; callback: jax.pure_callback), e.g. "
+                        "callback native for an A/B")
     p.add_argument("--out", default=os.environ.get("OUT", "."),
                    help="folder of q4_smoke.json and the profiles (default: $OUT, else .)")
     p.add_argument("--profile", action="store_true",
@@ -193,7 +215,8 @@ def main(argv=None) -> int:
                    help="one-row projections of each run (default auto = reduce on a GPU: "
                         "XLA's multiply-reduce form; xla = XLA's GEMM), e.g. xla reduce for an "
                         "A/B. The list-valued flags (--quantization, --norm-backend, "
-                        "--gemv-backend, --merge-projections, --k) run every combination, each "
+                        "--gemv-backend, --merge-projections, --ple-lookup, --k) run every "
+                        "combination, each "
                         "with a fresh LLM")
     p.add_argument("--merge-projections", nargs="+", default=["on"], choices=["on", "off"],
                    help="load with the projections that read one input merged (on, the "
@@ -204,11 +227,13 @@ def main(argv=None) -> int:
     model, draft = write_checkpoint(a)
     rng = np.random.default_rng(0)
     rows = []
-    for quantization, norm, gemv, merge, k in [
-            (q, n, g, m, k) for q in a.quantization for n in a.norm_backend
-            for g in a.gemv_backend for m in a.merge_projections for k in a.k]:
+    for quantization, norm, gemv, merge, look, k in [
+            (q, n, g, m, lk, k) for q in a.quantization for n in a.norm_backend
+            for g in a.gemv_backend for m in a.merge_projections for lk in a.ple_lookup
+            for k in a.k]:
         kernels = (f"gdn={a.gdn_backend},moe={a.moe_backend},norm={norm},gemv={gemv},"
                    f"merge={merge}")
+        os.environ["MTP_JAX_PLE_LOOKUP"] = look  # read when the tables load
         with merging(merge == "on"):
             llm = LLM(model, dtype="bfloat16", max_running_requests=8, max_model_len=512,
                       speculative_algorithm="mtp" if k else "none",

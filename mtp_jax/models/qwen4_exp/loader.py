@@ -24,7 +24,7 @@ from mtp_jax.models.loaded import DTYPES, NP_DTYPES, resolve_dtype
 from mtp_jax.models.qwen4_exp import names
 from mtp_jax.models.qwen4_exp.config import (Qwen4ExpConfig, head_offsets, head_vocab_sizes,
                                              layer_multipliers, ngram_table_rows)
-from mtp_jax.models.qwen4_exp import ple_callback
+from mtp_jax.models.qwen4_exp import ple_callback, ple_native
 from mtp_jax.models.qwen4_exp.kernels import resolve_kernels
 from mtp_jax.models.qwen4_exp.loaded import LoadedQwen4Exp, PLEHost, PLETables, ple_rows
 from mtp_jax.models.qwen4_exp.model import Qwen4ExpModel
@@ -270,6 +270,7 @@ def load_qwen4_exp(path: str, dtype: str | None = "auto", *, with_mtp: bool = Tr
         graphdef, params = nnx.split(module)
     elif not device:
         ple_callback.bind(source, tables, functools.partial(ple_rows, cfg))  # the programs' rows
+        ple_native.register(source, cfg, tables)  # the same rows, not blocking the launch
     return LoadedQwen4Exp(cfg=cfg, dtype=dtype, graphdef=graphdef, params=params,
                           has_mtp=with_mtp, ple=tables, pack_small_params=False,
                           weight_bytes_saved=saved)

@@ -24,6 +24,8 @@ import jax
 import jax.numpy as jnp
 import numpy as np
 
+from mtp_jax.models.qwen4_exp import ple_native
+
 __all__ = ["reserve", "bind", "rows_on_host"]
 
 _SOURCES: dict[int, tuple[weakref.ref, Callable]] = {}
@@ -54,6 +56,10 @@ def _lookup(source: int, contexts: np.ndarray, ids: np.ndarray) -> np.ndarray:
 
 def rows_on_host(source: int, contexts: jax.Array, ids: jax.Array, width: int) -> jax.Array:
     """The PLE rows ``[B, T, width]`` float32 of ``ids [B, T]`` after ``contexts [B, N-1]``,
-    from the lookup bound to ``source``, read on the host while the program runs."""
+    from the lookup bound to ``source``, read on the host while the program runs: by the
+    native FFI lookup when ``source`` is registered with it (:mod:`~mtp_jax.models.qwen4_exp.
+    ple_native`, the default on a GPU), else by ``jax.pure_callback``."""
+    if ple_native.registered(source):  # the same rows without blocking the launch
+        return ple_native.rows(source, contexts, ids, width)
     shape = jax.ShapeDtypeStruct((*ids.shape, width), jnp.float32)
     return jax.pure_callback(functools.partial(_lookup, source), shape, contexts, ids)

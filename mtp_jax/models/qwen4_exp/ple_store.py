@@ -59,6 +59,12 @@ class NgramTable:
             self._parts, self._starts = maps, self.starts
 
     @property
+    def parts(self) -> tuple[list[np.ndarray], np.ndarray]:
+        """The stored arrays a lookup reads (``[rows_j, dim]`` each, the stored dtype) and the
+        first row id of each (int64): one array for ``memory``, the shards otherwise."""
+        return self._parts, np.asarray(self._starts, np.int64)
+
+    @property
     def nbytes(self) -> int:
         return sum(p.size * p.dtype.itemsize for p in self._parts)
 
