@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import argparse
 import dataclasses
+import gc
 import inspect
 import json
 import sys
@@ -333,6 +334,7 @@ def main(argv=None, description: str | None = None) -> int:
                 r = bench_one(model, b, k, dataclasses.replace(
                     s, prompt_len=n, draft_head_dtype=head, draft_layer_dtype=layer,
                     temperature=t, top_p=args.top_p, top_k=args.top_k), refs, steps)
+                gc.collect()  # what the row's engine held goes before the next row allocates
                 r = {"config": path, **r, "kernel_backends": _kernels(model),
                      "quantization": (None if args.quantization == "none"
                                       else args.quantization)}

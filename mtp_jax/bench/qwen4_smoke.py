@@ -228,9 +228,8 @@ def main(argv=None) -> int:
     rng = np.random.default_rng(0)
     rows = []
     for quantization, norm, gemv, merge, look, k in [
-            (q, n, g, m, lk, k) for q in a.quantization for n in a.norm_backend
-            for g in a.gemv_backend for m in a.merge_projections for lk in a.ple_lookup
-            for k in a.k]:
+            (q, n, g, m, lk, k) for k in a.k for q in a.quantization for n in a.norm_backend
+            for g in a.gemv_backend for m in a.merge_projections for lk in a.ple_lookup]:
         kernels = (f"gdn={a.gdn_backend},moe={a.moe_backend},norm={norm},gemv={gemv},"
                    f"merge={merge}")
         os.environ["MTP_JAX_PLE_LOOKUP"] = look  # read when the tables load
