@@ -27,6 +27,7 @@ import os
 import shutil
 import subprocess
 import tempfile
+import warnings
 import weakref
 
 import jax
@@ -121,7 +122,16 @@ def register(source: int, cfg, ple) -> bool:
     here and the library builds. Returns whether :func:`rows` now serves ``source``: False also
     for tables without stored parts (the random model's stand-ins), a dtype other than
     float32 / bfloat16 / float16, or a table part that is not one contiguous array. The registration ends when ``ple`` is collected."""
-    if not ple or not _wanted() or library() is None:
+    if not ple or not _wanted():
+        return False
+    if library() is None:
+        if not _STATE.get("warned"):
+            _STATE["warned"] = True
+            warnings.warn(f"the native PLE lookup is unavailable ({unavailable_reason()}); "
+                          "jax.pure_callback looks the n-gram rows up instead (the same rows, "
+                          "slower on a GPU: docs/design.md). Install g++ (or set $CXX) to "
+                          "build it, or set MTP_JAX_PLE_LOOKUP=callback to silence this.",
+                          stacklevel=2)
         return False
     lib = _STATE["lib"]
     tables = [p.table for p in ple]

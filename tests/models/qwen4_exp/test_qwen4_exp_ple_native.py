@@ -170,3 +170,14 @@ def test_engine_native_lookup_gives_callback_tokens_and_accepts(native, monkeypa
     a, b = _run(nat, prompts), _run(cb, prompts)
     assert a == b
     assert sum(r[3] for r in a) > 0  # drafts were accepted
+
+
+def test_without_a_compiler_the_callback_serves_and_says_so(monkeypatch, tmp_path):
+    monkeypatch.setattr(ple_native, "_STATE", {})  # as in a fresh process
+    monkeypatch.setenv("MTP_JAX_CACHE", str(tmp_path))
+    monkeypatch.setenv("CXX", str(tmp_path / "no-such-compiler"))
+    monkeypatch.setenv("MTP_JAX_PLE_LOOKUP", "native")
+    with pytest.warns(UserWarning, match="native PLE lookup is unavailable.*no-such-compiler"):
+        model = load_qwen4_exp(FIX, "float32", with_mtp=False, ple_backend="disk")
+    assert not ple_native.registered(model.module().ple_source)
+    assert "no-such-compiler" in ple_native.unavailable_reason()
