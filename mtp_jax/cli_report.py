@@ -67,6 +67,24 @@ def quant_note(args, llm) -> str:
     return ""
 
 
+def ple_note(llm) -> str:
+    """The ``[model]`` line's note on a qwen4_exp model's PLE n-gram rows: where the programs
+    look them up (device tables, the native host lookup, or a host callback, with the reason
+    when the native lookup was wanted but could not be built)."""
+    model = llm.model
+    if not getattr(model.cfg, "ple_layers", None):
+        return ""
+    if not model.host_callbacks:
+        return "; PLE rows from the device tables"
+    from mtp_jax.models.qwen4_exp import ple_native
+
+    if ple_native.registered(model.module().ple_source):
+        return "; PLE rows by the native host lookup"
+    why = ple_native.unavailable_reason()
+    return "; PLE rows by a host callback" + (f" (native lookup unavailable: {why})"
+                                              if why else "")
+
+
 def print_model_line(args, llm, warm_s: float) -> None:
     """The ``[model]`` and ``[warm-up]`` lines on stderr, once the run is accepted (so that a
     refusal is the only thing on stderr). ``warm_s``: seconds the warm-up took (with programs
@@ -81,6 +99,7 @@ def print_model_line(args, llm, warm_s: float) -> None:
           + (f"; draft layer {llm.speculative.draft_layer_dtype}" if llm.speculative.draft_layer_dtype
              else "")
           + gguf_note(args, llm)
+          + ple_note(llm)
           + adaptive_note(llm)
           + quant_note(args, llm)
           + (f"; {llm.engine.rounds_per_call} rounds per call"

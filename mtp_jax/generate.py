@@ -151,7 +151,8 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                    help="KV positions for all requests together (overrides --mem-fraction)")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="persistent XLA compilation cache folder, or 'none' (default: "
-                        "$MTP_JAX_COMPILATION_CACHE or ~/.cache/mtp_jax/xla)")
+                        "$MTP_JAX_COMPILATION_CACHE, else $MTP_JAX_CACHE/xla, by default "
+                        "~/.cache/mtp_jax/xla)")
     p.add_argument("--quantization", default="auto", choices=["auto", "dequantize", "keep"],
                    help="how a quantized checkpoint's projections (block FP8, ModelOpt FP8 / "
                         "NVFP4, compressed-tensors NVFP4, GGUF blocks) are held: keep = kept "
@@ -166,7 +167,10 @@ def add_engine_flags(p: argparse.ArgumentParser) -> None:
                         "copied to the accelerator (device: looked up inside the programs, no "
                         "host callback; the tables must fit in device memory); auto (the "
                         "default): device where the tables take at most a quarter of the "
-                        "accelerator's memory, else disk")
+                        "accelerator's memory, else disk (the CPU). With disk / memory the "
+                        "programs look their rows up on the host: by a C++ lookup built with "
+                        "g++ on a GPU, else by a callback ($MTP_JAX_PLE_LOOKUP=auto|native|"
+                        "callback; docs/cli.md)")
     add_backend_flags(p)
 
 

@@ -162,7 +162,8 @@ def main(argv=None) -> int:
                         "configs/Qwen3.8-Flash-Next.json)")
     p.add_argument("--layers", type=int, default=8, help="layers kept (default %(default)s)")
     p.add_argument("--experts", type=int, default=64,
-                   help="routed experts kept (default %(default)s)")
+                   help="routed experts kept, at least the config's num_experts_per_tok "
+                        "(10 for Flash-Next; default %(default)s)")
     p.add_argument("--ngram-base", type=int, default=200_000,
                    help="ngram_vocab_size_base of the n-gram tables (default %(default)s)")
     p.add_argument("--prompt-len", type=int, default=100,
@@ -224,6 +225,9 @@ def main(argv=None) -> int:
     a = p.parse_args(argv)
     if max(a.batches) > 8:
         p.error(f"--batches {max(a.batches)}: at most 8 (max_running_requests=8)")
+    top_k = json.load(open(a.config))["text_config"].get("num_experts_per_tok", 1)
+    if a.experts < top_k:
+        p.error(f"--experts {a.experts}: at least num_experts_per_tok = {top_k} of {a.config}")
     model, draft = write_checkpoint(a)
     rng = np.random.default_rng(0)
     rows = []

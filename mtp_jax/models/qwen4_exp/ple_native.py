@@ -73,11 +73,14 @@ def _build(dest: str) -> None:
     os.close(fd)
     cmd = [cxx, "-O2", "-std=c++17", "-shared", "-fPIC", "-w", f"-I{jax.ffi.include_dir()}",
            _SOURCE, "-o", tmp, "-ldl"]
-    done = subprocess.run(cmd, capture_output=True, text=True)
-    if done.returncode != 0:
-        os.unlink(tmp)
-        raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
-    os.replace(tmp, dest)  # atomic: a concurrent build leaves one whole file
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True)
+        if done.returncode != 0:
+            raise RuntimeError(f"{' '.join(cmd)} failed: {done.stderr.strip()[-2000:]}")
+        os.replace(tmp, dest)  # atomic: a concurrent build leaves one whole file
+    finally:
+        if os.path.exists(tmp):
+            os.unlink(tmp)
 
 
 def library() -> ctypes.CDLL | None:
@@ -121,7 +124,9 @@ def register(source: int, cfg, ple) -> bool:
     the callback of ``source`` reads) with the native lookup, when :func:`choice` wants it
     here and the library builds. Returns whether :func:`rows` now serves ``source``: False also
     for tables without stored parts (the random model's stand-ins), a dtype other than
-    float32 / bfloat16 / float16, or a table part that is not one contiguous array. The registration ends when ``ple`` is collected."""
+    float32 / bfloat16 / float16, or a table part that is not one contiguous array. The
+    registration ends when ``ple`` is collected. Warns (once) when the native lookup is wanted
+    but the library cannot be built."""
     if not ple or not _wanted():
         return False
     if library() is None:

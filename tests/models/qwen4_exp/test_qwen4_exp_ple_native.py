@@ -181,3 +181,19 @@ def test_without_a_compiler_the_callback_serves_and_says_so(monkeypatch, tmp_pat
         model = load_qwen4_exp(FIX, "float32", with_mtp=False, ple_backend="disk")
     assert not ple_native.registered(model.module().ple_source)
     assert "no-such-compiler" in ple_native.unavailable_reason()
+    assert os.listdir(tmp_path / "native") == []  # no half-built file left behind
+
+
+def test_model_line_says_where_the_ple_rows_come_from(native, monkeypatch):
+    from types import SimpleNamespace
+
+    from mtp_jax.cli_report import ple_note
+
+    def note(**kw):
+        return ple_note(SimpleNamespace(model=load_qwen4_exp(FIX, "float32", with_mtp=False,
+                                                             **kw)))
+
+    assert note(ple_backend="disk") == "; PLE rows by the native host lookup"
+    assert note(ple_backend="device") == "; PLE rows from the device tables"
+    monkeypatch.setenv("MTP_JAX_PLE_LOOKUP", "callback")
+    assert note(ple_backend="memory") == "; PLE rows by a host callback"
