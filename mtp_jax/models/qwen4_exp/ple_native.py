@@ -124,7 +124,8 @@ def register(source: int, cfg, ple) -> bool:
     the callback of ``source`` reads) with the native lookup, when :func:`choice` wants it
     here and the library builds. Returns whether :func:`rows` now serves ``source``: False also
     for tables without stored parts (the random model's stand-ins), a dtype other than
-    float32 / bfloat16 / float16, or a table part that is not one contiguous array. The
+    float32 / bfloat16 / float16, a table part that is not one contiguous ``[rows, dim]``
+    array, or hash constants that reach past a table (rows the C++ could not check). The
     registration ends when ``ple`` is collected. Warns (once) when the native lookup is wanted
     but the library cannot be built."""
     if not ple or not _wanted():
@@ -140,22 +141,16 @@ def register(source: int, cfg, ple) -> bool:
         return False
     lib = _STATE["lib"]
     tables = [p.table for p in ple]
-    if not all(hasattr(t, "parts") for t in tables):  # e.g. the random model's stand-ins
-        return False
+    if not _readable(ple, tables):
+        return False  # the callback serves (and raises IndexError for rows past a table)
     parts = [t.parts for t in tables]
-    stored = {np.dtype(a.dtype) for ps, _ in parts for a in ps}
-    out = {np.dtype(t.out_dtype) for t in tables}
-    dims = {t.dim for t in tables}
-    if (len(stored) != 1 or len(out) != 1 or len(dims) != 1 or not stored <= set(_DTYPE_CODES)
-            or not out <= set(_DTYPE_CODES)
-            or not all(a.flags.c_contiguous for ps, _ in parts for a in ps)):
-        return False
+    stored = np.dtype(parts[0][0][0].dtype)
     ptrs = [a.ctypes.data for ps, _ in parts for a in ps]
     got = lib.mtp_ple_register(
         ctypes.c_int64(source), ctypes.c_int32(cfg.ngram_size),
         ctypes.c_int32(cfg.heads_per_ngram), ctypes.c_int64(cfg.eos_token_id),
-        ctypes.c_int32(dims.pop()), ctypes.c_int32(_DTYPE_CODES[stored.pop()]),
-        ctypes.c_int32(_DTYPE_CODES[out.pop()]), ctypes.c_int32(len(ple)),
+        ctypes.c_int32(tables[0].dim), ctypes.c_int32(_DTYPE_CODES[stored]),
+        ctypes.c_int32(_DTYPE_CODES[np.dtype(tables[0].out_dtype)]), ctypes.c_int32(len(ple)),
         _i64([list(p.multipliers)[:cfg.ngram_size] for p in ple]),
         _i64([p.vocab_sizes for p in ple]), _i64([p.offsets for p in ple]),
         (ctypes.c_int32 * len(parts))(*[len(ps) for ps, _ in parts]),
@@ -166,6 +161,23 @@ def register(source: int, cfg, ple) -> bool:
     _REGISTERED.add(source)
     weakref.finalize(ple, _unregister, lib, source)
     return True
+
+
+def _readable(ple, tables) -> bool:
+    """Whether the C++ lookup reads ``tables`` as the numpy one does: stored parts (not the
+    random model's stand-ins), one stored dtype, one out dtype and one row width for all,
+    contiguous ``[rows, dim]`` parts, and hash constants within each table."""
+    if not all(hasattr(t, "parts") for t in tables):
+        return False
+    parts = [t.parts[0] for t in tables]
+    stored = {np.dtype(a.dtype) for ps in parts for a in ps}
+    out = {np.dtype(t.out_dtype) for t in tables}
+    return (len(stored) == 1 and len(out) == 1 and len({t.dim for t in tables}) == 1
+            and stored <= set(_DTYPE_CODES) and out <= set(_DTYPE_CODES)
+            and all(a.flags.c_contiguous and a.ndim == 2 and a.shape[1] == t.dim
+                    for ps, t in zip(parts, tables) for a in ps)
+            and all(max(o + v for o, v in zip(p.offsets, p.vocab_sizes))
+                    <= sum(a.shape[0] for a in ps) for p, ps in zip(ple, parts)))
 
 
 def _unregister(lib, source: int) -> None:

@@ -131,16 +131,19 @@ def test_native_rows_with_flash_next_constants(native, stored, out, wrap):
     assert np.array_equal(_bits(got), _bits(want))
 
 
-def test_native_lookup_refuses_what_it_cannot_read(native):
-    """A table part that is not one contiguous array is left to the callback."""
+@pytest.mark.parametrize("flaw", ["strided", "short", "none"])
+def test_native_lookup_refuses_what_it_cannot_read(native, flaw):
+    """A table part that is not one contiguous array, or a table shorter than its hash
+    constants reach, is left to the callback (which raises IndexError for such rows)."""
     cfg = Qwen4ExpConfig.from_folder(FIX)
-    sizes = head_vocab_sizes(cfg, 0)
-    table = _PartsTable(2 * ngram_table_rows(cfg, 0), cfg.ngram_head_dim, np.float32,
-                        np.float32, 0, [])
-    table._parts = [table._parts[0][::2]]
+    sizes, rows = head_vocab_sizes(cfg, 0), ngram_table_rows(cfg, 0)
+    table = _PartsTable(2 * rows, cfg.ngram_head_dim, np.float32, np.float32, 0, [])
+    reach = max(o + v for o, v in zip(head_offsets(sizes), sizes))  # rows the hash reads
+    table._parts = [table._parts[0][::2] if flaw == "strided"
+                    else table._parts[0][:reach - (flaw == "short")].copy()]
     tables = PLETables([PLEHost(1, table, layer_multipliers(cfg, 0), sizes,
                                 head_offsets(sizes))])
-    assert not ple_native.register(10 ** 6 + 18, cfg, tables)
+    assert ple_native.register(10 ** 6 + 18, cfg, tables) == (flaw == "none")
 
 
 def test_native_choice(monkeypatch):
