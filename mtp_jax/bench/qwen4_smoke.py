@@ -9,7 +9,8 @@ layers and ``--experts`` routed experts with a small n-gram table (``--ngram-bas
 user gets from a head that is never right). Prints one dict per row: the PLE backend, the
 kernels, end-to-end tokens/s, ms per round (host + device) and the host PLE lookup's ms per
 round (None with ``device``: its programs look the rows up themselves), by the form the
-programs use (``ple_lookup``: ``native`` or ``callback``, ``--ple-lookup``). Writes ``$OUT/q4_smoke.json`` (or ``--out``).
+programs use (``ple_lookup``: ``native`` or ``callback``, ``--ple-lookup``). Writes
+``$OUT/q4_smoke.json`` (or ``--out``).
 
 ``--gguf TYPE`` writes the cut shape as a Flash-Next GGUF target and a Strata MTP pack instead
 (:mod:`mtp_jax.tools.random_gguf`: routed experts in TYPE, the other matrices in
@@ -217,8 +218,7 @@ def main(argv=None) -> int:
                         "XLA's multiply-reduce form; xla = XLA's GEMM), e.g. xla reduce for an "
                         "A/B. The list-valued flags (--quantization, --norm-backend, "
                         "--gemv-backend, --merge-projections, --ple-lookup, --k) run every "
-                        "combination, each "
-                        "with a fresh LLM")
+                        "combination, each with a fresh LLM")
     p.add_argument("--merge-projections", nargs="+", default=["on"], choices=["on", "off"],
                    help="load with the projections that read one input merged (on, the "
                         "default) and/or without (off), e.g. on off for an A/B")
