@@ -148,15 +148,21 @@ class _ArrayTable:
         return self._a
 
 
+def _small_flash_next() -> Qwen4ExpConfig:
+    """The released Flash-Next config with small n-gram tables (head sizes from a base of
+    5000, 2 values a head) on two PLE layers."""
+    raw = json.load(open(os.path.join(ROOT, "configs", "Qwen3.8-Flash-Next.json")))
+    raw["text_config"].update(ngram_vocab_size_base=5000, ple_embed_dim=32,
+                              ple_layer_ids=[1, 2])
+    return Qwen4ExpConfig.from_dict(raw)
+
+
 @pytest.mark.parametrize("kind", ["array", "synthetic"])
 def test_device_rows_with_flash_next_constants(kind):
     """The released shape's multipliers (vocab 248320) over a smaller table (head sizes from
     a base of 5000, 2 values a head): ``ple_rows`` and :class:`PLEDevice` bitwise, for a plain
     table and for the synthetic one of random weights (rows read ``id mod 4096``)."""
-    raw = json.load(open(os.path.join(ROOT, "configs", "Qwen3.8-Flash-Next.json")))
-    raw["text_config"].update(ngram_vocab_size_base=5000, ple_embed_dim=32,
-                              ple_layer_ids=[1, 2])
-    cfg = Qwen4ExpConfig.from_dict(raw)
+    cfg = _small_flash_next()
     hosts = []
     for j, layer in enumerate(cfg.ple_layers):
         sizes, rows = head_vocab_sizes(cfg, j), ngram_table_rows(cfg, j)
@@ -205,13 +211,18 @@ def _run(model, prompts, max_new=12):
             for r in reqs]
 
 
+def _engine_prompts(cfg) -> list[list[int]]:
+    """Three of the trained fixture's prompts and one with an eos (a segment boundary)
+    inside."""
+    prompts = fixture_prompts(cfg.vocab_size)[:3]
+    return prompts + [prompts[0][:4] + [cfg.eos_token_id] + prompts[1][:6]]
+
+
 def test_engine_device_tables_give_disk_tokens_and_accepts():
     disk = load_model(TRAINED, "float32", with_mtp=True, ple_backend="disk")
     dev = load_model(TRAINED, "float32", with_mtp=True, ple_backend="device")
     assert disk.host_callbacks and not dev.host_callbacks
-    prompts = fixture_prompts(disk.cfg.vocab_size)[:3]
-    eos = disk.cfg.eos_token_id
-    prompts.append(prompts[0][:4] + [eos] + prompts[1][:6])  # a segment boundary inside
+    prompts = _engine_prompts(disk.cfg)
     a, b = _run(disk, prompts), _run(dev, prompts)
     assert a == b
     assert sum(r[3] for r in b) > 0  # drafts were accepted

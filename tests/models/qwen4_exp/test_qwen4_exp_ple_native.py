@@ -16,7 +16,6 @@ the split-table tests fail.
 from __future__ import annotations
 
 import gc
-import json
 import os
 
 import jax
@@ -29,13 +28,12 @@ from mtp_jax.models.qwen4_exp import load_qwen4_exp, ple_native
 from mtp_jax.models.qwen4_exp.config import (Qwen4ExpConfig, head_offsets, head_vocab_sizes,
                                              layer_multipliers, ngram_table_rows)
 from mtp_jax.models.qwen4_exp.loaded import PLEHost, PLETables, ple_rows
-from tests.fixtures.make_qwen4_trained_fixture import fixture_prompts
 from tests.helpers.paths import fixture_path
-from tests.models.qwen4_exp.test_qwen4_exp_ple_device import _histories, _run
+from tests.models.qwen4_exp.test_qwen4_exp_ple_device import (_engine_prompts, _histories,
+                                                             _run, _small_flash_next)
 
 FIX = fixture_path("tiny_qwen4_exp")
 TRAINED = fixture_path("tiny_qwen4_trained")
-ROOT = os.path.join(os.path.dirname(__file__), "..", "..", "..")
 
 
 @pytest.fixture
@@ -109,10 +107,7 @@ def test_native_rows_with_flash_next_constants(native, stored, out, wrap):
     """The released multipliers (vocab 248320) over small tables split in three parts, two
     PLE layers, stored in one dtype and served in another. ``wrap``: multipliers above 2^62,
     whose int64 products wrap and whose XORs go negative (numpy's remainder is Python's)."""
-    raw = json.load(open(os.path.join(ROOT, "configs", "Qwen3.8-Flash-Next.json")))
-    raw["text_config"].update(ngram_vocab_size_base=5000, ple_embed_dim=32,
-                              ple_layer_ids=[1, 2])
-    cfg = Qwen4ExpConfig.from_dict(raw)
+    cfg = _small_flash_next()
     hosts = []
     for j, layer in enumerate(cfg.ple_layers):
         sizes, rows = head_vocab_sizes(cfg, j), ngram_table_rows(cfg, j)
@@ -167,9 +162,7 @@ def test_engine_native_lookup_gives_callback_tokens_and_accepts(native, monkeypa
     monkeypatch.setenv("MTP_JAX_PLE_LOOKUP", "callback")
     cb = load_model(TRAINED, "float32", with_mtp=True, ple_backend="disk")
     assert not ple_native.registered(cb.module().ple_source)
-    prompts = fixture_prompts(nat.cfg.vocab_size)[:3]
-    eos = nat.cfg.eos_token_id
-    prompts.append(prompts[0][:4] + [eos] + prompts[1][:6])  # a segment boundary inside
+    prompts = _engine_prompts(nat.cfg)
     a, b = _run(nat, prompts), _run(cb, prompts)
     assert a == b
     assert sum(r[3] for r in a) > 0  # drafts were accepted
