@@ -64,8 +64,10 @@ def reference(model):
 # The recurrent states must agree to <= 1e-6 absolute (measured <= 3.2e-7). The conv windows
 # hold the raw in_proj_qkv outputs, i.e. the layer input times a matrix: XLA:CPU rounds a
 # [B, k+1]-row forward differently from a [B, 1]-row one (other GEMM paths in every projection),
-# and that rounding, carried through the earlier layers, reaches these raw values as an absolute
-# error of up to 2e-6 (measured), a wrong row would be off by O(1). They are checked at 4e-6.
+# and that rounding, carried through the earlier layers, reaches these raw values as an error
+# that grows with their size: up to 2e-6 on one CPU, 4.2e-6 on a value of 1.28 on an AMD EPYC
+# (a few tens of float32 ulps); a wrong row would be off by O(1). They are checked at 4e-6
+# plus 1e-5 of the value.
 # The bitwise replay property of the commit on identical row inputs is tested in test_gdn.py.
 def _assert_states_match(states, ref_states, tag, ref_tag):
     assert states[tag], f"{tag}: no round was observed"
@@ -74,7 +76,7 @@ def _assert_states_match(states, ref_states, tag, ref_tag):
         for a, b in zip(rec, ref_rec):
             np.testing.assert_allclose(a, b, atol=1e-6, rtol=0, err_msg=f"{tag} recurrent @ {pos}")
         for a, b in zip(conv, ref_conv):
-            np.testing.assert_allclose(a, b, atol=4e-6, rtol=0, err_msg=f"{tag} conv @ {pos}")
+            np.testing.assert_allclose(a, b, atol=4e-6, rtol=1e-5, err_msg=f"{tag} conv @ {pos}")
 
 
 # every accepted count 0..k of each k: k = 1 and k = 4 (4 covers the counts 0..3 that k = 3 had,
