@@ -228,6 +228,8 @@ def main(argv=None) -> int:
     top_k = json.load(open(a.config))["text_config"].get("num_experts_per_tok", 1)
     if a.experts < top_k:
         p.error(f"--experts {a.experts}: at least num_experts_per_tok = {top_k} of {a.config}")
+    os.makedirs(a.out, exist_ok=True)  # before the checkpoint is written: a bad path fails now
+    out = os.path.join(a.out, "q4_smoke.json")
     model, draft = write_checkpoint(a)
     rng = np.random.default_rng(0)
     rows = []
@@ -251,13 +253,19 @@ def main(argv=None) -> int:
             rows.append(dict(run_row(llm, prompts, k, a.max_tokens, rng, used, kernels),
                              gguf=a.gguf, quantization=quantization))
             print(rows[-1], flush=True)
+            _write_rows(out, rows)  # after each row: a run cut short keeps what it measured
         print("weights GB (as held):", held_weights_gb(llm), flush=True)
         if a.profile:
             rows[-1]["profile"] = device_profile(llm.model, k, a.prompt_len, a.out,
                                                  tag=f"_norm_{norm}_gemv_{gemv}_merge_{merge}")
+            _write_rows(out, rows)
         del llm
-    json.dump(rows, open(os.path.join(a.out, "q4_smoke.json"), "w"), indent=1)
     return 0
+
+
+def _write_rows(path: str, rows: list[dict]) -> None:
+    with open(path, "w") as f:
+        json.dump(rows, f, indent=1)
 
 
 if __name__ == "__main__":
