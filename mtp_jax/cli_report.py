@@ -21,8 +21,9 @@ def adaptive_note(llm) -> str:
     if policy is None:
         return ""
     note = f"; adaptive (drafts while a round commits > {policy.cost:.2f} tokens"
-    if policy.cost >= policy.k + 1:
-        note += (f": more than the k + 1 = {policy.k + 1} a round can, so no request drafts; "
+    if policy.never_drafts:
+        note += (f": more than the k + 1 = {policy.k + 1} a round can, so no request drafts "
+                 "or probes; "
                  "--disable-adaptive-speculation drafts anyway")
     return note + ")"
 

@@ -58,13 +58,16 @@ def round_variants(sched: Scheduler) -> list[RoundVariant]:
     """The round variants ``sched`` calls per batch bucket, before the sampling fields are
     set: ``rounds_per_call`` rounds per call, and, with the prefix cache, the same with the
     snapshot replay (calls that may reach a snapshot boundary); with adaptive speculation,
-    each also as plain decode steps (``k = 0``). In the order a run is likely to need them
+    each also as plain decode steps (``k = 0``), or only those where no call can draft
+    (:attr:`AdaptivePolicy.never_drafts`). In the order a run is likely to need them
     (what a background build follows): without the snapshot replay first, and first the
     ``k`` a fresh request's first call runs (:meth:`AdaptivePolicy.plan`)."""
     s = sched.settings
     base = [RoundVariant(k=s.k, proposer=s.proposer, rounds=s.rounds_per_call)]
     policy = sched.adaptive
-    if policy is not None and policy.enabled and s.k:
+    if policy is not None and policy.never_drafts:  # no call can draft: plain steps only
+        base = [dataclasses.replace(base[0], k=0)]
+    elif policy is not None and policy.enabled and s.k:
         plain = dataclasses.replace(base[0], k=0)
         drafts = any(policy.plan(RequestAcceptance.fresh(s.k), s.rounds_per_call))
         base = base + [plain] if drafts else [plain] + base

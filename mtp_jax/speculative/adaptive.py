@@ -16,6 +16,11 @@ a request's token is drawn the same: a plain round of a speculative engine sampl
 stream of a round that verified no draft. So a request's tokens depend on its own history
 only, not on the requests it shares a batch with, nor (below) on the schedule.
 
+A round costing at least the ``k + 1`` tokens it can commit (``cost >= k + 1``, as for the
+built-in default model, whose LM head is most of its bytes) can never pay, whatever is
+accepted: then no request drafts and none probes (:attr:`AdaptivePolicy.never_drafts`), and the
+warm-up builds no drafting round program.
+
 While a request does not draft, nothing is learnt; every ``probe_interval`` plain rounds
 (doubling after each probe that finds drafting still unpaid, from :data:`PROBE_FIRST` to
 :data:`PROBE_MAX` rounds, reset when drafting pays) it drafts for :data:`PROBE_ROUNDS` rounds
@@ -192,6 +197,13 @@ class AdaptivePolicy:
     enabled: bool = True
     greedy: GreedyShare = dataclasses.field(default_factory=GreedyShare)
 
+    @property
+    def never_drafts(self) -> bool:
+        """Whether no call drafts: adaptation is on and a round costs at least the ``k + 1``
+        tokens it commits at most, so no estimate can beat ``cost`` and a probe could not
+        change that."""
+        return self.enabled and self.k > 0 and self.cost >= self.k + 1
+
     def fresh(self, greedy: bool) -> RequestAcceptance:
         """A new request's state: a sampled one starts optimistic (:meth:`RequestAcceptance.
         fresh`); a greedy one from the engine's greedy estimate when there is one, and it
@@ -209,7 +221,7 @@ class AdaptivePolicy:
         all draft when the call drafts (some request's own rule, or the greedy probe window),
         none otherwise, and none in the first round after a call they did not draft in.
         Advances every state and the greedy clock past the call."""
-        if not self.enabled or self.k == 0:
+        if not self.enabled or self.k == 0 or self.never_drafts:
             return [self.plan(st, rounds) for st in states]
         caps: list = [None] * len(states)
         own = False  # some request's own rule drafts
@@ -238,7 +250,7 @@ class AdaptivePolicy:
             st.dispatched += rounds
             return self.k, self.k
         st.advance(rounds)
-        return self._caps(st, self._drafts(st, rounds))
+        return self._caps(st, not self.never_drafts and self._drafts(st, rounds))
 
     def _caps(self, st: RequestAcceptance, draft: bool) -> tuple[int, int]:
         """``(first, later)`` caps of a call that ``draft``s or not (none in the first round

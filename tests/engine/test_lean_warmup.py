@@ -89,19 +89,20 @@ def test_lean_warmup_compiles_one_bucket_each_and_pads_up_to_them(model):
 def test_background_build_order_and_variants_follow_the_run(model):
     """The round variants come in the order a fresh request needs them (what a background
     build follows): the k its first call runs first (k = 3 while a round's cost is below k + 1
-    tokens, the plain step when it is above: no request drafts then), the snapshot replay
-    after; a warm-up for sampled requests only records no greedy round call (no call of
-    theirs is all greedy rows). Recorded dry, nothing compiles."""
+    tokens), the snapshot replay after; where a round costs k + 1 or more no request can
+    draft, so only the plain step is built; a warm-up for sampled requests only records no
+    greedy round call (no call of theirs is all greedy rows). Recorded dry, nothing
+    compiles."""
     from mtp_jax.engine.warmup import round_variants, warmup_calls
 
     mtp_model = load_model(CKPT, "float32", with_mtp=True)
-    for cost, first in ((1.5, 3), (5.0, 0)):
+    for cost, want in ((5.0, [(0, False), (0, True)]),
+                       (1.5, [(3, False), (0, False), (3, True), (0, True)])):
         eng = Engine(mtp_model, EngineConfig(max_running_requests=2, dtype="float32",
                                              max_model_len=96, chunked_prefill_size=32),
                      SpeculativeConfig(algorithm="mtp", num_steps=3,
                                        adaptive_round_cost=cost))
-        got = [(v.k, v.snapshot) for v in round_variants(eng.scheduler)]
-        assert got == [(first, False), (3 - first, False), (first, True), (3 - first, True)]
+        assert [(v.k, v.snapshot) for v in round_variants(eng.scheduler)] == want, cost
     table = eng.device.programs.executables
     for greedy in (True, False):
         with table.recording() as calls:

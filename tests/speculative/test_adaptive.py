@@ -2,7 +2,7 @@
 whose external proposer is right with probability 0, 0.5 and 1. The output always equals plain
 greedy decoding; the rounds' draft counts follow the acceptance: every round drafts when the
 drafts are right, rounds turn plain (with probes) when they are never right, and at 0.5 the
-choice follows the round cost the drafts must beat."""
+choice follows the round cost the drafts must beat; a round that cannot pay is never drafted."""
 
 import numpy as np
 import pytest
@@ -10,6 +10,7 @@ import pytest
 from mtp_jax.config import ConfigError, EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, SamplingParams
+from mtp_jax.engine.warmup import round_variants
 from mtp_jax.models.loader import load_model
 from mtp_jax.speculative.adaptive import (DECAY, PROBE_FIRST, PROBE_MAX, PROBE_ROUNDS,
                                           AdaptivePolicy, RequestAcceptance, round_cost)
@@ -81,6 +82,21 @@ def test_observations_count_one_call_late():
     assert pol.plan(st, 2) == (K, K)  # the first call's rounds are not counted yet
     assert pol.plan(st, 2) == (0, 0)  # now they are: 4 * 0.64 + 1.8 over 2.44 < 2
     assert AdaptivePolicy(K, 2.0, enabled=False).plan(RequestAcceptance(1.0), 1) == (K, K)
+
+
+def test_a_round_that_cannot_pay_is_never_drafted_nor_probed():
+    """A round costing the k + 1 tokens it commits at most, or more, never drafts: not at the
+    optimistic start, not in a probe, sampled or greedy. Just under k + 1 the same calls
+    draft at the start and in probes (the test's teeth)."""
+    for cost, never in ((K + 1.0, True), (K + 2.5, True), (K + 0.99, False)):
+        pol = AdaptivePolicy(K, cost)
+        assert pol.never_drafts == never
+        sampled = _states(pol, K + 1, PROBE_FIRST + 2 * PROBE_FIRST + 8, 1)
+        greedy = [pol.plan_call([RequestAcceptance.fresh(K), RequestAcceptance(1.0)],
+                                [True, True], 1) for _ in range(PROBE_FIRST + 8)]
+        drafted = {c for c in sampled if c[1]} | {c for call in greedy for c in call if c[1]}
+        assert (not drafted) == never, (cost, drafted)
+    assert not AdaptivePolicy(K, K + 1.0, enabled=False).never_drafts
 
 
 def test_round_cost_is_the_byte_ratio_of_the_released_shapes():
@@ -179,6 +195,26 @@ def test_half_right_follows_the_round_cost(model, prompts, plain):
     dear = _run(model, prompts, plain, 0.5, adaptive_round_cost=2.6)[0]
     assert cheap.stats.plain_rounds < 0.3 * cheap.stats.rounds
     assert dear.stats.plain_rounds > 0.6 * dear.stats.rounds
+
+
+def test_an_engine_whose_round_cannot_pay_decodes_plain_and_builds_no_drafting_round(
+        model, prompts, plain):
+    """MTP with ``adaptive_round_cost`` k + 1 (as the built-in default model's bytes give):
+    plain decoding's output, no draft proposed in 100 tokens (past the first probe's
+    PROBE_FIRST plain rounds), so no acceptance rate (n/a), and the warm-up's round variants are
+    plain steps only. At k + 0.9 the same engine drafts (the optimistic start and probes)."""
+    for cost, never in ((K + 1.0, True), (K + 0.9, False)):
+        eng = Engine(model, EngineConfig(max_running_requests=4, dtype="float32", page_size=4,
+                                         max_model_len=160, enable_prefix_cache=False,
+                                         chunked_prefill_size=64),
+                     SpeculativeConfig(algorithm="mtp", num_steps=K, adaptive_round_cost=cost))
+        assert {v.k for v in round_variants(eng.scheduler)} == ({0} if never else {0, K})
+        reqs = greedy_requests(prompts, [f"r{i}" for i in range(len(prompts))], MAX_NEW)
+        eng.run(reqs)
+        for r in reqs:
+            assert r.prompt_ids + r.output_ids == plain[r.request_id], r.request_id
+        assert all((r.num_draft_tokens == 0) == never for r in reqs), cost  # rate: n/a
+        assert (eng.stats.plain_rounds == eng.stats.rounds) == never
 
 
 def test_adaptation_off_drafts_every_round(model, prompts, plain):
