@@ -20,11 +20,11 @@ def adaptive_note(llm) -> str:
     policy = llm.engine.scheduler.adaptive
     if policy is None:
         return ""
-    note = f"; adaptive (drafts while a round commits > {policy.cost:.2f} tokens"
+    note = (f"; adaptive (a round costs {policy.cost:.2f} decode steps; a request drafts while "
+            "its rounds commit more tokens")
     if policy.never_drafts:
-        note += (f": more than the k + 1 = {policy.k + 1} a round can, so no request drafts "
-                 "or probes; "
-                 "--disable-adaptive-speculation drafts anyway")
+        note += (f", and they commit at most k + 1 = {policy.k + 1}, so no request drafts or "
+                 "probes; --disable-adaptive-speculation drafts anyway")
     return note + ")"
 
 

@@ -220,7 +220,8 @@ def main(argv=None) -> int:
     """Run the CLI; returns the exit status: 0 all prompts done, 1 some prompt refused (its
     ``error`` printed), 2 bad settings, files or prompts when none can run (message on
     stderr, before the model loads), 130 interrupted (Ctrl-C: one ``interrupted`` line, no
-    traceback). Warnings print as ``warning: ...`` lines on stderr."""
+    traceback); a missing dependency (a Python without the set-up's packages) is 2 too, its
+    message naming the set-up command. Warnings print as ``warning: ...`` lines on stderr."""
     with warnings.catch_warnings():  # restores the process's warning display afterwards
         warnings.showwarning = _show_warning
         try:
@@ -229,12 +230,18 @@ def main(argv=None) -> int:
             print("\ninterrupted (Ctrl-C): the run stopped before its results were printed.",
                   file=sys.stderr)
             return 130
+        except ModuleNotFoundError as e:  # run outside the set-up's environment
+            print(f"error: {e}: this Python ({sys.executable}, {sys.version.split()[0]}) lacks "
+                  "mtp_jax's dependencies; install them with scripts/setup_venv.sh (Python >= "
+                  "3.12) and run .venv/bin/python -m mtp_jax.generate (README, Set-up).",
+                  file=sys.stderr)
+            return 2
 
 
 def _flag_params(defaults: dict):
     """The ``SamplingParams`` of the sampling flags; a ``ValueError`` naming the flag of a bad
     field."""
-    from mtp_jax import SamplingParams
+    from mtp_jax.sampling.params import SamplingParams
 
     try:
         return SamplingParams(**defaults)
@@ -247,7 +254,7 @@ def _flag_params(defaults: dict):
 def _file_params(fields: list[dict], labels: list[str]) -> tuple[list, dict[int, str]]:
     """Each prompts-file request's ``SamplingParams`` (None where refused) and the message of
     each refused one: a bad line's request fails alone."""
-    from mtp_jax import SamplingParams
+    from mtp_jax.sampling.params import SamplingParams
 
     params, errors = [], {}
     for i, f in enumerate(fields):
@@ -262,7 +269,7 @@ def _file_params(fields: list[dict], labels: list[str]) -> tuple[list, dict[int,
 def _read_run(args) -> tuple[list, list[str], list, dict[int, str]]:
     """The run's prompts, their labels, their sampling params (one per prompt; None where
     refused) and the message of each refused one (its prompts-file line's sampling fields)."""
-    from mtp_jax.cli_prompts import prompt_labels
+    from mtp_jax.cli_prompts import check_stream, prompt_labels
 
     if not 0 <= args.seed < 2**32:
         raise ValueError(f"seed (--seed) {args.seed} must be an int in [0, 2**32); pass a "
@@ -279,6 +286,9 @@ def _read_run(args) -> tuple[list, list[str], list, dict[int, str]]:
         prompts = args.prompt or [DEFAULT_PROMPT]
         labels = prompt_labels(None, args.prompt, None)
         params, errors = [flag_params] * len(prompts), {}
+    # --stream with --json or several prompts: refused now, before anything loads (without a
+    # tokenizer: once the checkpoint's tokenizer is known, prepare_prompts)
+    check_stream(args, len(prompts), has_tokenizer=True)
     return prompts, labels, params, errors
 
 
@@ -311,7 +321,7 @@ def _load(args, prompts: list, labels: list[str], params: list, errors: dict[int
 
 def _main(argv) -> int:
     args = build_parser().parse_args(argv)
-    from mtp_jax.config import ConfigError
+    from mtp_jax.errors import ConfigError  # not mtp_jax.config: that imports the models (jax)
 
     try:
         prompts, labels, params, errors = _read_run(args)

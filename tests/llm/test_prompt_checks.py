@@ -232,6 +232,32 @@ def test_stop_and_stream_refusals_before_load(words, tmp_path, no_load, capsys, 
     assert message in _err(capsys)
 
 
+def test_stream_flag_conflicts_are_refused_before_the_checkpoint_is_read(tmp_path, capsys):
+    """--stream with --json, or with two prompts, is refused from the flags alone: a model
+    folder that does not exist is never reached (its error would name the folder)."""
+    missing = str(tmp_path / "no_such_model")
+    for argv, message in ((["--stream", "--json"], "--stream prints text as it is generated "
+                                                   "and --json prints one object"),
+                          (["--stream", "--prompt", "a", "--prompt", "b"],
+                           "this run has 2 prompts")):
+        assert generate.main(["--model", missing, *argv]) == 2
+        err = _err(capsys)
+        assert message in err and "no_such_model" not in err, err
+
+
+def test_a_missing_dependency_names_the_set_up(monkeypatch, capsys):
+    """Run by a Python without the set-up's packages: exit 2 with the set-up command, not a
+    traceback."""
+    def missing(argv):
+        raise ModuleNotFoundError("No module named 'tqdm'")
+
+    monkeypatch.setattr(generate, "_main", missing)
+    assert generate.main([]) == 2
+    err = _err(capsys)
+    assert err.startswith("error: No module named 'tqdm': this Python (")
+    assert "scripts/setup_venv.sh" in err and ".venv/bin/python -m mtp_jax.generate" in err
+
+
 # ---- argparse abbreviations ----------------------------------------------------------------------
 def test_every_argument_parser_refuses_abbreviations():
     missing = []
