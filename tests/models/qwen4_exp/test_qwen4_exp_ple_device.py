@@ -20,9 +20,6 @@ import numpy as np
 import pytest
 from flax import nnx
 
-from mtp_jax.config import EngineConfig, SpeculativeConfig
-from mtp_jax.engine.engine import Engine
-from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
 from mtp_jax.models.qwen4_exp import load_qwen4_exp
 from mtp_jax.models.qwen4_exp.config import (Qwen4ExpConfig, head_offsets, head_vocab_sizes,
@@ -33,8 +30,8 @@ from mtp_jax.models.qwen4_exp.ple import ngram_ids
 from mtp_jax.models.qwen4_exp.ple_device import (PLEDevice, PLETable, check_constants,
                                                  device_ngram_ids)
 from mtp_jax.train.target import split_trainable
-from tests.fixtures.make_qwen4_trained_fixture import fixture_prompts
 from tests.helpers.paths import fixture_path
+from tests.helpers.qwen4_ple import engine_prompts, histories, run_mtp, small_flash_next
 
 FIX = fixture_path("tiny_qwen4_exp")
 TRAINED = fixture_path("tiny_qwen4_trained")
@@ -60,25 +57,11 @@ def _constants(name):
             layer_multipliers(cfg, 0), sizes, head_offsets(sizes))
 
 
-def _histories(rng, vocab, eos, ctx_len, b=6, t=40):
-    """``[B, ctx_len + t]`` int ids: random, the largest ids, eos in the context and rows (also
-    back to back, and at the first and last place)."""
-    h = rng.integers(0, vocab, (b, ctx_len + t))
-    h[0, :] = vocab - 1 - rng.integers(0, 3, ctx_len + t)  # the top ids
-    h[1, rng.integers(0, ctx_len + t, 12)] = eos
-    h[2, :ctx_len] = eos
-    h[3, ctx_len - 1] = eos
-    h[3, ctx_len + 5:ctx_len + 7] = eos
-    h[4, -1] = eos
-    h[5, ::3] = vocab - 1
-    return h
-
-
 @pytest.mark.parametrize("name", ["flash_next", "tiny", "extremes"])
 def test_device_hash_equals_numpy(name):
     vocab, eos, n, heads, mult, sizes, offs = _constants(name)
     check_constants(vocab, mult, sizes, offs, sum(sizes) + offs[-1])
-    hist = _histories(np.random.default_rng(len(name)), vocab, eos, n - 1)
+    hist = histories(np.random.default_rng(len(name)), vocab, eos, n - 1)
     for t in (hist.shape[1] - (n - 1), 1):  # every row; a decode step's one row
         h = hist[:, -(t + n - 1):]
         want = ngram_ids(h, t, mult, sizes, offs, n, heads, eos)
@@ -106,7 +89,7 @@ def test_device_rows_equal_memory_rows_bitwise(dtype):
     mem = load_qwen4_exp(FIX, dtype, with_mtp=False, ple_backend="memory")
     assert not dev.host_callbacks and mem.host_callbacks
     cfg = dev.cfg
-    hist = _histories(np.random.default_rng(3), cfg.vocab_size, cfg.eos_token_id,
+    hist = histories(np.random.default_rng(3), cfg.vocab_size, cfg.eos_token_id,
                       cfg.ngram_size - 1, t=23)
     ctx, ids = hist[:, :cfg.ngram_size - 1], hist[:, cfg.ngram_size - 1:]
     want = mem.host_rows(ctx, ids)
@@ -148,21 +131,12 @@ class _ArrayTable:
         return self._a
 
 
-def _small_flash_next() -> Qwen4ExpConfig:
-    """The released Flash-Next config with small n-gram tables (head sizes from a base of
-    5000, 2 values a head) on two PLE layers."""
-    raw = json.load(open(os.path.join(ROOT, "configs", "Qwen3.8-Flash-Next.json")))
-    raw["text_config"].update(ngram_vocab_size_base=5000, ple_embed_dim=32,
-                              ple_layer_ids=[1, 2])
-    return Qwen4ExpConfig.from_dict(raw)
-
-
 @pytest.mark.parametrize("kind", ["array", "synthetic"])
 def test_device_rows_with_flash_next_constants(kind):
     """The released shape's multipliers (vocab 248320) over a smaller table (head sizes from
     a base of 5000, 2 values a head): ``ple_rows`` and :class:`PLEDevice` bitwise, for a plain
     table and for the synthetic one of random weights (rows read ``id mod 4096``)."""
-    cfg = _small_flash_next()
+    cfg = small_flash_next()
     hosts = []
     for j, layer in enumerate(cfg.ple_layers):
         sizes, rows = head_vocab_sizes(cfg, j), ngram_table_rows(cfg, j)
@@ -172,7 +146,7 @@ def test_device_rows_with_flash_next_constants(kind):
                              head_offsets(sizes)))
     dev = PLEDevice(cfg, hosts)
     assert dev.wrap == ((0, 0) if kind == "array" else (4096, 4096))
-    hist = _histories(np.random.default_rng(5), cfg.vocab_size, cfg.eos_token_id,
+    hist = histories(np.random.default_rng(5), cfg.vocab_size, cfg.eos_token_id,
                       cfg.ngram_size - 1, t=17)
     ctx, ids = hist[:, :cfg.ngram_size - 1], hist[:, cfg.ngram_size - 1:]
     want = ple_rows(cfg, hosts, ctx, ids)
@@ -195,35 +169,12 @@ def test_gguf_target_with_device_tables(tmp_path):
     assert np.array_equal(np.asarray(dev.traced_rows(ids)).view(np.uint32), want.view(np.uint32))
 
 
-def _run(model, prompts, max_new=12):
-    """Greedy MTP k = 3, one request at a time (one slot: fewer programs to compile), overlap
-    on, two rounds per call: each round's rows come from inside the program (device tables)
-    or by the host callback (disk)."""
-    eng = Engine(model, EngineConfig(max_running_requests=1, dtype="float32", page_size=4,
-                                     max_model_len=64, enable_prefix_cache=False,
-                                     chunked_prefill_size=16, num_scheduler_steps=2),
-                 SpeculativeConfig(algorithm="mtp", num_steps=3, adaptive=False))
-    sp = SamplingParams(temperature=0, max_tokens=max_new, ignore_eos=True)
-    reqs = [Request(request_id=f"p{i}", index=i, prompt=None, prompt_ids=list(p), params=sp,
-                    seed=0) for i, p in enumerate(prompts)]
-    eng.run(reqs)
-    return [(r.output_ids, r.num_rounds, r.num_draft_tokens, r.num_accepted_tokens)
-            for r in reqs]
-
-
-def _engine_prompts(cfg) -> list[list[int]]:
-    """Three of the trained fixture's prompts and one with an eos (a segment boundary)
-    inside."""
-    prompts = fixture_prompts(cfg.vocab_size)[:3]
-    return prompts + [prompts[0][:4] + [cfg.eos_token_id] + prompts[1][:6]]
-
-
 def test_engine_device_tables_give_disk_tokens_and_accepts():
     disk = load_model(TRAINED, "float32", with_mtp=True, ple_backend="disk")
     dev = load_model(TRAINED, "float32", with_mtp=True, ple_backend="device")
     assert disk.host_callbacks and not dev.host_callbacks
-    prompts = _engine_prompts(disk.cfg)
-    a, b = _run(disk, prompts), _run(dev, prompts)
+    prompts = engine_prompts(disk.cfg)
+    a, b = run_mtp(disk, prompts), run_mtp(dev, prompts)
     assert a == b
     assert sum(r[3] for r in b) > 0  # drafts were accepted
 

@@ -29,8 +29,7 @@ from mtp_jax.models.qwen4_exp.config import (Qwen4ExpConfig, head_offsets, head_
                                              layer_multipliers, ngram_table_rows)
 from mtp_jax.models.qwen4_exp.loaded import PLEHost, PLETables, ple_rows
 from tests.helpers.paths import fixture_path
-from tests.models.qwen4_exp.test_qwen4_exp_ple_device import (_engine_prompts, _histories,
-                                                             _run, _small_flash_next)
+from tests.helpers.qwen4_ple import engine_prompts, histories, run_mtp, small_flash_next
 
 FIX = fixture_path("tiny_qwen4_exp")
 TRAINED = fixture_path("tiny_qwen4_trained")
@@ -55,7 +54,7 @@ def test_native_rows_equal_numpy_rows(native, dtype, backend):
     source = model.module().ple_source
     assert ple_native.registered(source)
     cfg = model.cfg
-    hist = _histories(np.random.default_rng(7), cfg.vocab_size, cfg.eos_token_id,
+    hist = histories(np.random.default_rng(7), cfg.vocab_size, cfg.eos_token_id,
                       cfg.ngram_size - 1, t=29)
     ctx, ids = hist[:, :cfg.ngram_size - 1], hist[:, cfg.ngram_size - 1:]
     want = model.host_rows(ctx, ids)
@@ -107,7 +106,7 @@ def test_native_rows_with_flash_next_constants(native, stored, out, wrap):
     """The released multipliers (vocab 248320) over small tables split in three parts, two
     PLE layers, stored in one dtype and served in another. ``wrap``: multipliers above 2^62,
     whose int64 products wrap and whose XORs go negative (numpy's remainder is Python's)."""
-    cfg = _small_flash_next()
+    cfg = small_flash_next()
     hosts = []
     for j, layer in enumerate(cfg.ple_layers):
         sizes, rows = head_vocab_sizes(cfg, j), ngram_table_rows(cfg, j)
@@ -118,7 +117,7 @@ def test_native_rows_with_flash_next_constants(native, stored, out, wrap):
     tables = PLETables(hosts)
     source = 10 ** 6 + 17
     assert ple_native.register(source, cfg, tables)
-    hist = _histories(np.random.default_rng(5), cfg.vocab_size, cfg.eos_token_id,
+    hist = histories(np.random.default_rng(5), cfg.vocab_size, cfg.eos_token_id,
                       cfg.ngram_size - 1, t=17)
     ctx, ids = hist[:, :cfg.ngram_size - 1], hist[:, cfg.ngram_size - 1:]
     want = ple_rows(cfg, hosts, ctx, ids)
@@ -162,8 +161,8 @@ def test_engine_native_lookup_gives_callback_tokens_and_accepts(native, monkeypa
     monkeypatch.setenv("MTP_JAX_PLE_LOOKUP", "callback")
     cb = load_model(TRAINED, "float32", with_mtp=True, ple_backend="disk")
     assert not ple_native.registered(cb.module().ple_source)
-    prompts = _engine_prompts(nat.cfg)
-    a, b = _run(nat, prompts), _run(cb, prompts)
+    prompts = engine_prompts(nat.cfg)
+    a, b = run_mtp(nat, prompts), run_mtp(cb, prompts)
     assert a == b
     assert sum(r[3] for r in a) > 0  # drafts were accepted
 
