@@ -41,6 +41,16 @@ def test_python_m_help_lists_the_subcommands():
     assert all(f"  {name} " in done.stdout for name in SUBCOMMANDS)
 
 
+def test_attention_sweep_cases_default_to_three_8k_cases_and_take_long_context_ones():
+    from mtp_jax.bench.ops import attention
+
+    p = attention.build_parser()
+    assert p.parse_args([]).sweep_cases == [("2B", 1, 1, 8192), ("27B", 8, 4, 8192),
+                                            ("35B", 32, 4, 8192)]
+    got = p.parse_args(["--sweep-cases", "35B,1,1,131072", "35B,1,4,131072"]).sweep_cases
+    assert got == [("35B", 1, 1, 131072), ("35B", 1, 4, 131072)]
+
+
 def test_unknown_subcommand_is_refused(capsys):
     assert main(["atention", "--quick"]) == 2
     err = capsys.readouterr().err
@@ -62,6 +72,7 @@ def test_each_subcommand_documents_its_flags(name, capsys):
 
 @pytest.mark.parametrize("argv,message", [
     (["attention", "--batch", "0"], "--batch"),
+    (["attention", "--sweep-cases", "35B,1,131072"], "is not LAYOUT,BATCH,T,CONTEXT"),
     (["gdn", "--parts", "step,bogus"], "--parts"),
     (["moe", "--shapes", "8:9:64:32"], "TOPK <= E"),
     (["gemv", "--norm-shapes", "256:512:silu"], "at least K"),

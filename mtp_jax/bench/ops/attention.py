@@ -17,8 +17,9 @@ excluded). Bytes: the K and V the call must read (batch x context x Hkv x D x 2 
 Error: the kernel's largest |difference| from the XLA reference.
 
 ``--sweep`` (GPU): also a few launch-parameter variants (block_keys, num_warps, num_stages,
-num_splits) on three cases. ``--grid`` (GPU): instead, block_keys x splits x warps on
-``--grid-cases`` only, with device time per call from a profiler trace. Without a GPU only the
+num_splits) on ``--sweep-cases`` (default three cases at context 8192). ``--grid`` (GPU):
+instead, block_keys x splits x warps on ``--grid-cases`` only, with device time per call from
+a profiler trace. Without a GPU only the
 XLA reference is timed (``--variants xla``); asking for the kernel there is refused.
 """
 
@@ -41,11 +42,11 @@ from pallas_kernels.paged_attention.reference import paged_attention_reference
 SUMMARY = "paged attention (decode / verify rows): XLA reference against the Pallas kernel"
 LAYOUTS = {"2B": (8, 2), "27B": (24, 4), "35B": (16, 2)}  # query heads, KV heads
 VARIANTS = ("xla", "pallas")
-SWEEP_CASES = (("2B", 1, 1), ("27B", 8, 4), ("35B", 32, 4))  # layout, batch, T at ctx 8192
+SWEEP_CASES = ("2B,1,1,8192", "27B,8,4,8192", "35B,32,4,8192")  # LAYOUT,BATCH,T,CONTEXT
 
 
 def grid_case(text: str) -> tuple[str, int, int, int]:
-    """argparse type of ``--grid-cases``: ``LAYOUT,BATCH,T,CONTEXT``."""
+    """argparse type of ``--grid-cases`` and ``--sweep-cases``: ``LAYOUT,BATCH,T,CONTEXT``."""
     parts = text.split(",")
     try:
         name, batch, t, context = parts[0], *(int(v) for v in parts[1:])
@@ -82,7 +83,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--variants", type=name_list(VARIANTS), default=None,
                    help="xla, pallas (default both; xla only without a GPU)")
     p.add_argument("--sweep", action="store_true",
-                   help="GPU: also time launch-parameter variants on three cases")
+                   help="GPU: also time launch-parameter variants on --sweep-cases")
+    p.add_argument("--sweep-cases", type=grid_case, nargs="+",
+                   default=[grid_case(c) for c in SWEEP_CASES],
+                   help="LAYOUT,BATCH,T,CONTEXT cases of --sweep (default "
+                        f"{' '.join(SWEEP_CASES)}; e.g. 35B,1,1,131072 for long context)")
     p.add_argument("--grid", action="store_true",
                    help="GPU: time block_keys x splits x warps on --grid-cases only (device "
                         "time from a profiler trace)")
@@ -132,6 +137,8 @@ def sweep_variants(auto: int) -> list[tuple[str, dict]]:
     out += [(f"pallas block_keys={bk}", {"block_keys": bk}) for bk in (32, 128)]
     out += [(f"pallas num_warps={w}", {"num_warps": w}) for w in (4, 8)]
     out += [(f"pallas num_stages={s}", {"num_stages": s}) for s in (1, 3, 4)]
+    out += [("pallas block_keys=128 num_warps=8", {"block_keys": 128, "num_warps": 8}),
+            ("pallas block_keys=128 num_stages=3", {"block_keys": 128, "num_stages": 3})]
     out += [(f"pallas num_splits={s}", {"num_splits": s})
             for s in sorted({max(1, auto // 4), max(1, auto // 2), 2 * auto})]
     return out
@@ -208,8 +215,8 @@ def bench(a, results: Results) -> None:
                     bench_case(results, a, layout, batch, t, context, "xla" in variants,
                                kernels)
     if a.sweep:
-        for layout, batch, t in SWEEP_CASES:
-            bench_case(results, a, layout, batch, t, 8192, False, sweep_variants)
+        for layout, batch, t, context in a.sweep_cases:
+            bench_case(results, a, layout, batch, t, context, False, sweep_variants)
 
 
 def main(argv=None) -> int:
