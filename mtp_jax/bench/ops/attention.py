@@ -137,8 +137,13 @@ def sweep_variants(auto: int) -> list[tuple[str, dict]]:
     out += [(f"pallas block_keys={bk}", {"block_keys": bk}) for bk in (32, 128)]
     out += [(f"pallas num_warps={w}", {"num_warps": w}) for w in (4, 8)]
     out += [(f"pallas num_stages={s}", {"num_stages": s}) for s in (1, 3, 4)]
-    out += [("pallas block_keys=128 num_warps=8", {"block_keys": 128, "num_warps": 8}),
-            ("pallas block_keys=128 num_stages=3", {"block_keys": 128, "num_stages": 3})]
+    # combinations for long contexts: smaller blocks let several programs share an SM (a
+    # 64-key block at D = 256 takes ~64 KiB of shared memory a stage), deeper pipelines
+    out += [("pallas block_keys=128 num_warps=8", {"block_keys": 128, "num_warps": 8})]
+    out += [(f"pallas block_keys=32 num_stages={s}", {"block_keys": 32, "num_stages": s})
+            for s in (3, 4)]
+    out += [(f"pallas block_keys=32 num_splits={s}", {"block_keys": 32, "num_splits": s})
+            for s in sorted({max(1, auto // 2), 2 * auto})]
     out += [(f"pallas num_splits={s}", {"num_splits": s})
             for s in sorted({max(1, auto // 4), max(1, auto // 2), 2 * auto})]
     return out
