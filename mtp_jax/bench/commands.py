@@ -11,13 +11,13 @@ from __future__ import annotations
 import sys
 import textwrap
 
-from mtp_jax.bench import ab_backends, cli, prefill_burst, prefix_hits, profile_round
+from mtp_jax.bench import ab_backends, cli, prefill_burst, prefix_hits, profile_round, qwen4_smoke
 from mtp_jax.bench.ops import attention, draft_head, gdn, gemv, moe, sampling
 
 SUBCOMMANDS = {"engine": cli, "attention": attention, "gdn": gdn, "moe": moe, "gemv": gemv,
                "sampling": sampling, "draft-head": draft_head, "ab": ab_backends,
                "profile": profile_round, "prefix-hits": prefix_hits,
-               "prefill-burst": prefill_burst}
+               "prefill-burst": prefill_burst, "qwen4-smoke": qwen4_smoke}
 
 
 def subcommand_list() -> str:

@@ -1,5 +1,6 @@
-"""``python -m mtp_jax.bench.qwen4_smoke``: qwen4_exp through the batched engine on a cut-down
-Qwen3.8-Flash-Next shape (docs/benchmarks.md, session 25).
+"""``python -m mtp_jax.bench qwen4-smoke`` (or ``python -m mtp_jax.bench.qwen4_smoke``): qwen4_exp
+through the batched engine on a cut-down Qwen3.8-Flash-Next shape (docs/benchmarks.md, session
+25).
 
 Writes a random bf16 checkpoint of ``configs/Qwen3.8-Flash-Next.json`` cut to ``--layers``
 layers and ``--experts`` routed experts with a small n-gram table (``--ngram-base``), then runs
@@ -41,6 +42,17 @@ from mtp_jax.models.qwen4_exp.random_checkpoint import write_random_qwen4_exp
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.tools.gguf_blocks import TYPES
 
+
+SUMMARY = ("Flash-Next (qwen4_exp) cut to fit one card, through LLM at its defaults: tokens/s "
+           "end to end and ms per round by PLE backend and lookup, batch and k")
+DESCRIPTION = ("python -m mtp_jax.bench qwen4-smoke: writes a random bf16 checkpoint of the "
+               "Qwen3.8-Flash-Next config cut to --layers layers and --experts routed experts "
+               "(or, with --gguf, a GGUF target and a Strata MTP pack), then runs LLM at each "
+               "combination of the list-valued flags and prints one row per batch: "
+               "end-to-end tokens/s, ms per round and the host PLE lookup's ms per round. "
+               "Rows go to q4_smoke.json in --out after each row. No HBM floor is computed "
+               "(the engine benchmark, python -m mtp_jax.bench --config "
+               "configs/Qwen3.8-Flash-Next.json, gives it).")
 
 FLASH_NEXT_CONFIG = os.path.join(os.path.dirname(os.path.dirname(os.path.dirname(
     os.path.abspath(__file__)))), "configs", "Qwen3.8-Flash-Next.json")
@@ -156,8 +168,8 @@ def write_checkpoint(a) -> tuple[str, str | None]:
 
 
 def main(argv=None) -> int:
-    p = argparse.ArgumentParser(prog="python -m mtp_jax.bench.qwen4_smoke",
-                                description=__doc__.split("\n\n")[0], allow_abbrev=False)
+    p = argparse.ArgumentParser(prog="python -m mtp_jax.bench qwen4-smoke",
+                                description=DESCRIPTION, allow_abbrev=False)
     p.add_argument("--config", default=FLASH_NEXT_CONFIG,
                    help="the released config to cut (default: the repository's "
                         "configs/Qwen3.8-Flash-Next.json)")

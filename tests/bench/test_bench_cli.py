@@ -64,9 +64,9 @@ def test_each_subcommand_documents_its_flags(name, capsys):
     assert e.value.code == 0
     out = capsys.readouterr().out
     assert f"python -m mtp_jax.bench {name}" in out and "--out" in out
-    # prefix-hits counts tokens and prefill-burst times a workload; every other subcommand
-    # reports a fraction of the HBM floor
-    assert ("--hbm-tbps" in out) == (name not in ("prefix-hits", "prefill-burst"))
+    # prefix-hits counts tokens, prefill-burst and qwen4-smoke time workloads end to end;
+    # every other subcommand reports a fraction of the HBM floor
+    assert ("--hbm-tbps" in out) == (name not in ("prefix-hits", "prefill-burst", "qwen4-smoke"))
     assert "``" not in out and ":func:" not in out  # plain text
 
 
