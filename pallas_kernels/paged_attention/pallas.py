@@ -87,13 +87,15 @@ def _default_block_keys(page_size: int) -> int:
 
 def _kernel(q_ref, pos_ref, table_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
             page_size: int, pages_per_block: int, max_pages: int, num_splits: int,
-            scale_log2: float):
-    """One (request, kv head, split). Refs: q ``[R, D]``, pos ``[R]`` int32 row positions,
-    table ``[W]`` int32 page ids, k/v ``[num_pages, page_size, D]``; out o ``[R, D]``,
-    m/l ``[R]`` float32 (row max of the base-2 scores, sum of their exp2)."""
+            scale_log2: float, prefetch_pages: bool):
+    """One (request, group of kv heads, split). Refs: q ``[G, R, D]``, pos ``[R]`` int32 row
+    positions, table ``[W]`` int32 page ids, k/v ``[num_pages, page_size, G, D]``; out o
+    ``[G, R, D]``, m/l ``[G, R]`` float32 (row max of the base-2 scores, sum of their exp2).
+    The G heads' K/V rows of a block are read one after the other in the same step, so each
+    page's bytes are read together (their rows interleave in the pool)."""
     split = pl.program_id(2)
     block_keys = page_size * pages_per_block
-    rows, head_dim = q_ref.shape
+    heads, rows, head_dim = q_ref.shape
     row_pos = pos_ref[...]
     max_pos = jnp.max(row_pos)
     min_pos = jnp.min(row_pos)
@@ -105,35 +107,56 @@ def _kernel(q_ref, pos_ref, table_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     hi = jnp.maximum(jnp.minimum(lo + chunk, num_blocks), lo)
     # Blocks below `clean_end` hold only slots <= min_pos: visible to every row, never garbage.
     clean_end = jnp.clip((min_pos + 1) // block_keys, lo, hi)
-    q = q_ref[...]
+    qs = [q_ref[h] for h in range(heads)]
+    last_block = (table_ref.shape[0] // pages_per_block) - 1
+
+    def block_pages(j):
+        j = jnp.minimum(j, last_block)  # a prefetch past the table reads its last block
+        return table_ref[pl.ds(pl.multiple_of(j * pages_per_block, pages_per_block),
+                               pages_per_block)]
 
     def body(j, carry, *, sanitize: bool):
-        acc, m_prev, l_prev = carry
-        pages = table_ref[pl.ds(pl.multiple_of(j * pages_per_block, pages_per_block),
-                                pages_per_block)]
-        k = k_ref[pages].reshape(block_keys, head_dim)
-        v = v_ref[pages].reshape(block_keys, head_dim)
-        s = lax.dot_general(q, k, (((1,), (1,)), ((), ())),
-                            preferred_element_type=jnp.float32) * scale_log2
+        if prefetch_pages:  # this block's page ids came with the previous step
+            pages, carry = carry[0], carry[1:]
+            next_pages = block_pages(j + 1)
+        else:
+            pages = block_pages(j)
         key_pos = j * block_keys + lax.broadcasted_iota(jnp.int32, (1, block_keys), 1)
-        s = jnp.where(key_pos <= row_pos[:, None], s, _MASKED)
-        m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
-        alpha = jnp.exp2(m_prev - m_new)
-        p = jnp.exp2(s - m_new[:, None])
-        l_new = alpha * l_prev + jnp.sum(p, axis=1)
-        if sanitize:
-            v = jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v))
-        pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
-        return acc * alpha[:, None] + pv, m_new, l_new
+        visible = key_pos <= row_pos[:, None]
+        out = []
+        for h in range(heads):
+            acc, m_prev, l_prev = carry[3 * h:3 * h + 3]
+            k = k_ref[pages, :, h, :].reshape(block_keys, head_dim)
+            v = v_ref[pages, :, h, :].reshape(block_keys, head_dim)
+            s = lax.dot_general(qs[h], k, (((1,), (1,)), ((), ())),
+                                preferred_element_type=jnp.float32) * scale_log2
+            s = jnp.where(visible, s, _MASKED)
+            m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
+            alpha = jnp.exp2(m_prev - m_new)
+            p = jnp.exp2(s - m_new[:, None])
+            l_new = alpha * l_prev + jnp.sum(p, axis=1)
+            if sanitize:
+                v = jnp.where(jnp.isfinite(v), v, jnp.zeros_like(v))
+            pv = jnp.dot(p.astype(v.dtype), v, preferred_element_type=jnp.float32)
+            out += [acc * alpha[:, None] + pv, m_new, l_new]
+        return (next_pages, *out) if prefetch_pages else tuple(out)
 
-    carry = (jnp.zeros((rows, head_dim), jnp.float32),
-             jnp.full((rows,), _MASKED, jnp.float32),
-             jnp.zeros((rows,), jnp.float32))
+    carry = ()
+    for _ in range(heads):
+        carry += (jnp.zeros((rows, head_dim), jnp.float32),
+                  jnp.full((rows,), _MASKED, jnp.float32),
+                  jnp.zeros((rows,), jnp.float32))
+    if prefetch_pages:
+        carry = (block_pages(lo), *carry)
     carry = lax.fori_loop(lo, clean_end, functools.partial(body, sanitize=False), carry)
-    acc, m, l = lax.fori_loop(clean_end, hi, functools.partial(body, sanitize=True), carry)
-    o_ref[...] = acc.astype(o_ref.dtype)
-    m_ref[...] = m
-    l_ref[...] = l
+    carry = lax.fori_loop(clean_end, hi, functools.partial(body, sanitize=True), carry)
+    if prefetch_pages:
+        carry = carry[1:]
+    for h in range(heads):
+        acc, m, l = carry[3 * h:3 * h + 3]
+        o_ref[h] = acc.astype(o_ref.dtype)
+        m_ref[h] = m
+        l_ref[h] = l
 
 
 def _check(q, k_pages, v_pages, page_table, q_positions):
@@ -164,6 +187,7 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_table: jax.Array, q_positions: jax.Array, *, scale: float,
                            block_keys: int | None = None, num_splits: int | None = None,
                            num_warps: int | None = None, num_stages: int = 2,
+                           heads_per_program: int = 1, prefetch_pages: bool = False,
                            interpret: bool = False) -> jax.Array:
     """Grouped-query paged attention for a few query rows per request (decode, verify).
 
@@ -182,6 +206,11 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       block_keys: keys per loop step, a multiple of page_size (default ``max(64, page_size)``).
       num_splits: key splits per (request, kv head) (default :func:`choose_num_splits`).
       num_warps, num_stages: Triton launch parameters (default 4 warps for 16 rows, else 8).
+      heads_per_program: kv heads one program attends (a power of two dividing Hkv): their
+        rows of a page are read in the same step, where with 1 each program reads every
+        Hkv-th row chunk of a page and the other heads' programs the rest, at other times.
+      prefetch_pages: each loop step reads the next block's page ids, so that the K/V loads
+        of a step do not wait for a page-id load first.
       interpret: run the kernel in the Pallas interpreter (CPU tests).
     Returns:
       ``[B, T, Hq, D]`` in ``q.dtype``; softmax in float32.
@@ -200,6 +229,8 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
     return paged_attention_rows(qr, k_pages, v_pages, page_table, q_positions, num_q_heads=hq,
                                 scale=scale, block_keys=block_keys, num_splits=num_splits,
                                 num_warps=num_warps, num_stages=num_stages,
+                                heads_per_program=heads_per_program,
+                                prefetch_pages=prefetch_pages,
                                 interpret=interpret).astype(q.dtype)
 
 
@@ -207,7 +238,8 @@ def paged_attention_partials(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax
                          page_table: jax.Array, q_positions: jax.Array, *, num_q_heads: int,
                          scale: float, block_keys: int | None = None,
                          num_splits: int | None = None, num_warps: int | None = None,
-                         num_stages: int = 2, interpret: bool = False):
+                         num_stages: int = 2, heads_per_program: int = 1,
+                         prefetch_pages: bool = False, interpret: bool = False):
     """The attention kernel's per-split partials for queries laid out as the kernel's rows
     (merge them with :func:`combine_splits`, or with the output gate by
     :func:`pallas_kernels.paged_attention.merge.merge_gate`).
@@ -244,7 +276,10 @@ def paged_attention_partials(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax
     pages_per_block = block_keys // page_size
     max_pages = page_table.shape[1]
     max_blocks = -(-max_pages // pages_per_block)
-    splits = num_splits or choose_num_splits(b, hkv, max_blocks)
+    g = heads_per_program
+    if g < 1 or hkv % g or g & (g - 1):
+        raise ValueError(f"heads_per_program {g} must be a power of two dividing Hkv = {hkv}.")
+    splits = num_splits or choose_num_splits(b, hkv // g, max_blocks)
     if num_warps is None:
         num_warps = 4 if rows <= 16 else 8
     # Padded rows repeat the last real row's position, so they change neither bound.
@@ -255,22 +290,23 @@ def paged_attention_partials(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax
 
     kernel = functools.partial(_kernel, page_size=page_size, pages_per_block=pages_per_block,
                                max_pages=max_pages, num_splits=splits,
-                               scale_log2=float(scale) * _LOG2E)
-    pages_spec = pl.BlockSpec((num_pages, page_size, None, d), lambda i, h, s: (0, 0, h, 0))
+                               scale_log2=float(scale) * _LOG2E, prefetch_pages=prefetch_pages)
+    g = heads_per_program
+    pages_spec = pl.BlockSpec((num_pages, page_size, g, d), lambda i, h, s: (0, 0, h, 0))
     o, m, l = pl.pallas_call(
         kernel,
-        grid=(b, hkv, splits),
+        grid=(b, hkv // g, splits),
         in_specs=[
-            pl.BlockSpec((None, None, rows, d), lambda i, h, s: (i, h, 0, 0)),
+            pl.BlockSpec((None, g, rows, d), lambda i, h, s: (i, h, 0, 0)),
             pl.BlockSpec((None, rows), lambda i, h, s: (i, 0)),
             pl.BlockSpec((None, table.shape[1]), lambda i, h, s: (i, 0)),
             pages_spec,
             pages_spec,
         ],
         out_specs=[
-            pl.BlockSpec((None, None, None, rows, d), lambda i, h, s: (i, h, s, 0, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, h, s, 0)),
-            pl.BlockSpec((None, None, None, rows), lambda i, h, s: (i, h, s, 0)),
+            pl.BlockSpec((None, g, None, rows, d), lambda i, h, s: (i, h, s, 0, 0)),
+            pl.BlockSpec((None, g, None, rows), lambda i, h, s: (i, h, s, 0)),
+            pl.BlockSpec((None, g, None, rows), lambda i, h, s: (i, h, s, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, hkv, splits, rows, d), q_rows.dtype),

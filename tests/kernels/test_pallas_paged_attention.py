@@ -129,6 +129,30 @@ def test_block_and_split_choices_agree(block_keys, num_splits):
     check(inputs, block_keys=block_keys, num_splits=num_splits)
 
 
+@pytest.mark.parametrize("heads_per_program,prefetch_pages,t", [
+    (2, False, 1), (4, False, 4), (1, True, 1), (2, True, 4), (4, True, 1)])
+def test_head_groups_and_page_prefetch_agree(heads_per_program, prefetch_pages, t):
+    """Several kv heads per program and the next block's page ids read ahead: the same
+    attention, with garbage past every request's keys (the clean and sanitized loops both run,
+    a split may be empty, the prefetch past the last block reads the table's last block)."""
+    rng = np.random.default_rng(10 * heads_per_program + t)
+    lengths = np.array([5, 77, 160, 64])
+    inputs = make_inputs(rng, written=lengths, positions=window(lengths, t), hq=8, hkv=4, d=32,
+                         page_size=16, max_pages=11)
+    check(inputs, heads_per_program=heads_per_program, prefetch_pages=prefetch_pages,
+          block_keys=32, num_splits=3)
+
+
+def test_head_groups_must_divide_the_kv_heads():
+    q, pages = jnp.zeros((1, 1, 8, 64)), jnp.zeros((4, 16, 4, 64))
+    table, pos = jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 1), jnp.int32)
+    for g in (0, 3, 8):
+        with pytest.raises(ValueError, match=f"heads_per_program {g} must be a power of two "
+                                             "dividing Hkv = 4"):
+            paged_attention_pallas(q, pages, pages, table, pos, scale=0.1,
+                                   heads_per_program=g, interpret=True)
+
+
 def test_api_backends():
     rng = np.random.default_rng(11)
     lengths = np.array([30, 50])
@@ -192,6 +216,19 @@ def test_triton_lowering_real_shapes(hq, hkv, t, page_size):
     text = lower_for_cuda(fn, spec((b, t, hq, d), jnp.bfloat16),
                           spec((4099, page_size, hkv, d), jnp.bfloat16),
                           spec((4099, page_size, hkv, d), jnp.bfloat16),
+                          spec((b, max_pages), jnp.int32), spec((b, t), jnp.int32))
+    assert "triton" in text
+
+
+@pytest.mark.parametrize("hq,hkv,t,page_size", REAL)
+def test_triton_lowering_head_groups_with_page_prefetch(hq, hkv, t, page_size):
+    b, d, max_pages = 1, 256, 131072 // page_size + 3
+    spec = jax.ShapeDtypeStruct
+    fn = functools.partial(paged_attention_pallas, scale=d ** -0.5, heads_per_program=hkv,
+                           prefetch_pages=True, num_stages=1)
+    text = lower_for_cuda(fn, spec((b, t, hq, d), jnp.bfloat16),
+                          spec((8195, page_size, hkv, d), jnp.bfloat16),
+                          spec((8195, page_size, hkv, d), jnp.bfloat16),
                           spec((b, max_pages), jnp.int32), spec((b, t), jnp.int32))
     assert "triton" in text
 

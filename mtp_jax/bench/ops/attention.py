@@ -18,8 +18,8 @@ Error: the kernel's largest |difference| from the XLA reference.
 
 ``--sweep`` (GPU): also a few launch-parameter variants (block_keys, num_warps, num_stages,
 num_splits) on ``--sweep-cases`` (default three cases at context 8192). ``--grid`` (GPU):
-instead, block_keys x splits x warps on ``--grid-cases`` only, with device time per call from
-a profiler trace. Without a GPU only the
+instead, block_keys x splits x warps x stages on ``--grid-cases`` only, with device time per
+call from a profiler trace. Without a GPU only the
 XLA reference is timed (``--variants xla``); asking for the kernel there is refused.
 """
 
@@ -27,6 +27,7 @@ from __future__ import annotations
 
 import argparse
 import functools
+import itertools
 import sys
 
 import jax
@@ -59,6 +60,11 @@ def grid_case(text: str) -> tuple[str, int, int, int]:
     return name, batch, t, context
 
 
+def splits_list(text: str) -> list[int]:
+    """argparse type of ``--grid-splits``: ``"auto,63"`` -> ``[0, 63]`` (0: automatic)."""
+    return [0 if v == "auto" else int_list(v)[0] for v in text.split(",")]
+
+
 def build_parser() -> argparse.ArgumentParser:
     """The ``attention`` flags."""
     p = parser("attention", __doc__)
@@ -89,12 +95,27 @@ def build_parser() -> argparse.ArgumentParser:
                    help="LAYOUT,BATCH,T,CONTEXT cases of --sweep (default "
                         f"{' '.join(SWEEP_CASES)}; e.g. 35B,1,1,131072 for long context)")
     p.add_argument("--grid", action="store_true",
-                   help="GPU: time block_keys x splits x warps on --grid-cases only (device "
-                        "time from a profiler trace)")
+                   help="GPU: time block_keys x splits x warps x stages (--grid-block-keys, "
+                        "--grid-splits, --grid-warps, --grid-stages) on --grid-cases only "
+                        "(device time from a profiler trace)")
     p.add_argument("--grid-cases", type=grid_case, nargs="+",
                    default=[grid_case("2B,1,1,1100"), grid_case("2B,1,4,1100")],
                    help="LAYOUT,BATCH,T,CONTEXT cases of --grid (default 2B,1,1,1100 "
                         "2B,1,4,1100)")
+    p.add_argument("--grid-block-keys", type=int_list, default=[16, 32, 64],
+                   help="keys per loop step of --grid (default 16,32,64)")
+    p.add_argument("--grid-splits", type=splits_list, default=[8, 16, 32, 48, 64],
+                   help="key splits of --grid; auto = each case's automatic count, e.g. "
+                        "auto,63 (default 8,16,32,48,64)")
+    p.add_argument("--grid-warps", type=int_list, default=[2, 4],
+                   help="warps per program of --grid (default 2,4)")
+    p.add_argument("--grid-stages", type=int_list, default=[2],
+                   help="pipeline stages of --grid (default 2)")
+    p.add_argument("--grid-heads", type=int_list, default=[1],
+                   help="kv heads per program of --grid, each dividing every case's kv heads "
+                        "(default 1)")
+    p.add_argument("--grid-prefetch", type=name_list(("off", "on")), default=["off"],
+                   help="page-id prefetch of --grid: off, on, or off,on (default off)")
     return p
 
 
@@ -144,20 +165,33 @@ def sweep_variants(auto: int) -> list[tuple[str, dict]]:
             for s in (3, 4)]
     out += [(f"pallas block_keys=32 num_splits={s}", {"block_keys": 32, "num_splits": s})
             for s in sorted({max(1, auto // 2), 2 * auto})]
+    out += [("pallas heads_per_program=2", {"heads_per_program": 2}),
+            ("pallas prefetch_pages", {"prefetch_pages": True}),
+            ("pallas heads_per_program=2 num_stages=1", {"heads_per_program": 2,
+                                                         "num_stages": 1}),
+            ("pallas heads_per_program=2 prefetch_pages num_stages=1",
+             {"heads_per_program": 2, "prefetch_pages": True, "num_stages": 1})]
     out += [(f"pallas num_splits={s}", {"num_splits": s})
             for s in sorted({max(1, auto // 4), max(1, auto // 2), 2 * auto})]
     return out
 
 
-def grid_variants(auto: int) -> list[tuple[str, dict]]:
-    """The default launch, then block_keys x num_splits x num_warps."""
-    out = [("pallas", {})]
-    for bk in (16, 32, 64):
-        for s in (8, 16, 32, 48, 64):
-            for w in (2, 4):
-                out.append((f"pallas bk={bk} splits={s} warps={w}",
-                            {"block_keys": bk, "num_splits": s, "num_warps": w}))
-    return out
+def grid_variants(a):
+    """``kernels(auto)`` for ``--grid``: the default launch, then every combination of
+    ``--grid-block-keys`` x ``--grid-splits`` x ``--grid-warps`` x ``--grid-stages`` x
+    ``--grid-heads`` x ``--grid-prefetch`` (a split count of 0, ``auto`` on the command line,
+    stands for the case's automatic one)."""
+    def variants(auto: int) -> list[tuple[str, dict]]:
+        out = [("pallas", {})]
+        for bk, s, w, st, g, pf in itertools.product(
+                a.grid_block_keys, a.grid_splits, a.grid_warps, a.grid_stages, a.grid_heads,
+                a.grid_prefetch):
+            out.append((f"pallas bk={bk} splits={s or auto} warps={w} stages={st} heads={g}"
+                        f"{' prefetch' if pf == 'on' else ''}",
+                        {"block_keys": bk, "num_splits": s or auto, "num_warps": w,
+                         "num_stages": st, "heads_per_program": g, "prefetch_pages": pf == "on"}))
+        return out
+    return variants
 
 
 def bench_case(results: Results, a, layout: str, batch: int, t: int, context: int,
@@ -208,7 +242,8 @@ def bench(a, results: Results) -> None:
     if a.grid:
         require_gpu("attention --grid", "leave --grid out to time the XLA reference only")
         for layout, batch, t, context in a.grid_cases:
-            bench_case(results, a, layout, batch, t, context, True, grid_variants, device=True)
+            bench_case(results, a, layout, batch, t, context, True, grid_variants(a),
+                       device=True)
         return
     variants = pick_variants("attention", a.variants, list(VARIANTS), ("pallas",))
     kernels = default_variant if "pallas" in variants else None
