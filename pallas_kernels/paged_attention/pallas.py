@@ -35,6 +35,25 @@ _MASKED = -1e30  # finite, so masked scores never make inf - inf
 _LOG2E = math.log2(math.e)
 
 
+# Launch of the kernel on long page tables (at least LONG_TABLE_KEYS keys; 0 = never), read
+# when a program is traced (python -m mtp_jax.bench ab can set them: @module.NAME=int).
+LONG_TABLE_KEYS = 0
+LONG_NUM_STAGES = 1
+LONG_HEADS_PER_PROGRAM = 2  # at most Hkv
+LONG_PREFETCH_PAGES = 1
+
+
+def default_launch(num_kv_heads: int, table_keys: int) -> tuple[int, int, bool]:
+    """``(num_stages, heads_per_program, prefetch_pages)`` for a page table of ``table_keys``
+    keys: the ``LONG_*`` values from ``LONG_TABLE_KEYS`` keys on, else ``(2, 1, False)``."""
+    if not LONG_TABLE_KEYS or table_keys < LONG_TABLE_KEYS:
+        return 2, 1, False
+    heads = max(1, min(LONG_HEADS_PER_PROGRAM, num_kv_heads))
+    while num_kv_heads % heads:
+        heads //= 2
+    return LONG_NUM_STAGES, heads, bool(LONG_PREFETCH_PAGES)
+
+
 def padded_query_rows(t: int, group: int) -> int:
     """Query rows per kv head in the kernel: ``t * group`` padded to a power of two >= 16."""
     return 1 << (max(16, t * group) - 1).bit_length()
@@ -186,8 +205,9 @@ def _check(q, k_pages, v_pages, page_table, q_positions):
 def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
                            page_table: jax.Array, q_positions: jax.Array, *, scale: float,
                            block_keys: int | None = None, num_splits: int | None = None,
-                           num_warps: int | None = None, num_stages: int = 2,
-                           heads_per_program: int = 1, prefetch_pages: bool = False,
+                           num_warps: int | None = None, num_stages: int | None = None,
+                           heads_per_program: int | None = None,
+                           prefetch_pages: bool | None = None,
                            interpret: bool = False) -> jax.Array:
     """Grouped-query paged attention for a few query rows per request (decode, verify).
 
@@ -204,8 +224,10 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       q_positions: ``[B, T]`` int32 absolute position of each query row.
       scale: softmax scale (``D ** -0.5``).
       block_keys: keys per loop step, a multiple of page_size (default ``max(64, page_size)``).
-      num_splits: key splits per (request, kv head) (default :func:`choose_num_splits`).
-      num_warps, num_stages: Triton launch parameters (default 4 warps for 16 rows, else 8).
+      num_splits: key splits per (request, group of ``heads_per_program`` kv heads) (default
+        :func:`choose_num_splits`).
+      num_warps, num_stages: Triton launch parameters (default 4 warps for 16 rows, else 8;
+        stages: :func:`default_launch`).
       heads_per_program: kv heads one program attends (a power of two dividing Hkv): their
         rows of a page are read in the same step, where with 1 each program reads every
         Hkv-th row chunk of a page and the other heads' programs the rest, at other times.
@@ -238,8 +260,8 @@ def paged_attention_partials(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax
                          page_table: jax.Array, q_positions: jax.Array, *, num_q_heads: int,
                          scale: float, block_keys: int | None = None,
                          num_splits: int | None = None, num_warps: int | None = None,
-                         num_stages: int = 2, heads_per_program: int = 1,
-                         prefetch_pages: bool = False, interpret: bool = False):
+                         num_stages: int | None = None, heads_per_program: int | None = None,
+                         prefetch_pages: bool | None = None, interpret: bool = False):
     """The attention kernel's per-split partials for queries laid out as the kernel's rows
     (merge them with :func:`combine_splits`, or with the output gate by
     :func:`pallas_kernels.paged_attention.merge.merge_gate`).
@@ -251,7 +273,9 @@ def paged_attention_partials(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax
         past ``T * group`` padding (any finite values), ``rows`` =
         :func:`padded_query_rows` (e.g. written by
         :func:`pallas_kernels.paged_attention.prep.qk_norm_rope_write`).
-      q_positions: ``[B, T]`` int32; other arguments as :func:`paged_attention_pallas`.
+      q_positions: ``[B, T]`` int32; other arguments as :func:`paged_attention_pallas`
+        (``num_stages``, ``heads_per_program`` and ``prefetch_pages`` default to
+        :func:`default_launch` of the table's width).
     Returns:
       ``(o, m, l)``: per key split ``S``, ``o [B, Hkv, S, rows, D]`` (``q_rows.dtype``) the
       unnormalised output, ``m`` and ``l [B, Hkv, S, rows]`` (float32) the row max and the
@@ -276,7 +300,10 @@ def paged_attention_partials(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax
     pages_per_block = block_keys // page_size
     max_pages = page_table.shape[1]
     max_blocks = -(-max_pages // pages_per_block)
-    g = heads_per_program
+    stages, g, prefetch = default_launch(hkv, max_pages * page_size)
+    num_stages = stages if num_stages is None else num_stages
+    g = heads_per_program = g if heads_per_program is None else heads_per_program
+    prefetch_pages = prefetch if prefetch_pages is None else prefetch_pages
     if g < 1 or hkv % g or g & (g - 1):
         raise ValueError(f"heads_per_program {g} must be a power of two dividing Hkv = {hkv}.")
     splits = num_splits or choose_num_splits(b, hkv // g, max_blocks)
@@ -291,7 +318,6 @@ def paged_attention_partials(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax
     kernel = functools.partial(_kernel, page_size=page_size, pages_per_block=pages_per_block,
                                max_pages=max_pages, num_splits=splits,
                                scale_log2=float(scale) * _LOG2E, prefetch_pages=prefetch_pages)
-    g = heads_per_program
     pages_spec = pl.BlockSpec((num_pages, page_size, g, d), lambda i, h, s: (0, 0, h, 0))
     o, m, l = pl.pallas_call(
         kernel,

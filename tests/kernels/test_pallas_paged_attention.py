@@ -143,6 +143,27 @@ def test_head_groups_and_page_prefetch_agree(heads_per_program, prefetch_pages, 
           block_keys=32, num_splits=3)
 
 
+def test_long_tables_take_the_long_launch(monkeypatch):
+    """From ``LONG_TABLE_KEYS`` keys of table on, the kernel's default launch is the ``LONG_*``
+    one (heads per program capped to a divisor of Hkv), and it gives the same attention."""
+    from pallas_kernels.paged_attention import pallas as kernel
+
+    monkeypatch.setattr(kernel, "LONG_TABLE_KEYS", 0)
+    assert kernel.default_launch(4, 1 << 20) == (2, 1, False)
+    monkeypatch.setattr(kernel, "LONG_TABLE_KEYS", 160)
+    monkeypatch.setattr(kernel, "LONG_HEADS_PER_PROGRAM", 4)
+    assert kernel.default_launch(4, 159) == (2, 1, False)
+    assert kernel.default_launch(4, 160) == (kernel.LONG_NUM_STAGES, 4,
+                                             bool(kernel.LONG_PREFETCH_PAGES))
+    assert kernel.default_launch(2, 160)[1] == 2 and kernel.default_launch(1, 160)[1] == 1
+    assert kernel.default_launch(6, 160)[1] == 2
+    rng = np.random.default_rng(5)
+    lengths = np.array([9, 150])
+    inputs = make_inputs(rng, written=lengths, positions=window(lengths, 2), hq=8, hkv=4, d=32,
+                         page_size=16, max_pages=10)  # 160 keys: the long launch
+    check(inputs, num_splits=2)
+
+
 def test_head_groups_must_divide_the_kv_heads():
     q, pages = jnp.zeros((1, 1, 8, 64)), jnp.zeros((4, 16, 4, 64))
     table, pos = jnp.zeros((1, 2), jnp.int32), jnp.zeros((1, 1), jnp.int32)
