@@ -51,6 +51,21 @@ def test_attention_sweep_cases_default_to_three_8k_cases_and_take_long_context_o
     assert got == [("35B", 1, 1, 131072), ("35B", 1, 4, 131072)]
 
 
+@pytest.mark.parametrize("argv,names,mode", [
+    (["--grid-heads", "3"], "--grid-heads", "grid"),
+    (["--grid-splits", "auto", "--grid-prefetch", "on"], "--grid-splits, --grid-prefetch",
+     "grid"),
+    (["--sweep-cases", "35B,1,1,131072"], "--sweep-cases", "sweep"),
+])
+def test_attention_mode_flags_without_their_mode_are_refused(argv, names, mode, tmp_path,
+                                                             capsys):
+    out = tmp_path / "r.json"
+    assert main(["attention", *argv, "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"error: {names} only apply with --{mode}; add --{mode} or leave them out."
+    assert not out.exists()
+
+
 def test_unknown_subcommand_is_refused(capsys):
     assert main(["atention", "--quick"]) == 2
     err = capsys.readouterr().err

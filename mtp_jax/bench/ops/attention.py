@@ -34,8 +34,8 @@ import jax
 import jax.numpy as jnp
 
 from mtp_jax.bench.report import op_row
-from mtp_jax.bench.subcommand import (Results, int_list, name_list, parser, pick_variants,
-                                      positive, require_gpu, run)
+from mtp_jax.bench.subcommand import (Refused, Results, int_list, name_list, parser,
+                                      pick_variants, positive, require_gpu, run)
 from mtp_jax.bench.timing import device_seconds, wall_seconds
 from pallas_kernels.paged_attention.pallas import choose_num_splits, paged_attention_pallas
 from pallas_kernels.paged_attention.reference import paged_attention_reference
@@ -235,8 +235,24 @@ def bench_case(results: Results, a, layout: str, batch: int, t: int, context: in
                            reference=None if kw is None else "xla", **notes))
 
 
+GRID_FLAGS = ("grid_cases", "grid_block_keys", "grid_splits", "grid_warps", "grid_stages",
+              "grid_heads", "grid_prefetch")
+
+
+def check_mode_flags(a) -> None:
+    """Raise :class:`Refused` for ``--grid-*`` flags given without ``--grid``, or
+    ``--sweep-cases`` without ``--sweep`` (they would be ignored)."""
+    defaults = build_parser().parse_args([])
+    for mode, flags in (("grid", GRID_FLAGS), ("sweep", ("sweep_cases",))):
+        given = [f for f in flags if getattr(a, f) != getattr(defaults, f)]
+        if given and not getattr(a, mode):
+            names = ", ".join("--" + f.replace("_", "-") for f in given)
+            raise Refused(f"{names} only apply with --{mode}; add --{mode} or leave them out.")
+
+
 def bench(a, results: Results) -> None:
     """Every case of the flags (see the module docstring)."""
+    check_mode_flags(a)
     if a.sweep:
         require_gpu("attention --sweep", "leave --sweep out to time the XLA reference only")
     if a.grid:
