@@ -109,12 +109,16 @@ def _kernel(q_ref, pos_ref, table_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
             scale_log2: float, prefetch_pages: bool):
     """One (request, group of kv heads, split). Refs: q ``[G, R, D]``, pos ``[R]`` int32 row
     positions, table ``[W]`` int32 page ids, k/v ``[num_pages, page_size, G, D]``; out o
-    ``[G, R, D]``, m/l ``[G, R]`` float32 (row max of the base-2 scores, sum of their exp2).
-    The G heads' K/V rows of a block are read one after the other in the same step, so each
-    page's bytes are read together (their rows interleave in the pool)."""
+    ``[G, R, D]``, m/l ``[G, R]`` float32 (row max of the base-2 scores, sum of their exp2);
+    with one head per program the head axis is squeezed out of every ref (q ``[R, D]``, k/v
+    ``[num_pages, page_size, D]``, ...). The G heads' K/V rows of a block are read one after
+    the other in the same step, so each page's bytes are read together (their rows
+    interleave in the pool)."""
     split = pl.program_id(2)
     block_keys = page_size * pages_per_block
-    heads, rows, head_dim = q_ref.shape
+    one = q_ref.ndim == 2  # one head per program, its axis squeezed out
+    heads, (rows, head_dim) = (1, q_ref.shape) if one else (q_ref.shape[0], q_ref.shape[1:])
+    at = (lambda h: ...) if one else (lambda h: h)  # a ref's head index
     row_pos = pos_ref[...]
     max_pos = jnp.max(row_pos)
     min_pos = jnp.min(row_pos)
@@ -126,29 +130,32 @@ def _kernel(q_ref, pos_ref, table_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
     hi = jnp.maximum(jnp.minimum(lo + chunk, num_blocks), lo)
     # Blocks below `clean_end` hold only slots <= min_pos: visible to every row, never garbage.
     clean_end = jnp.clip((min_pos + 1) // block_keys, lo, hi)
-    qs = [q_ref[h] for h in range(heads)]
+    qs = [q_ref[at(h)] for h in range(heads)]
     last_block = (table_ref.shape[0] // pages_per_block) - 1
 
-    def block_pages(j):
-        j = jnp.minimum(j, last_block)  # a prefetch past the table reads its last block
+    def block_pages(j, clamp: bool = False):
+        if clamp:  # a prefetch past the table reads its last block
+            j = jnp.minimum(j, last_block)
         return table_ref[pl.ds(pl.multiple_of(j * pages_per_block, pages_per_block),
                                pages_per_block)]
 
     def body(j, carry, *, sanitize: bool):
         if prefetch_pages:  # this block's page ids came with the previous step
             pages, carry = carry[0], carry[1:]
-            next_pages = block_pages(j + 1)
+            next_pages = block_pages(j + 1, clamp=True)
         else:
             pages = block_pages(j)
-        key_pos = j * block_keys + lax.broadcasted_iota(jnp.int32, (1, block_keys), 1)
-        visible = key_pos <= row_pos[:, None]
-        out = []
+        out, visible = [], None
         for h in range(heads):
             acc, m_prev, l_prev = carry[3 * h:3 * h + 3]
-            k = k_ref[pages, :, h, :].reshape(block_keys, head_dim)
-            v = v_ref[pages, :, h, :].reshape(block_keys, head_dim)
+            kv_at = pages if one else (pages, slice(None), h, slice(None))
+            k = k_ref[kv_at].reshape(block_keys, head_dim)
+            v = v_ref[kv_at].reshape(block_keys, head_dim)
             s = lax.dot_general(qs[h], k, (((1,), (1,)), ((), ())),
                                 preferred_element_type=jnp.float32) * scale_log2
+            if visible is None:
+                key_pos = j * block_keys + lax.broadcasted_iota(jnp.int32, (1, block_keys), 1)
+                visible = key_pos <= row_pos[:, None]
             s = jnp.where(visible, s, _MASKED)
             m_new = jnp.maximum(m_prev, jnp.max(s, axis=1))
             alpha = jnp.exp2(m_prev - m_new)
@@ -166,16 +173,16 @@ def _kernel(q_ref, pos_ref, table_ref, k_ref, v_ref, o_ref, m_ref, l_ref, *,
                   jnp.full((rows,), _MASKED, jnp.float32),
                   jnp.zeros((rows,), jnp.float32))
     if prefetch_pages:
-        carry = (block_pages(lo), *carry)
+        carry = (block_pages(lo, clamp=True), *carry)  # an empty split may start past it
     carry = lax.fori_loop(lo, clean_end, functools.partial(body, sanitize=False), carry)
     carry = lax.fori_loop(clean_end, hi, functools.partial(body, sanitize=True), carry)
     if prefetch_pages:
         carry = carry[1:]
     for h in range(heads):
         acc, m, l = carry[3 * h:3 * h + 3]
-        o_ref[h] = acc.astype(o_ref.dtype)
-        m_ref[h] = m
-        l_ref[h] = l
+        o_ref[at(h)] = acc.astype(o_ref.dtype)
+        m_ref[at(h)] = m
+        l_ref[at(h)] = l
 
 
 def _check(q, k_pages, v_pages, page_table, q_positions):
@@ -318,21 +325,22 @@ def paged_attention_partials(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax
     kernel = functools.partial(_kernel, page_size=page_size, pages_per_block=pages_per_block,
                                max_pages=max_pages, num_splits=splits,
                                scale_log2=float(scale) * _LOG2E, prefetch_pages=prefetch_pages)
-    pages_spec = pl.BlockSpec((num_pages, page_size, g, d), lambda i, h, s: (0, 0, h, 0))
+    h1 = None if g == 1 else g  # one head per program: its axis squeezed (the measured form)
+    pages_spec = pl.BlockSpec((num_pages, page_size, h1, d), lambda i, h, s: (0, 0, h, 0))
     o, m, l = pl.pallas_call(
         kernel,
         grid=(b, hkv // g, splits),
         in_specs=[
-            pl.BlockSpec((None, g, rows, d), lambda i, h, s: (i, h, 0, 0)),
+            pl.BlockSpec((None, h1, rows, d), lambda i, h, s: (i, h, 0, 0)),
             pl.BlockSpec((None, rows), lambda i, h, s: (i, 0)),
             pl.BlockSpec((None, table.shape[1]), lambda i, h, s: (i, 0)),
             pages_spec,
             pages_spec,
         ],
         out_specs=[
-            pl.BlockSpec((None, g, None, rows, d), lambda i, h, s: (i, h, s, 0, 0)),
-            pl.BlockSpec((None, g, None, rows), lambda i, h, s: (i, h, s, 0)),
-            pl.BlockSpec((None, g, None, rows), lambda i, h, s: (i, h, s, 0)),
+            pl.BlockSpec((None, h1, None, rows, d), lambda i, h, s: (i, h, s, 0, 0)),
+            pl.BlockSpec((None, h1, None, rows), lambda i, h, s: (i, h, s, 0)),
+            pl.BlockSpec((None, h1, None, rows), lambda i, h, s: (i, h, s, 0)),
         ],
         out_shape=[
             jax.ShapeDtypeStruct((b, hkv, splits, rows, d), q_rows.dtype),
