@@ -307,9 +307,9 @@ def paged_attention_partials(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax
     pages_per_block = block_keys // page_size
     max_pages = page_table.shape[1]
     max_blocks = -(-max_pages // pages_per_block)
-    stages, g, prefetch = default_launch(hkv, max_pages * page_size)
+    stages, heads, prefetch = default_launch(hkv, max_pages * page_size)
     num_stages = stages if num_stages is None else num_stages
-    g = heads_per_program = g if heads_per_program is None else heads_per_program
+    g = heads if heads_per_program is None else heads_per_program
     prefetch_pages = prefetch if prefetch_pages is None else prefetch_pages
     if g < 1 or hkv % g or g & (g - 1):
         raise ValueError(f"heads_per_program {g} must be a power of two dividing Hkv = {hkv}.")
