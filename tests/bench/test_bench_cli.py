@@ -51,6 +51,15 @@ def test_attention_sweep_cases_default_to_three_8k_cases_and_take_long_context_o
     assert got == [("35B", 1, 1, 131072), ("35B", 1, 4, 131072)]
 
 
+def test_attention_grid_with_sweep_is_refused(tmp_path, capsys):
+    out = tmp_path / "r.json"
+    assert main(["attention", "--grid", "--sweep", "--out", str(out)]) == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == ("error: --grid and --sweep do not run together (--grid times its "
+                   "--grid-cases only); run them one at a time.")
+    assert not out.exists()
+
+
 @pytest.mark.parametrize("argv,names,mode", [
     (["--grid-heads", "3"], "--grid-heads", "grid"),
     (["--grid-splits", "auto", "--grid-prefetch", "on"], "--grid-splits, --grid-prefetch",

@@ -240,8 +240,12 @@ GRID_FLAGS = ("grid_cases", "grid_block_keys", "grid_splits", "grid_warps", "gri
 
 
 def check_mode_flags(a) -> None:
-    """Raise :class:`Refused` for ``--grid-*`` flags given without ``--grid``, or
-    ``--sweep-cases`` without ``--sweep`` (they would be ignored)."""
+    """Raise :class:`Refused` for ``--grid-*`` flags given without ``--grid``,
+    ``--sweep-cases`` without ``--sweep``, or ``--grid`` with ``--sweep`` (``--grid`` runs its
+    cases only: the others would be ignored)."""
+    if a.grid and a.sweep:
+        raise Refused("--grid and --sweep do not run together (--grid times its --grid-cases "
+                      "only); run them one at a time.")
     defaults = build_parser().parse_args([])
     for mode, flags in (("grid", GRID_FLAGS), ("sweep", ("sweep_cases",))):
         given = [f for f in flags if getattr(a, f) != getattr(defaults, f)]
