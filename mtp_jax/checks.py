@@ -94,6 +94,13 @@ def check_before_load(model: str | None, *, speculative: SpeculativeConfig,
     family = check_family(cfg, speculative.algorithm)
     if engine is not None and family.check_engine is not None:
         family.check_engine(cfg, engine, speculative)
+    if (speculative.algorithm == "mtp" and not cfg.has_mtp
+            and not speculative.draft_model_path and not family.draft_folder):
+        raise ConfigError(f"speculative_algorithm='mtp' but the checkpoint's config declares no "
+                          f"MTP layer (mtp_num_hidden_layers is 0), and {cfg.model_type} "
+                          "checkpoints cannot take their draft from a separate folder yet; use "
+                          "speculative_algorithm='none' (--speculative-algorithm none), or a "
+                          "checkpoint with its mtp.* layer.")
     speculative.validate(cfg)
     hot_token_ids(speculative.algorithm, speculative.draft_vocab_size,
                   speculative.token_map_path, cfg.vocab_size)

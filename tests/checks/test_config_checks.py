@@ -120,6 +120,10 @@ CASES = [
      lambda t, s: dict(model=config_only(MOE, t / "nomtp", mtp_num_hidden_layers=0)), (),
      r"declares no MTP layer \(mtp_num_hidden_layers is 0\) and no "
      r"speculative_draft_model_path was given", "none"),
+    ("qwen4_config_without_mtp_layer",  # no draft folder for qwen4_exp: only 'none' is offered
+     lambda t, s: dict(model=_qwen4_config(t, mtp_num_hidden_layers=0, mtp=None)), (),
+     r"declares no MTP layer \(mtp_num_hidden_layers is 0\), and qwen4_exp checkpoints cannot "
+     r"take their draft from a separate folder yet; use speculative_algorithm='none'", "none"),
     # config fields mtp_jax implements one way only (mtp_jax.config_fields)
     *[(f"fixed_{key}", (lambda key, value: lambda t, s: dict(model=config_only(
         MOE, t / "fixed", **{key: value})))(key, value), (),
