@@ -109,6 +109,23 @@ def _demo_or_chat_refusal(tokenizer, model: str | None, given: bool, chat: bool)
     return None
 
 
+def _chat_refusals(prompts: list, labels: list[str], errors: dict[int, str]) -> dict[int, str]:
+    """With ``--chat``, the message of each prompt (not already refused) that is not text:
+    the template wraps a text prompt as one user message, so token ids cannot go through it."""
+    found = {}
+    for i, p in enumerate(prompts):
+        if i in errors or isinstance(p, str):
+            continue
+        ids = isinstance(p, (list, tuple)) and all(isinstance(t, int) for t in p)
+        fix = ("token ids; give it as text, or drop --chat (token ids then go to the model as "
+               "they are)." if ids else
+               f"a {type(p).__name__}, not text; give the user message's text as the prompt (a "
+               "conversation of several messages goes through LLM.chat).")
+        found[i] = (f"{labels[i]}: --chat wraps a text prompt in the chat template as one user "
+                    f"message, and this prompt is {fix}")
+    return found
+
+
 def prepare_prompts(args, prompts: list, labels: list[str], params: list,
                     errors: dict[int, str], tokenizer, limits) -> CliPrompts:
     """Check the run's prompts before the model loads, with the checkpoint's ``tokenizer``
@@ -126,8 +143,10 @@ def prepare_prompts(args, prompts: list, labels: list[str], params: list,
     if why:
         raise ValueError(why)
     if args.chat:
+        errors = {**errors, **_chat_refusals(prompts, labels, errors)}
         prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}])
-                   if isinstance(p, str) else p for p in prompts]
+                   if isinstance(p, str) and i not in errors else p
+                   for i, p in enumerate(prompts)]
     todo = [i for i in range(len(prompts)) if i not in errors]
     ids, found = check_prompts([prompts[i] for i in todo], [labels[i] for i in todo],
                                tokenizer, limits, [params[i] for i in todo])

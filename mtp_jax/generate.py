@@ -261,9 +261,22 @@ def _file_params(fields: list[dict], labels: list[str]) -> tuple[list, dict[int,
         try:
             params.append(SamplingParams(**f))
         except (TypeError, ValueError) as e:
-            errors[i] = f"{labels[i]}: {e}"
+            errors[i] = f"{labels[i]}: {_as_json(str(e), f)}"
             params.append(None)
     return params, errors
+
+
+def _as_json(message: str, fields: dict) -> str:
+    """A ``SamplingParams`` message (``"field value ..."``, the value as Python writes it)
+    about a prompts-file field, with the key and value as the file's JSON writes them and
+    the JSON type where Python's spelling hides it: ``"max_tokens": true (a boolean) ...``."""
+    field, rest = (message.split(" ", 1) + [""])[:2]
+    if field not in fields or not rest.startswith(repr(fields[field])):
+        return message
+    value = fields[field]
+    kind = (" (a boolean)" if isinstance(value, bool) else
+            " (a number with a fraction part)" if isinstance(value, float) else "")
+    return f'"{field}": {json.dumps(value)}{kind}{rest[len(repr(value)):]}'
 
 
 def _read_run(args) -> tuple[list, list[str], list, dict[int, str]]:
@@ -426,24 +439,28 @@ def _outputs(run, done: list) -> list:
 def _print_outputs(args, outs: list, labels: list[str], seconds: float,
                    prefix_cache: dict | None = None) -> int:
     """Print each output (its text, or the streamed text's stats line; JSON with ``--json``,
-    ``prefix_cache`` in each record; ``error: ...`` on stderr for a refused one); returns how
-    many were refused."""
+    ``prefix_cache`` in each record; ``error: ...`` on stderr for a refused one, and with
+    several requests its header and a ``(refused...)`` line on stdout); returns how many were
+    refused."""
     failed = 0
     for i, out in enumerate(outs):
         if out.finish_reason == "error" and not out.error.startswith(labels[i]):
             out = dataclasses.replace(out, error=f"{labels[i]}: {out.error}")
+        failed += out.finish_reason == "error"
         if args.json:
             print(json.dumps(_json_record(out, seconds, prefix_cache)))
-        elif out.finish_reason == "error":
+            continue
+        if len(outs) > 1:  # every request has its header, a refused one too
+            print(f"--- request {i + 1} of {len(outs)} ---")
+        if out.finish_reason == "error":
             print(f"error: {out.error}", file=sys.stderr)
-        else:
             if len(outs) > 1:
-                print(f"--- request {i + 1} of {len(outs)} ---")
-            if not args.stream:
-                print(out.text if out.text or not out.token_ids
-                      else f"(no tokenizer) token ids: {out.token_ids}")
-            print(_stats_line(out, seconds))
-        failed += out.finish_reason == "error"
+                print("(refused; its error is on stderr)")
+            continue
+        if not args.stream:
+            print(out.text if out.text or not out.token_ids
+                  else f"(no tokenizer) token ids: {out.token_ids}")
+        print(_stats_line(out, seconds))
     return failed
 
 

@@ -99,9 +99,10 @@ def check_stops(params: SamplingParams, vocab_size: int, tokenizer) -> None:
 def chat_prompt(messages, tokenizer) -> str:
     """The prompt text ``LLM.chat`` generates from: ``messages`` (``[{"role": ...,
     "content": ...}, ...]``) rendered with the tokenizer's chat template, the generation prompt
-    added. Raises ``ValueError`` without a tokenizer (no template) or for messages that are
-    not a list of dicts; :class:`~mtp_jax.tokenizer.TemplateError` (a ``ValueError``) when the
-    template refuses them."""
+    added. Raises ``ValueError`` without a tokenizer (no template), for messages that are
+    not a non-empty list of dicts, or for a message whose role is not a string or whose
+    content is not text (:func:`_chat_message`); :class:`~mtp_jax.tokenizer.TemplateError`
+    (a ``ValueError``) when the template refuses them."""
     if tokenizer is None:
         raise ValueError("this checkpoint folder has no tokenizer, so it has no chat "
                          "template; use generate() with token-id prompts, or a checkpoint "
@@ -109,7 +110,32 @@ def chat_prompt(messages, tokenizer) -> str:
     if not isinstance(messages, (list, tuple)) or not all(isinstance(m, dict) for m in messages):
         raise ValueError(f"a conversation is a list of {{'role': ..., 'content': ...}} dicts; "
                          f"got {type(messages).__name__} {str(messages)[:80]!r}.")
-    return tokenizer.apply_chat_template(list(messages), add_generation_prompt=True)
+    if not messages:
+        raise ValueError("the conversation is empty; pass at least one message, e.g. "
+                         "[{'role': 'user', 'content': 'Hi'}].")
+    return tokenizer.apply_chat_template([_chat_message(m, i) for i, m in enumerate(messages)],
+                                         add_generation_prompt=True)
+
+
+def _chat_message(message: dict, i: int) -> dict:
+    """``message`` with its text content as the template reads it, as the server's
+    ``/v1/chat/completions`` takes it: a string, None or absent (empty text), or a list of
+    ``{"type": "text", "text": ...}`` parts (joined). Raises ``ValueError`` naming
+    ``messages[i]`` for a role that is not a string or content of another kind."""
+    role, content = message.get("role"), message.get("content")
+    if not isinstance(role, str):
+        raise ValueError(f"messages[{i}]['role'] {role!r} must be a string such as 'system', "
+                         "'user' or 'assistant'.")
+    parts = isinstance(content, (list, tuple)) and all(
+        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
+        for p in content)
+    if parts:
+        content = "".join(p["text"] for p in content)
+    elif content is not None and not isinstance(content, str):
+        raise ValueError(f"messages[{i}]['content'] {str(content)[:60]!r} "
+                         f"({type(content).__name__}) must be a string, or a list of "
+                         "{'type': 'text', 'text': ...} parts.")
+    return {**message, "content": content or ""}
 
 
 def conversation_list(conversations) -> list:

@@ -105,7 +105,8 @@ class SamplingParams:
         check_top_p(self.top_p)
         check_top_k(self.top_k)
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
-            raise ValueError(f"max_tokens {self.max_tokens!r} must be an int >= 1.")
+            raise ValueError(f"max_tokens {self.max_tokens!r} must be an int >= 1 (the most "
+                             "tokens to generate, e.g. 128).")
         if self.seed is not None:
             check_seed(self.seed)
         if isinstance(self.stop, str):

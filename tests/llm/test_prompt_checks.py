@@ -75,6 +75,25 @@ def test_cli_checks_the_prompt_the_chat_template_makes(words, no_load, capsys):
     assert "--prompt: prompt of 6 tokens does not fit max_model_len 6" in _err(capsys)
 
 
+def test_cli_chat_refuses_prompts_that_are_not_text(words, no_load, tmp_path, capsys):
+    """--chat wraps text in the template: a file's token-id prompt and a message list are
+    refused, each by its line (not sent unwrapped, not loaded for)."""
+    f = tmp_path / "reqs.jsonl"
+    f.write_text("\n".join(json.dumps({"prompt": p}) for p in
+                           ([5, 6, 7], [{"role": "user", "content": "t5"}])) + "\n")
+    assert generate.main(["--model", words, "--chat", "--prompts-file", str(f), "--json"]) == 1
+    recs = [json.loads(line) for line in capsys.readouterr().out.splitlines()]
+    assert [r["finish_reason"] for r in recs] == ["error", "error"]
+    assert recs[0]["error"] == (
+        f"{f}:1 (request 1): --chat wraps a text prompt in the chat template as one user "
+        "message, and this prompt is token ids; give it as text, or drop --chat (token ids "
+        "then go to the model as they are).")
+    assert recs[1]["error"].startswith(f"{f}:2 (request 2): ")
+    assert recs[1]["error"].endswith("this prompt is a list, not text; give the user message's "
+                                     "text as the prompt (a conversation of several messages "
+                                     "goes through LLM.chat).")
+
+
 def test_cli_limit_capped_by_the_model_says_to_shorten(tmp_path, no_load, capsys):
     capped = folder_with_tokenizer(str(tmp_path / "capped"), max_position_embeddings=8)
     assert generate.main(["--model", capped, "--prompt", _text(10)]) == 2
@@ -116,6 +135,18 @@ def test_cli_several_prompts_all_refused_report_each_without_loading(words, no_l
                                        "max_model_len 16")
 
 
+def test_cli_text_output_gives_a_refused_request_its_header(words, no_load, capsys):
+    """Without --json, stdout keeps one section per request, a refused one too (its header and
+    a pointer to stderr, which holds its error), so piped stdout still counts every request."""
+    assert generate.main(["--model", words, "--prompt", "", "--prompt", _text(20),
+                          "--max-model-len", "16"]) == 1
+    out, err = capsys.readouterr()
+    assert out.splitlines() == ["--- request 1 of 2 ---", "(refused; its error is on stderr)",
+                                "--- request 2 of 2 ---", "(refused; its error is on stderr)"]
+    assert "error: --prompt 1 of 2: empty prompt" in err
+    assert "error: --prompt 2 of 2: prompt of 20 tokens" in err
+
+
 def test_llm_check_prompts_before_construction(words, no_load):
     assert LLM.check_prompts(["t5 t6", [7, 8, 9]], words) == [[5, 6], [7, 8, 9]]
     with pytest.raises(ValueError) as e:
@@ -128,6 +159,29 @@ def test_llm_check_prompts_before_construction(words, no_load):
         from mtp_jax import SamplingParams
 
         LLM.check_prompts([[5]], CKPT, sampling_params=SamplingParams(stop=["x"]))
+
+
+def test_llm_chat_refuses_conversations_that_are_not_text(words, no_load):
+    """A conversation the template cannot render as text is refused naming the message: no
+    message, a role or content of the wrong type; text parts (as the server takes them) and an
+    absent content (empty text) render like their strings."""
+    import types
+
+    tok = load_tokenizer(words)
+    llm = types.SimpleNamespace(tokenizer=tok, generate=lambda ps, sp: ps)
+    for conv, pattern in [
+            ([], r"the conversation is empty; pass at least one message"),
+            ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\] '5' \(int\) must "
+             r"be a string, or a list of \{'type': 'text', 'text': \.\.\.\} parts"),
+            ([{"role": "user", "content": "t5"}, {"role": "user", "content": [{"text": "t6"}]}],
+             r"messages\[1\]\['content'\]"),
+            ([{"content": "t5"}], r"messages\[0\]\['role'\] None must be a string")]:
+        with pytest.raises(ValueError, match=pattern):
+            LLM.chat(llm, conv)
+    text = LLM.chat(llm, [{"role": "user", "content": "t5 t6"}])
+    parts = [{"type": "text", "text": "t5 "}, {"type": "text", "text": "t6"}]
+    assert LLM.chat(llm, [{"role": "user", "content": parts}]) == text
+    assert LLM.chat(llm, [{"role": "user"}]) == LLM.chat(llm, [{"role": "user", "content": ""}])
 
 
 def test_llm_check_prompts_chat_checks_the_text_chat_generates_from(words, no_load):
@@ -211,6 +265,25 @@ def test_stop_flags_are_sampling_params_stop(words, tmp_path):
     _, _, params, _ = generate._read_run(parse(["--model", words, "--prompts-file", str(f),
                                                 "--stop", "t9"]))
     assert [p.stop for p in params] == [["t9"], ["t4"]]  # a line's own stop replaces the flag's
+
+
+def test_file_field_errors_spell_the_value_as_the_json_line_does(words, tmp_path):
+    """A prompts-file line's bad sampling value is named as the file writes it (key in quotes,
+    JSON spelling) with the JSON type where Python's spelling would hide it; each line fails
+    alone."""
+    f = tmp_path / "reqs.jsonl"
+    f.write_text("\n".join(json.dumps(r) for r in [
+        {"prompt": "t5", "max_tokens": True}, {"prompt": "t5", "max_tokens": 2.0},
+        {"prompt": "t5", "stop": ["x", ""]}, {"prompt": "t5", "max_tokens": 3}]) + "\n")
+    _, _, params, errors = generate._read_run(generate.build_parser().parse_args(
+        ["--model", words, "--prompts-file", str(f)]))
+    assert errors == {
+        0: f'{f}:1 (request 1): "max_tokens": true (a boolean) must be an int >= 1 (the most '
+           "tokens to generate, e.g. 128).",
+        1: f'{f}:2 (request 2): "max_tokens": 2.0 (a number with a fraction part) must be an '
+           "int >= 1 (the most tokens to generate, e.g. 128).",
+        2: f'{f}:3 (request 3): "stop": ["x", ""] must hold non-empty strings.'}
+    assert params[3].max_tokens == 3
 
 
 @pytest.mark.parametrize("argv, message", [
