@@ -240,10 +240,20 @@ def _write(args) -> list[str]:
                                     quantize_mtp_fc=args.quantize_mtp_fc)]
 
 
+def _check_config_path(path: str) -> None:
+    """ValueError naming ``--config`` when it is neither a file nor a folder with config.json."""
+    if os.path.isfile(path) or os.path.isfile(os.path.join(path, "config.json")):
+        return
+    what = "a folder without config.json" if os.path.isdir(path) else "no such file"
+    raise ValueError(f"--config {path}: {what}; pass a model config JSON (e.g. "
+                     "configs/Qwen3.5-2B.json) or a checkpoint folder holding config.json.")
+
+
 def main(argv: list[str] | None = None) -> int:
     args = _parser().parse_args(argv)
     existed = os.path.exists(args.out)
     try:
+        _check_config_path(args.config)
         _check_format_options(args)
         check_out(args.out, args.overwrite)
         lines = _write(args)

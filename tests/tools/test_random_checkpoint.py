@@ -239,6 +239,18 @@ def test_errors(tmp_path):
                                    str(tmp_path / "d"))
 
 
+def test_cli_names_a_missing_config(tmp_path, capsys):
+    """A --config that is not there (or a folder without config.json) is refused naming the
+    flag, the path and the fix, before --out is made."""
+    for path, what in [(tmp_path / "nope.json", "no such file"),
+                       (tmp_path, "a folder without config.json")]:
+        assert rc.main(["--config", str(path), "--out", str(tmp_path / "out")]) == 2
+        assert (f"error: --config {path}: {what}; pass a model config JSON (e.g. "
+                "configs/Qwen3.5-2B.json) or a checkpoint folder holding config.json."
+                ) in capsys.readouterr().err
+    assert not (tmp_path / "out").exists()
+
+
 # text + MTP bf16 bytes of the released checkpoints (shared/real_configs/README.md, table 1).
 RELEASED_BF16_BYTES = {
     "Qwen3.5-0.8B.json": 1_545_691_776, "Qwen3.5-2B.json": 3_885_306_496,
