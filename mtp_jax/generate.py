@@ -275,7 +275,7 @@ def _as_json(message: str, fields: dict) -> str:
         return message
     value = fields[field]
     kind = (" (a boolean)" if isinstance(value, bool) else
-            " (a number with a fraction part)" if isinstance(value, float) else "")
+            " (a number written with a decimal point)" if isinstance(value, float) else "")
     return f'"{field}": {json.dumps(value)}{kind}{rest[len(repr(value)):]}'
 
 

@@ -124,15 +124,16 @@ def _chat_message(message: dict, i: int) -> dict:
     ``messages[i]`` for a role that is not a string or content of another kind."""
     role, content = message.get("role"), message.get("content")
     if not isinstance(role, str):
-        raise ValueError(f"messages[{i}]['role'] {role!r} must be a string such as 'system', "
-                         "'user' or 'assistant'.")
+        what = "is missing" if "role" not in message else f"{role!r} is not a string"
+        raise ValueError(f"messages[{i}]['role'] {what}; give each message a role such as "
+                         "'system', 'user' or 'assistant'.")
     parts = isinstance(content, (list, tuple)) and all(
         isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
         for p in content)
     if parts:
         content = "".join(p["text"] for p in content)
     elif content is not None and not isinstance(content, str):
-        raise ValueError(f"messages[{i}]['content'] {str(content)[:60]!r} "
+        raise ValueError(f"messages[{i}]['content'] {repr(content)[:60]} "
                          f"({type(content).__name__}) must be a string, or a list of "
                          "{'type': 'text', 'text': ...} parts.")
     return {**message, "content": content or ""}

@@ -171,11 +171,11 @@ def test_llm_chat_refuses_conversations_that_are_not_text(words, no_load):
     llm = types.SimpleNamespace(tokenizer=tok, generate=lambda ps, sp: ps)
     for conv, pattern in [
             ([], r"the conversation is empty; pass at least one message"),
-            ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\] '5' \(int\) must "
+            ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\] 5 \(int\) must "
              r"be a string, or a list of \{'type': 'text', 'text': \.\.\.\} parts"),
             ([{"role": "user", "content": "t5"}, {"role": "user", "content": [{"text": "t6"}]}],
              r"messages\[1\]\['content'\]"),
-            ([{"content": "t5"}], r"messages\[0\]\['role'\] None must be a string")]:
+            ([{"content": "t5"}], r"messages\[0\]\['role'\] is missing; give each message a role")]:
         with pytest.raises(ValueError, match=pattern):
             LLM.chat(llm, conv)
     text = LLM.chat(llm, [{"role": "user", "content": "t5 t6"}])
@@ -280,8 +280,8 @@ def test_file_field_errors_spell_the_value_as_the_json_line_does(words, tmp_path
     assert errors == {
         0: f'{f}:1 (request 1): "max_tokens": true (a boolean) must be an int >= 1 (the most '
            "tokens to generate, e.g. 128).",
-        1: f'{f}:2 (request 2): "max_tokens": 2.0 (a number with a fraction part) must be an '
-           "int >= 1 (the most tokens to generate, e.g. 128).",
+        1: f'{f}:2 (request 2): "max_tokens": 2.0 (a number written with a decimal point) must '
+           "be an int >= 1 (the most tokens to generate, e.g. 128).",
         2: f'{f}:3 (request 3): "stop": ["x", ""] must hold non-empty strings.'}
     assert params[3].max_tokens == 3
 
