@@ -14,8 +14,8 @@ from collections.abc import Iterable
 from mtp_jax.engine.requests import Request, RequestOutput
 from mtp_jax.sampling import SamplingParams
 
-__all__ = ["prompt_ids", "too_long_message", "check_stops", "chat_prompt", "prompt_list",
-           "conversation_list", "params_list", "request_output", "error_output"]
+__all__ = ["prompt_ids", "too_long_message", "check_stops", "chat_prompt", "chat_message",
+           "prompt_list", "conversation_list", "params_list", "request_output", "error_output"]
 
 
 def prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int, *,
@@ -101,7 +101,7 @@ def chat_prompt(messages, tokenizer) -> str:
     "content": ...}, ...]``) rendered with the tokenizer's chat template, the generation prompt
     added. Raises ``ValueError`` without a tokenizer (no template), for messages that are
     not a non-empty list of dicts, or for a message whose role is not a string or whose
-    content is not text (:func:`_chat_message`); :class:`~mtp_jax.tokenizer.TemplateError`
+    content is not text (:func:`chat_message`); :class:`~mtp_jax.tokenizer.TemplateError`
     (a ``ValueError``) when the template refuses them."""
     if tokenizer is None:
         raise ValueError("this checkpoint folder has no tokenizer, so it has no chat "
@@ -113,11 +113,11 @@ def chat_prompt(messages, tokenizer) -> str:
     if not messages:
         raise ValueError("the conversation is empty; pass at least one message, e.g. "
                          "[{'role': 'user', 'content': 'Hi'}].")
-    return tokenizer.apply_chat_template([_chat_message(m, i) for i, m in enumerate(messages)],
+    return tokenizer.apply_chat_template([chat_message(m, i) for i, m in enumerate(messages)],
                                          add_generation_prompt=True)
 
 
-def _chat_message(message: dict, i: int) -> dict:
+def chat_message(message: dict, i: int) -> dict:
     """``message`` with its text content as the template reads it, as the server's
     ``/v1/chat/completions`` takes it: a string, None or absent (empty text), or a list of
     ``{"type": "text", "text": ...}`` parts (joined). Raises ``ValueError`` naming

@@ -5,7 +5,7 @@ template over messages), ``max_tokens`` resolved, each turned into a :class:`Req
 from __future__ import annotations
 
 from mtp_jax.engine.requests import Request
-from mtp_jax.prompts import prompt_ids
+from mtp_jax.prompts import chat_message, prompt_ids
 from mtp_jax.serve.errors import APIError
 from mtp_jax.serve.protocol import ChatBody, CompletionBody, sampling_params
 from mtp_jax.tokenizer import TemplateError
@@ -33,24 +33,16 @@ def completion_prompts(body: CompletionBody) -> list:
     return list(p)
 
 
-def _content(message, i: int) -> str:
-    c = message.content
-    if isinstance(c, list):
-        return "".join(part.text for part in c)
-    return c or ""
-
-
 def chat_prompt(body: ChatBody, tokenizer) -> str:
     """The prompt text of a chat completion: the checkpoint's chat template over
     ``messages`` with the generation prompt (as the CLI's ``--chat``)."""
     if tokenizer is None or not tokenizer.chat_template:
         raise APIError(400, "this checkpoint has no tokenizer with a chat template; use "
                             "/v1/completions with token ids.", param="messages")
-    messages = [{**m.model_extra, "role": m.role, "content": _content(m, i)}
-                for i, m in enumerate(body.messages)]
     try:
+        messages = [chat_message(m.model_dump(), i) for i, m in enumerate(body.messages)]
         return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
-    except TemplateError as e:
+    except (TemplateError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from None
 
 
