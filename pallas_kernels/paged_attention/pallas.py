@@ -22,6 +22,7 @@ from __future__ import annotations
 
 import functools
 import math
+from typing import NamedTuple
 
 import jax
 import jax.numpy as jnp
@@ -37,21 +38,39 @@ _LOG2E = math.log2(math.e)
 
 # Launch of the kernel on long page tables (at least LONG_TABLE_KEYS keys; 0 = never), read
 # when a program is traced (python -m mtp_jax.bench ab can set them: @module.NAME=int).
-LONG_TABLE_KEYS = 0
+# Measured on an H100 (session 59, bench attention --grid, 35B-A3B layout on a 128K-wide
+# table): one stage, one head per program and the splits of two programs per SM took a
+# 128K-key decode from 145.6 to 107.0 us, 32K from 60.6 to 36.7, 1,100 from 18.0 to 11.8,
+# and a 4-row verify at 128K (32 query rows a program) from 207.7 to 117.0 with 4 warps (173.0
+# with 8); two heads per program lost at every case.
+LONG_TABLE_KEYS = 16384
 LONG_NUM_STAGES = 1
-LONG_HEADS_PER_PROGRAM = 2  # at most Hkv
+LONG_HEADS_PER_PROGRAM = 1  # at most Hkv
 LONG_PREFETCH_PAGES = 1
+LONG_PROGRAMS_PER_SM = 2
+LONG_FOUR_WARP_ROWS = 32  # query rows a program up to which it runs 4 warps (else 8)
 
 
-def default_launch(num_kv_heads: int, table_keys: int) -> tuple[int, int, bool]:
-    """``(num_stages, heads_per_program, prefetch_pages)`` for a page table of ``table_keys``
-    keys: the ``LONG_*`` values from ``LONG_TABLE_KEYS`` keys on, else ``(2, 1, False)``."""
+class Launch(NamedTuple):
+    """Launch choices of the kernel that depend on the page table's width."""
+
+    num_stages: int
+    heads_per_program: int
+    prefetch_pages: bool
+    programs_per_sm: int  # of :func:`choose_num_splits`
+    four_warp_rows: int  # query rows a program up to which it runs 4 warps, else 8
+
+
+def default_launch(num_kv_heads: int, table_keys: int) -> Launch:
+    """The :class:`Launch` for a page table of ``table_keys`` keys: the ``LONG_*`` values from
+    ``LONG_TABLE_KEYS`` keys on, else ``(2, 1, False, 4, 16)``."""
     if not LONG_TABLE_KEYS or table_keys < LONG_TABLE_KEYS:
-        return 2, 1, False
+        return Launch(2, 1, False, 4, 16)
     heads = max(1, min(LONG_HEADS_PER_PROGRAM, num_kv_heads))
     while num_kv_heads % heads:
         heads //= 2
-    return LONG_NUM_STAGES, heads, bool(LONG_PREFETCH_PAGES)
+    return Launch(LONG_NUM_STAGES, heads, bool(LONG_PREFETCH_PAGES), LONG_PROGRAMS_PER_SM,
+                  LONG_FOUR_WARP_ROWS)
 
 
 def padded_query_rows(t: int, group: int) -> int:
@@ -233,8 +252,7 @@ def paged_attention_pallas(q: jax.Array, k_pages: jax.Array, v_pages: jax.Array,
       block_keys: keys per loop step, a multiple of page_size (default ``max(64, page_size)``).
       num_splits: key splits per (request, group of ``heads_per_program`` kv heads) (default
         :func:`choose_num_splits`).
-      num_warps, num_stages: Triton launch parameters (default 4 warps for 16 rows, else 8;
-        stages: :func:`default_launch`).
+      num_warps, num_stages: Triton launch parameters (default: :func:`default_launch`).
       heads_per_program: kv heads one program attends (a power of two dividing Hkv): their
         rows of a page are read in the same step, where with 1 each program reads every
         Hkv-th row chunk of a page and the other heads' programs the rest, at other times.
@@ -307,15 +325,16 @@ def paged_attention_partials(q_rows: jax.Array, k_pages: jax.Array, v_pages: jax
     pages_per_block = block_keys // page_size
     max_pages = page_table.shape[1]
     max_blocks = -(-max_pages // pages_per_block)
-    stages, heads, prefetch = default_launch(hkv, max_pages * page_size)
-    num_stages = stages if num_stages is None else num_stages
-    g = heads if heads_per_program is None else heads_per_program
-    prefetch_pages = prefetch if prefetch_pages is None else prefetch_pages
+    launch = default_launch(hkv, max_pages * page_size)
+    num_stages = launch.num_stages if num_stages is None else num_stages
+    g = launch.heads_per_program if heads_per_program is None else heads_per_program
+    prefetch_pages = launch.prefetch_pages if prefetch_pages is None else prefetch_pages
     if g < 1 or hkv % g or g & (g - 1):
         raise ValueError(f"heads_per_program {g} must be a power of two dividing Hkv = {hkv}.")
-    splits = num_splits or choose_num_splits(b, hkv // g, max_blocks)
+    splits = num_splits or choose_num_splits(b, hkv // g, max_blocks,
+                                             programs_per_sm=launch.programs_per_sm)
     if num_warps is None:
-        num_warps = 4 if rows <= 16 else 8
+        num_warps = 4 if rows <= launch.four_warp_rows else 8
     # Padded rows repeat the last real row's position, so they change neither bound.
     row_pos = jnp.pad(jnp.repeat(q_positions.astype(jnp.int32), group, axis=1),
                       ((0, 0), (0, rows - n_rows)), mode="edge")

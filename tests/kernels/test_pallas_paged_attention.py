@@ -148,13 +148,15 @@ def test_long_tables_take_the_long_launch(monkeypatch):
     one (heads per program capped to a divisor of Hkv), and it gives the same attention."""
     from pallas_kernels.paged_attention import pallas as kernel
 
+    short = kernel.Launch(2, 1, False, 4, 16)
     monkeypatch.setattr(kernel, "LONG_TABLE_KEYS", 0)
-    assert kernel.default_launch(4, 1 << 20) == (2, 1, False)
+    assert kernel.default_launch(4, 1 << 20) == short
     monkeypatch.setattr(kernel, "LONG_TABLE_KEYS", 160)
     monkeypatch.setattr(kernel, "LONG_HEADS_PER_PROGRAM", 4)
-    assert kernel.default_launch(4, 159) == (2, 1, False)
-    assert kernel.default_launch(4, 160) == (kernel.LONG_NUM_STAGES, 4,
-                                             bool(kernel.LONG_PREFETCH_PAGES))
+    assert kernel.default_launch(4, 159) == short
+    assert kernel.default_launch(4, 160) == (
+        kernel.LONG_NUM_STAGES, 4, bool(kernel.LONG_PREFETCH_PAGES),
+        kernel.LONG_PROGRAMS_PER_SM, kernel.LONG_FOUR_WARP_ROWS)
     assert kernel.default_launch(2, 160)[1] == 2 and kernel.default_launch(1, 160)[1] == 1
     assert kernel.default_launch(6, 160)[1] == 2
     rng = np.random.default_rng(5)
