@@ -34,6 +34,7 @@ from mtp_jax.bench.settings import requests
 from mtp_jax.bench.subcommand import Refused, Results, config_of, parser, positive, run
 from mtp_jax.config import ConfigError, EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
+from mtp_jax.engine.executable_key import CHANGED_CONSTANTS
 from mtp_jax.kernels import OPS, KernelBackends, choices_of
 from mtp_jax.models.loader import load_model
 
@@ -89,14 +90,22 @@ def _constant(text: str, path: str, value: str) -> int:
         raise ValueError(f"--variant {text!r}: {value!r} for {path} is not an int.") from None
 
 
-def set_constants(consts: dict) -> dict:
-    """Set ``module.ATTR`` integers (read when a program is traced); returns the old values."""
+def set_constants(consts: dict, *, restore: bool = False) -> dict:
+    """Set ``module.ATTR`` integers (read when a program is traced); returns the old values.
+    The values set are in the key of every program built meanwhile
+    (:data:`mtp_jax.engine.executable_key.CHANGED_CONSTANTS`), so a saved program of another
+    variant is never loaded for this one; ``restore``: the old values come back, and leave
+    the key."""
     old = {}
     for path, value in consts.items():
         module, _, attr = path.rpartition(".")
         mod = importlib.import_module(module)
         old[path] = getattr(mod, attr)
         setattr(mod, attr, value)
+        if restore:
+            CHANGED_CONSTANTS.pop(path, None)
+        else:
+            CHANGED_CONSTANTS[path] = value
     return old
 
 
@@ -164,7 +173,7 @@ def ready_engine(a, cfg, backends: dict, consts: dict):
             eng.scheduler.run_round(reqs)
         jax.block_until_ready(eng.pools)
     finally:
-        set_constants(old)  # compiled: later variants start from the defaults
+        set_constants(old, restore=True)  # compiled: later variants start from the defaults
     return eng, reqs
 
 

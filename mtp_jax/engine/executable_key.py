@@ -10,6 +10,9 @@ compiling read, and a change of any of it is a miss, never a stale hit:
 * the backend: platform, platform version (driver / plugin), every device's id, kind and
   process;
 * ``XLA_FLAGS`` and ``LIBTPU_INIT_ARGS``;
+* module constants that tracing reads and that a tool changed at run time
+  (:data:`CHANGED_CONSTANTS`, e.g. ``python -m mtp_jax.bench ab``'s ``@module.ATTR=int``
+  variants): the source names their defaults only;
 * jax's configuration: every option in ``jax.config.values`` except the ones that only name
   caches, logs, dumps and tracebacks (:data:`CONFIG_SKIP`), plus jax's trace context (the
   options and context managers its own jit cache keys on, e.g. a ``default_matmul_precision``
@@ -43,6 +46,9 @@ ENV_VARS = ("XLA_FLAGS", "LIBTPU_INIT_ARGS")
 CONFIG_SKIP = ("compilation_cache", "persistent_cache", "log", "dump", "traceback", "pprint",
                "explain_cache_misses", "tracer_error")
 _ADDRESS = re.compile(r" at 0x[0-9a-fA-F]+")
+# ``module.ATTR`` -> value of the constants a tool set away from their source values while it
+# builds programs (kept by that tool, cleared when it restores them); part of every key then.
+CHANGED_CONSTANTS: dict[str, object] = {}
 # Modules that register jax options when first imported, which can happen after start-up (the
 # Pallas interpret mode imports the fuser, which registers pallas_fuser_disable_nested_fuse):
 # a process that ran such a kernel would otherwise key its programs apart from a fresh one.
@@ -163,11 +169,14 @@ def environment_parts() -> dict[str, str]:
     return {"source": source_digest(), "versions": versions(),
             "backend": backend_description(),
             "env": ";".join(f"{k}={os.environ.get(k, '')}" for k in ENV_VARS),
+            "constants": ";".join(f"{k}={CHANGED_CONSTANTS[k]!r}"
+                                  for k in sorted(CHANGED_CONSTANTS)),
             "config": config_description()}
 
 
 def environment_digest() -> str:
-    """Digest of the source, versions, backend, XLA flags and jax configuration (read now:
+    """Digest of the source, versions, backend, XLA flags, changed constants and jax
+    configuration (read now:
     options can change within a process). :func:`environment_parts` tells which part moved
     when two processes disagree."""
     return digest(*environment_parts().values())

@@ -323,6 +323,18 @@ def test_key_changes_with_config_flags_and_source(model, tmp_path, monkeypatch):
     else:
         monkeypatch.setenv("XLA_FLAGS", flags)
     assert ek.environment_digest() == env
+    # a traced constant that bench ab sets for a variant (its source default is in the
+    # source digest; a saved program of the default must not be loaded for the variant)
+    from mtp_jax.bench.ab_backends import set_constants
+    from pallas_kernels.paged_attention import pallas as attention
+
+    path = "pallas_kernels.paged_attention.pallas.LONG_TABLE_KEYS"
+    old = set_constants({path: attention.LONG_TABLE_KEYS + 1})
+    try:
+        assert ek.environment_digest() != env
+    finally:
+        set_constants(old, restore=True)
+    assert ek.environment_digest() == env and attention.LONG_TABLE_KEYS == old[path]
     pkg = tmp_path / "pkg"
     (pkg / "sub").mkdir(parents=True)
     (pkg / "sub" / "a.py").write_text("x = 1\n")
