@@ -33,6 +33,7 @@ from mtp_jax.cache.paged import AttentionBatch
 from mtp_jax.cache.pools import Pools
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
 from mtp_jax.engine.executable_cache import ExecutableTable
+from mtp_jax.engine.executable_key import CHANGED_CONSTANTS
 from mtp_jax.engine.packing import pack, unpack
 from mtp_jax.engine.param_packing import ParamPacking
 from mtp_jax.engine.snapshots import (has_snapshots, prefill_targets, redraft_row,
@@ -369,6 +370,7 @@ class ModelPrograms:
 
     programs: Programs
     leaves: tuple
+    constants: tuple = ()  # the changed traced constants they were made under (sorted items)
 
 
 # Programs live as long as the model they were made for: every engine on one model shares them
@@ -381,7 +383,9 @@ def programs_for(model) -> ModelPrograms:
     """The programs of ``model`` (a loaded model: ``graphdef``, ``params``,
     ``pack_small_params``), made on the first call and shared by every engine on it and on
     any live model of the same structure (graphdef, parameter tree, packing, parameter shapes
-    and dtypes: e.g. draft heads of two sizes get programs of their own)."""
+    and dtypes: e.g. draft heads of two sizes get programs of their own) made under the same
+    changed traced constants (:data:`mtp_jax.engine.executable_key.CHANGED_CONSTANTS`: two
+    ``python -m mtp_jax.bench ab`` variants of one model do not share programs)."""
     got = _BY_MODEL.get(model)
     if got is not None:
         return got
@@ -390,9 +394,11 @@ def programs_for(model) -> ModelPrograms:
     leaves = leaves if packing is None else packing.pack(leaves)
     treedef = jax.tree_util.tree_structure(model.params)
     shapes = [(a.shape, a.dtype) for a in leaves]  # the executables are keyed without them
+    constants = tuple(sorted(CHANGED_CONSTANTS.items()))
     programs = None
     for other, mp in list(_BY_MODEL.items()):
-        if (other.pack_small_params == model.pack_small_params and mp.programs.treedef == treedef
+        if (other.pack_small_params == model.pack_small_params and mp.constants == constants
+                and mp.programs.treedef == treedef
                 and other.graphdef == model.graphdef
                 and [(a.shape, a.dtype) for a in mp.leaves] == shapes):
             programs = mp.programs
@@ -400,6 +406,6 @@ def programs_for(model) -> ModelPrograms:
     if programs is None:
         programs = make_programs(model.graphdef, model.params, packing,
                                  persist=not model.host_callbacks)
-    got = ModelPrograms(programs, leaves)
+    got = ModelPrograms(programs, leaves, constants)
     _BY_MODEL[model] = got
     return got

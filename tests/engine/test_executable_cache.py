@@ -551,3 +551,20 @@ def test_call_takes_over_a_program_the_background_build_has_not_started(model, c
     assert (t.traces, len(t), t.building(), _traces(m)) == (3, 3, 0, 3)
     # the call's own build ran while the background one had jax's cache bypassed: still saved
     assert t.saves == 3 and len(_files(tmp_path / "xla")) == 3
+
+
+def test_models_share_programs_unless_made_under_other_constants(model):
+    """Two live models of one structure share their programs, except where a tool changed a
+    traced constant for one of them (``python -m mtp_jax.bench ab``'s ``@module.ATTR``
+    variants): that model gets programs of its own, traced with the constant."""
+    from mtp_jax.bench.ab_backends import set_constants
+    from pallas_kernels.paged_attention import pallas as attention
+
+    a, b, c = (dataclasses.replace(model, derived={}) for _ in range(3))
+    assert _programs(a) is _programs(b)
+    old = set_constants({"pallas_kernels.paged_attention.pallas.LONG_TABLE_KEYS":
+                         attention.LONG_TABLE_KEYS + 1})
+    try:
+        assert _programs(c) is not _programs(a)
+    finally:
+        set_constants(old, restore=True)
