@@ -36,19 +36,26 @@ _MASKED = -1e30  # finite, so masked scores never make inf - inf
 _LOG2E = math.log2(math.e)
 
 
-# Launch of the kernel on long page tables (at least LONG_TABLE_KEYS keys; 0 = never), read
-# when a program is traced (python -m mtp_jax.bench ab can set them: @module.NAME=int).
-# Measured on an H100 (session 59, bench attention --grid, 35B-A3B layout on a 128K-wide
-# table): one stage, one head per program and the splits of two programs per SM took a
-# 128K-key decode from 145.6 to 107.0 us, 32K from 60.6 to 36.7, 1,100 from 18.0 to 11.8,
-# and a 4-row verify at 128K (32 query rows a program) from 207.7 to 117.0 with 4 warps (173.0
-# with 8); two heads per program lost at every case.
+# Launch of the kernel by the page table's width, read when a program is traced (python -m
+# mtp_jax.bench ab can set them: @module.NAME=int). Measured on an H100 (session 59, bench
+# attention --grid, device time): one pipeline stage beat two at every case (a 64-key K + V
+# block at D = 256 is 64 KiB of shared memory a stage, so one stage lets more programs share
+# an SM), 4 warps beat 8 at 32 query rows a program, page ids read a step ahead gained 0-2%,
+# and two heads per program lost everywhere. Tables of at least LONG_TABLE_KEYS keys (0 =
+# never) also run half the splits (two programs per SM, not four): in a 128K-wide table
+# (35B-A3B layout) a 128K-key decode went from 145.6 to 107.0 us, 32K from 60.6 to 36.7, 1,100
+# from 18.0 to 11.8, a 4-row verify at 128K from 207.7 to 117.0; in tables as wide as the
+# context, 2B 2K 15.6 -> 9.2 us, 27B 4K 16.9 -> 13.2, a 35B-A3B 4-row verify at 4K 21.7 ->
+# 14.6 (batch 8: 64.7 -> 46.7).
+SHORT_NUM_STAGES = 1
+SHORT_PREFETCH_PAGES = 1
+SHORT_FOUR_WARP_ROWS = 32  # query rows a program up to which it runs 4 warps (else 8)
 LONG_TABLE_KEYS = 16384
 LONG_NUM_STAGES = 1
 LONG_HEADS_PER_PROGRAM = 1  # at most Hkv
 LONG_PREFETCH_PAGES = 1
 LONG_PROGRAMS_PER_SM = 2
-LONG_FOUR_WARP_ROWS = 32  # query rows a program up to which it runs 4 warps (else 8)
+LONG_FOUR_WARP_ROWS = 32
 
 
 class Launch(NamedTuple):
@@ -63,9 +70,10 @@ class Launch(NamedTuple):
 
 def default_launch(num_kv_heads: int, table_keys: int) -> Launch:
     """The :class:`Launch` for a page table of ``table_keys`` keys: the ``LONG_*`` values from
-    ``LONG_TABLE_KEYS`` keys on, else ``(2, 1, False, 4, 16)``."""
+    ``LONG_TABLE_KEYS`` keys on, else the ``SHORT_*`` ones (one head per program, four
+    programs per SM)."""
     if not LONG_TABLE_KEYS or table_keys < LONG_TABLE_KEYS:
-        return Launch(2, 1, False, 4, 16)
+        return Launch(SHORT_NUM_STAGES, 1, bool(SHORT_PREFETCH_PAGES), 4, SHORT_FOUR_WARP_ROWS)
     heads = max(1, min(LONG_HEADS_PER_PROGRAM, num_kv_heads))
     while num_kv_heads % heads:
         heads //= 2
@@ -83,11 +91,11 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, *,
                       slack: float = 1.05, programs_per_sm: int = 4) -> int:
     """Key splits per (request, kv head), chosen so that the programs fill whole waves.
 
-    With one program resident per SM (a 64-key bf16 K/V block at head_dim 256 takes ~64 KiB of
-    shared memory per pipeline stage), ``S`` splits of ``batch * num_kv_heads`` pairs take
-    ``ceil(pairs * S / num_sms)`` waves of ``1 / S`` of a pair's keys each. This returns the
-    smallest ``S`` within ``slack`` of the least such time, so that e.g. 192 programs (1.45
-    waves) are not chosen over 128.
+    With ``programs_per_sm`` programs resident per SM, ``S`` splits of ``batch * num_kv_heads``
+    pairs take ``ceil(pairs * S / (num_sms * programs_per_sm))`` waves of ``ceil(max_blocks /
+    S)`` key blocks each (a split reads whole blocks, so 31 splits of 32 blocks take 2 blocks
+    each, as 16 would). This returns the smallest ``S`` within ``slack`` of the least such
+    time (waves x blocks), so that e.g. 192 programs (1.45 waves) are not chosen over 128.
 
     Args:
       batch, num_kv_heads: the (request, kv head) pairs, each one program per split.
@@ -114,7 +122,7 @@ def choose_num_splits(batch: int, num_kv_heads: int, max_blocks: int, *,
         min_blocks_per_split = 1 if pairs * (max_blocks // 2) < num_sms else 2
     cap = max(1, max_blocks // min_blocks_per_split)
     slots = num_sms * programs_per_sm
-    cost = [-(-pairs * s // slots) / s for s in range(1, cap + 1)]
+    cost = [-(-pairs * s // slots) * -(-max_blocks // s) for s in range(1, cap + 1)]
     best = min(cost)
     return 1 + next(i for i, c in enumerate(cost) if c <= best * slack)
 

@@ -148,7 +148,8 @@ def test_long_tables_take_the_long_launch(monkeypatch):
     one (heads per program capped to a divisor of Hkv), and it gives the same attention."""
     from pallas_kernels.paged_attention import pallas as kernel
 
-    short = kernel.Launch(2, 1, False, 4, 16)
+    short = kernel.Launch(kernel.SHORT_NUM_STAGES, 1, bool(kernel.SHORT_PREFETCH_PAGES), 4,
+                          kernel.SHORT_FOUR_WARP_ROWS)
     monkeypatch.setattr(kernel, "LONG_TABLE_KEYS", 0)
     assert kernel.default_launch(4, 1 << 20) == short
     monkeypatch.setattr(kernel, "LONG_TABLE_KEYS", 160)
@@ -218,12 +219,17 @@ def test_choose_num_splits():
     assert choose_num_splits(1, 2, max_blocks=16) == 16
     assert choose_num_splits(1, 2, max_blocks=16, min_blocks_per_split=2) == 8
     assert choose_num_splits(8, 2, max_blocks=36) == 18
-    assert choose_num_splits(8, 2, max_blocks=36, min_blocks_per_split=1) == 32
+    # 32 splits of 36 blocks would read 2 blocks each, as 18 do
+    assert choose_num_splits(8, 2, max_blocks=36, min_blocks_per_split=1) == 18
+    assert choose_num_splits(1, 2, max_blocks=32) == 32  # not 31: 2 blocks each (session 59)
     assert choose_num_splits(64, 4, max_blocks=1) == 1
     # Four programs per SM by default: batch 32 x 2 kv heads takes 8 splits (512 programs).
     assert choose_num_splits(32, 2, max_blocks=512) == 8
     assert 122 <= choose_num_splits(1, 2, max_blocks=128) <= 128  # 2 x 64 < 132: 1 block
-    assert choose_num_splits(1, 2, max_blocks=512) == 244  # cost-bound: 2 blocks per split kept
+    assert choose_num_splits(1, 2, max_blocks=512) == 256  # cost-bound: 2 blocks per split kept
+    # a 128K-wide table at two programs per SM: 128 splits of 16 blocks (measured best, session
+    # 59), not 132 (16 blocks too) or 121 (17)
+    assert choose_num_splits(1, 2, max_blocks=2048, programs_per_sm=2) == 128
     assert 58 <= choose_num_splits(1, 2, max_blocks=128, min_blocks_per_split=2) <= 64
 
 
