@@ -176,9 +176,8 @@ def environment_parts() -> dict[str, str]:
 
 def environment_digest() -> str:
     """Digest of the source, versions, backend, XLA flags, changed constants and jax
-    configuration (read now:
-    options can change within a process). :func:`environment_parts` tells which part moved
-    when two processes disagree."""
+    configuration (read now: options can change within a process).
+    :func:`environment_parts` tells which part moved when two processes disagree."""
     return digest(*environment_parts().values())
 
 
