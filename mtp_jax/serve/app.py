@@ -67,7 +67,7 @@ def create_app(llm, served_model_name: str | list[str] | None = None,
 
     app = FastAPI(title="mtp_jax", lifespan=lifespan)
     app.state.server = state
-    install_error_handlers(app)
+    install_error_handlers(app, metrics.count_error)
     guarded = [Depends(require_key)]
     app.include_router(generation.router, dependencies=guarded)
     app.include_router(admin.router, dependencies=guarded)

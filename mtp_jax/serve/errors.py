@@ -4,6 +4,7 @@ the server reports, and the FastAPI handlers that turn exceptions into them."""
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable
 
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -42,25 +43,32 @@ def error_body(message: str, type: str, param: str | None = None,
     return {"error": {"message": message, "type": type, "param": param, "code": code}}
 
 
-def install_error_handlers(app: FastAPI) -> None:
+def install_error_handlers(app: FastAPI,
+                           on_error: Callable[[int], None] | None = None) -> None:
     """Answer :class:`APIError`, FastAPI's validation errors, Starlette's HTTP errors (404,
-    405) and anything unexpected (500, logged) with OpenAI error objects."""
+    405) and anything unexpected (500, logged) with OpenAI error objects; ``on_error`` is
+    called with each one's HTTP status (the server's error counter)."""
+
+    def answer(err: APIError) -> JSONResponse:
+        if on_error is not None:
+            on_error(err.status)
+        return err.response()
 
     @app.exception_handler(APIError)
     async def _api_error(request: Request, exc: APIError):
-        return exc.response()
+        return answer(exc)
 
     @app.exception_handler(RequestValidationError)
     async def _validation(request: Request, exc: RequestValidationError):
         first = exc.errors()[0] if exc.errors() else {"loc": (), "msg": str(exc)}
         param = ".".join(str(p) for p in first.get("loc", ()) if p != "body") or None
-        return APIError(400, f"{param}: {first.get('msg')}", param=param).response()
+        return answer(APIError(400, f"{param}: {first.get('msg')}", param=param))
 
     @app.exception_handler(HTTPException)
     async def _http(request: Request, exc: HTTPException):
-        return APIError(exc.status_code, str(exc.detail)).response()
+        return answer(APIError(exc.status_code, str(exc.detail)))
 
     @app.exception_handler(Exception)
     async def _unexpected(request: Request, exc: Exception):
         log.exception("unexpected error serving %s", request.url.path)
-        return APIError(500, f"internal error: {exc!r}", code="internal_error").response()
+        return answer(APIError(500, f"internal error: {exc!r}", code="internal_error"))

@@ -119,7 +119,8 @@ async def _stream(call: Call, state, body, model: str, chat: bool):
                 if reason:
                     chunk["speculative"] = R.speculative([ev.output])
                 yield R.sse(chunk)
-        except APIError as e:
+        except APIError as e:  # after the stream's first bytes: no handler sees it
+            state.metrics.count_error(e.status)
             yield R.sse(e.body())
         else:
             if body.stream_options is not None and body.stream_options.include_usage:

@@ -26,7 +26,8 @@ class ServerMetrics:
         self.requests = Counter("mtp_jax_requests", "Finished requests, by finish_reason",
                                 ["finish_reason"], registry=r)
         self.errors = Counter("mtp_jax_request_errors", "Requests refused or failed, by HTTP "
-                              "status", ["status"], registry=r)
+                              "status (a stream's error after its first bytes included)",
+                              ["status"], registry=r)
         self.prompt_tokens = Counter("mtp_jax_prompt_tokens", "Prompt tokens of finished "
                                      "requests", registry=r)
         self.generation_tokens = Counter("mtp_jax_generation_tokens", "Tokens generated",
@@ -57,6 +58,10 @@ class ServerMetrics:
                                     registry=r)
         self.prefix_hit_rate = Gauge("mtp_jax_prefix_cache_hit_rate", "Prompt tokens reused "
                                      "from the prefix cache / prompt tokens", registry=r)
+
+    def count_error(self, status: int) -> None:
+        """One request refused or failed with HTTP ``status``."""
+        self.errors.labels(str(status)).inc()
 
     def on_tokens(self, n: int, since_last: float | None, ttft: float | None) -> None:
         """``n`` tokens delivered to one request: its first (``ttft`` seconds after arrival)

@@ -122,12 +122,49 @@ def parse_body(body: Any, model_cls: type[BaseModel]) -> BaseModel:
     except ValidationError as e:
         err = e.errors()[0]
         param = ".".join(str(p) for p in err["loc"])
-        if err["type"] == "extra_forbidden":
+        if err["type"] == "extra_forbidden" and len(err["loc"]) == 1:
             raise APIError(400, f"unknown field '{param}'; this server takes: "
                                 f"{', '.join(sorted(model_cls.model_fields))}.",
                            param=param, code="unknown_field") from None
-        raise APIError(400, f"{param}: {err['msg']} (got {err.get('input')!r}).",
+        union = _union_error(e.errors())
+        if union is not None:
+            raise APIError(400, union[1], param=union[0]) from None
+        raise APIError(400, f"{param}: {err['msg']} (got {_shown(err.get('input'))}).",
                        param=param) from None
+
+
+def _shown(value, limit: int = 80) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
+
+
+# How a union member's name (pydantic's tag in an error's location) reads in a message.
+_MEMBER_NAMES = {"str": "a string", "list[int]": "a list of token ids",
+                 "list[str]": "a list of strings", "list[list[int]]": "a list of token-id lists",
+                 "list[TextPart]": 'a list of {"type": "text", "text": ...} parts (text only)'}
+
+
+def _union_error(errors: list) -> tuple[str, str] | None:
+    """``(param, message)`` when a value matched none of a field's types: pydantic reports
+    one error per member of the union, each under the member's name (``content.str``,
+    ``content.list[TextPart].1.type``), which names no real field. The message names the
+    field, its accepted forms, and the deepest mismatch found (the member the value came
+    closest to). None for errors of another kind."""
+    locs = [tuple(e["loc"]) for e in errors]
+    n = 0
+    while all(len(loc) > n for loc in locs) and len({loc[n] for loc in locs}) == 1:
+        n += 1
+    members = list(dict.fromkeys(loc[n] for loc in locs if len(loc) > n))
+    if len(errors) < 2 or len(members) < 2 or not all(isinstance(m, str) for m in members):
+        return None
+    param = ".".join(str(p) for p in locs[0][:n])
+    value = next((e.get("input") for loc, e in zip(locs, errors) if len(loc) == n + 1),
+                 errors[0].get("input"))
+    loc, deepest = max(zip(locs, errors), key=lambda pair: len(pair[0]))
+    where = ".".join(str(p) for p in loc[n + 1:])
+    at = f"as {loc[n]}{', at ' + where if where else ''}: {deepest['msg']}"
+    forms = " or ".join(_MEMBER_NAMES.get(m, m) for m in members)
+    return param, f"{param} {_shown(value)} must be {forms} ({at})."
 
 
 def logprobs_asked(body: _Sampling) -> int | None:

@@ -197,9 +197,7 @@ class EngineWorker:
             for job in jobs:
                 job.post(Event("error", job.index, status=500,
                                 message=f"the engine failed while serving this request and "
-                                        f"aborted it: {err!r}"))
-                if self.metrics is not None:
-                    self.metrics.errors.labels("500").inc()
+                                        f"aborted it: {err!r}"))  # counted where it is sent
             return
         for req, toks in new.items():
             job = self._jobs.get(req)

@@ -26,6 +26,13 @@ def wait_idle(live) -> dict:
     raise AssertionError(f"requests still running: {s}")
 
 
+def errors_counted(live, code: int) -> float:
+    """``mtp_jax_request_errors_total`` of HTTP status ``code`` in ``/metrics`` (0 if none)."""
+    prefix = f'mtp_jax_request_errors_total{{status="{code}"}} '
+    lines = live.client.get("/metrics").text.splitlines()
+    return next((float(x[len(prefix):]) for x in lines if x.startswith(prefix)), 0.0)
+
+
 def check_error(resp, code: int, param=None) -> dict:
     assert resp.status_code == code, resp.text
     err = resp.json()["error"]
@@ -97,6 +104,15 @@ def test_bad_requests_are_4xx_and_good_ones_still_served(live):
     check_error(post({**GREEDY, "prompt": [5, 300]}), 400)
     check_error(live.client.post("/v1/chat/completions", json={"messages": []}), 400,
                 "messages")
+    # a value of none of a field's types is named by the field, its forms and where it failed
+    image = {"type": "image_url", "image_url": {"url": "http://x/y.png"}}
+    err = check_error(live.client.post("/v1/chat/completions", json={"messages": [
+        {"role": "user", "content": [{"type": "text", "text": "Hi"}, image]}]}), 400,
+        "messages.0.content")
+    assert "text only" in err["message"] and "at 1.type" in err["message"]
+    assert ".str" not in err["message"] and ".str" not in err["param"]
+    err = check_error(post({**GREEDY, "prompt": ["Hello", [1, 2]]}), 400, "prompt")
+    assert "a list of strings" in err["message"] and "a list of token ids" in err["message"]
     ok = post({**GREEDY, "n": 1, "presence_penalty": 0, "logprobs": None})
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 6
 
@@ -125,8 +141,10 @@ def test_engine_failure_fails_its_requests_and_the_server_keeps_serving(live):
         raise RuntimeError("injected device failure")
 
     sched.step = broken
+    before = errors_counted(live, 500)
     err = check_error(live.client.post("/v1/completions", json=GREEDY), 500)
     assert "injected device failure" in err["message"]
+    assert errors_counted(live, 500) == before + 1  # counted once
     ok = live.client.post("/v1/completions", json=GREEDY).json()
     assert ok["choices"][0]["token_ids"] == live.reference(
         IDS, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)).token_ids
@@ -135,6 +153,11 @@ def test_engine_failure_fails_its_requests_and_the_server_keeps_serving(live):
 
 def test_metrics_in_prometheus_text(live):
     live.client.post("/v1/completions", json=GREEDY)
+    before = errors_counted(live, 400), errors_counted(live, 404)
+    check_error(live.client.post("/v1/completions", json={**GREEDY, "max_tokens": 0}), 400)
+    check_error(live.client.post("/v1/completions", json={**GREEDY, "model": "nope"}), 404)
+    assert (errors_counted(live, 400), errors_counted(live, 404)) == (before[0] + 1,
+                                                                      before[1] + 1)
     text = live.client.get("/metrics", headers={"Authorization": ""}).text
     for name in ("mtp_jax_requests_total", "mtp_jax_generation_tokens_total",
                  "mtp_jax_time_to_first_token_seconds_bucket",
