@@ -127,16 +127,23 @@ def chat_message(message: dict, i: int) -> dict:
         what = "is missing" if "role" not in message else f"{role!r} is not a string"
         raise ValueError(f"messages[{i}]['role'] {what}; give each message a role such as "
                          "'system', 'user' or 'assistant'.")
-    parts = isinstance(content, (list, tuple)) and all(
-        isinstance(p, dict) and p.get("type") == "text" and isinstance(p.get("text"), str)
-        for p in content)
-    if parts:
+    if isinstance(content, (list, tuple)):
+        for j, p in enumerate(content):
+            if not (isinstance(p, dict) and p.get("type") == "text"
+                    and isinstance(p.get("text"), str)):
+                raise ValueError(f"messages[{i}]['content'][{j}] {_cut(p)} is not a text part; "
+                                 "only {'type': 'text', 'text': ...} parts are supported.")
         content = "".join(p["text"] for p in content)
     elif content is not None and not isinstance(content, str):
-        raise ValueError(f"messages[{i}]['content'] {repr(content)[:60]} "
+        raise ValueError(f"messages[{i}]['content'] {_cut(content)} "
                          f"({type(content).__name__}) must be a string, or a list of "
                          "{'type': 'text', 'text': ...} parts.")
     return {**message, "content": content or ""}
+
+
+def _cut(value, limit: int = 60) -> str:
+    text = repr(value)
+    return text if len(text) <= limit else text[:limit] + "..."
 
 
 def conversation_list(conversations) -> list:

@@ -174,7 +174,11 @@ def test_llm_chat_refuses_conversations_that_are_not_text(words, no_load):
             ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\] 5 \(int\) must "
              r"be a string, or a list of \{'type': 'text', 'text': \.\.\.\} parts"),
             ([{"role": "user", "content": "t5"}, {"role": "user", "content": [{"text": "t6"}]}],
-             r"messages\[1\]\['content'\]"),
+             r"messages\[1\]\['content'\]\[0\] \{'text': 't6'\} is not a text part"),
+            ([{"role": "user", "content": [{"type": "text", "text": "t5"},
+                                           {"type": "image_url", "image_url": {"url": "x" * 80}}]}],
+             r"messages\[0\]\['content'\]\[1\] \{'type': 'image_url'.*\.\.\. is not a text "
+             r"part; only \{'type': 'text', 'text': \.\.\.\} parts are supported"),
             ([{"content": "t5"}], r"messages\[0\]\['role'\] is missing; give each message a role")]:
         with pytest.raises(ValueError, match=pattern):
             LLM.chat(llm, conv)
