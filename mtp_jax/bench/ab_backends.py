@@ -22,6 +22,7 @@ from __future__ import annotations
 import argparse
 import importlib
 import os
+import re
 import statistics
 
 import jax
@@ -58,6 +59,9 @@ def parse_variant(text: str) -> tuple[str, dict, dict]:
         key, eq, value = item.partition("=")
         if not eq or not key or not value:
             raise ValueError(f"--variant {text!r}: {item!r} is not key=value ({VARIANT_SYNTAX}).")
+        if key[1:] in consts or f"{key}_backend" in backends:
+            raise ValueError(f"--variant {text!r}: {key} is given twice; give each op or "
+                             "constant once in a variant.")
         if key.startswith("@"):
             consts[key[1:]] = _constant(text, key[1:], value)
         elif key not in OPS:
@@ -76,18 +80,31 @@ def _constant(text: str, path: str, value: str) -> int:
     ValueError naming the variant ``text`` otherwise."""
     module, _, attr = path.rpartition(".")
     try:
-        current = getattr(importlib.import_module(module), attr)
-    except (ImportError, AttributeError, ValueError):
+        mod = importlib.import_module(module)
+    except (ImportError, ValueError):
         raise ValueError(f"--variant {text!r}: {path!r} is not an attribute of an importable "
                          "module (e.g. @pallas_kernels.paged_attention.pallas.NUM_SMS=132)."
                          ) from None
+    if not hasattr(mod, attr):
+        raise ValueError(f"--variant {text!r}: module {module} has no attribute {attr!r}; its "
+                         f"integer constants: {', '.join(_int_constants(mod)) or 'none'}.")
+    current = getattr(mod, attr)
     if not isinstance(current, int) or isinstance(current, bool):
         raise ValueError(f"--variant {text!r}: {path} is {current!r}, not an int; only integer "
                          "constants can be set.")
     try:
-        return int(value)
+        number = int(value)
     except ValueError:
         raise ValueError(f"--variant {text!r}: {value!r} for {path} is not an int.") from None
+    if number < 0:
+        raise ValueError(f"--variant {text!r}: {path}={number} must be >= 0 (a count, a size "
+                         "or a switch).")
+    return number
+
+
+def _int_constants(mod) -> list[str]:
+    return sorted(k for k, v in vars(mod).items()
+                  if k.isupper() and isinstance(v, int) and not isinstance(v, bool))
 
 
 def set_constants(consts: dict, *, restore: bool = False) -> dict:
@@ -145,13 +162,14 @@ def check(a) -> object:
     naming the variant and the fix)."""
     names = [v[0] for v in a.variant]
     if len(set(names)) != len(names):
-        raise Refused(f"--variant names must differ; got {names}.")
+        raise Refused(f"--variant names must differ; got {names}: rename one.")
     cfg = config_of(a.config)
     for name, backends, _ in a.variant:  # backends this machine or model cannot run
         try:
             KernelBackends.for_model(cfg, a.dtype, **backends)
-        except ConfigError as e:
-            raise Refused(f"--variant {name}: {e}") from None
+        except ConfigError as e:  # its fix names the CLI flag; here a variant's op=backend
+            fix = re.sub(r"--(\w+)-backend ", r"\1=", str(e))
+            raise Refused(f"--variant {name}: {fix}") from None
     return cfg
 
 

@@ -24,6 +24,12 @@ def test_variants_parse_backends_and_constants():
     ("b:@pallas_kernels.paged_attention.pallas.NUM_SMS=x", "is not an int"),
     ("b:@pallas_kernels.paged_attention.pallas.MAX_QUERY_ROWS=1.5", "is not an int"),
     ("b:@pallas_kernels.paged_attention.api.BACKENDS=1", "not an int; only integer"),
+    ("b:@pallas_kernels.paged_attention.pallas.NOPE=1", "has no attribute 'NOPE'; its integer "
+                                                        "constants: .*LONG_TABLE_KEYS"),
+    ("b:@pallas_kernels.paged_attention.pallas.NUM_SMS=-5", "must be >= 0"),
+    ("b:norm=pallas,norm=xla", "norm is given twice"),
+    ("b:@pallas_kernels.paged_attention.pallas.NUM_SMS=1,@pallas_kernels.paged_attention."
+     "pallas.NUM_SMS=2", "NUM_SMS is given twice"),
 ])
 def test_bad_variants_name_the_part_and_the_syntax(text, message):
     with pytest.raises(ValueError, match=message):
