@@ -24,6 +24,7 @@ import importlib
 import os
 import re
 import statistics
+import sys
 
 import jax
 import numpy as np
@@ -140,7 +141,7 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="a model config JSON (e.g. configs/*.json)")
     p.add_argument("--variant", type=variant, action="append", required=True,
                    help=f"{VARIANT_SYNTAX}, once per engine (e.g. base: and xla_norm:norm=xla); "
-                        "names must differ")
+                        f"names must differ; ops: {', '.join(OPS)}")
     p.add_argument("--reps", type=positive(int), default=3, help="turns per variant (default 3)")
     p.add_argument("--tokens", type=positive(int), default=512,
                    help="decode steps timed per turn (default 512)")
@@ -173,9 +174,11 @@ def check(a) -> object:
     return cfg
 
 
-def ready_engine(a, cfg, backends: dict, consts: dict):
+def ready_engine(a, cfg, name: str, backends: dict, consts: dict):
     """A variant's engine with its requests prefilled and 3 warm-up calls made (its programs
     traced with ``consts`` set, then the constants restored)."""
+    print(f"ab: building variant {name!r} (load, prefill, 3 warm-up calls)", file=sys.stderr,
+          flush=True)
     old = set_constants(consts)
     try:
         model = load_model(cfg=cfg, dtype=a.dtype, dummy_weight=True, with_mtp=False,
@@ -198,7 +201,8 @@ def ready_engine(a, cfg, backends: dict, consts: dict):
 def bench(a, results: Results) -> None:
     """Every variant, in turns (see the module docstring)."""
     cfg = check(a)
-    runs = {name: ready_engine(a, cfg, backends, consts) for name, backends, consts in a.variant}
+    runs = {name: ready_engine(a, cfg, name, backends, consts)
+            for name, backends, consts in a.variant}
     turns = {name: [] for name in runs}
     context = {name: [] for name in runs}
     for _ in range(a.reps):
