@@ -6,6 +6,7 @@ request."""
 from __future__ import annotations
 
 import numbers
+import re
 from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
@@ -138,6 +139,8 @@ def _shown(value, limit: int = 80) -> str:
     return text if len(text) <= limit else text[:limit] + "..."
 
 
+# pydantic's name of a union member in an error's location (a type, not a field name).
+_TYPE_TAG = re.compile(r"^(str|int|float|bool|none|dict|[A-Za-z_]+\[.*\])$")
 # How a union member's name (pydantic's tag in an error's location) reads in a message.
 _MEMBER_NAMES = {"str": "a string", "list[int]": "a list of token ids",
                  "list[str]": "a list of strings", "list[list[int]]": "a list of token-id lists",
@@ -155,8 +158,9 @@ def _union_error(errors: list) -> tuple[str, str] | None:
     while all(len(loc) > n for loc in locs) and len({loc[n] for loc in locs}) == 1:
         n += 1
     members = list(dict.fromkeys(loc[n] for loc in locs if len(loc) > n))
-    if len(errors) < 2 or len(members) < 2 or not all(isinstance(m, str) for m in members):
-        return None
+    if len(errors) < 2 or len(members) < 2 or n == 0 or not all(
+            isinstance(m, str) and _TYPE_TAG.match(m) for m in members):
+        return None  # errors of several fields, or of list items: not one union's members
     param = ".".join(str(p) for p in locs[0][:n])
     value = next((e.get("input") for loc, e in zip(locs, errors) if len(loc) == n + 1),
                  errors[0].get("input"))

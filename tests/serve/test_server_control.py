@@ -113,6 +113,9 @@ def test_bad_requests_are_4xx_and_good_ones_still_served(live):
     assert ".str" not in err["message"] and ".str" not in err["param"]
     err = check_error(post({**GREEDY, "prompt": ["Hello", [1, 2]]}), 400, "prompt")
     assert "a list of strings" in err["message"] and "a list of token ids" in err["message"]
+    # two fields wrong are not one union: the first is named as it is
+    err = check_error(post({**GREEDY, "temperature": "hot", "top_p": "x"}), 400)
+    assert err["param"] in ("temperature", "top_p") and " must be " not in err["message"]
     ok = post({**GREEDY, "n": 1, "presence_penalty": 0, "logprobs": None})
     assert ok.status_code == 200 and len(ok.json()["choices"][0]["token_ids"]) == 6
 
