@@ -15,7 +15,8 @@ from mtp_jax.engine.requests import Request, RequestOutput
 from mtp_jax.sampling import SamplingParams
 
 __all__ = ["prompt_ids", "too_long_message", "check_stops", "chat_prompt", "chat_message",
-           "prompt_list", "conversation_list", "params_list", "request_output", "error_output"]
+           "short_repr", "prompt_list", "conversation_list", "params_list", "request_output",
+           "error_output"]
 
 
 def prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int, *,
@@ -131,17 +132,18 @@ def chat_message(message: dict, i: int) -> dict:
         for j, p in enumerate(content):
             if not (isinstance(p, dict) and p.get("type") == "text"
                     and isinstance(p.get("text"), str)):
-                raise ValueError(f"messages[{i}]['content'][{j}] {_cut(p)} is not a text part; "
-                                 "only {'type': 'text', 'text': ...} parts are supported.")
+                raise ValueError(f"messages[{i}]['content'][{j}] {short_repr(p)} is not a text "
+                                 "part; only {'type': 'text', 'text': ...} parts are supported.")
         content = "".join(p["text"] for p in content)
     elif content is not None and not isinstance(content, str):
-        raise ValueError(f"messages[{i}]['content'] {_cut(content)} "
+        raise ValueError(f"messages[{i}]['content'] {short_repr(content)} "
                          f"({type(content).__name__}) must be a string, or a list of "
                          "{'type': 'text', 'text': ...} parts.")
     return {**message, "content": content or ""}
 
 
-def _cut(value, limit: int = 60) -> str:
+def short_repr(value, limit: int = 60) -> str:
+    """``repr(value)``, cut to ``limit`` characters with ``...`` when longer (for messages)."""
     text = repr(value)
     return text if len(text) <= limit else text[:limit] + "..."
 

@@ -11,6 +11,7 @@ from typing import Any, Literal, Union
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationError
 
+from mtp_jax.prompts import short_repr
 from mtp_jax.sampling import MAX_LOGPROBS, SamplingParams
 from mtp_jax.serve.errors import APIError
 
@@ -130,13 +131,8 @@ def parse_body(body: Any, model_cls: type[BaseModel]) -> BaseModel:
         union = _union_error(e.errors())
         if union is not None:
             raise APIError(400, union[1], param=union[0]) from None
-        raise APIError(400, f"{param}: {err['msg']} (got {_shown(err.get('input'))}).",
-                       param=param) from None
-
-
-def _shown(value, limit: int = 80) -> str:
-    text = repr(value)
-    return text if len(text) <= limit else text[:limit] + "..."
+        raise APIError(400, f"{param}: {err['msg']} "
+                            f"(got {short_repr(err.get('input'), 80)}).", param=param) from None
 
 
 # pydantic's name of a union member in an error's location (a type, not a field name).
@@ -168,7 +164,7 @@ def _union_error(errors: list) -> tuple[str, str] | None:
     where = ".".join(str(p) for p in loc[n + 1:])
     at = f"as {loc[n]}{', at ' + where if where else ''}: {deepest['msg']}"
     forms = " or ".join(_MEMBER_NAMES.get(m, m) for m in members)
-    return param, f"{param} {_shown(value)} must be {forms} ({at})."
+    return param, f"{param} {short_repr(value, 80)} must be {forms} ({at})."
 
 
 def logprobs_asked(body: _Sampling) -> int | None:
