@@ -1,9 +1,11 @@
 """``python -m mtp_jax.bench profile``: where a decode step's or speculative round's time goes on
 the GPU, from a ``jax.profiler`` trace of the engine on random weights of a real shape.
 
-For each ``--k`` (0: decode steps): an engine, ``--batch`` prompts of ``--prompt-len`` tokens
-prefilled, 5 warm-up rounds, ``--rounds`` rounds timed without the profiler (the median wall
-time of a waited-for round, ``wall_us``), then as many traced. From the trace, per round: the
+For each ``--k`` (0: decode steps): an engine with ``--num-scheduler-steps`` rounds per program
+call (default: the engine's automatic count, 4), ``--batch`` prompts of ``--prompt-len`` tokens prefilled, 5 warm-up calls,
+``--rounds`` calls timed without the profiler (the median wall time of a waited-for call, per
+round: ``wall_us``), then as many traced. Every figure is per round (a call's figures divided
+by its rounds). From the trace, per round: the
 device kernels launched, the device busy time (the union of the kernel intervals on the
 busiest kernel line; the row's time), the span from the first kernel's start to the last one's
 end and the idle time inside it (gaps between rounds included), kernel time by category (GEMM,
@@ -40,6 +42,7 @@ from mtp_jax.bench.subcommand import Results, config_of, parser, positive, requi
 from mtp_jax.bench.timing import Trace, is_gpu_line, kernel_lines, lines, load_trace
 from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
+from mtp_jax.engine.rounds import AUTO_SCHEDULER_STEPS
 from mtp_jax.kernels import OPS, add_backend_flags
 from mtp_jax.models.loader import load_model
 
@@ -57,7 +60,10 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--batch", type=positive(int), default=1, help="default 1")
     p.add_argument("--prompt-len", type=positive(int), default=1024, help="default 1024")
     p.add_argument("--rounds", type=positive(int), default=20,
-                   help="rounds timed, then traced (default 20)")
+                   help="program calls timed, then traced (default 20)")
+    p.add_argument("--num-scheduler-steps", type=positive(int), default=AUTO_SCHEDULER_STEPS,
+                   help="rounds per program call (default %(default)s, the engine's automatic "
+                        "count; every figure is per round)")
     p.add_argument("--dtype", default="bfloat16", choices=["bfloat16", "float16", "float32"])
     p.add_argument("--sequence", type=int, default=0,
                    help="also list the first N kernels of the trace in order, with gaps")
@@ -164,11 +170,13 @@ def flag_accepted(extra: str) -> bool:
 
 
 def profile(a, model, cfg, k: int) -> tuple[float, dict, str]:
-    """``(untraced wall seconds per round, analysis, trace folder)`` of one k."""
-    room = a.prompt_len + (2 * a.rounds + 16) * (k + 1) + 64
+    """``(untraced wall seconds per round, per-round analysis, trace folder)`` of one k; a
+    call runs ``a.num_scheduler_steps`` rounds, so its figures are divided by them."""
+    steps = a.num_scheduler_steps
+    room = a.prompt_len + (2 * a.rounds + 16) * steps * (k + 1) + 64
     eng = Engine(model, EngineConfig(max_running_requests=a.batch, max_model_len=room,
                                      chunked_prefill_size=a.prompt_len, dtype=model.dtype,
-                                     enable_prefix_cache=False),
+                                     enable_prefix_cache=False, num_scheduler_steps=steps),
                  SpeculativeConfig(algorithm="mtp" if k else "none", num_steps=k or 3,
                                    adaptive=False))
     reqs = requests(a.batch, a.prompt_len, 10**6, cfg.vocab_size, 0)
@@ -180,14 +188,14 @@ def profile(a, model, cfg, k: int) -> tuple[float, dict, str]:
     for _ in range(a.rounds):
         t0 = time.perf_counter()
         eng.scheduler.run_round(reqs)
-        times.append(time.perf_counter() - t0)
+        times.append((time.perf_counter() - t0) / steps)
     trace_dir = os.path.join(a.trace_dir, f"k{k}_b{a.batch}")
     with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
         for _ in range(a.rounds):
             eng.scheduler.run_round(reqs)
         jax.block_until_ready(eng.pools)
-    return statistics.median(times), analyse(load_trace(trace_dir), a.rounds, a.sequence), \
-        trace_dir
+    return statistics.median(times), analyse(load_trace(trace_dir), a.rounds * steps,
+                                             a.sequence), trace_dir
 
 
 def bench(a, results: Results) -> None:
@@ -202,10 +210,12 @@ def bench(a, results: Results) -> None:
     texts = []
     for k in a.k:
         wall, s, trace_dir = profile(a, model, cfg, k)
-        texts.append(text_of(f"=== k={k} batch={a.batch} prompt={a.prompt_len}: median wall "
+        texts.append(text_of(f"=== k={k} batch={a.batch} prompt={a.prompt_len} "
+                             f"rounds/call={a.num_scheduler_steps}: median wall "
                              f"{wall * 1e3:.3f} ms/round (untraced) ===", s))
         print(texts[-1], flush=True)
-        by = round_bytes(cfg, a.batch, k, a.prompt_len + a.rounds * (k + 1),
+        context = a.prompt_len + a.rounds * a.num_scheduler_steps * (k + 1)
+        by = round_bytes(cfg, a.batch, k, context,
                          4 if a.dtype == "float32" else 2)
         row = op_row("round" if k else "decode step", f"{shape} B={a.batch} k={k}",
                      "op by op" if a.op_by_op else "command buffers", s["busy_us"] / 1e6,

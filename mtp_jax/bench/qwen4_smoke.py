@@ -137,10 +137,12 @@ def run_row(llm, prompts, k: int, max_tokens: int, rng, backend: str = "disk",
 
 
 def device_profile(model, k: int, prompt_len: int, out: str, tag: str = "") -> str:
-    """The head of :func:`mtp_jax.bench.profile_round.text_of` for 10 traced rounds at batch 1."""
+    """The head of :func:`mtp_jax.bench.profile_round.text_of` for 10 traced calls of 4 rounds
+    at batch 1 (figures per round)."""
     from mtp_jax.bench.profile_round import profile, text_of
 
-    a = argparse.Namespace(prompt_len=prompt_len, rounds=10, batch=1, sequence=600,
+    a = argparse.Namespace(prompt_len=prompt_len, rounds=10, num_scheduler_steps=4, batch=1,
+                           sequence=600,
                            trace_dir=os.path.join(out, "traces"))
     wall, summary, _ = profile(a, model, model.cfg, k)
     text = text_of(f"k={k} batch 1: untraced wall {wall * 1e3:.2f} ms/round", summary)

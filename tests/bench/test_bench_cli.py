@@ -249,3 +249,34 @@ def test_configs_are_parsed_by_their_family_in_the_registry(tmp_path, capsys, mo
     (tmp_path / "list.json").write_text("[1]")
     with pytest.raises(ConfigError, match="holds no JSON object"):
         load_config(str(tmp_path / "list.json"))
+
+
+def test_profile_counts_every_round_of_a_call(monkeypatch, tmp_path):
+    """With several rounds per program call, the trace is analysed per round, not per call
+    (an H100 profile of 4-round calls once reported 4x a step's time), and the untraced wall
+    time is per round too."""
+    from argparse import Namespace
+
+    import mtp_jax.bench.profile_round as pr
+    from mtp_jax.models.loader import load_model
+    from tests.helpers.paths import fixture_path
+
+    model = load_model(fixture_path("tiny_dense"), "float32", with_mtp=False)
+    seen, calls = {}, []
+    monkeypatch.setattr(pr, "load_trace", lambda d: "trace")
+    monkeypatch.setattr(pr, "analyse", lambda t, rounds, seq: seen.setdefault("rounds", rounds))
+    real = pr.Engine
+
+    def engine(*args, **kw):
+        eng = real(*args, **kw)
+        seen["per_call"] = eng.scheduler.settings.rounds_per_call
+        run = eng.scheduler.run_round
+        eng.scheduler.run_round = lambda reqs: calls.append(1) or run(reqs)
+        return eng
+
+    monkeypatch.setattr(pr, "Engine", engine)
+    a = Namespace(batch=1, prompt_len=8, rounds=2, num_scheduler_steps=3, sequence=0,
+                  trace_dir=str(tmp_path))
+    wall, rounds, _ = pr.profile(a, model, model.cfg, 0)
+    assert seen["per_call"] == 3 and rounds == 2 * 3  # 2 traced calls of 3 rounds each
+    assert len(calls) == 5 + 2 + 2 and wall > 0
