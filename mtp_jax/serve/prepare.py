@@ -10,7 +10,7 @@ from mtp_jax.serve.errors import APIError
 from mtp_jax.serve.protocol import ChatBody, CompletionBody, sampling_params
 from mtp_jax.tokenizer import TemplateError
 
-__all__ = ["check_model", "completion_prompts", "chat_prompt", "make_requests"]
+__all__ = ["check_model", "completion_prompts", "chat_prompt", "check_room", "make_requests"]
 
 COMPLETION_MAX_TOKENS = 16  # OpenAI's default for /v1/completions
 
@@ -46,6 +46,21 @@ def chat_prompt(body: ChatBody, tokenizer) -> str:
         raise APIError(400, str(e), param="messages") from None
 
 
+def check_room(prompt_len: int, max_tokens: int, max_len: int, field: str, chat: bool) -> None:
+    """A 400 (``context_length_exceeded``) when the prompt and ``max_tokens`` together exceed
+    the context (as vLLM answers: a request is refused, not cut short without a word);
+    ``field``: the request's name for ``max_tokens``."""
+    if max_tokens <= 0 or prompt_len + max_tokens <= max_len:
+        return  # a non-positive value is sampling_params' to refuse
+    room = max_len - prompt_len
+    rest = " or leave it out (the rest of the context)" if chat else ""
+    raise APIError(400, f"{field} {max_tokens} + the prompt's {prompt_len} tokens = "
+                        f"{prompt_len + max_tokens} exceed this server's context "
+                        f"(max_model_len {max_len}); pass {field} <= {room}{rest}, or start "
+                        "the server with a larger --max-model-len.", param=field,
+                   code="context_length_exceeded")
+
+
 def make_requests(llm, body, prompts: list, chat: bool) -> list[Request]:
     """``n`` engine requests (samples) per prompt, prompt-major; ``max_tokens`` defaults to 16 for completions and to
     the rest of the context for chat (as OpenAI's API)."""
@@ -58,11 +73,12 @@ def make_requests(llm, body, prompts: list, chat: bool) -> list[Request]:
             code = "context_length_exceeded" if "max_model_len" in str(e) else None
             raise APIError(400, str(e), param="messages" if chat else "prompt",
                            code=code) from None
-        max_tokens = body.max_tokens
+        field, max_tokens = "max_tokens", body.max_tokens
         if chat and body.max_completion_tokens is not None:
-            max_tokens = body.max_completion_tokens
+            field, max_tokens = "max_completion_tokens", body.max_completion_tokens
         if max_tokens is None:
             max_tokens = max_len - len(ids) if chat else COMPLETION_MAX_TOKENS
+        check_room(len(ids), max_tokens, max_len, field, chat)
         params = sampling_params(body, max_tokens)
         try:
             out += llm.new_requests(ids, params)

@@ -101,6 +101,16 @@ def test_bad_requests_are_4xx_and_good_ones_still_served(live):
     check_error(post({**GREEDY, "model": "gpt-4"}), 404, "model")
     long = check_error(post({**GREEDY, "prompt": [3] * 200}), 400, "prompt")
     assert long["code"] == "context_length_exceeded" and "max_model_len" in long["message"]
+    # a max_tokens that runs past the context is refused, not cut short (the conftest's
+    # max_model_len is 128; GREEDY's prompt is len(IDS) tokens)
+    room = 128 - len(IDS)
+    err = check_error(post({**GREEDY, "max_tokens": room + 1}), 400, "max_tokens")
+    assert err["code"] == "context_length_exceeded" and f"max_tokens <= {room}" in err["message"]
+    assert post({**GREEDY, "max_tokens": room}).status_code == 200  # exactly fits
+    err = check_error(live.client.post("/v1/chat/completions", json={
+        "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500}), 400,
+        "max_completion_tokens")
+    assert "leave it out" in err["message"]
     check_error(post({**GREEDY, "prompt": [5, 300]}), 400)
     check_error(live.client.post("/v1/chat/completions", json={"messages": []}), 400,
                 "messages")
