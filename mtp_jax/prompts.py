@@ -118,16 +118,25 @@ def chat_prompt(messages, tokenizer) -> str:
                                          add_generation_prompt=True)
 
 
+CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles Qwen's chat templates render
+
+
 def chat_message(message: dict, i: int) -> dict:
     """``message`` with its text content as the template reads it, as the server's
-    ``/v1/chat/completions`` takes it: a string, None or absent (empty text), or a list of
-    ``{"type": "text", "text": ...}`` parts (joined). Raises ``ValueError`` naming
-    ``messages[i]`` for a role that is not a string or content of another kind."""
+    ``/v1/chat/completions`` takes it: a string or a list of ``{"type": "text", "text": ...}``
+    parts (joined); an assistant message may leave it None or absent (empty text: OpenAI's
+    form for one that carried tool calls). Raises ``ValueError`` naming ``messages[i]`` for a
+    role missing or not one of :data:`CHAT_ROLES` (Qwen's templates drop other roles without a
+    word), content missing from another role, or content of another kind."""
     role, content = message.get("role"), message.get("content")
-    if not isinstance(role, str):
-        what = "is missing" if "role" not in message else f"{role!r} is not a string"
-        raise ValueError(f"messages[{i}]['role'] {what}; give each message a role such as "
-                         "'system', 'user' or 'assistant'.")
+    if role not in CHAT_ROLES:
+        what = "is missing" if "role" not in message else f"{short_repr(role)} is not a role"
+        raise ValueError(f"messages[{i}]['role'] {what}; give each message one of "
+                         f"{', '.join(map(repr, CHAT_ROLES))} (the roles the chat template "
+                         "renders).")
+    if content is None and role != "assistant":
+        raise ValueError(f"messages[{i}] ({role!r}) has no content; give it a string (only an "
+                         "assistant message may leave content out).")
     if isinstance(content, (list, tuple)):
         for j, p in enumerate(content):
             if not (isinstance(p, dict) and p.get("type") == "text"

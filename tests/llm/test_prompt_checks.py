@@ -163,8 +163,9 @@ def test_llm_check_prompts_before_construction(words, no_load):
 
 def test_llm_chat_refuses_conversations_that_are_not_text(words, no_load):
     """A conversation the template cannot render as text is refused naming the message: no
-    message, a role or content of the wrong type; text parts (as the server takes them) and an
-    absent content (empty text) render like their strings."""
+    message, a role that is missing or unknown, content missing (but from an assistant) or of
+    the wrong type; text parts (as the server takes them) and an assistant's absent content
+    (empty text) render like their strings."""
     import types
 
     tok = load_tokenizer(words)
@@ -179,13 +180,19 @@ def test_llm_chat_refuses_conversations_that_are_not_text(words, no_load):
                                            {"type": "image_url", "image_url": {"url": "x" * 80}}]}],
              r"messages\[0\]\['content'\]\[1\] \{'type': 'image_url'.*\.\.\. is not a text "
              r"part; only \{'type': 'text', 'text': \.\.\.\} parts are supported"),
-            ([{"content": "t5"}], r"messages\[0\]\['role'\] is missing; give each message a role")]:
+            ([{"content": "t5"}], r"messages\[0\]\['role'\] is missing; give each message one "
+             r"of 'system', 'user', 'assistant', 'tool'"),
+            ([{"role": "wizard", "content": "t5"}], r"messages\[0\]\['role'\] 'wizard' is not a "
+             r"role"),
+            ([{"role": "user"}], r"messages\[0\] \('user'\) has no content; give it a string"),
+            ([{"role": "system", "content": None}], r"messages\[0\] \('system'\) has no content")]:
         with pytest.raises(ValueError, match=pattern):
             LLM.chat(llm, conv)
     text = LLM.chat(llm, [{"role": "user", "content": "t5 t6"}])
     parts = [{"type": "text", "text": "t5 "}, {"type": "text", "text": "t6"}]
     assert LLM.chat(llm, [{"role": "user", "content": parts}]) == text
-    assert LLM.chat(llm, [{"role": "user"}]) == LLM.chat(llm, [{"role": "user", "content": ""}])
+    empty = [{"role": "user", "content": "t5"}, {"role": "assistant", "content": ""}]
+    assert LLM.chat(llm, [empty[0], {"role": "assistant"}]) == LLM.chat(llm, empty)
 
 
 def test_llm_check_prompts_chat_checks_the_text_chat_generates_from(words, no_load):
