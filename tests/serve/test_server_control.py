@@ -111,6 +111,11 @@ def test_bad_requests_are_4xx_and_good_ones_still_served(live):
         "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500}), 400,
         "max_completion_tokens")
     assert "leave it out" in err["message"]
+    for msg, why in [({"role": "wizard", "content": "x"}, "'wizard' is not a role"),
+                     ({"role": "user"}, "has no content")]:
+        err = check_error(live.client.post("/v1/chat/completions", json={"messages": [msg]}),
+                          400, "messages")
+        assert why in err["message"]
     check_error(post({**GREEDY, "prompt": [5, 300]}), 400)
     check_error(live.client.post("/v1/chat/completions", json={"messages": []}), 400,
                 "messages")
