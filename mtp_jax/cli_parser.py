@@ -7,8 +7,24 @@ from __future__ import annotations
 
 import argparse
 import difflib
+import json
 
-__all__ = ["CliParser"]
+__all__ = ["CliParser", "json_object"]
+
+
+def json_object(text: str) -> dict:
+    """An argparse ``type``: ``text`` read as a JSON object (a dict); else argparse's error
+    naming the value and the form, e.g. ``'{"enable_thinking": false}'``."""
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as e:
+        raise argparse.ArgumentTypeError(f"{text!r} is not JSON ({e.msg}); give an object such "
+                                         "as '{\"enable_thinking\": false}'.") from None
+    if not isinstance(value, dict):
+        raise argparse.ArgumentTypeError(f"{text!r} is a JSON {type(value).__name__}, not an "
+                                         "object; give one such as '{\"enable_thinking\": "
+                                         "false}'.")
+    return value
 
 
 class CliParser(argparse.ArgumentParser):

@@ -130,21 +130,28 @@ def prepare_prompts(args, prompts: list, labels: list[str], params: list,
                     errors: dict[int, str], tokenizer, limits) -> CliPrompts:
     """Check the run's prompts before the model loads, with the checkpoint's ``tokenizer``
     and :class:`~mtp_jax.prompt_checks.PromptLimits`: apply the chat template with
-    ``args.chat``, and add to ``errors`` (the requests already refused for their sampling
-    fields) each prompt the engine would refuse, named by ``labels``. ``params[i]`` is the
-    request's ``SamplingParams`` (None where refused). Raises ``ValueError`` when the run
-    cannot start: the demo prompt or ``--chat`` without a tokenizer, its one prompt refused
-    (the message), or ``--stream`` where it cannot stream (:func:`check_stream`). Several
-    prompts all refused are not an error here: each gets its own output."""
+    ``args.chat`` (and ``args.chat_template_kwargs``), and add to ``errors`` (the requests
+    already refused for their sampling fields) each prompt the engine would refuse, named by
+    ``labels``. ``params[i]`` is the request's ``SamplingParams`` (None where refused).
+    Raises ``ValueError`` when the run cannot start: the demo prompt or ``--chat`` without a
+    tokenizer, template kwargs without ``--chat`` or that the template does not read, its one
+    prompt refused (the message), or ``--stream`` where it cannot stream
+    (:func:`check_stream`). Several prompts all refused are not an error here: each gets its
+    own output."""
     from mtp_jax.prompt_checks import check_prompts
+    from mtp_jax.prompts import check_template_kwargs
 
     why = _demo_or_chat_refusal(tokenizer, args.model, bool(args.prompt or args.prompts_file),
                                 args.chat)
     if why:
         raise ValueError(why)
+    if args.chat_template_kwargs is not None and not args.chat:
+        raise ValueError("--chat-template-kwargs gives the chat template's variables, and this "
+                         "run does not apply the template; add --chat, or drop it.")
     if args.chat:
+        kwargs = check_template_kwargs(args.chat_template_kwargs, tokenizer)
         errors = {**errors, **_chat_refusals(prompts, labels, errors)}
-        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}])
+        prompts = [tokenizer.apply_chat_template([{"role": "user", "content": p}], **kwargs)
                    if isinstance(p, str) and i not in errors else p
                    for i, p in enumerate(prompts)]
     todo = [i for i in range(len(prompts)) if i not in errors]

@@ -11,7 +11,7 @@ import sys
 import time
 import warnings
 
-from mtp_jax.cli_parser import CliParser
+from mtp_jax.cli_parser import CliParser, json_object
 from mtp_jax.cli_prompts import DEFAULT_PROMPT, read_prompts_file
 from mtp_jax.cli_report import finish_programs, print_model_line, print_program_wait
 
@@ -28,12 +28,16 @@ def build_parser() -> argparse.ArgumentParser:
                          help="prompt text; repeat for several prompts (default: a demo "
                               "prompt; not with --prompts-file)")
     p.add_argument("--chat", action="store_true", help="wrap each prompt in the chat template")
+    p.add_argument("--chat-template-kwargs", type=json_object, default=None, metavar="JSON",
+                   help="with --chat: variables the chat template reads, as a JSON object, "
+                        "e.g. '{\"enable_thinking\": false}' (vLLM's chat_template_kwargs)")
     p.add_argument("--max-tokens", type=int, default=64,
                    help="output tokens per prompt (default %(default)s)")
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
     p.add_argument("--top-p", type=float, default=1.0,
                    help="nucleus sampling mass, in (0, 1]; 1 = off")
-    p.add_argument("--top-k", type=int, default=-1, help="keep the k most likely tokens; -1 or 0 = off")
+    p.add_argument("--top-k", type=int, default=-1,
+                   help="keep the k most likely tokens; -1 or 0 = off")
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the checkpoint's EOS tokens")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",

@@ -241,13 +241,15 @@ class LLM:
 
     @staticmethod
     def check_prompts(prompts, model: str | None = None, *, max_model_len: int = 4096,
-                      sampling_params=None, chat: bool = False) -> list[list[int]]:
+                      sampling_params=None, chat: bool = False,
+                      chat_template_kwargs: dict | None = None) -> list[list[int]]:
         """Tokenize and check ``prompts`` (as for :meth:`generate`) before any weight loads:
         reads only the checkpoint's ``config.json`` and tokenizer files (``model`` None: the
         built-in default model), so a bad prompt is refused in seconds, not after the load.
         ``chat``: ``prompts`` is a conversation (``[{"role": ..., "content": ...}, ...]``, as
         :meth:`chat` takes) or a list of them, each checked as the text :meth:`chat` renders
-        from it (the chat template, generation prompt added).
+        from it (the chat template, generation prompt added, ``chat_template_kwargs`` as
+        :meth:`chat` takes them).
         Returns each prompt's token ids. Raises ``ValueError`` naming every refused prompt
         (``prompts[i]``): empty, too long for the context limit (``min(max_model_len,
         max_position_embeddings)``: its token count, the limit and the fix), ids outside the
@@ -256,7 +258,8 @@ class LLM:
         ``ConfigError`` for a folder ``LLM(model)`` would refuse. ``LLM(model)`` then reuses
         the tokenizer read here; :meth:`generate` checks every prompt again."""
         return check_prompts_before_load(prompts, default_model_path() if model is None
-                                         else model, max_model_len, sampling_params, chat=chat)
+                                         else model, max_model_len, sampling_params, chat=chat,
+                                         template_kwargs=chat_template_kwargs)
 
     # ---- requests ----------------------------------------------------------------------------
     def new_requests(self, prompt, params: SamplingParams) -> list[Request]:
@@ -469,11 +472,16 @@ class LLM:
             return {}
         return dataclasses.asdict(self.engine.prefix.stats)
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None):
+    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None, *,
+             chat_template_kwargs: dict | None = None):
         """Apply the chat template to ``messages`` (:func:`mtp_jax.prompts.chat_prompt`) and
-        generate one reply. :meth:`check_prompts` with ``chat=True`` checks a conversation
-        before the load."""
-        return self.generate([chat_prompt(messages, self.tokenizer)], sampling_params)[0]
+        generate one reply. ``chat_template_kwargs``: variables the template reads, as vLLM's
+        (e.g. ``{"enable_thinking": False}`` with Qwen's templates: an empty think block, so the
+        reply starts at once); a key the template does not read is a ``ValueError`` naming those
+        it does. :meth:`check_prompts` with ``chat=True`` checks a conversation before the
+        load."""
+        prompt = chat_prompt(messages, self.tokenizer, chat_template_kwargs)
+        return self.generate([prompt], sampling_params)[0]
 
 
 def _new_logprobs(r: Request, count: int):

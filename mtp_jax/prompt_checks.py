@@ -108,7 +108,8 @@ def load_tokenizer(model: str) -> Tokenizer | None:
 
 
 def check_prompts(prompts: Sequence, labels: Sequence[str], tokenizer, limits: PromptLimits,
-                  params: Sequence[SamplingParams | None] | None = None, chat: bool = False
+                  params: Sequence[SamplingParams | None] | None = None, chat: bool = False,
+                  template_kwargs: dict | None = None
                   ) -> tuple[list[list[int] | None], dict[int, str]]:
     """``(ids, errors)``: each prompt's token ids (None where refused) and, by index, the
     message of each refused prompt (empty: every prompt fits) as ``"{labels[i]}: {what is
@@ -117,13 +118,13 @@ def check_prompts(prompts: Sequence, labels: Sequence[str], tokenizer, limits: P
     the vocabulary; text without a tokenizer) and, where ``params[i]`` is given,
     :func:`mtp_jax.prompts.check_stops`. ``chat``: each prompt is a conversation, checked as
     the text :func:`mtp_jax.prompts.chat_prompt` renders (what ``LLM.chat`` generates from;
-    no tokenizer or a template refusal is that prompt's error)."""
+    no tokenizer or a template refusal is that prompt's error), with ``template_kwargs``."""
     ids: list[list[int] | None] = []
     errors = {}
     for i, (prompt, label) in enumerate(zip(prompts, labels)):
         try:
             if chat:
-                prompt = chat_prompt(prompt, tokenizer)
+                prompt = chat_prompt(prompt, tokenizer, template_kwargs)
             got = prompt_ids(prompt, tokenizer, limits.vocab_size, limits.context,
                              max_positions=limits.max_positions)[1]
             if params is not None and params[i] is not None:
@@ -135,7 +136,8 @@ def check_prompts(prompts: Sequence, labels: Sequence[str], tokenizer, limits: P
 
 
 def check_prompts_before_load(prompts, model: str, max_model_len: int,
-                              sampling_params=None, chat: bool = False) -> list[list[int]]:
+                              sampling_params=None, chat: bool = False,
+                              template_kwargs: dict | None = None) -> list[list[int]]:
     """:meth:`mtp_jax.LLM.check_prompts`: each prompt's token ids, or one ``ValueError``
     naming every refused prompt (``prompts[i]``). ``chat``: the prompts are conversations
     (:func:`mtp_jax.prompts.conversation_list`)."""
@@ -145,7 +147,8 @@ def check_prompts_before_load(prompts, model: str, max_model_len: int,
     params = params_list(sampling_params, len(prompts)) if sampling_params is not None else None
     tokenizer, limits = load_tokenizer(model), read_limits(model, max_model_len)
     ids, errors = check_prompts(prompts, [f"prompts[{i}]" for i in range(len(prompts))],
-                                tokenizer, limits, params, chat=chat)
+                                tokenizer, limits, params, chat=chat,
+                                template_kwargs=template_kwargs)
     if errors:
         raise ValueError("\n".join(errors[i] for i in sorted(errors)))
     return ids

@@ -97,13 +97,16 @@ def check_stops(params: SamplingParams, vocab_size: int, tokenizer) -> None:
                          "instead, or a checkpoint with its tokenizer.")
 
 
-def chat_prompt(messages, tokenizer) -> str:
+def chat_prompt(messages, tokenizer, template_kwargs: dict | None = None) -> str:
     """The prompt text ``LLM.chat`` generates from: ``messages`` (``[{"role": ...,
     "content": ...}, ...]``) rendered with the tokenizer's chat template, the generation prompt
-    added. Raises ``ValueError`` without a tokenizer (no template), for messages that are
-    not a non-empty list of dicts, or for a message whose role is not a string or whose
-    content is not text (:func:`chat_message`); :class:`~mtp_jax.tokenizer.TemplateError`
-    (a ``ValueError``) when the template refuses them."""
+    added; ``template_kwargs``: more variables for the template (vLLM's
+    ``chat_template_kwargs``, e.g. ``{"enable_thinking": False}``), checked by
+    :func:`check_template_kwargs`. Raises ``ValueError`` without a tokenizer (no template),
+    for messages that are not a non-empty list of dicts, or for a message whose role is not a
+    string or whose content is not text (:func:`chat_message`), or for template kwargs the
+    template does not read; :class:`~mtp_jax.tokenizer.TemplateError` (a ``ValueError``) when
+    the template refuses them."""
     if tokenizer is None:
         raise ValueError("this checkpoint folder has no tokenizer, so it has no chat "
                          "template; use generate() with token-id prompts, or a checkpoint "
@@ -114,8 +117,37 @@ def chat_prompt(messages, tokenizer) -> str:
     if not messages:
         raise ValueError("the conversation is empty; pass at least one message, e.g. "
                          "[{'role': 'user', 'content': 'Hi'}].")
+    kwargs = check_template_kwargs(template_kwargs, tokenizer)
     return tokenizer.apply_chat_template([chat_message(m, i) for i, m in enumerate(messages)],
-                                         add_generation_prompt=True)
+                                         add_generation_prompt=True, **kwargs)
+
+
+# What the engine itself sets in the template's context: not for template kwargs to replace.
+_TEMPLATE_OWN = ("messages", "add_generation_prompt", "bos_token", "eos_token", "pad_token")
+
+
+def check_template_kwargs(kwargs: dict | None, tokenizer) -> dict:
+    """``kwargs`` (None: ``{}``) when each key is a variable the chat template reads (so a
+    misspelt ``enable_thinkng`` is not dropped without a word). Raises ``ValueError`` naming
+    the key for one the template does not read, one the engine sets itself (``messages``,
+    ``add_generation_prompt``, the special tokens), or ``kwargs`` that is not a dict with
+    string keys."""
+    if kwargs is None:
+        return {}
+    if not isinstance(kwargs, dict) or not all(isinstance(k, str) for k in kwargs):
+        raise ValueError(f"chat_template_kwargs {short_repr(kwargs)} must be a dict of "
+                         "template variables, e.g. {'enable_thinking': False}.")
+    own = [k for k in kwargs if k in _TEMPLATE_OWN]
+    if own:
+        raise ValueError(f"chat_template_kwargs {own} are set by the engine itself; leave "
+                         "them out (the generation prompt is always added).")
+    reads = tokenizer.template_variables()
+    unread = [k for k in kwargs if k not in reads]
+    if unread:
+        known = sorted(reads - set(_TEMPLATE_OWN))
+        raise ValueError(f"chat_template_kwargs {unread}: this checkpoint's chat template does "
+                         f"not read {'it' if len(unread) == 1 else 'them'}; it reads {known}.")
+    return dict(kwargs)
 
 
 CHAT_ROLES = ("system", "user", "assistant", "tool")  # the roles Qwen's chat templates render

@@ -1,11 +1,12 @@
 """From a validated body to engine requests: the prompts (text, token ids, or the chat
 template over messages), ``max_tokens`` resolved, each turned into a :class:`Request` by
-``LLM.new_requests`` (``n`` per prompt, prompt-major: OpenAI's choice order); a 400 naming the field for anything the engine refuses."""
+``LLM.new_requests`` (``n`` per prompt, prompt-major: OpenAI's choice order); a 400 naming the
+field for anything the engine refuses."""
 
 from __future__ import annotations
 
 from mtp_jax.engine.requests import Request
-from mtp_jax.prompts import chat_message, prompt_ids
+from mtp_jax.prompts import chat_message, check_template_kwargs, prompt_ids
 from mtp_jax.serve.errors import APIError
 from mtp_jax.serve.protocol import ChatBody, CompletionBody, sampling_params
 from mtp_jax.tokenizer import TemplateError
@@ -35,13 +36,18 @@ def completion_prompts(body: CompletionBody) -> list:
 
 def chat_prompt(body: ChatBody, tokenizer) -> str:
     """The prompt text of a chat completion: the checkpoint's chat template over
-    ``messages`` with the generation prompt (as the CLI's ``--chat``)."""
+    ``messages`` with the generation prompt (as the CLI's ``--chat``) and the
+    ``chat_template_kwargs`` (:func:`mtp_jax.prompts.check_template_kwargs`)."""
     if tokenizer is None or not tokenizer.chat_template:
         raise APIError(400, "this checkpoint has no tokenizer with a chat template; use "
                             "/v1/completions with token ids.", param="messages")
     try:
+        kwargs = check_template_kwargs(body.chat_template_kwargs, tokenizer)
+    except ValueError as e:
+        raise APIError(400, str(e), param="chat_template_kwargs") from None
+    try:
         messages = [chat_message(m.model_dump(), i) for i, m in enumerate(body.messages)]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True)
+        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
     except (TemplateError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from None
 
@@ -62,8 +68,9 @@ def check_room(prompt_len: int, max_tokens: int, max_len: int, field: str, chat:
 
 
 def make_requests(llm, body, prompts: list, chat: bool) -> list[Request]:
-    """``n`` engine requests (samples) per prompt, prompt-major; ``max_tokens`` defaults to 16 for completions and to
-    the rest of the context for chat (as OpenAI's API)."""
+    """``n`` engine requests (samples) per prompt, prompt-major; ``max_tokens`` defaults to 16
+    for completions and to the rest of the context for chat (as OpenAI's API); one that runs
+    past the context is a 400 (:func:`check_room`)."""
     out = []
     vocab, max_len = llm.model.cfg.vocab_size, llm.engine.max_model_len
     for p in prompts:

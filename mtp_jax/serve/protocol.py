@@ -107,6 +107,7 @@ class ChatBody(_Sampling):
 
     messages: list[Message] = Field(min_length=1)
     max_completion_tokens: int | None = None
+    chat_template_kwargs: dict[str, Any] | None = None  # variables the template reads
     logprobs: bool = False
     top_logprobs: int | None = None
 

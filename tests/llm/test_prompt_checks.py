@@ -408,3 +408,70 @@ def test_cli_stream_and_stop(words, monkeypatch, capsys):
         assert "".join(deltas) == want
         if not extra:
             assert len(deltas) > 2  # written as it came, not at the end
+
+
+def test_chat_template_kwargs_reach_the_template_and_unread_ones_are_refused(words, no_load):
+    """``chat_template_kwargs`` (vLLM's name) are variables for the template: with the
+    built-in model's Qwen-style template ``enable_thinking=False`` closes an empty think block
+    after the generation prompt; a key the template does not read (a typo), one the engine
+    sets itself, or a value that is not a dict is refused naming it, in ``LLM.chat`` and in
+    ``LLM.check_prompts`` before the load."""
+    import types
+
+    from mtp_jax.tokenizer import Tokenizer
+    from mtp_jax.tools.qwen_vocab import CHAT_TEMPLATE
+
+    base = load_tokenizer(words)
+    tok = Tokenizer(base._tok, CHAT_TEMPLATE, base.eos_token_ids)
+    assert {"messages", "add_generation_prompt", "enable_thinking"} <= tok.template_variables()
+    llm = types.SimpleNamespace(tokenizer=tok, generate=lambda ps, sp: ps)
+    conv = [{"role": "user", "content": "t5"}]
+    plain = LLM.chat(llm, conv)
+    assert plain.endswith("<|im_start|>assistant\n")
+    off = LLM.chat(llm, conv, chat_template_kwargs={"enable_thinking": False})
+    assert off == plain + "<think>\n\n</think>\n\n"
+    assert LLM.chat(llm, conv, chat_template_kwargs={"enable_thinking": True}) == \
+        plain + "<think>\n"
+    for kwargs, pattern in [
+            ({"enable_thinkng": False}, r"\['enable_thinkng'\]: this checkpoint's chat template "
+             r"does not read it; it reads \['enable_thinking'\]"),
+            ({"add_generation_prompt": False}, r"\['add_generation_prompt'\] are set by the "
+             r"engine itself"),
+            ([("enable_thinking", False)], r"must be a dict of template variables")]:
+        with pytest.raises(ValueError, match=pattern):
+            LLM.chat(llm, conv, chat_template_kwargs=kwargs)
+    # the words fixture's own template reads no such variable: refused before the load
+    with pytest.raises(ValueError, match=r"prompts\[0\]: chat_template_kwargs "
+                                         r"\['enable_thinking'\]: this checkpoint's chat"):
+        LLM.check_prompts(conv, words, chat=True,
+                          chat_template_kwargs={"enable_thinking": False})
+
+
+def test_cli_chat_template_kwargs_are_checked_before_the_load(words, no_load, capsys,
+                                                              tmp_path):
+    """``--chat-template-kwargs``: a JSON object for the template, which renders with it (a
+    template reading ``extra``: its two more words make the prompt one token too long), refused
+    (exit 2, before the load) when it is not one, without ``--chat``, or with a key the
+    template does not read."""
+    extra = folder_with_tokenizer(str(tmp_path / "extra"))
+    with open(os.path.join(extra, "tokenizer_config.json"), "w") as f:
+        json.dump({"chat_template": "{% for m in messages %}t1 {{ m.content }} t2 {% endfor %}"
+                   "t3{% if extra is defined %} {{ extra }}{% endif %}"}, f)
+    run = ["--model", extra, "--chat", "--prompt", "t5", "--max-model-len", "6"]
+    assert generate.main([*run, "--chat-template-kwargs", '{"extra": "t9 t9"}']) == 2
+    assert "prompt of 6 tokens does not fit max_model_len 6" in _err(capsys)
+    with pytest.raises(AssertionError, match="the weights were loaded"):  # 4 tokens: it fits
+        generate.main(run)
+    for flags, want in [
+            (["--chat", "--chat-template-kwargs", "{enable"], "is not JSON"),
+            (["--chat", "--chat-template-kwargs", "[1]"], "is a JSON list, not an object"),
+            (["--chat-template-kwargs", '{"enable_thinking": false}'], "add --chat, or drop it"),
+            (["--chat", "--chat-template-kwargs", '{"enable_thinking": false}'],
+             "chat_template_kwargs ['enable_thinking']: this checkpoint's chat template does not "
+             "read it")]:
+        try:
+            status = generate.main(["--model", words, "--prompt", "t5", *flags])
+        except SystemExit as e:  # argparse's own refusal of the value
+            status = e.code
+        assert status == 2, flags
+        assert want in _err(capsys), flags

@@ -17,9 +17,10 @@ import pytest
 from tests.helpers.paths import fixture_path
 
 API_KEY = "test-key"
-# short, so that a chat prompt fits the smallest prefill bucket (16 tokens; one program less)
+# short, so that a chat prompt fits the smallest prefill bucket (16 tokens; one program less);
+# ``lead`` (empty unless a request's chat_template_kwargs give it) opens the assistant's turn
 CHAT_TEMPLATE = ("{% for m in messages %}{{ m.role[0] }}:{{ m.content }}<|im_end|>"
-                 "{% endfor %}{% if add_generation_prompt %}a:{% endif %}")
+                 "{% endfor %}{% if add_generation_prompt %}a:{{ lead | default('') }}{% endif %}")
 
 
 def write_byte_tokenizer(folder: str) -> None:

@@ -111,6 +111,15 @@ def test_bad_requests_are_4xx_and_good_ones_still_served(live):
         "messages": [{"role": "user", "content": "x"}], "max_completion_tokens": 500}), 400,
         "max_completion_tokens")
     assert "leave it out" in err["message"]
+    # chat_template_kwargs reach the template (the conftest's reads ``lead``: 2 more bytes,
+    # 2 more prompt tokens); one it does not read is refused naming those it does
+    chat = lambda **kw: live.client.post("/v1/chat/completions", json={  # noqa
+        "messages": [{"role": "user", "content": "x"}], "max_tokens": 1, **kw})
+    plain = chat().json()["usage"]["prompt_tokens"]
+    assert chat(chat_template_kwargs={"lead": "xy"}).json()["usage"]["prompt_tokens"] == plain + 2
+    err = check_error(chat(chat_template_kwargs={"enable_thinking": False}), 400,
+                      "chat_template_kwargs")
+    assert "does not read it; it reads ['lead']" in err["message"]
     for msg, why in [({"role": "wizard", "content": "x"}, "'wizard' is not a role"),
                      ({"role": "user"}, "has no content")]:
         err = check_error(live.client.post("/v1/chat/completions", json={"messages": [msg]}),
