@@ -70,9 +70,30 @@ def warm_up(llm, mode: str) -> None:
               flush=True)
 
 
+def check_address(host: str, port: int) -> None:
+    """Raise ``ValueError`` naming ``--host`` / ``--port`` and the fix when the server could
+    not listen there (a port another process holds, a host this machine does not have): checked
+    by binding once before the model loads, instead of uvicorn's error after it."""
+    import socket
+
+    try:
+        infos = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)
+    except socket.gaierror as e:
+        raise ValueError(f"--host {host}: not an address of this machine ({e.strerror}); "
+                         "pass 127.0.0.1, 0.0.0.0 or one of its names.") from None
+    family, kind, proto, _, address = infos[0]
+    with socket.socket(family, kind, proto) as sock:
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)  # as uvicorn binds
+        try:
+            sock.bind(address)
+        except OSError as e:
+            raise ValueError(f"--port {port} on {host}: cannot listen there ({e.strerror}); "
+                             "pass a free --port, or stop what holds it.") from None
+
+
 def main(argv=None) -> int:
     """Load the model and serve until interrupted. Returns 0, or 2 for bad settings (message
-    on stderr)."""
+    on stderr), an address it cannot listen on included (before the load)."""
     args = build_parser().parse_args(argv)
     try:
         import uvicorn
@@ -85,6 +106,7 @@ def main(argv=None) -> int:
     from mtp_jax.config import ConfigError
 
     try:
+        check_address(args.host, args.port)
         llm = make_llm(args)
     except (ConfigError, ValueError, OSError) as e:
         print(f"error: {e}", file=sys.stderr)

@@ -6,6 +6,8 @@ from __future__ import annotations
 import json
 import threading
 
+import pytest
+
 from mtp_jax import SamplingParams
 
 IDS = [5, 9, 30, 7, 200, 41, 3]
@@ -132,3 +134,25 @@ def test_cli_flags_defaults_and_docs():
     assert "--prompt" not in flags and "--speculative-num-steps" in flags
     doc = open(os.path.join(DOCS, "cli.md")).read()
     assert [f for f in flags if f"`{f}" not in doc and f not in ("-h", "--help")] == []
+
+
+def test_an_address_it_cannot_listen_on_is_refused_before_the_load(monkeypatch, capsys):
+    """A port another socket listens on, or a host that is not this machine's, is an
+    ``error:`` line naming the flag and exit status 2, before any weight loads (uvicorn's own
+    error came after the load and the warm-up)."""
+    import socket
+
+    import mtp_jax.serve.cli as serve_cli
+
+    monkeypatch.setattr(serve_cli, "make_llm", lambda args: pytest.fail("the model loaded"))
+    with socket.socket() as held:
+        held.bind(("127.0.0.1", 0))
+        held.listen()
+        port = held.getsockname()[1]
+        assert serve_cli.main(["--port", str(port)]) == 2
+    err = capsys.readouterr().err
+    assert f"error: --port {port} on 127.0.0.1: cannot listen there" in err
+    assert "pass a free --port" in err
+    assert serve_cli.main(["--host", "no-such-host.invalid", "--port", str(port)]) == 2
+    assert "error: --host no-such-host.invalid: not an address of this machine" in \
+        capsys.readouterr().err
