@@ -11,6 +11,7 @@ refused in seconds, named by its flag or file line.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import json
 import warnings
 
@@ -53,12 +54,18 @@ def read_prompts_file(path: str, defaults: dict) -> tuple[list, list[dict], list
             try:
                 rec = json.loads(line)
             except json.JSONDecodeError as e:
-                raise ValueError(f"{path}:{n}: not JSON ({e}).") from None
+                raise ValueError(f"{path}:{n}: not JSON ({e}); each line is one JSON object "
+                                 "such as {\"prompt\": \"Hello\", \"max_tokens\": 32} (a "
+                                 "file of plain-text lines: wrap each as {\"prompt\": ...}, "
+                                 "or pass them with --prompt).") from None
             if not isinstance(rec, dict) or "prompt" not in rec:
                 raise ValueError(f"{path}:{n}: each line must be an object with a \"prompt\".")
             unknown = sorted(set(rec) - {"prompt", *FILE_KEYS})
             if unknown:
-                raise ValueError(f"{path}:{n}: unknown keys {unknown}; allowed: prompt, "
+                close = [f"{k} -> {m[0]}" for k in unknown
+                         if (m := difflib.get_close_matches(k, ["prompt", *FILE_KEYS], n=1))]
+                hint = f" (did you mean {', '.join(close)}?)" if close else ""
+                raise ValueError(f"{path}:{n}: unknown keys {unknown}{hint}; allowed: prompt, "
                                  f"{', '.join(FILE_KEYS)}.")
             prompts.append(rec["prompt"])
             fields.append({**defaults, **{k: rec[k] for k in FILE_KEYS if k in rec}})

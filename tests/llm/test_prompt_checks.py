@@ -475,3 +475,18 @@ def test_cli_chat_template_kwargs_are_checked_before_the_load(words, no_load, ca
             status = e.code
         assert status == 2, flags
         assert want in _err(capsys), flags
+
+
+def test_prompts_file_errors_show_the_form_and_the_closest_key(tmp_path):
+    """A plain-text line is refused with the JSON form a line takes; a misspelt key with the
+    key it is closest to."""
+    f = tmp_path / "p.txt"
+    f.write_text("Hello there\n")
+    with pytest.raises(ValueError, match=r'p.txt:1: not JSON .*; each line is one JSON object '
+                                         r'such as \{"prompt": "Hello", "max_tokens": 32\} \(a '
+                                         r'file of plain-text lines: wrap each'):
+        read_prompts_file(str(f), {})
+    f.write_text('{"prompt": "t5", "temprature": 0.5, "zzz": 1}\n')
+    with pytest.raises(ValueError, match=r"unknown keys \['temprature', 'zzz'\] \(did you mean "
+                                         r"temprature -> temperature\?\); allowed: prompt, "):
+        read_prompts_file(str(f), {})
