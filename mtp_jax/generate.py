@@ -452,7 +452,7 @@ def _print_outputs(args, outs: list, labels: list[str], seconds: float,
             out = dataclasses.replace(out, error=f"{labels[i]}: {out.error}")
         failed += out.finish_reason == "error"
         if args.json:
-            print(json.dumps(_json_record(out, seconds, prefix_cache)))
+            print(json.dumps(_json_record(out, seconds, prefix_cache), ensure_ascii=False))
             continue
         if len(outs) > 1:  # every request has its header, a refused one too
             print(f"--- request {i + 1} of {len(outs)} ---")

@@ -21,7 +21,6 @@ from __future__ import annotations
 
 import argparse
 import importlib
-import os
 import re
 import statistics
 import sys
@@ -31,7 +30,7 @@ import numpy as np
 
 from mtp_jax.bench.floor import round_bytes
 from mtp_jax.bench.phases import Ledger, pipelined_rounds, prefill_all
-from mtp_jax.bench.report import op_row
+from mtp_jax.bench.report import op_row, shape_name
 from mtp_jax.bench.settings import requests
 from mtp_jax.bench.subcommand import Refused, Results, config_of, parser, positive, run
 from mtp_jax.config import ConfigError, EngineConfig, SpeculativeConfig
@@ -211,7 +210,7 @@ def bench(a, results: Results) -> None:
             turns[name].append(statistics.median(run_["times"]) / a.steps)
             context[name] += run_["positions"]
     itemsize = 4 if a.dtype == "float32" else 2
-    shape = os.path.splitext(os.path.basename(a.config))[0]
+    shape = shape_name(a.config)
     for name, backends, consts in a.variant:
         by = round_bytes(cfg, a.batch, 0, round(float(np.mean(context[name]))), itemsize)
         results.add(op_row(

@@ -36,7 +36,7 @@ import jax
 
 from mtp_jax.bench.floor import round_bytes
 from mtp_jax.bench.phases import Ledger, prefill_all
-from mtp_jax.bench.report import op_row
+from mtp_jax.bench.report import op_row, shape_name
 from mtp_jax.bench.settings import requests
 from mtp_jax.bench.subcommand import Results, config_of, parser, positive, require_gpu, run
 from mtp_jax.bench.timing import Trace, is_gpu_line, kernel_lines, lines, load_trace
@@ -205,7 +205,7 @@ def bench(a, results: Results) -> None:
     cfg = config_of(a.config)
     model = load_model(cfg=cfg, dtype=a.dtype, dummy_weight=True, with_mtp=any(a.k),
                        **{f"{op}_backend": getattr(a, f"{op}_backend") for op in OPS})
-    shape = os.path.splitext(os.path.basename(a.config))[0]
+    shape = shape_name(a.config)
     os.makedirs(a.trace_dir, exist_ok=True)
     texts = []
     for k in a.k:

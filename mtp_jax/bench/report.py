@@ -58,8 +58,13 @@ def run_metadata(args: dict, cache_dir: str | None, kernels: dict | None) -> dic
     }
 
 
-def _shape(path: str) -> str:
-    return os.path.splitext(os.path.basename(path))[0]
+def shape_name(path: str) -> str:
+    """A config's name in tables: its file name without ``.json`` (``configs/Qwen3.5-2B.json``
+    -> ``Qwen3.5-2B``), or its folder's name for a checkpoint's own ``config.json``."""
+    name = os.path.splitext(os.path.basename(path))[0]
+    if name == "config":
+        name = os.path.basename(os.path.dirname(os.path.abspath(path))) or name
+    return name
 
 
 def _n(x: float) -> str:
@@ -110,7 +115,7 @@ def main_table(results: list[dict]) -> str:
         ctx = r["context"]
         timed = r["compiles_timed"]
         lines.append(
-            f"| {_shape(r['config'])} | {r['batch']} | {r['prompt_len']} | {_k_cell(r)} | "
+            f"| {shape_name(r['config'])} | {r['batch']} | {r['prompt_len']} | {_k_cell(r)} | "
             f"{r['round_ms']:.2f} "
             f"({r['round_ms_p10']:.2f}-{r['round_ms_p90']:.2f}) | {r['floor_ms']:.2f} | "
             f"{r['fraction_of_floor']:.0%} | {ctx['start']}-{ctx['end']} | {derived} | {e2e} | "
@@ -149,11 +154,11 @@ def programs_table(results: list[dict]) -> str:
     for r in results:
         w = r.get("engine_warmup")
         if w:
-            lines.append(f"| {_shape(r['config'])} | {r['batch']} | {r['k']} | Engine.warmup() "
+            lines.append(f"| {shape_name(r['config'])} | {r['batch']} | {r['k']} | Engine.warmup() "
                          f"(prefill T={w['buckets']['prefill']}, B={w['buckets']['batch']}) | "
                          f"{w['seconds']:.2f} | {w['compiles']} | {w['cache_hits']} |")
         for p in r["programs"]:
-            lines.append(f"| {_shape(r['config'])} | {r['batch']} | {_k_cell(r)} | "
+            lines.append(f"| {shape_name(r['config'])} | {r['batch']} | {_k_cell(r)} | "
                          f"{p['program']} | {p['first_call_s']:.2f} | {p['compiles']} | "
                          f"{p['cache_hits']} |")
     return "\n".join(lines)
@@ -167,7 +172,7 @@ def bytes_table(results: list[dict]) -> str:
     for r in results:
         by = r["bytes"]
         cells = " | ".join(f"{by[k] / 1e9:.3f}" if k in by else "-" for k in kinds)
-        lines.append(f"| {_shape(r['config'])} | {r['batch']} | {_k_cell(r)} | {cells} | "
+        lines.append(f"| {shape_name(r['config'])} | {r['batch']} | {_k_cell(r)} | {cells} | "
                      f"{r['floor_ms']:.2f} |")
     return "\n".join(lines)
 
@@ -205,7 +210,7 @@ def ratio_table(results: list[dict]) -> str:
     lines = ["| shape | batch | prompt | k | round ms | decode step ms (k = 0, same rounds "
              "per call) | round / step |", "|---|---|---|---|---|---|---|"]
     for x in rows:
-        lines.append(f"| {_shape(x['config'])} | {x['batch']} | {x['prompt_len']} | "
+        lines.append(f"| {shape_name(x['config'])} | {x['batch']} | {x['prompt_len']} | "
                      f"{_k_cell(x)} | {x['round_ms']:.2f} | {x['step_ms']:.2f} | "
                      f"{x['ratio']:.3f}x |")
     return "\n".join(lines)
@@ -217,7 +222,7 @@ def failures(results: list[dict]) -> list[str]:
     decoding (``DIVERGENCE``), or that compiled in its timed phase."""
     out = []
     for r in results:
-        tag = f"{_shape(r['config'])} batch={r['batch']} k={_k_cell(r)}"
+        tag = f"{shape_name(r['config'])} batch={r['batch']} k={_k_cell(r)}"
         drafted = r["k"] and "forced" not in r  # several rounds per call, drafts as drafted
         rm = r.get("rounds_match")
         if rm is not None and not rm["exact"]:

@@ -280,3 +280,10 @@ def test_profile_counts_every_round_of_a_call(monkeypatch, tmp_path):
     wall, rounds, _ = pr.profile(a, model, model.cfg, 0)
     assert seen["per_call"] == 3 and rounds == 2 * 3  # 2 traced calls of 3 rounds each
     assert len(calls) == 5 + 2 + 2 and wall > 0
+
+
+def test_shape_names_of_config_files_and_checkpoint_folders():
+    from mtp_jax.bench.report import shape_name
+
+    assert shape_name("configs/Qwen3.5-2B.json") == "Qwen3.5-2B"
+    assert shape_name("tests/fixtures/tiny_trained/config.json") == "tiny_trained"
