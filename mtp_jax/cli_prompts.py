@@ -140,9 +140,9 @@ def prepare_prompts(args, prompts: list, labels: list[str], params: list,
     ``args.chat`` (and ``args.chat_template_kwargs``), and add to ``errors`` (the requests
     already refused for their sampling fields) each prompt the engine would refuse, named by
     ``labels``. ``params[i]`` is the request's ``SamplingParams`` (None where refused).
-    Raises ``ValueError`` when the run cannot start: the demo prompt or ``--chat`` without a
-    tokenizer, template kwargs without ``--chat`` or that the template does not read, its one
-    prompt refused (the message), or ``--stream`` where it cannot stream
+    Raises ``ValueError`` when the run cannot start: the demo prompt, ``--chat`` or ``--stop``
+    without a tokenizer, template kwargs without ``--chat`` or that the template does not
+    read, its one prompt refused (the message), or ``--stream`` where it cannot stream
     (:func:`check_stream`). Several prompts all refused are not an error here: each gets its
     own output."""
     from mtp_jax.prompt_checks import check_prompts
@@ -152,6 +152,10 @@ def prepare_prompts(args, prompts: list, labels: list[str], params: list,
                                 args.chat)
     if why:
         raise ValueError(why)
+    if args.stop and tokenizer is None:
+        raise ValueError(f"--stop {args.stop}: stop strings are matched in the text, and this "
+                         "checkpoint folder has no tokenizer to make text; drop --stop (a "
+                         "--prompts-file line may stop on \"stop_token_ids\" instead).")
     if args.chat_template_kwargs is not None and not args.chat:
         raise ValueError("--chat-template-kwargs gives the chat template's variables, and this "
                          "run does not apply the template; add --chat, or drop it.")

@@ -299,8 +299,9 @@ def test_file_field_errors_spell_the_value_as_the_json_line_does(words, tmp_path
 
 @pytest.mark.parametrize("argv, message", [
     (["--model", "WORDS", "--stop", ""], "error: stop (--stop) [''] must hold non-empty strings"),
-    (["--model", CKPT, "--prompts-file", "IDS", "--stop", "x"],
-     "(request 1): stop strings ['x'] need a tokenizer to match the text"),
+    (["--model", CKPT, "--prompts-file", "IDS", "--stop", "x"],  # the flag's, not the line's
+     "error: --stop ['x']: stop strings are matched in the text, and this checkpoint folder "
+     "has no tokenizer"),
     (["--model", "WORDS", "--stream", "--json"], "error: --stream prints text as it is generated "
                                                  "and --json prints one object"),
     (["--model", "WORDS", "--stream", "--prompt", "t5", "--prompt", "t6"],
