@@ -144,7 +144,7 @@ def check_template_kwargs(kwargs: dict | None, tokenizer) -> dict:
     reads = tokenizer.template_variables()
     unread = [k for k in kwargs if k not in reads]
     if unread:
-        known = sorted(reads - set(_TEMPLATE_OWN))
+        known = sorted(tokenizer.template_variables(assigned=False) - set(_TEMPLATE_OWN))
         raise ValueError(f"chat_template_kwargs {unread}: this checkpoint's chat template does "
                          f"not read {'it' if len(unread) == 1 else 'them'}; it reads {known}.")
     return dict(kwargs)

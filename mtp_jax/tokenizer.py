@@ -157,19 +157,21 @@ class Tokenizer:
             self._template = env.from_string(self.chat_template)
         return self._template
 
-    def template_variables(self) -> frozenset[str]:
+    def template_variables(self, assigned: bool = True) -> frozenset[str]:
         """The names the chat template reads from its context (``messages``,
         ``add_generation_prompt``, ``enable_thinking``, ``tools``, ...; jinja2's own analysis
-        of the source, less the names the template sets itself). Raises
+        of the source). jinja2 also counts a name a branch inside a loop sets before it is read
+        there; ``assigned=False`` leaves out every name the template sets itself (for naming
+        its inputs to a user; a default it sets for a missing input goes too). Raises
         :class:`TemplateError` without a template."""
         from jinja2 import meta, nodes
 
         template = self._compiled_template()  # raises without one
         tree = template.environment.parse(self.chat_template)
-        # jinja2 also lists names a branch inside a loop sets before they are read: not inputs
-        stored = {n.name for n in tree.find_all(nodes.Name) if n.ctx == "store"}
-        names = meta.find_undeclared_variables(tree)
-        return frozenset(names) - stored - set(template.environment.globals)
+        names = set(meta.find_undeclared_variables(tree)) - set(template.environment.globals)
+        if not assigned:
+            names -= {n.name for n in tree.find_all(nodes.Name) if n.ctx == "store"}
+        return frozenset(names)
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

@@ -441,6 +441,12 @@ def test_chat_template_kwargs_reach_the_template_and_unread_ones_are_refused(wor
             ([("enable_thinking", False)], r"must be a dict of template variables")]:
         with pytest.raises(ValueError, match=pattern):
             LLM.chat(llm, conv, chat_template_kwargs=kwargs)
+    # a template that sets a default for a missing input still takes it
+    own = Tokenizer(base._tok, "{% if enable_thinking is not defined %}{% set enable_thinking "
+                    "= true %}{% endif %}{{ messages[0].content }} {{ enable_thinking }}")
+    llm_own = types.SimpleNamespace(tokenizer=own, generate=lambda ps, sp: ps)
+    assert LLM.chat(llm_own, conv, chat_template_kwargs={"enable_thinking": False}) == "t5 False"
+    assert LLM.chat(llm_own, conv) == "t5 True"
     # the words fixture's own template reads no such variable: refused before the load
     with pytest.raises(ValueError, match=r"prompts\[0\]: chat_template_kwargs "
                                          r"\['enable_thinking'\]: this checkpoint's chat"):
