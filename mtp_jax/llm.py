@@ -149,7 +149,8 @@ class LLM:
         vocabulary and context limit. The CLI checks its prompts here
         (:mod:`mtp_jax.cli_prompts`); Python callers can use :meth:`check_prompts`.
     Raises:
-      ConfigError: bad settings, before any weight is read (:func:`mtp_jax.checks.check_before_load`);
+      ConfigError: bad settings, before any weight is read
+        (:func:`mtp_jax.checks.check_before_load`);
       CheckpointError: bad weight files, before any tensor data is read.
     """
 
@@ -316,7 +317,8 @@ class LLM:
             outputs += [None] * len(group)
         return outputs, requests
 
-    def generate(self, prompts, sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
+    def generate(self, prompts,
+                 sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
         """Generate for ``prompts`` (a string, a token-id list, or a list of either).
 

@@ -2,10 +2,10 @@
 the GPU, from a ``jax.profiler`` trace of the engine on random weights of a real shape.
 
 For each ``--k`` (0: decode steps): an engine with ``--num-scheduler-steps`` rounds per program
-call (default: the engine's automatic count, 4), ``--batch`` prompts of ``--prompt-len`` tokens prefilled, 5 warm-up calls,
-``--rounds`` calls timed without the profiler (the median wall time of a waited-for call, per
-round: ``wall_us``), then as many traced. Every figure is per round (a call's figures divided
-by its rounds). From the trace, per round: the
+call (default: the engine's automatic count, 4), ``--batch`` prompts of ``--prompt-len``
+tokens prefilled, 5 warm-up calls, ``--rounds`` calls timed without the profiler (the median
+wall time of a waited-for call, per round: ``wall_us``), then as many traced. Every figure is
+per round (a call's figures divided by its rounds). From the trace, per round: the
 device kernels launched, the device busy time (the union of the kernel intervals on the
 busiest kernel line; the row's time), the span from the first kernel's start to the last one's
 end and the idle time inside it (gaps between rounds included), kernel time by category (GEMM,
