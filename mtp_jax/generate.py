@@ -405,21 +405,15 @@ def scheduler_steps(text: str) -> int | None:
 
 
 def _stream(llm, prompts: list, params: list, out) -> list:
-    """Generate through ``LLM.generate_stream``, writing the text deltas to ``out`` as they
-    come (held back while they could be the start of a stop string, as the server's stream:
-    :class:`mtp_jax.serve.text.TextStream`), then a newline. Returns the outputs."""
-    from mtp_jax.serve.text import TextStream
-
-    texts = [TextStream(llm.tokenizer, p.stop) for p in params]
+    """Generate through ``LLM.generate_stream``, writing each update's ``new_text`` to ``out``
+    as it comes (held back while it could be the start of a stop string, as the server's
+    stream), then a newline. Returns the outputs."""
     done = [None] * len(prompts)
     for chunk in llm.generate_stream(prompts, params):
-        if chunk.finished:  # the final text, cut at a stop string its last tokens made
+        if chunk.finished:
             done[chunk.index] = chunk.output
-            delta = texts[chunk.index].finish(chunk.output.text)
-        else:
-            delta = texts[chunk.index].push(chunk.new_token_ids)
-        if delta:
-            out.write(delta)
+        if chunk.new_text:
+            out.write(chunk.new_text)
             out.flush()
     out.write("\n")
     return done

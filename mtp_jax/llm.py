@@ -32,6 +32,7 @@ from mtp_jax.prompts import (chat_prompt, check_stops, error_output, params_list
 from mtp_jax.sampling import SamplingParams
 from mtp_jax.speculative.draft_dtypes import resolve_draft_dtypes
 from mtp_jax.speculative.external import Proposer
+from mtp_jax.streaming import with_text
 from mtp_jax.tokenizer import Tokenizer
 from mtp_jax.weights.quant_config import check_quantization_mode
 
@@ -349,12 +350,13 @@ class LLM:
 
     def generate_stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
         """Like :meth:`generate`, but yields a :class:`StreamOutput` each time a request gains
-        tokens (after its prefill and after each round), the last one with ``finished`` set and
-        the complete ``output``. Error outputs of bad prompts are yielded first. Closing the
+        tokens (after its prefill and after each round; ``new_text``: the text they add), the
+        last one with ``finished`` set and the complete ``output``. Error outputs of bad prompts are yielded first. Closing the
         stream before its end (``stream.close()``) aborts its unfinished requests; errors are
         handled as in :meth:`generate`."""
         outputs, requests = self._prepare(prompts, sampling_params)
-        yield from self._stream(outputs, requests, False)
+        stops = {i: r.params.stop for i, r in requests}
+        yield from with_text(self._stream(outputs, requests, False), self.tokenizer, stops)
 
     def _stream(self, outputs, requests, use_tqdm: bool) -> Iterator[StreamOutput]:
         """Yield the error outputs of bad prompts, then serve ``requests`` and yield each

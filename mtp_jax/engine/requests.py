@@ -76,8 +76,10 @@ class StreamOutput:
     """One streaming update of :meth:`LLM.generate_stream`: the output's ``index`` in the call
     (the prompt's index when every prompt has ``n = 1``; prompt-major with ``n > 1``, as
     :meth:`LLM.generate` orders its outputs), its ``sample_index``, the tokens it gained since
-    the last update (with their :class:`TokenLogprob` in ``new_logprobs`` when asked for) and,
-    when ``finished``, the full ``output``."""
+    the last update (with their :class:`TokenLogprob` in ``new_logprobs`` when asked for, and
+    the text they add in ``new_text``: the deltas of a request concatenate to its final text,
+    held back while they could start a stop string) and, when ``finished``, the full
+    ``output``."""
 
     index: int
     request_id: str
@@ -86,6 +88,7 @@ class StreamOutput:
     output: RequestOutput | None = None
     sample_index: int = 0
     new_logprobs: list[TokenLogprob] | None = None
+    new_text: str = ""  # the text the new tokens add (LLM.generate_stream; "" without tokenizer)
 
 
 @dataclasses.dataclass(eq=False)  # identity semantics: requests key dicts

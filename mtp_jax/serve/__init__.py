@@ -6,8 +6,9 @@ Layout: :mod:`~mtp_jax.serve.cli` (``python -m mtp_jax.serve``), :mod:`~mtp_jax.
 :mod:`~mtp_jax.serve.calls` (one HTTP call's requests, aborted when the call ends early),
 :mod:`~mtp_jax.serve.generation` (completions and chat), :mod:`~mtp_jax.serve.admin` (health,
 models, metrics, cache), :mod:`~mtp_jax.serve.protocol` and :mod:`~mtp_jax.serve.prepare`
-(request bodies), :mod:`~mtp_jax.serve.responses` and :mod:`~mtp_jax.serve.text` (response
-objects, streamed text), :mod:`~mtp_jax.serve.metrics`, :mod:`~mtp_jax.serve.errors`.
+(request bodies), :mod:`~mtp_jax.serve.responses` (response objects; streamed text through
+:class:`mtp_jax.tokenizer.TextStream`), :mod:`~mtp_jax.serve.metrics`,
+:mod:`~mtp_jax.serve.errors`.
 
 Python: ``create_app(LLM(...), served_model_name="m")`` gives the ASGI app (run it with
 uvicorn, or test it with FastAPI's ``TestClient``)."""

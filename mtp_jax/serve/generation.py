@@ -16,7 +16,7 @@ from mtp_jax.serve.errors import APIError
 from mtp_jax.serve.logprobs import chat_logprobs, completion_logprobs
 from mtp_jax.serve.prepare import chat_prompt, check_model, completion_prompts, make_requests
 from mtp_jax.serve.protocol import ChatBody, CompletionBody, parse_body
-from mtp_jax.serve.text import TextStream
+from mtp_jax.tokenizer import TextStream
 
 __all__ = ["router"]
 

@@ -497,3 +497,24 @@ def test_prompts_file_errors_show_the_form_and_the_closest_key(tmp_path):
     with pytest.raises(ValueError, match=r"unknown keys \['temprature', 'zzz'\] \(did you mean "
                                          r"temprature -> temperature\?\); allowed: prompt, "):
         read_prompts_file(str(f), {})
+
+
+def test_generate_stream_new_text_adds_up_to_the_final_text(words):
+    """``StreamOutput.new_text``: a request's pieces concatenate to its final text, with a
+    stop string left out (held back until the request ends); without text the same holds for
+    the empty string."""
+    from mtp_jax import SamplingParams
+
+    llm = LLM(words, dtype="float32", speculative_num_steps=2, max_running_requests=2)
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    full = llm.generate(["t5 t6 t7"], params)[0].text
+    stop = " ".join(full.split(" ")[3:5])
+    for p in (params, SamplingParams(temperature=0, max_tokens=8, ignore_eos=True, stop=[stop])):
+        pieces, final = [], None
+        for u in llm.generate_stream(["t5 t6 t7"], p):
+            pieces.append(u.new_text)
+            final = u.output if u.finished else final
+        assert "".join(pieces) == final.text
+        if p is params:
+            assert final.text == full and sum(bool(x) for x in pieces) >= 2  # as it came
+    assert final.text == full[:full.index(stop)]
