@@ -71,6 +71,7 @@ class Tokenizer:
         self.eos_token = eos_token
         self.pad_token = pad_token
         self._template = None
+        self._variables = None  # (read, read and not set): template_variables, parsed once
 
     # ---- construction --------------------------------------------------------------------
     @classmethod
@@ -168,11 +169,12 @@ class Tokenizer:
         from jinja2 import meta, nodes
 
         template = self._compiled_template()  # raises without one
-        tree = template.environment.parse(self.chat_template)
-        names = set(meta.find_undeclared_variables(tree)) - set(template.environment.globals)
-        if not assigned:
-            names -= {n.name for n in tree.find_all(nodes.Name) if n.ctx == "store"}
-        return frozenset(names)
+        if self._variables is None:  # parsed once, not per request
+            tree = template.environment.parse(self.chat_template)
+            read = set(meta.find_undeclared_variables(tree)) - set(template.environment.globals)
+            stored = {n.name for n in tree.find_all(nodes.Name) if n.ctx == "store"}
+            self._variables = (frozenset(read), frozenset(read - stored))
+        return self._variables[0 if assigned else 1]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
                             **kwargs: Any) -> str:

@@ -6,7 +6,8 @@ field for anything the engine refuses."""
 from __future__ import annotations
 
 from mtp_jax.engine.requests import Request
-from mtp_jax.prompts import chat_message, check_template_kwargs, prompt_ids
+from mtp_jax.prompts import chat_prompt as prompts_chat_prompt
+from mtp_jax.prompts import check_template_kwargs, prompt_ids
 from mtp_jax.serve.errors import APIError
 from mtp_jax.serve.protocol import ChatBody, CompletionBody, sampling_params
 from mtp_jax.tokenizer import TemplateError
@@ -46,8 +47,7 @@ def chat_prompt(body: ChatBody, tokenizer) -> str:
     except ValueError as e:
         raise APIError(400, str(e), param="chat_template_kwargs") from None
     try:
-        messages = [chat_message(m.model_dump(), i) for i, m in enumerate(body.messages)]
-        return tokenizer.apply_chat_template(messages, add_generation_prompt=True, **kwargs)
+        return prompts_chat_prompt([m.model_dump() for m in body.messages], tokenizer, kwargs)
     except (TemplateError, ValueError) as e:
         raise APIError(400, str(e), param="messages") from None
 
