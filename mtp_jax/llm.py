@@ -83,7 +83,7 @@ class LLM:
         See :mod:`mtp_jax.models.draft_head`.
       speculative_draft_layer_dtype: MTP only; ``"int8"`` runs the draft's projections (its
         ``fc`` and its decoder layer's attention and dense MLP projections; a MoE layer's
-        router and shared expert, not its routed experts) from an int8 copy with a float32
+        router and shared-expert gate, not its routed experts) from an int8 copy with a float32
         scale per row: about half the draft layer's bytes per draft step, for the memory of
         that copy (out x (in + 4) bytes per projection). Output stays exact; the drafts, hence
         the accept length, may change a little. ``None`` or ``"model"``: the model dtype.

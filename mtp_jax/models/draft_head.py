@@ -39,6 +39,7 @@ from mtp_jax.config import DRAFT_HEAD_DTYPES as HEAD_DTYPES
 from mtp_jax.config import DRAFT_LAYER_DTYPES as LAYER_DTYPES
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import as_data, quantize_projections
+from mtp_jax.models.layers.mlp import SHARED_EXPERT_TENSORS, folds_shared_expert
 from mtp_jax.models.layers.int8_rows import int8_matmul, quantize_rows_in_blocks
 from mtp_jax.weights import names
 from pallas_kernels.gemv import gemv
@@ -233,8 +234,9 @@ def draft_head_bytes(cfg, n: int | None, dtype: str, head_dtype: str | None = No
 def draft_layer_bytes(cfg, layer_dtype: str | None = None,
                       tensor_shapes: dict | None = None) -> int:
     """Bytes an int8 draft layer adds (``layer_dtype="int8"``): out x (in + 4) per projection
-    of the ``mtp.*`` draft, its 2-D ``.weight`` tensors (the model-dtype copies stay loaded);
-    0 for ``None``. ``tensor_shapes``: the family's tensor name -> shape map with the draft
+    of the ``mtp.*`` draft, its 2-D ``.weight`` tensors (the model-dtype copies stay loaded)
+    but a shared expert folded into the routed experts
+    (:func:`~mtp_jax.models.layers.mlp.folds_shared_expert`); 0 for ``None``. ``tensor_shapes``: the family's tensor name -> shape map with the draft
     (``ModelEntry.tensor_shapes(cfg, True)``; default: the Qwen3.5 names,
     :func:`mtp_jax.weights.names.mtp_projections`)."""
     if layer_dtype is None:
@@ -244,4 +246,6 @@ def draft_layer_bytes(cfg, layer_dtype: str | None = None,
     else:
         projections = {n: s for n, s in tensor_shapes.items()
                        if n.startswith("mtp.") and n.endswith(".weight") and len(s) == 2}
-    return sum(out * (inp + 4) for out, inp in projections.values())
+    folded = folds_shared_expert(cfg)
+    return sum(out * (inp + 4) for name, (out, inp) in projections.items()
+               if not (folded and SHARED_EXPERT_TENSORS in name))

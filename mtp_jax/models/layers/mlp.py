@@ -4,6 +4,13 @@ MoE routing (HF ``Qwen3_5MoeSparseMoeBlock``): ``p = softmax(x @ gate.T)`` in fl
 top ``num_experts_per_tok`` experts, weights renormalised to sum 1 when ``norm_topk_prob``;
 ``y = sum_e w_e * expert_e(x) + sigmoid(shared_expert_gate(x)) * shared_expert(x)``.
 Expert weights are fused: ``gate_up_proj [E, 2I, H]`` (gate rows first), ``down_proj [E, H, I]``.
+
+With :data:`FOLD_SHARED_EXPERT` set, ``SparseMoE.merge_projections`` stacks the shared expert
+onto the routed ones as expert ``E`` (its intermediate size must equal the routed experts') and
+every token routes to it with weight ``sigmoid(shared_expert_gate(x))``: the same sum, one
+gather-reduce pair instead of a separate shared-expert MLP (its own kernels at decode); its
+gated output is added to the routed ones in float32 and rounded once with them (the separate
+form rounds the gated output and the sum in the model dtype).
 """
 
 from __future__ import annotations
@@ -17,6 +24,22 @@ from mtp_jax.models.layers.basic import Linear, as_data, merge_linears, mergeabl
 from pallas_kernels.moe import moe_experts_weighted
 from pallas_kernels.moe.router import MAX_EXPERTS, route_topk
 from pallas_kernels.quant import KeptArray, QuantFormat, check_parts
+
+# 1: merge_projections() folds the shared expert into the routed experts (module docstring):
+# the 35B-A3B decode step 3% faster on an H100, its k = 3 round the same (docs/benchmarks.md,
+# session 61).
+FOLD_SHARED_EXPERT = 1
+SHARED_EXPERT_TENSORS = ".mlp.shared_expert."  # checkpoint names of the shared expert's tensors
+
+
+def folds_shared_expert(cfg) -> bool:
+    """Whether ``merge_projections`` folds a MoE config's shared expert into its routed experts
+    (:data:`FOLD_SHARED_EXPERT` and equal intermediate sizes), so that its projections are no
+    longer 2-D ``Linear`` s (e.g. for an int8 draft layer's bytes). A checkpoint holding them
+    quantized keeps them apart all the same (:meth:`SparseMoE._foldable`)."""
+    return (bool(FOLD_SHARED_EXPERT) and bool(getattr(cfg, "num_experts", 0))
+            and getattr(cfg, "shared_expert_intermediate_size", None)
+            == getattr(cfg, "moe_intermediate_size", None))
 
 
 class MLP(nnx.Module):
@@ -75,6 +98,21 @@ class Experts(nnx.Module):
                        ("down_proj", (num_experts, hidden, intermediate)))
         self.quant = ()  # ((name, QuantFormat), ...) of the stacks kept quantized
         self.scales = None  # nnx.Dict of {name: scale} and {name + "_2": scale_2}
+
+    def append_expert(self, gate_up: jax.Array, down: jax.Array) -> None:
+        """Stack one more expert (``gate_up [2I, H]``, ``down [H, I]``) as expert ``E`` (in
+        place). Raises ValueError for kept-quantized stacks or shapes that do not fit."""
+        (_, (e, i2, h)), (_, down_shape) = self.shapes
+        if self.quant:
+            raise ValueError("append_expert: the experts are kept quantized.")
+        if gate_up.shape != (i2, h) or down.shape != down_shape[1:]:
+            raise ValueError(f"append_expert: gate_up {gate_up.shape} / down {down.shape} do "
+                             f"not fit experts of gate_up {(i2, h)} / down {down_shape[1:]}.")
+        self.gate_up_proj = nnx.Param(jnp.concatenate([self.gate_up_proj[...],
+                                                       gate_up[None]]))
+        self.down_proj = nnx.Param(jnp.concatenate([self.down_proj[...], down[None]]))
+        self.shapes = (("gate_up_proj", (e + 1, i2, h)),
+                       ("down_proj", (e + 1, *down_shape[1:])))
 
     def stack(self, name: str):
         """``"gate_up_proj"`` or ``"down_proj"``: the array, or a
@@ -139,12 +177,31 @@ class SparseMoE(nnx.Module):
     def merge_projections(self) -> None:
         """Merge the router ``gate``, ``shared_expert_gate`` and the shared expert's
         ``gate_proj`` / ``up_proj`` (all read the layer input) into one ``in_proj``
-        (:class:`mtp_jax.models.layers.basic.MergedLinear`; the four are removed)."""
+        (:class:`mtp_jax.models.layers.basic.MergedLinear`; the four are removed). With
+        :data:`FOLD_SHARED_EXPERT` and a foldable shared expert (:meth:`_foldable`) the shared
+        expert becomes routed expert ``E`` instead and ``in_proj`` merges the two gates."""
         se = self.shared_expert
+        if self.in_proj is not None or se is None:
+            return
+        if FOLD_SHARED_EXPERT and self._foldable():
+            gate_up = jnp.concatenate([se.gate_proj.weight[...], se.up_proj.weight[...]])
+            self.experts.append_expert(gate_up, se.down_proj.weight[...])
+            self.in_proj = as_data(merge_linears([self.gate, self.shared_expert_gate]))
+            self.gate = self.shared_expert_gate = self.shared_expert = None
+            return
         parts = [self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj]
-        if self.in_proj is None and mergeable(parts):
+        if mergeable(parts):
             self.in_proj = as_data(merge_linears(parts))
             self.gate = self.shared_expert_gate = se.gate_proj = se.up_proj = None
+
+    def _foldable(self) -> bool:
+        """The shared expert can be routed expert ``E``: its intermediate size is the routed
+        experts', and it, the gates and the experts are all held unquantized."""
+        se = self.shared_expert
+        linears = [self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj, se.down_proj]
+        plain = all(m is not None and m.quant is None and m.scale is None for m in linears)
+        inter = dict(self.experts.shapes)["down_proj"][-1]
+        return plain and not self.experts.quant and se.gate_proj.out_features == inter
 
     def _router_backend(self) -> str:
         e = self.num_experts
@@ -155,6 +212,13 @@ class SparseMoE(nnx.Module):
         shape = x.shape
         x2 = x.reshape(-1, shape[-1])
         se = self.shared_expert
+        if se is None:  # folded: the shared expert is routed expert E, gated by column E
+            logits = self.in_proj.stacked(x2)
+            weights, ids = self._route(logits)
+            shared_gate = jax.nn.sigmoid(logits[:, self.num_experts:].astype(jnp.float32))
+            ids = jnp.concatenate([ids, jnp.full_like(ids[:, :1], self.num_experts)], axis=1)
+            weights = jnp.concatenate([weights.astype(jnp.float32), shared_gate], axis=1)
+            return self.experts(x2, ids, weights).reshape(shape)
         if self.in_proj is None:
             logits, shared_gate, gate, up = project(
                 x2, None, (self.gate, self.shared_expert_gate, se.gate_proj, se.up_proj))
@@ -162,9 +226,14 @@ class SparseMoE(nnx.Module):
             proj = self.in_proj.stacked(x2)
             _, shared_gate, gate, up = jnp.split(proj, self.in_proj.offsets[1:], axis=-1)
             logits = proj  # the router reads its first E columns in place (no sliced copy)
-        weights, ids = route_topk(logits, self.top_k, normalize=self.norm_topk_prob,
-                                  backend=self._router_backend(), num_experts=self.num_experts)
+        weights, ids = self._route(logits)
         routed = self.experts(x2, ids, weights)
         shared = se.activate(gate, up) * jax.nn.sigmoid(
             shared_gate.astype(jnp.float32)).astype(x2.dtype)
         return (routed + shared).reshape(shape)
+
+    def _route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
+        """Routing weights and expert ids ``[N, top_k]`` from ``logits [N, >= E]`` (the router
+        reads the first E columns)."""
+        return route_topk(logits, self.top_k, normalize=self.norm_topk_prob,
+                          backend=self._router_backend(), num_experts=self.num_experts)
