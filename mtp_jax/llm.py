@@ -14,8 +14,6 @@ from tqdm.auto import tqdm
 from mtp_jax.cache_admin import cache_status, check_resize_fits
 from mtp_jax.checks import check_before_load
 from mtp_jax.compile_cache import enable_compilation_cache
-from mtp_jax.config import (EngineConfig, SpeculativeConfig, normalize_algorithm,
-                            normalize_draft_dtype)
 from mtp_jax.default_model import default_model_path
 from mtp_jax.engine import executable_prefetch
 from mtp_jax.engine.executable_cache import cache_dir
@@ -23,6 +21,7 @@ from mtp_jax.engine.requests import ABORT, Request, RequestOutput, StreamOutput
 from mtp_jax.engine.samples import sample_seed, split_ready, waits_for_first
 from mtp_jax.engine.load_plan import check_memory_and_quantization
 from mtp_jax.engine.serving import make_engine
+from mtp_jax.llm_settings import llm_settings
 from mtp_jax.models.checks import check_backends
 from mtp_jax.models.loaded import resolve_dtype
 from mtp_jax.models.loader import load_model, load_request
@@ -30,7 +29,6 @@ from mtp_jax.prompt_checks import PromptLimits, check_prompts_before_load, load_
 from mtp_jax.prompts import (chat_prompt, check_stops, error_output, params_list, prompt_ids,
                              prompt_list, request_output)
 from mtp_jax.sampling import SamplingParams
-from mtp_jax.speculative.draft_dtypes import resolve_draft_dtypes
 from mtp_jax.speculative.external import Proposer
 from mtp_jax.streaming import with_text
 from mtp_jax.tokenizer import Tokenizer
@@ -184,23 +182,8 @@ class LLM:
         if model is None:
             model = default_model_path()
         _prefetch_programs(model, args)  # loaded while the tokenizer is read
-        algorithm = normalize_algorithm(speculative_algorithm)
-        speculative = SpeculativeConfig(
-            algorithm=algorithm, num_steps=speculative_num_steps,
-            draft_model_path=speculative_draft_model_path,
-            draft_vocab_size=speculative_draft_vocab_size, token_map_path=speculative_token_map,
-            draft_head_dtype=normalize_draft_dtype(speculative_draft_head_dtype),
-            draft_layer_dtype=normalize_draft_dtype(speculative_draft_layer_dtype),
-            adaptive=speculative_adaptive, adaptive_round_cost=speculative_adaptive_round_cost)
-        speculative = resolve_draft_dtypes(speculative, resolve_dtype(dtype))  # before checks
-        engine_cfg = EngineConfig(max_running_requests=max_running_requests, page_size=page_size,
-                                  max_model_len=max_model_len, dtype=resolve_dtype(dtype),
-                                  chunked_prefill_size=chunked_prefill_size,
-                                  max_prefill_batch=max_prefill_batch,
-                                  enable_prefix_cache=enable_prefix_cache,
-                                  overlap_schedule=overlap_schedule,
-                                  num_scheduler_steps=num_scheduler_steps,
-                                  mem_fraction=mem_fraction, max_total_tokens=max_total_tokens)
+        speculative, engine_cfg = llm_settings(args)
+        algorithm = speculative.algorithm
         self.seed = seed
         self.speculative = speculative  # the speculative settings in use
         self._next_id = 0
@@ -240,6 +223,12 @@ class LLM:
         """Pool sizes and use (KV pages, slots, queued and running requests, prefix cache);
         :func:`mtp_jax.cache_admin.cache_status`."""
         return cache_status(self.engine)
+
+    def get_tokenizer(self) -> Tokenizer | None:
+        """The checkpoint's tokenizer (:class:`mtp_jax.tokenizer.Tokenizer`: ``encode``,
+        ``decode``, ``apply_chat_template``), as vLLM's ``LLM.get_tokenizer``; None for a
+        checkpoint without tokenizer files (prompts are then token ids)."""
+        return self.tokenizer
 
     @staticmethod
     def check_prompts(prompts, model: str | None = None, *, max_model_len: int = 4096,
@@ -321,7 +310,9 @@ class LLM:
     def generate(self, prompts,
                  sampling_params: SamplingParams | Sequence[SamplingParams] | None = None,
                  use_tqdm: bool = False) -> list[RequestOutput]:
-        """Generate for ``prompts`` (a string, a token-id list, or a list of either).
+        """Generate for ``prompts``: a string, a token-id list, a ``{"prompt": text}`` or
+        ``{"prompt_token_ids": ids}`` dict (vLLM's ``TextPrompt`` / ``TokensPrompt``), or a
+        list of any of these.
 
         ``sampling_params``: one for all or one per prompt (default ``SamplingParams()``).
         ``use_tqdm``: a progress bar over finished requests.

@@ -1,7 +1,8 @@
 """Prompts and sampling parameters in, requests and outputs out: the checks and conversions of
 ``LLM``'s calls, as pure functions (each bad value gets a ``ValueError`` naming it).
 
-:func:`prompt_ids` turns one prompt (text or token ids) into ids; :func:`prompt_list` and
+:func:`prompt_ids` turns one prompt (text, token ids, or vLLM's ``{"prompt": text}`` /
+``{"prompt_token_ids": ids}`` dicts: :func:`unwrap_prompt`) into ids; :func:`prompt_list` and
 :func:`params_list` normalise a call's arguments; :func:`request_output` and
 :func:`error_output` build what the caller gets back.
 """
@@ -14,9 +15,35 @@ from collections.abc import Iterable
 from mtp_jax.engine.requests import Request, RequestOutput
 from mtp_jax.sampling import SamplingParams
 
-__all__ = ["prompt_ids", "too_long_message", "check_stops", "chat_prompt", "chat_message",
+__all__ = ["prompt_ids", "unwrap_prompt", "too_long_message", "check_stops", "chat_prompt", "chat_message",
            "short_repr", "prompt_list", "conversation_list", "params_list", "request_output",
            "error_output"]
+
+
+PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPrompt
+
+
+def unwrap_prompt(prompt):
+    """A vLLM-style prompt dict, ``{"prompt": text}`` or ``{"prompt_token_ids": ids}``, as the
+    text or ids it holds; any other prompt as it is. Raises ``ValueError`` for a dict with
+    other keys (named, with the keys taken) or with both or neither."""
+    if not isinstance(prompt, dict):
+        return prompt
+    unknown = sorted(str(k) for k in prompt if k not in PROMPT_DICT_KEYS)
+    if unknown:
+        raise ValueError(f"prompt dict keys {unknown} are not supported; a prompt dict holds "
+                         "one of 'prompt' (text) or 'prompt_token_ids' (a list of ints).")
+    if len(prompt) != 1:
+        raise ValueError("a prompt dict holds exactly one of 'prompt' (text) or "
+                         f"'prompt_token_ids' (a list of ints); got {sorted(prompt) or 'none'}.")
+    key, value = next(iter(prompt.items()))
+    if key == "prompt" and not isinstance(value, str):
+        raise ValueError(f"'prompt' is {type(value).__name__}, not text; token ids go in "
+                         "'prompt_token_ids'.")
+    if key == "prompt_token_ids" and isinstance(value, str):
+        raise ValueError("'prompt_token_ids' is text, not a list of ints; text goes in "
+                         "'prompt'.")
+    return value
 
 
 def prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int, *,
@@ -25,7 +52,9 @@ def prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int, *,
     list / 1-D array of ints. Raises ``ValueError`` for text without a tokenizer, non-int ids,
     an empty prompt, ids outside ``[0, vocab_size)``, or a prompt that leaves no room in
     ``max_model_len`` (the context limit) for one output token; ``max_positions`` (the model's
-    ``max_position_embeddings``, when known) says whether raising ``max_model_len`` can help."""
+    ``max_position_embeddings``, when known) says whether raising ``max_model_len`` can help.
+    A prompt dict is unwrapped first (:func:`unwrap_prompt`)."""
+    prompt = unwrap_prompt(prompt)
     if isinstance(prompt, str):
         if tokenizer is None:
             raise ValueError("this checkpoint has no tokenizer files; pass prompts "
@@ -202,16 +231,16 @@ def conversation_list(conversations) -> list:
 
 
 def prompt_list(prompts) -> list:
-    """A call's prompts as a list: one string or one token-id list is one prompt. Raises
-    ``ValueError`` for anything else that is not a list of prompts."""
-    single = isinstance(prompts, str) or (
+    """A call's prompts as a list: one string, one token-id list or one prompt dict is one
+    prompt. Raises ``ValueError`` for anything else that is not a list of prompts."""
+    single = isinstance(prompts, (str, dict)) or (
         isinstance(prompts, (list, tuple)) and len(prompts) > 0
         and isinstance(prompts[0], numbers.Integral))
     if single or (hasattr(prompts, "ndim") and prompts.ndim == 1):
         prompts = [prompts]
-    if not isinstance(prompts, Iterable) or isinstance(prompts, (bytes, dict)):
+    if not isinstance(prompts, Iterable) or isinstance(prompts, bytes):
         raise ValueError(f"prompts {prompts!r} ({type(prompts).__name__}) must be a string, "
-                         "a list of token ids, or a list of either.")
+                         "a list of token ids, a prompt dict, or a list of these.")
     return list(prompts)
 
 
@@ -258,6 +287,8 @@ def request_output(r: Request, tokenizer) -> RequestOutput:
 
 def error_output(request_id: str, prompt, message: str) -> RequestOutput:
     """The output of a prompt refused among several (``finish_reason="error"``)."""
+    if isinstance(prompt, dict) and len(prompt) == 1:  # a prompt dict: what it holds
+        prompt = next(iter(prompt.values()))
     ids = ([int(t) for t in prompt] if isinstance(prompt, (list, tuple)) and all(
         isinstance(t, numbers.Integral) for t in prompt) else [])
     return RequestOutput(request_id=request_id, prompt=prompt if isinstance(prompt, str) else None,

@@ -46,7 +46,11 @@ BAD_PROMPTS = [
     ("float_ids", [5, 2.5], r"prompt token ids must be ints; got \[2\.5\]"),
     ("text_without_tokenizer", "hello", r"has no tokenizer files; pass prompts as lists of "
                                         r"token ids"),
-    ("not_a_prompt", {"ids": [1]}, r"is neither a string nor a list of token ids"),
+    ("not_a_prompt", 3.5, r"is neither a string nor a list of token ids"),
+    ("dict_unknown_key", {"ids": [1]}, r"prompt dict keys \['ids'\] are not supported"),
+    ("dict_both_keys", {"prompt": "a", "prompt_token_ids": [1]},
+     r"holds exactly one of 'prompt' \(text\) or 'prompt_token_ids'"),
+    ("dict_ids_as_prompt", {"prompt": [5, 6]}, r"'prompt' is list, not text"),
 ]
 
 
@@ -161,7 +165,8 @@ def test_sampling_params_count_and_type(llm, run_spy):
         llm.generate(_good(1), {"temperature": 0})
     for bad in (5, None):
         with pytest.raises(ValueError, match=rf"prompts {bad} \(\w+\) must be a string, a list "
-                                             "of token ids, or a list of either"):
+                                             "of token ids, a prompt dict, or a list of "
+                                             "these"):
             llm.generate(bad, SamplingParams())
     assert run_spy == []
 
@@ -287,3 +292,26 @@ def test_cli_ctrl_c_exits_130_without_a_traceback(monkeypatch, capsys):
     assert generate.main(["--prompt", "hi"]) == 130
     err = capsys.readouterr().err
     assert "interrupted (Ctrl-C)" in err and "Traceback" not in err
+
+
+def test_vllm_prompt_dicts_run_as_their_contents(llm):
+    """vLLM's ``{"prompt_token_ids": ids}`` (and ``{"prompt": text}``) prompts: the same
+    outputs as the bare ids, one dict alone is one prompt, and the text form reaches the
+    tokenizer (``prompt_ids`` with a stand-in tokenizer)."""
+    from mtp_jax.prompts import prompt_ids
+
+    good = _good(2)
+    greedy = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    plain = llm.generate(good, greedy)
+    dicts = llm.generate([{"prompt_token_ids": good[0]}, good[1]], greedy)
+    assert [o.token_ids for o in dicts] == [o.token_ids for o in plain]
+    assert dicts[0].prompt_token_ids == good[0] and dicts[0].prompt is None
+    one = llm.generate({"prompt_token_ids": good[1]}, greedy)
+    assert len(one) == 1 and one[0].token_ids == plain[1].token_ids
+    assert llm.get_tokenizer() is None  # this folder has no tokenizer files
+
+    class Chars:  # a stand-in tokenizer: one id per character
+        def encode(self, text):
+            return [ord(c) for c in text]
+
+    assert prompt_ids({"prompt": "hi"}, Chars(), VOCAB, MAX_LEN) == ("hi", [104, 105])
