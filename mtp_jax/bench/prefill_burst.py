@@ -23,6 +23,12 @@ there means the warm-up burst missed a program). One timed burst per row: on a s
 Prompt lengths are drawn uniformly from
 ``--prompt-len LO HI`` (``--seed``); token ids are random, not text. Writes JSON to ``--out``
 and prints a markdown table.
+
+``--call-times``: after the timed burst, one more burst of the same lengths (other ids, the
+prefix cache flushed) with each prefill call synced before and after (its device work alone,
+no overlap with rounds), and a second table: per (B, T) call shape, the calls, their time
+each, the prompt tokens they held and their padded ``B * T`` tokens. Where batched calls of
+mixed lengths lose or win against one request per call.
 """
 
 from __future__ import annotations
@@ -33,6 +39,7 @@ import json
 import sys
 import time
 
+import jax
 import numpy as np
 
 from mtp_jax.bench import report
@@ -47,7 +54,8 @@ SUMMARY = ("time to first token (p50, p99) and tokens/s of a burst of mixed-leng
            "batched prefill on and off, speculation off and on")
 
 __all__ = ["SUMMARY", "build_parser", "main", "prompt_lengths", "burst", "serve_burst",
-           "percentiles", "burst_table", "check_gguf_draft"]
+           "percentiles", "burst_table", "check_gguf_draft", "time_prefill_calls",
+           "call_shapes", "call_table"]
 
 SETTINGS = ("off", "mtp")
 
@@ -92,6 +100,63 @@ def serve_burst(eng: Engine, reqs: list[Request]) -> dict:
     return {"ttft_s": [first[r.request_id] for r in reqs], "wall_s": time.perf_counter() - t0}
 
 
+def time_prefill_calls(eng: Engine, reqs: list[Request]) -> list[dict]:
+    """Serve ``reqs`` with each prefill call synced before and after (the scheduler's
+    ``prefill_call`` wrapped on the instance for this burst only); returns one ``{"shape": [B,
+    T], "lengths": [chunk tokens of each row], "s": seconds}`` per call, in order."""
+    sched, log = eng.scheduler, []
+    real = sched.prefill_call
+
+    def synced(rows, shape):
+        jax.block_until_ready(sched.device.pools)
+        t0 = time.perf_counter()
+        real(rows, shape)
+        jax.block_until_ready(sched.device.pools)
+        log.append({"shape": list(shape), "lengths": [r.length for r in rows],
+                    "s": time.perf_counter() - t0})
+
+    sched.prefill_call = synced
+    try:
+        serve_burst(eng, reqs)
+    finally:
+        del sched.prefill_call  # the class's method again
+    return log
+
+
+def call_shapes(calls: list[dict]) -> list[dict]:
+    """Synced prefill calls (:func:`time_prefill_calls`) summed by shape, smallest first:
+    ``B``, ``T``, calls, seconds, prompt tokens, padded tokens (``B * T`` per call)."""
+    by = {}
+    for c in calls:
+        b, t = c["shape"]
+        v = by.setdefault((b, t), {"B": b, "T": t, "calls": 0, "s": 0.0, "tokens": 0,
+                                   "padded": 0})
+        v["calls"] += 1
+        v["s"] += c["s"]
+        v["tokens"] += sum(c["lengths"])
+        v["padded"] += b * t
+    return [by[k] for k in sorted(by)]
+
+
+def call_table(rows: list[dict]) -> str:
+    """The ``--call-times`` rows' call shapes as a markdown table."""
+    out = ["| setting | prefill batch | B x T | calls | ms each | prompt tokens | padded "
+           "tokens | prompt tokens/s |", "|---|---|---|---|---|---|---|---|"]
+    for r in rows:
+        name = f"MTP k={r['k']}" if r["k"] else "off"
+        shapes = r.get("call_shapes") or []
+        total = {"B": "all", "calls": sum(x["calls"] for x in shapes),
+                 "s": sum(x["s"] for x in shapes), "tokens": sum(x["tokens"] for x in shapes),
+                 "padded": sum(x["padded"] for x in shapes)}
+        for x in shapes + [total]:
+            where = "all" if x["B"] == "all" else f"{x['B']} x {x['T']}"
+            each = x["s"] / x["calls"] * 1e3 if x["calls"] else 0.0
+            rate = x["tokens"] / x["s"] if x["s"] else 0.0
+            out.append(f"| {name} | {r['prefill_batch']} | {where} | {x['calls']} | "
+                       f"{each:.2f} | {x['tokens']} | {x['padded']} | {rate:.0f} |")
+    return "\n".join(out)
+
+
 def one_row(model, setting: str, batch: int, lengths: list[int], a) -> dict:
     """Warm up, then time one burst under ``setting`` (``off`` | ``mtp``) with
     ``max_prefill_batch = batch``; returns the row."""
@@ -116,17 +181,23 @@ def one_row(model, setting: str, batch: int, lengths: list[int], a) -> dict:
     out = sum(len(r.output_ids) for r in reqs)
     prompt = sum(lengths)
     ttft = percentiles(got["ttft_s"])
+    delta = stats_delta(eng.stats, before)  # the timed burst's alone
+    draft = sum(r.num_draft_tokens for r in reqs), sum(r.num_accepted_tokens for r in reqs)
+    extra = {}
+    if a.call_times:
+        eng.flush_cache()
+        calls = time_prefill_calls(eng, burst(lengths, a.max_tokens, vocab, a.seed + 2000,
+                                              tag="c"))
+        extra = {"call_shapes": call_shapes(calls), "prefill_call_times": calls}
     return {"setting": setting, "k": a.k if setting == "mtp" else 0, "prefill_batch": batch,
             "requests": len(reqs), "max_running_requests": running,
             "ttft_p50_s": ttft["p50"], "ttft_p99_s": ttft["p99"], "ttft_mean_s": ttft["mean"],
             "ttft_max_s": ttft["max"], "wall_s": got["wall_s"], "prompt_tokens": prompt,
             "output_tokens": out, "output_tokens_per_s": out / got["wall_s"],
             "total_tokens_per_s": (prompt + out) / got["wall_s"],
-            **stats_delta(eng.stats, before),
-            "draft_tokens": sum(r.num_draft_tokens for r in reqs),
-            "accepted_tokens": sum(r.num_accepted_tokens for r in reqs),
+            **delta, "draft_tokens": draft[0], "accepted_tokens": draft[1],
             "warmup_s": warm.seconds, "warmup_compiles": warm.compiles,
-            "compiles_timed": timed.compiles, "ttft_s": got["ttft_s"]}
+            "compiles_timed": timed.compiles, "ttft_s": got["ttft_s"], **extra}
 
 
 def stats_delta(now, before) -> dict:
@@ -193,6 +264,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--seed", type=int, default=0, help="prompt lengths and ids (0)")
     p.add_argument("--compilation-cache-dir", default=None,
                    help="persistent compilation cache (default as the CLI's; 'none': off)")
+    p.add_argument("--call-times", action="store_true",
+                   help="also time each prefill call synced, in one more burst per row, and "
+                        "print their times by call shape")
     p.add_argument("--out", default="bench-prefill-burst.json",
                    help="JSON results, rewritten after each row (default %(default)s)")
     return p
@@ -279,6 +353,9 @@ def main(argv=None) -> int:
         print(f"error: {e}", file=sys.stderr)
         return 2
     print(burst_table(rows))
+    if a.call_times:
+        print()
+        print(call_table(rows))
     if any(r["compiles_timed"] for r in rows):
         print("note: some timed burst compiled a program (see compiles_timed); its times "
               "include the compile.", file=sys.stderr)

@@ -22,10 +22,24 @@ def test_burst_runs_on_cpu(tmp_path, capsys):
     out = tmp_path / "burst.json"
     assert main(["prefill-burst", "--model", fixture_path("tiny_dense"), "--requests", "5",
                  "--prompt-len", "3", "40", "--max-tokens", "3", "--chunked-prefill-size", "64",
-                 "--prefill-batch", "1,4", "--settings", "off", "--out", str(out)]) == 0
+                 "--prefill-batch", "1,4", "--settings", "off", "--call-times",
+                 "--out", str(out)]) == 0
     table = capsys.readouterr().out
     assert "| off | 1 |" in table and "| off | 4 |" in table
+    assert "| off | 4 | all |" in table  # the --call-times table's total line
     rows = json.loads(out.read_text())["results"]
+    lengths = json.loads(out.read_text())["meta"]["prompt_lengths"]
+    for r in rows:  # --call-times: a burst of the same lengths, planned as the timed one
+        calls, shapes = r["prefill_call_times"], r["call_shapes"]
+        assert len(calls) == r["prefill_calls"] == sum(x["calls"] for x in shapes)
+        assert sum(sum(c["lengths"]) for c in calls) == sum(lengths)
+        assert all(len(c["lengths"]) <= c["shape"][0] and max(c["lengths"]) <= c["shape"][1]
+                   and c["s"] > 0 for c in calls)
+        assert sum(x["tokens"] for x in shapes) == sum(lengths)
+        assert sum(x["padded"] for x in shapes) == sum(b * t for b, t in
+                                                       (c["shape"] for c in calls))
+    assert max(c["shape"][0] for c in rows[1]["prefill_call_times"]) > 1
+    assert {c["shape"][0] for c in rows[0]["prefill_call_times"]} == {1}
     one, batched = rows
     assert [r["prefill_batch"] for r in rows] == [1, 4]
     assert one["prefill_chunks"] == batched["prefill_chunks"] == one["prefill_calls"]
