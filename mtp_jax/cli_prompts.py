@@ -19,6 +19,7 @@ __all__ = ["DEFAULT_PROMPT", "FILE_KEYS", "CliPrompts", "read_prompts_file", "de
            "prompt_labels", "prepare_prompts", "check_stream"]
 
 DEFAULT_PROMPT = "Explain speculative decoding in one paragraph."
+PROMPT_KEYS = ("prompt", "prompt_token_ids")  # a line's prompt: text or ids / ids (vLLM's)
 FILE_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids",
              "ignore_eos")
 
@@ -58,16 +59,22 @@ def read_prompts_file(path: str, defaults: dict) -> tuple[list, list[dict], list
                                  "such as {\"prompt\": \"Hello\", \"max_tokens\": 32} (a "
                                  "file of plain-text lines: wrap each as {\"prompt\": ...}, "
                                  "or pass them with --prompt).") from None
-            if not isinstance(rec, dict) or "prompt" not in rec:
-                raise ValueError(f"{path}:{n}: each line must be an object with a \"prompt\".")
-            unknown = sorted(set(rec) - {"prompt", *FILE_KEYS})
+            given = [k for k in PROMPT_KEYS if isinstance(rec, dict) and k in rec]
+            if len(given) != 1:
+                raise ValueError(f"{path}:{n}: each line must be an object with one \"prompt\" "
+                                 "(text or token ids) or \"prompt_token_ids\""
+                                 + (" (not both)." if given else "."))
+            unknown = sorted(set(rec) - {*PROMPT_KEYS, *FILE_KEYS})
             if unknown:
                 close = [f"{k} -> {m[0]}" for k in unknown
-                         if (m := difflib.get_close_matches(k, ["prompt", *FILE_KEYS], n=1))]
+                         if (m := difflib.get_close_matches(k, [*PROMPT_KEYS, *FILE_KEYS], n=1))]
                 hint = f" (did you mean {', '.join(close)}?)" if close else ""
                 raise ValueError(f"{path}:{n}: unknown keys {unknown}{hint}; allowed: prompt, "
-                                 f"{', '.join(FILE_KEYS)}.")
-            prompts.append(rec["prompt"])
+                                 f"prompt_token_ids, {', '.join(FILE_KEYS)}.")
+            if given == ["prompt_token_ids"] and not isinstance(rec["prompt_token_ids"], list):
+                raise ValueError(f"{path}:{n}: \"prompt_token_ids\" must be a list of ints; "
+                                 "text goes in \"prompt\".")
+            prompts.append(rec[given[0]])
             fields.append({**defaults, **{k: rec[k] for k in FILE_KEYS if k in rec}})
             lines.append(n)
     if not prompts:

@@ -467,16 +467,24 @@ class LLM:
             return {}
         return dataclasses.asdict(self.engine.prefix.stats)
 
-    def chat(self, messages: list[dict], sampling_params: SamplingParams | None = None, *,
-             chat_template_kwargs: dict | None = None):
+    def chat(self, messages: list, sampling_params=None, *,
+             chat_template_kwargs: dict | None = None, use_tqdm: bool = False):
         """Apply the chat template to ``messages`` (:func:`mtp_jax.prompts.chat_prompt`) and
-        generate one reply. ``chat_template_kwargs``: variables the template reads, as vLLM's
-        (e.g. ``{"enable_thinking": False}`` with Qwen's templates: an empty think block, so the
-        reply starts at once); a key the template does not read is a ``ValueError`` naming those
-        it does. :meth:`check_prompts` with ``chat=True`` checks a conversation before the
-        load."""
-        prompt = chat_prompt(messages, self.tokenizer, chat_template_kwargs)
-        return self.generate([prompt], sampling_params)[0]
+        generate the reply. ``messages``: one conversation (``[{"role": ..., "content": ...},
+        ...]``; returns its reply, one :class:`RequestOutput`) or a list of conversations
+        (returns their replies, a list in order, as vLLM's ``LLM.chat``; ``sampling_params``
+        one for all or one per conversation, as :meth:`generate` takes them; a conversation
+        the template cannot render raises before any work). ``chat_template_kwargs``:
+        variables the template reads, as vLLM's (e.g. ``{"enable_thinking": False}`` with
+        Qwen's templates: an empty think block, so the reply starts at once); a key the
+        template does not read is a ``ValueError`` naming those it does. :meth:`check_prompts`
+        with ``chat=True`` checks conversations before the load."""
+        several = (isinstance(messages, (list, tuple)) and len(messages) > 0
+                   and all(isinstance(c, (list, tuple)) for c in messages))
+        prompts = [chat_prompt(c, self.tokenizer, chat_template_kwargs)
+                   for c in (messages if several else [messages])]
+        outputs = self.generate(prompts, sampling_params, use_tqdm)
+        return outputs if several else outputs[0]
 
 
 def _new_logprobs(r: Request, count: int):

@@ -73,7 +73,8 @@ def prompt_ids(prompt, tokenizer, vocab_size: int, max_model_len: int, *,
                              "or a list of token ids.")
         ids, text = [int(t) for t in prompt], None
     else:
-        raise ValueError(f"prompt {prompt!r} is neither a string nor a list of token ids.")
+        raise ValueError(f"prompt {prompt!r} is neither a string, a list of token ids nor a "
+                         "prompt dict ({'prompt': text} or {'prompt_token_ids': ids}).")
     if not ids:
         raise ValueError("empty prompt: a prompt needs at least one token; pass some text "
                          "or token ids.")

@@ -120,10 +120,11 @@ class Tokenizer:
     def vocab_size(self) -> int:
         return self._tok.get_vocab_size(with_added_tokens=True)
 
-    def encode(self, text: str) -> list[int]:
-        """Token ids of ``text``; special-token strings in it map to their ids, nothing is
-        added (no BOS)."""
-        return self._tok.encode(text, add_special_tokens=False).ids
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        """Token ids of ``text``; special-token strings in it map to their ids. Nothing is
+        added unless ``add_special_tokens`` (the tokenizer's post-processor, e.g. a BOS; Qwen's
+        adds none)."""
+        return self._tok.encode(text, add_special_tokens=add_special_tokens).ids
 
     def encode_batch(self, texts: Iterable[str]) -> list[list[int]]:
         return [e.ids for e in self._tok.encode_batch(list(texts), add_special_tokens=False)]
@@ -177,13 +178,24 @@ class Tokenizer:
         return self._variables[0 if assigned else 1]
 
     def apply_chat_template(self, messages: list[dict], add_generation_prompt: bool = True,
-                            **kwargs: Any) -> str:
-        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) to a prompt string.
+                            tokenize: bool = False, **kwargs: Any) -> str | list[int]:
+        """Render ``messages`` (``[{"role": ..., "content": ...}, ...]``) to a prompt string,
+        or with ``tokenize`` to its token ids (:meth:`encode`; HF's ``tokenize=True``, which
+        is HF's default and not this one's).
 
         Extra keyword arguments (``tools``, ``enable_thinking``, ...) are passed to the template.
-        Raises :class:`TemplateError` when the template rejects the input.
+        Raises :class:`TemplateError` when the template rejects the input (or there is none),
+        ``ValueError`` for a keyword the template does not read (named, with those it reads).
         """
         import jinja2
+
+        unread = sorted(k for k in kwargs if k not in self.template_variables())
+        if unread:
+            raise ValueError(f"apply_chat_template: the chat template does not read {unread}; "
+                             f"it reads {sorted(self.template_variables(assigned=False))}.")
+        if tokenize:
+            return self.encode(self.apply_chat_template(messages, add_generation_prompt,
+                                                        **kwargs))
 
         ctx = dict(bos_token=self.bos_token or "", eos_token=self.eos_token or "",
                    pad_token=self.pad_token or "")

@@ -46,7 +46,8 @@ BAD_PROMPTS = [
     ("float_ids", [5, 2.5], r"prompt token ids must be ints; got \[2\.5\]"),
     ("text_without_tokenizer", "hello", r"has no tokenizer files; pass prompts as lists of "
                                         r"token ids"),
-    ("not_a_prompt", 3.5, r"is neither a string nor a list of token ids"),
+    ("not_a_prompt", 3.5, r"prompt 3\.5 is neither a string, a list of token ids nor a prompt "
+                          r"dict"),
     ("dict_unknown_key", {"ids": [1]}, r"prompt dict keys \['ids'\] are not supported"),
     ("dict_both_keys", {"prompt": "a", "prompt_token_ids": [1]},
      r"holds exactly one of 'prompt' \(text\) or 'prompt_token_ids'"),

@@ -169,7 +169,7 @@ def test_llm_chat_refuses_conversations_that_are_not_text(words, no_load):
     import types
 
     tok = load_tokenizer(words)
-    llm = types.SimpleNamespace(tokenizer=tok, generate=lambda ps, sp: ps)
+    llm = types.SimpleNamespace(tokenizer=tok, generate=lambda ps, sp, *a: ps)
     for conv, pattern in [
             ([], r"the conversation is empty; pass at least one message"),
             ([{"role": "user", "content": 5}], r"messages\[0\]\['content'\] 5 \(int\) must "
@@ -193,6 +193,11 @@ def test_llm_chat_refuses_conversations_that_are_not_text(words, no_load):
     assert LLM.chat(llm, [{"role": "user", "content": parts}]) == text
     empty = [{"role": "user", "content": "t5"}, {"role": "assistant", "content": ""}]
     assert LLM.chat(llm, [empty[0], {"role": "assistant"}]) == LLM.chat(llm, empty)
+    # several conversations (vLLM's batch form): one reply each, in order
+    assert LLM.chat(llm, [[{"role": "user", "content": "t5 t6"}], empty]) == \
+        [text, LLM.chat(llm, empty)]
+    with pytest.raises(ValueError, match=r"the conversation is empty"):
+        LLM.chat(llm, [[{"role": "user", "content": "t5"}], []])
 
 
 def test_llm_check_prompts_chat_checks_the_text_chat_generates_from(words, no_load):
@@ -206,7 +211,7 @@ def test_llm_check_prompts_chat_checks_the_text_chat_generates_from(words, no_lo
     ids = LLM.check_prompts(conv, words, max_model_len=7, chat=True)
     assert ids == [[1, 5, 6, 7, 2, 3]]
     tok = load_tokenizer(words)
-    rendered = LLM.chat(types.SimpleNamespace(tokenizer=tok, generate=lambda ps, sp: ps), conv)
+    rendered = LLM.chat(types.SimpleNamespace(tokenizer=tok, generate=lambda ps, sp, *a: ps), conv)
     assert [tok.encode(rendered)] == ids
     short = [{"role": "user", "content": "t5"}]
     assert LLM.check_prompts([conv, short], words, max_model_len=7, chat=True)[1] == [1, 5, 2, 3]
@@ -425,7 +430,7 @@ def test_chat_template_kwargs_reach_the_template_and_unread_ones_are_refused(wor
     base = load_tokenizer(words)
     tok = Tokenizer(base._tok, CHAT_TEMPLATE, base.eos_token_ids)
     assert {"messages", "add_generation_prompt", "enable_thinking"} <= tok.template_variables()
-    llm = types.SimpleNamespace(tokenizer=tok, generate=lambda ps, sp: ps)
+    llm = types.SimpleNamespace(tokenizer=tok, generate=lambda ps, sp, *a: ps)
     conv = [{"role": "user", "content": "t5"}]
     plain = LLM.chat(llm, conv)
     assert plain.endswith("<|im_start|>assistant\n")
@@ -444,7 +449,7 @@ def test_chat_template_kwargs_reach_the_template_and_unread_ones_are_refused(wor
     # a template that sets a default for a missing input still takes it
     own = Tokenizer(base._tok, "{% if enable_thinking is not defined %}{% set enable_thinking "
                     "= true %}{% endif %}{{ messages[0].content }} {{ enable_thinking }}")
-    llm_own = types.SimpleNamespace(tokenizer=own, generate=lambda ps, sp: ps)
+    llm_own = types.SimpleNamespace(tokenizer=own, generate=lambda ps, sp, *a: ps)
     assert LLM.chat(llm_own, conv, chat_template_kwargs={"enable_thinking": False}) == "t5 False"
     assert LLM.chat(llm_own, conv) == "t5 True"
     # the words fixture's own template reads no such variable: refused before the load
@@ -497,6 +502,17 @@ def test_prompts_file_errors_show_the_form_and_the_closest_key(tmp_path):
     with pytest.raises(ValueError, match=r"unknown keys \['temprature', 'zzz'\] \(did you mean "
                                          r"temprature -> temperature\?\); allowed: prompt, "):
         read_prompts_file(str(f), {})
+    # vLLM's "prompt_token_ids" key: ids only, and one prompt key a line
+    f.write_text('{"prompt_token_ids": [5, 6], "max_tokens": 2}\n{"prompt": [7]}\n')
+    assert read_prompts_file(str(f), {})[0] == [[5, 6], [7]]
+    for line, pattern in [('{"prompt": "a", "prompt_token_ids": [1]}', r"one \"prompt\" .* or "
+                           r"\"prompt_token_ids\" \(not both\)"),
+                          ('{"max_tokens": 3}', r"one \"prompt\" \(text or token ids\) or "
+                           r"\"prompt_token_ids\"\.$"),
+                          ('{"prompt_token_ids": "t5"}', r"must be a list of ints; text goes in")]:
+        f.write_text(line + "\n")
+        with pytest.raises(ValueError, match=pattern):
+            read_prompts_file(str(f), {})
 
 
 def test_generate_stream_new_text_adds_up_to_the_final_text(words):

@@ -132,6 +132,11 @@ def test_chat_template_exact(tok):
     ids = tok.encode(tok.apply_chat_template(msgs[:2]))
     assert ids[0] == 248045 and ids[-2:] == [74455, 198]  # "assistant", "\n"
     assert ids.count(248046) == 2
+    assert tok.apply_chat_template(msgs[:2], tokenize=True) == ids  # HF's tokenize=True
+    assert tok.encode("Hi", add_special_tokens=True) == tok.encode("Hi")  # Qwen adds none
+    with pytest.raises(ValueError, match=r"does not read \['enable_thinkng'\]; it reads "
+                                         r"\[.*'enable_thinking'"):
+        tok.apply_chat_template(msgs[:2], enable_thinkng=False)  # a typo is not dropped
 
 
 def test_chat_template_rejects_late_system(tok):
