@@ -342,9 +342,9 @@ class LLM:
     def generate_stream(self, prompts, sampling_params=None) -> Iterator[StreamOutput]:
         """Like :meth:`generate`, but yields a :class:`StreamOutput` each time a request gains
         tokens (after its prefill and after each round; ``new_text``: the text they add), the
-        last one with ``finished`` set and the complete ``output``. Error outputs of bad prompts are yielded first. Closing the
-        stream before its end (``stream.close()``) aborts its unfinished requests; errors are
-        handled as in :meth:`generate`."""
+        last one with ``finished`` set and the complete ``output``. Error outputs of bad
+        prompts are yielded first. Closing the stream before its end (``stream.close()``)
+        aborts its unfinished requests; errors are handled as in :meth:`generate`."""
         outputs, requests = self._prepare(prompts, sampling_params)
         stops = {i: r.params.stop for i, r in requests}
         yield from with_text(self._stream(outputs, requests, False), self.tokenizer, stops)

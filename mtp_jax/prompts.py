@@ -15,9 +15,9 @@ from collections.abc import Iterable
 from mtp_jax.engine.requests import Request, RequestOutput
 from mtp_jax.sampling import SamplingParams
 
-__all__ = ["prompt_ids", "unwrap_prompt", "too_long_message", "check_stops", "chat_prompt", "chat_message",
-           "short_repr", "prompt_list", "conversation_list", "params_list", "request_output",
-           "error_output"]
+__all__ = ["prompt_ids", "unwrap_prompt", "too_long_message", "check_stops", "chat_prompt",
+           "chat_message", "short_repr", "prompt_list", "conversation_list", "params_list",
+           "request_output", "error_output"]
 
 
 PROMPT_DICT_KEYS = ("prompt", "prompt_token_ids")  # vLLM's TextPrompt / TokensPrompt

@@ -236,7 +236,8 @@ def draft_layer_bytes(cfg, layer_dtype: str | None = None,
     """Bytes an int8 draft layer adds (``layer_dtype="int8"``): out x (in + 4) per projection
     of the ``mtp.*`` draft, its 2-D ``.weight`` tensors (the model-dtype copies stay loaded)
     but a shared expert folded into the routed experts
-    (:func:`~mtp_jax.models.layers.mlp.folds_shared_expert`); 0 for ``None``. ``tensor_shapes``: the family's tensor name -> shape map with the draft
+    (:func:`~mtp_jax.models.layers.mlp.folds_shared_expert`); 0 for ``None``.
+    ``tensor_shapes``: the family's tensor name -> shape map with the draft
     (``ModelEntry.tensor_shapes(cfg, True)``; default: the Qwen3.5 names,
     :func:`mtp_jax.weights.names.mtp_projections`)."""
     if layer_dtype is None:
