@@ -46,6 +46,7 @@ from pallas_kernels.gemv import gemv
 
 __all__ = ["DraftHead", "HEAD_DTYPES", "LAYER_DTYPES", "RESCORE", "BLOCK", "candidates",
            "rescore", "with_draft_head", "draft_head_bytes", "draft_layer_bytes",
+           "int8_layer_projections",
            "head_logits", "head_greedy"]
 
 RESCORE = 8  # int8 head: blocks of BLOCK rows, those with the best logits, re-scored
@@ -242,11 +243,15 @@ def draft_layer_bytes(cfg, layer_dtype: str | None = None,
     :func:`mtp_jax.weights.names.mtp_projections`)."""
     if layer_dtype is None:
         return 0
-    if tensor_shapes is None:
-        projections = names.mtp_projections(cfg)
-    else:
-        projections = {n: s for n, s in tensor_shapes.items()
-                       if n.startswith("mtp.") and n.endswith(".weight") and len(s) == 2}
+    shapes = names.mtp_tensors(cfg) if tensor_shapes is None else tensor_shapes
+    return sum(out * (inp + 4) for out, inp in int8_layer_projections(cfg, shapes).values())
+
+
+def int8_layer_projections(cfg, tensor_shapes: dict) -> dict:
+    """Of ``tensor_shapes`` (tensor name -> shape), the projections an int8 draft layer holds
+    as int8 rows: the ``mtp.*`` 2-D ``.weight`` tensors but those of a shared expert folded
+    into the routed experts (:func:`~mtp_jax.models.layers.mlp.folds_shared_expert`)."""
     folded = folds_shared_expert(cfg)
-    return sum(out * (inp + 4) for name, (out, inp) in projections.items()
-               if not (folded and SHARED_EXPERT_TENSORS in name))
+    return {n: s for n, s in tensor_shapes.items()
+            if n.startswith("mtp.") and n.endswith(".weight") and len(s) == 2
+            and not (folded and SHARED_EXPERT_TENSORS in n)}

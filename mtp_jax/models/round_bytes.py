@@ -15,7 +15,7 @@ from __future__ import annotations
 import numpy as np
 
 from mtp_jax.config import ModelConfig
-from mtp_jax.models.layers.mlp import SHARED_EXPERT_TENSORS, folds_shared_expert
+from mtp_jax.models.draft_head import int8_layer_projections
 from mtp_jax.models.registry import entry_of
 
 __all__ = ["expected_experts", "forward_weight_bytes", "round_bytes"]
@@ -85,10 +85,7 @@ def round_bytes(cfg: ModelConfig, batch: int, k: int, context: int, itemsize: in
         if draft_head_dtype == "int8":
             head = draft_rows * (cfg.hidden_size + 4)
         draft = {n: s for n, s in shapes(cfg, True).items() if n not in target}
-        folded = folds_shared_expert(cfg)  # its projections are then routed expert E's
-        int8 = ({n: s for n, s in draft.items() if n.endswith(".weight") and len(s) == 2
-                 and not (folded and SHARED_EXPERT_TENSORS in n)}
-                if draft_layer_dtype == "int8" else {})
+        int8 = int8_layer_projections(cfg, draft) if draft_layer_dtype == "int8" else {}
         rest = {n: shape for n, shape in draft.items() if n not in int8}
         int8_bytes = sum(o * (i + 4) for o, i in int8.values())
         out["draft_weights"] = (forward_weight_bytes(cfg, rest, batch * (k + 1), itemsize,
