@@ -5,7 +5,8 @@ conv:      ``[slots, conv_dim, K]`` per layer, a ring of raw (pre-conv) inputs k
            (position p in column p mod K), model dtype; with ``ring=False`` the shift register
            ``[slots, conv_dim, K-1]`` of the last K-1 inputs (qwen4_exp). See
            :mod:`mtp_jax.models.layers.conv_state`.
-Slot 0 is the trash slot used by padding rows; requests get slots 1..slots-1.
+Slot 0 is the trash slot of padding rows (they read it and write nothing: it stays zero);
+requests get slots 1..slots-1.
 """
 
 from __future__ import annotations
@@ -14,6 +15,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from mtp_jax.cache.rows import set_rows
 
 TRASH_SLOT = 0
 
@@ -37,10 +40,11 @@ class LinearState:
         return LinearState(tuple(r[slots] for r in self.recurrent), tuple(c[slots] for c in self.conv))
 
     def scatter(self, slots: jax.Array, batch: "LinearState") -> "LinearState":
-        """Write a batch view back at ``slots [B]``."""
-        return LinearState(
-            tuple(r.at[slots].set(b) for r, b in zip(self.recurrent, batch.recurrent)),
-            tuple(c.at[slots].set(b.astype(c.dtype)) for c, b in zip(self.conv, batch.conv)))
+        """Write a batch view back at ``slots [B]`` (rows on :data:`TRASH_SLOT` write nothing:
+        :func:`mtp_jax.cache.rows.set_rows`)."""
+        put = lambda whole, part: tuple(set_rows(a, slots, b, TRASH_SLOT)
+                                        for a, b in zip(whole, part))
+        return LinearState(put(self.recurrent, batch.recurrent), put(self.conv, batch.conv))
 
     @property
     def nbytes(self) -> int:

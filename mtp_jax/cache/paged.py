@@ -2,8 +2,9 @@
 
 Layout: one ``[num_pages, page_size, num_kv_heads, head_dim]`` array per attention layer for K
 and for V. Position ``p`` of a request lives at ``page_table[row, p // page_size]``, offset
-``p % page_size``. Page 0 is never given to a request: rows that must not write anything a live
-request can read (padding rows of a bucket, padding tokens of a prefill) write there.
+``p % page_size``. Page 0 is never given to a request: it stands in the page tables of padding
+rows and past a request's pages; rows addressed to it (padding rows of a bucket, padding
+tokens of a prefill) write nothing (:func:`write_kv`), so it stays zero.
 """
 
 from __future__ import annotations
@@ -12,6 +13,8 @@ import dataclasses
 
 import jax
 import jax.numpy as jnp
+
+from mtp_jax.cache.rows import dropped
 
 TRASH_PAGE = 0
 
@@ -48,7 +51,7 @@ class AttentionBatch:
 
     positions:  ``[B, T]`` int32, absolute position of each row.
     valid:      ``[B, T]`` bool, rows whose K/V (and recurrent updates) are real; invalid rows
-                write to the trash page and leave every state unchanged.
+                write nothing and leave every state unchanged.
     page_table: ``[B, max_pages]`` int32, pages of each request (trash page for padding rows).
     """
 
@@ -60,16 +63,18 @@ class AttentionBatch:
 def write_kv(pages: jax.Array, new: jax.Array, batch: AttentionBatch) -> jax.Array:
     """Scatter ``new [B, T, Hkv, D]`` into ``pages [P, page_size, Hkv, D]`` at the rows' positions.
 
-    Invalid rows go to the trash page. Returns the updated pages (donate the input to update in
-    place).
+    Invalid rows, and rows whose page is the trash page, write nothing. Returns the updated
+    pages (donate the input to update in place).
     """
     page_size = pages.shape[1]
     page_idx = jnp.clip(batch.positions // page_size, 0, batch.page_table.shape[1] - 1)
     page = jnp.take_along_axis(batch.page_table, page_idx, axis=1)
-    page = jnp.where(batch.valid, page, TRASH_PAGE)
-    offset = jnp.where(batch.valid, batch.positions % page_size, 0)
+    # Rows bound for the trash page (invalid rows, positions past the page table's pages) are
+    # left out, not written there: colliding writes serialise (mtp_jax.cache.rows).
+    page = dropped(page, batch.valid & (page != TRASH_PAGE), pages.shape[0])
+    offset = batch.positions % page_size
     # Scatter on the 4-D pool (no reshape to [P * page_size, ...]): with one row (B * T = 1)
     # XLA turns the scatter into a dynamic-update-slice, and through the reshape the CPU
     # fusion pass duplicated it into the attention gather, copying the whole pool 4x per call.
     return pages.at[page.reshape(-1), offset.reshape(-1)].set(
-        new.reshape(-1, *new.shape[2:]).astype(pages.dtype))
+        new.reshape(-1, *new.shape[2:]).astype(pages.dtype), mode="drop")

@@ -24,6 +24,7 @@ import jax.numpy as jnp
 
 from mtp_jax.cache.paged import AttentionBatch
 from mtp_jax.cache.pools import Pools
+from mtp_jax.cache.rows import set_rows
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
 from mtp_jax.speculative.mtp import row_at
 
@@ -38,24 +39,23 @@ def has_snapshots(pools: Pools) -> bool:
 
 
 def _save_hidden(pools: Pools, ids: jax.Array, hidden: jax.Array) -> Pools:
-    """``snapshot_hidden[ids] = hidden`` (``ids [N]`` int32, 0: the trash snapshot;
-    ``hidden [N, H]``) where the pools keep the hidden (MTP draft KV in the pages)."""
+    """``snapshot_hidden[ids] = hidden`` (``ids [N]`` int32, 0: the trash snapshot, not
+    written; ``hidden [N, H]``) where the pools keep the hidden (MTP draft KV in the pages)."""
     if pools.snapshot_hidden is None:
         return pools
-    h = hidden.astype(pools.snapshot_hidden.dtype)
-    return dataclasses.replace(pools, snapshot_hidden=pools.snapshot_hidden.at[ids].set(h))
+    return dataclasses.replace(pools, snapshot_hidden=set_rows(pools.snapshot_hidden, ids, hidden))
 
 
 def save_round_snapshots(model, pools: Pools, rows, batch: RoundBatch, position: jax.Array,
                          num_draft: jax.Array, decode: bool, hidden: jax.Array) -> Pools:
     """Save the GDN state after verify row ``batch.snap_at - 1 - position`` into ``snap_id``
     for rows whose boundary this round's verify rows reach (``0 <= row <= num_draft``, live);
-    the others write the trash snapshot 0. ``position [B]`` is the round's start; ``hidden
-    [B, k+1, H]`` the target's hidden of the verify rows (that row's is saved beside the
-    state). Decode form (``decode``): ``rows`` are the new states of the one row, saved as they
-    are; else a second replay. The host traces this only into the variant it calls when some
-    row may reach a prefix-cache boundary within the call, so other calls carry neither its
-    cost nor a conditional."""
+    the others go to the trash snapshot 0 (not written). ``position [B]`` is the round's
+    start; ``hidden [B, k+1, H]`` the target's hidden of the verify rows (that row's is saved
+    beside the state). Decode form (``decode``): ``rows`` are the new states of the one row,
+    saved as they are; else a second replay. The host traces this only into the variant it
+    calls when some row may reach a prefix-cache boundary within the call, so other calls
+    carry neither its cost nor a conditional."""
     if not has_snapshots(pools):
         return pools
     row = batch.snap_at - 1 - position
@@ -84,7 +84,7 @@ def save_prefill_snapshots(pools: Pools, batch: PrefillBatch, view, states,
     each target's rows, ``[B, S, ...]`` leaves) into ``snap_id``, or, for a family without
     them (``states`` None), the chunk's final states ``view`` into the id of a boundary at the
     chunk's end; beside each, the hidden of the row before the boundary (``hidden [B, T, H]``,
-    the chunk's). Targets not saved write the trash snapshot 0."""
+    the chunk's). Targets not saved go to the trash snapshot 0 (not written)."""
     rows, save = prefill_targets(batch)
     last = hidden.shape[1] - 1
     if states is None:

@@ -37,6 +37,7 @@ import jax
 import jax.numpy as jnp
 from flax import nnx
 
+from mtp_jax.cache.rows import set_rows
 from mtp_jax.config import ModelConfig
 from mtp_jax.kernels import kernels_of
 from mtp_jax.models.layers.basic import (Linear, as_data, merge_linears, mergeable, project,
@@ -96,8 +97,9 @@ def gather_states(pool: tuple[jax.Array, jax.Array], slots: jax.Array):
 
 
 def scatter_states(pool: tuple[jax.Array, jax.Array], slots: jax.Array, view):
-    """Write the batch view ``view`` back into the pools at ``slots``."""
-    return tuple(a.at[slots].set(v.astype(a.dtype)) for a, v in zip(pool, view))
+    """Write the batch view ``view`` back into the pools at ``slots`` (rows on the trash slot 0
+    write nothing: :func:`mtp_jax.cache.rows.set_rows`)."""
+    return tuple(set_rows(a, slots, v) for a, v in zip(pool, view))
 
 
 def commit(state: tuple[jax.Array, jax.Array], rows: GDNRows, length: jax.Array,

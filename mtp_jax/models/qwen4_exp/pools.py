@@ -27,9 +27,10 @@ import dataclasses
 import jax
 import jax.numpy as jnp
 
-from mtp_jax.cache.linear_state import LinearState
+from mtp_jax.cache.linear_state import TRASH_SLOT, LinearState
 from mtp_jax.cache.paged import PagedKV
 from mtp_jax.cache.pools import Pools, hidden_pools
+from mtp_jax.cache.rows import set_rows
 
 __all__ = ["QSAPaged", "Qwen4Slots", "make_qwen4_pools"]
 
@@ -76,12 +77,13 @@ class Qwen4Slots:
                           tuple(a[slots] for a in self.ple_conv), self.ngram_ctx[slots])
 
     def scatter(self, slots: jax.Array, view: "Qwen4Slots") -> "Qwen4Slots":
-        """Write a batch view back at ``slots [B]``."""
-        put = lambda whole, part: tuple(a.at[slots].set(b.astype(a.dtype))
+        """Write a batch view back at ``slots [B]`` (rows on the trash slot write nothing:
+        :func:`mtp_jax.cache.rows.set_rows`)."""
+        put = lambda whole, part: tuple(set_rows(a, slots, b, TRASH_SLOT)
                                         for a, b in zip(whole, part))
         return Qwen4Slots(self.gdn.scatter(slots, view.gdn), put(self.open_idx, view.open_idx),
                           put(self.ple_conv, view.ple_conv),
-                          self.ngram_ctx.at[slots].set(view.ngram_ctx))
+                          set_rows(self.ngram_ctx, slots, view.ngram_ctx, TRASH_SLOT))
 
     @classmethod
     def zeros(cls, cfg, slots: int, dtype) -> "Qwen4Slots":
