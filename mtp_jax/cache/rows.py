@@ -3,8 +3,8 @@
 Padding rows (a bucket's empty rows, a prefill chunk's padded tail, snapshot targets not saved)
 are addressed to a trash page, slot or snapshot that nothing reads. Writing them there made
 every such row of a call hit the same address: XLA's GPU scatter, which cannot assume unique
-indices, serialises colliding writes (a compare-and-swap loop per 16-bit element), and a
-1024-token prefill chunk holding 500 tokens took 3x the time of a full one (H100, session 62,
+indices and so updates atomically, serialises colliding writes, and a 1024-token prefill
+chunk holding 532 tokens took 3.4x the time of a full one (H100, session 62,
 docs/benchmarks.md). Here those rows get an out-of-range index instead, which a scatter with
 ``mode="drop"`` skips: the trash ids are never written (they stay zero) and the remaining
 writes go to distinct addresses.
