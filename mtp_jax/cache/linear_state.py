@@ -5,7 +5,7 @@ conv:      ``[slots, conv_dim, K]`` per layer, a ring of raw (pre-conv) inputs k
            (position p in column p mod K), model dtype; with ``ring=False`` the shift register
            ``[slots, conv_dim, K-1]`` of the last K-1 inputs (qwen4_exp). See
            :mod:`mtp_jax.models.layers.conv_state`.
-Slot 0 is the trash slot of padding rows (they read it and write nothing: it stays zero);
+Slot 0 is the trash slot of padding rows (read by them only; XLA writes leave them out);
 requests get slots 1..slots-1.
 """
 

@@ -3,8 +3,8 @@
 Layout: one ``[num_pages, page_size, num_kv_heads, head_dim]`` array per attention layer for K
 and for V. Position ``p`` of a request lives at ``page_table[row, p // page_size]``, offset
 ``p % page_size``. Page 0 is never given to a request: it stands in the page tables of padding
-rows and past a request's pages; rows addressed to it (padding rows of a bucket, padding
-tokens of a prefill) write nothing (:func:`write_kv`), so it stays zero.
+rows and past a request's pages; :func:`write_kv` leaves out the rows addressed to it (padding
+rows of a bucket, padding tokens of a prefill). Only padding rows read it.
 """
 
 from __future__ import annotations

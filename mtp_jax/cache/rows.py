@@ -6,8 +6,9 @@ every such row of a call hit the same address: XLA's GPU scatter, which cannot a
 indices and so updates atomically, serialises colliding writes, and a 1024-token prefill
 chunk holding 532 tokens took 3.4x the time of a full one (H100, session 62,
 docs/benchmarks.md). Here those rows get an out-of-range index instead, which a scatter with
-``mode="drop"`` skips: the trash ids are never written (they stay zero) and the remaining
-writes go to distinct addresses.
+``mode="drop"`` skips, and the remaining writes go to distinct addresses. (The Pallas
+kernels store padding rows at the trash ids in-kernel, plain stores that do not serialise;
+only padding rows read those ids.)
 """
 
 from __future__ import annotations

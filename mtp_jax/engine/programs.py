@@ -31,6 +31,7 @@ from flax import nnx
 
 from mtp_jax.cache.paged import AttentionBatch
 from mtp_jax.cache.pools import Pools
+from mtp_jax.cache.rows import set_rows
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
 from mtp_jax.engine.executable_cache import ExecutableTable
 from mtp_jax.engine.executable_key import CHANGED_CONSTANTS
@@ -108,7 +109,7 @@ def _plain_round_drafts(model, pools: Pools, hidden, emitted, abatch: AttentionB
         pools = dataclasses.replace(pools, draft_kv=draft_kv)
     stale = jnp.full((bonus.shape[0], pool_k), -1, jnp.int32)
     row = jnp.concatenate([bonus[:, None], stale], 1)
-    return dataclasses.replace(pools, next_tokens=pools.next_tokens.at[slot].set(row))
+    return dataclasses.replace(pools, next_tokens=set_rows(pools.next_tokens, slot, row))
 
 
 def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: PrefillVariant):

@@ -27,6 +27,7 @@ import jax.numpy as jnp
 
 from mtp_jax.cache.paged import AttentionBatch
 from mtp_jax.cache.pools import Pools
+from mtp_jax.cache.rows import set_rows
 from mtp_jax.sampling import SALT_DRAFT, categorical, filtered_probs, row_keys
 
 __all__ = ["draft_token", "chain_drafts", "mtp_drafts", "store_next_tokens", "row_at"]
@@ -121,12 +122,13 @@ def mtp_drafts(model, pools: Pools, hidden, next_ids, abatch, pick, step, pos, l
 def store_next_tokens(pools: Pools, slot, pending, drafts, k: int) -> Pools:
     """``next_tokens[slot] = [pending, d_1..d_k]`` (zeros in place of drafts when ``drafts`` is
     None: no proposer, or host drafts that come with the next round's batch) and, with MTP
-    drafts ``(tokens [B, k], q [B, k, V])``, ``draft_probs[slot] = q``."""
+    drafts ``(tokens [B, k], q [B, k, V])``, ``draft_probs[slot] = q``; rows on the trash slot
+    write nothing (:func:`mtp_jax.cache.rows.set_rows`)."""
     row = pending[:, None]
     if drafts is not None:
         toks, qs = drafts
         row = jnp.concatenate([row, toks], 1)
-        pools = dataclasses.replace(pools, draft_probs=pools.draft_probs.at[slot].set(qs))
+        pools = dataclasses.replace(pools, draft_probs=set_rows(pools.draft_probs, slot, qs))
     elif k:
         row = jnp.concatenate([row, jnp.zeros((row.shape[0], k), jnp.int32)], 1)
-    return dataclasses.replace(pools, next_tokens=pools.next_tokens.at[slot].set(row))
+    return dataclasses.replace(pools, next_tokens=set_rows(pools.next_tokens, slot, row))
