@@ -240,7 +240,7 @@ def draft_layer_bytes(cfg, layer_dtype: str | None = None,
     (:func:`~mtp_jax.models.layers.mlp.folds_shared_expert`); 0 for ``None``.
     ``tensor_shapes``: the family's tensor name -> shape map with the draft
     (``ModelEntry.tensor_shapes(cfg, True)``; default: the Qwen3.5 names,
-    :func:`mtp_jax.weights.names.mtp_projections`)."""
+    :func:`mtp_jax.weights.names.mtp_tensors`)."""
     if layer_dtype is None:
         return 0
     shapes = names.mtp_tensors(cfg) if tensor_shapes is None else tensor_shapes

@@ -104,9 +104,10 @@ def mtp_tensors(cfg: ModelConfig) -> dict[str, Shape]:
 def mtp_projections(cfg: ModelConfig) -> dict[str, Shape]:
     """The ``mtp.*`` tensors that are projection weights ``[out, in]`` (the 2-D ``.weight``
     tensors: ``fc``, attention, dense MLP or the MoE router, shared gate and shared expert;
-    not norms or routed experts): those an int8 draft layer stores as int8 rows
-    (``speculative_draft_layer_dtype``), less the shared expert's where the loader folds it
-    into the routed experts (:func:`mtp_jax.models.draft_head.draft_layer_bytes`)."""
+    not norms or routed experts), all of them. An int8 draft layer
+    (``speculative_draft_layer_dtype``) stores these as int8 rows, less the shared expert's
+    where the loader folds it into the routed experts
+    (:func:`mtp_jax.models.draft_head.int8_layer_projections` applies that rule)."""
     return {name: shape for name, shape in mtp_tensors(cfg).items()
             if name.endswith(".weight") and len(shape) == 2}
 
