@@ -22,6 +22,7 @@ from flax import nnx
 from mtp_jax.config import ModelConfig
 from mtp_jax.models.layers.basic import Linear, as_data, merge_linears, mergeable, project
 from pallas_kernels.moe import moe_experts_weighted
+from pallas_kernels.moe.routed import moe_routed, routed_supported
 from pallas_kernels.moe.router import MAX_EXPERTS, route_topk
 from pallas_kernels.quant import KeptArray, QuantFormat, check_parts
 
@@ -29,6 +30,10 @@ from pallas_kernels.quant import KeptArray, QuantFormat, check_parts
 # the 35B-A3B decode step 3% faster on an H100, its k = 3 round the same (docs/benchmarks.md,
 # session 61).
 FOLD_SHARED_EXPERT = 1
+# 1: with the pallas MoE backend, a folded block's few-token calls (decode, verify) route inside
+# two kernels (pallas_kernels.moe.routed) instead of the router kernel, XLA's gather-reduces, the
+# SwiGLU and the weighted sum. Off until the GPU measures it faster.
+ROUTED_DECODE = 0
 SHARED_EXPERT_TENSORS = ".mlp.shared_expert."  # checkpoint names of the shared expert's tensors
 
 
@@ -214,6 +219,10 @@ class SparseMoE(nnx.Module):
         se = self.shared_expert
         if se is None:  # folded: the shared expert is routed expert E, gated by column E
             logits = self.in_proj.stacked(x2)
+            if self._routes_in_kernels(x2.shape[0]):
+                return moe_routed(x2, logits, self.experts.gate_up_proj[...],
+                                  self.experts.down_proj[...], top_k=self.top_k,
+                                  normalize=self.norm_topk_prob, shared=True).reshape(shape)
             weights, ids = self._route(logits)
             shared_gate = jax.nn.sigmoid(logits[:, self.num_experts:].astype(jnp.float32))
             ids = jnp.concatenate([ids, jnp.full_like(ids[:, :1], self.num_experts)], axis=1)
@@ -231,6 +240,15 @@ class SparseMoE(nnx.Module):
         shared = se.activate(gate, up) * jax.nn.sigmoid(
             shared_gate.astype(jnp.float32)).astype(x2.dtype)
         return (routed + shared).reshape(shape)
+
+    def _routes_in_kernels(self, tokens: int) -> bool:
+        """A folded block's call of ``tokens`` rows takes :func:`moe_routed`: with
+        :data:`ROUTED_DECODE`, the pallas backend, unquantized experts, fewer (token, expert)
+        pairs than stored experts (decode and verify rows) and a shape the kernels serve."""
+        (_, (stored, two_i, hidden)), _ = self.experts.shapes
+        return (bool(ROUTED_DECODE) and self.backend == "pallas" and not self.experts.quant
+                and tokens * (self.top_k + 1) < stored
+                and routed_supported(self.num_experts, hidden, two_i // 2))
 
     def _route(self, logits: jax.Array) -> tuple[jax.Array, jax.Array]:
         """Routing weights and expert ids ``[N, top_k]`` from ``logits [N, >= E]`` (the router
