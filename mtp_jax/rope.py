@@ -167,6 +167,7 @@ def rope_section(cfg: dict, raw: dict) -> tuple[dict, str]:
                           f"not apply; supported: {', '.join(ROPE_TYPES)} (and 'mrope' as "
                           "default). Remove rope_scaling / set rope_parameters.rope_type to a "
                           "supported type, or use an engine that implements it.")
+    _check_repeated_keys(cfg, raw, merged)
     unknown = sorted(set(merged) - _COMMON_KEYS - _TYPE_KEYS[rope_type])
     if unknown:
         users = "; ".join(f"{t}: {', '.join(sorted(k))}" for t, k in _TYPE_KEYS.items() if k)
@@ -174,6 +175,23 @@ def rope_section(cfg: dict, raw: dict) -> tuple[dict, str]:
                           f"{rope_type!r}, and ignoring them could change the positions' maths; "
                           f"remove them or set the rope_type that uses them ({users}).")
     return merged, rope_type
+
+
+def _check_repeated_keys(cfg: dict, raw: dict, merged: dict) -> None:
+    """A key the config gives both beside and inside its RoPE section (``rope_theta``,
+    ``partial_rotary_factor``) must have one value: the engine reads the outer one, and
+    readers that take the section's would run other positions. Raises :class:`ConfigError`
+    naming both values."""
+    for key in ("rope_theta", "partial_rotary_factor"):
+        inner = merged.get(key)
+        outer = next((src[key] for src in (cfg, raw) if src.get(key) is not None), None)
+        if inner is None or outer is None or isinstance(inner, bool) or isinstance(outer, bool):
+            continue
+        if isinstance(inner, (int, float)) and isinstance(outer, (int, float)) and (
+                float(inner) != float(outer)):
+            raise ConfigError(f"config.json gives {key} = {outer!r} beside rope_parameters / "
+                              f"rope_scaling but {inner!r} inside; they must agree: set both "
+                              "to the value the checkpoint was trained with, or remove one.")
 
 
 def _number(merged: dict, key: str, *, low: float = 0.0, strict: bool = True) -> float | None:

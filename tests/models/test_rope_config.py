@@ -167,6 +167,21 @@ def test_qwen4_exp_draft_rope():
         Qwen4ExpConfig.from_dict(_flash(mtp=same))
 
 
+@pytest.mark.parametrize("key,outer,inner", [("partial_rotary_factor", 0.5, 0.25),
+                                             ("rope_theta", 1e6, 1e7)])
+def test_a_key_given_twice_must_agree(key, outer, inner):
+    """``rope_theta`` / ``partial_rotary_factor`` beside and inside rope_parameters with two
+    values is refused (the engine reads the outer one; a reader of the section would run other
+    positions); equal values are fine."""
+    for parse, make in ((ModelConfig.from_dict, _qwen35), (Qwen4ExpConfig.from_dict, _flash)):
+        params = dict(make()["text_config"]["rope_parameters"], **{key: inner})
+        with pytest.raises(ConfigError, match=rf"{key} = {outer!r} beside .* but {inner!r}"):
+            parse(make(rope_parameters=params, **{key: outer}))
+        cfg = parse(make(rope_parameters=params, **{key: inner}))
+        assert (cfg.rotary_dim == int(cfg.head_dim * inner) if key == "partial_rotary_factor"
+                else cfg.rope_theta == inner)
+
+
 @pytest.mark.parametrize("fixture", ["tiny_yarn", "tiny_qwen4_exp"])
 def test_refused_before_weights(fixture, tmp_path, weight_spy):
     """Through LLM and load_model: the refusal comes from config.json alone (the folder holds no
