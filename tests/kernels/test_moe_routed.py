@@ -151,3 +151,22 @@ def test_gpu_routed_kernels_match_xla(n):
     want = jax.jit(moe_experts_weighted)(x, ids, w, gu, dn)
     np.testing.assert_allclose(np.asarray(got, np.float32), np.asarray(want, np.float32),
                                rtol=2e-2, atol=2e-2)
+
+
+def test_bench_routings_route_the_kernels_to_their_ids():
+    """``python -m mtp_jax.bench moe``'s ``routed`` and ``xla_route`` variants get the router
+    logits of its routings: their outputs equal the reference at the routings' ids and weights
+    (interpret mode here; the bench runs them on a GPU)."""
+    from mtp_jax.bench.ops import moe as bench_moe
+
+    e, k, h, i, n = 16, 4, 64, 32, 3
+    xs, idss, ws, lgs = bench_moe.routings(jax.random.key(2), n, e, k, h, 2)
+    gu = jnp.asarray(np.random.default_rng(2).standard_normal((e, 2 * i, h)) * 0.1, jnp.bfloat16)
+    dn = jnp.asarray(np.random.default_rng(3).standard_normal((e, h, i)) * 0.1, jnp.bfloat16)
+    ref = bench_moe.reference(xs[1], idss[1], ws[1], gu, dn)
+    got = {label: fn for label, fn, _, kind in bench_moe.cases(["xla_route", "routed"], n, e, k,
+                                                              h, i, False) if kind == "logits"}
+    assert sorted(got) == ["routed", "xla_route"]
+    for fn in got.values():
+        out = np.asarray(fn(xs[1], lgs[1], ws[1], gu, dn), np.float32)
+        np.testing.assert_allclose(out, ref, rtol=2e-2, atol=2e-2 * np.abs(ref).max())

@@ -14,6 +14,10 @@ Shapes (``--shapes``): ``a3b`` (Qwen3.6-35B-A3B: 256 experts, top-8, H 2048, I 5
   matmuls), ``grouped`` (the grouped-matmul kernels, sum in XLA), ``pallas_pairs`` (the
   backend's per-pair rows, sum in XLA), ``few_gate_up`` / ``few_down`` (each few-pairs kernel
   alone; no error). ``--sweep``: also ``pallas`` with alternative tiles around the default.
+* GPU, from the router logits (routing included in the time): ``xla_route`` (what a decode
+  step runs without ``mlp.ROUTED_DECODE``: the Pallas router kernel, then the ``xla``
+  backend) and ``routed`` (:mod:`pallas_kernels.moe.routed`: two kernels that route inside
+  themselves); N up to E / top_k.
 
 Each timed program runs the op on ``--routings`` distinct routings back to back (chained by
 ``optimization_barrier`` so that XLA neither reorders nor merges them, as successive layers
@@ -43,12 +47,15 @@ from pallas_kernels.moe.few import (check_few_tiles, default_few_tiles, few_down
                                     few_supported)
 from pallas_kernels.moe.pallas import MoeTiles, default_tiles, moe_experts_pallas
 from pallas_kernels.moe.reference import moe_experts_reference
+from pallas_kernels.moe.routed import moe_routed, routed_supported
+from pallas_kernels.moe.router import route_topk
 
 SUMMARY = "the routed MoE experts (decode to prefill token counts): XLA forms against the kernels"
 SHAPES = {"a3b": (256, 8, 2048, 512), "flash": (512, 10, 2560, 640)}  # E, top_k, H, I
 VARIANTS = ("ref", "xla", "xla_few", "xla_blocks", "xla_ragged", "pallas", "grouped",
-            "pallas_pairs", "few_gate_up", "few_down")
-GPU_ONLY = ("pallas", "grouped", "pallas_pairs", "few_gate_up", "few_down")
+            "pallas_pairs", "few_gate_up", "few_down", "xla_route", "routed")
+GPU_ONLY = ("pallas", "grouped", "pallas_pairs", "few_gate_up", "few_down", "xla_route",
+            "routed")
 DENSE_REWRITE_LIMIT = 16e9  # xla_ragged skipped when its dense rewrite [E, P, H] is bigger
 
 
@@ -106,6 +113,15 @@ def chained(fn):
     return jax.jit(call)
 
 
+def route_then_experts(x, logits, gate_up, down, top_k: int):
+    """A decode step's routed experts without ``mlp.ROUTED_DECODE``: ``route_topk`` (the
+    Pallas router where the expert count is a power of two), then the ``xla`` backend."""
+    e = gate_up.shape[0]
+    backend = "pallas" if e & (e - 1) == 0 else "xla"
+    weights, ids = route_topk(logits, top_k, normalize=True, backend=backend)
+    return api.moe_experts_weighted(x, ids, weights, gate_up, down)
+
+
 def sweep_tiles(n_pairs: int, n: int, e: int, h: int, i: int) -> list[tuple[str, dict]]:
     """``(label, moe_experts_weighted kwargs)`` of alternative tiles around the default: the
     few-pairs kernels' where they run, else the grouped kernels'."""
@@ -131,7 +147,8 @@ def sweep_tiles(n_pairs: int, n: int, e: int, h: int, i: int) -> list[tuple[str,
 
 def cases(variants, n: int, e: int, k: int, h: int, i: int, sweep: bool):
     """``(variant, fn(x, ids, w, gu, dn), bytes share of the experts, kind)`` to time at N
-    tokens; kind ``"h"``: fed the gate/up kernel's output, ``"skip"``: no error."""
+    tokens; kind ``"h"``: fed the gate/up kernel's output, ``"skip"``: no error,
+    ``"logits"``: fed the router logits in place of the ids."""
     p = n * k
     out = []
     for v in variants:
@@ -170,21 +187,30 @@ def cases(variants, n: int, e: int, k: int, h: int, i: int, sweep: bool):
             t = default_few_tiles(p, n, h, i)
             out.append((v, lambda hh, ids, w, g, d, t=t: few_down(hh, ids, d, w, hh.dtype, t),
                         1 / 3, "h"))
+        elif v == "xla_route" and p < e:
+            out.append((v, lambda x, lg, w, g, d: route_then_experts(x, lg, g, d, k), 1.0,
+                        "logits"))
+        elif v == "routed" and p < e and routed_supported(e, h, i):
+            out.append((v, lambda x, lg, w, g, d: moe_routed(
+                x, lg, g, d, top_k=k, normalize=True, shared=False), 1.0, "logits"))
     return out
 
 
 def routings(key, n: int, e: int, k: int, h: int, count: int):
-    """``count`` routings: x ``[N, H]`` bf16, top-k expert ids ``[N, K]`` of random softmax
-    scores and their weights ``[N, K]`` (normalised)."""
-    xs, idss, ws = [], [], []
+    """``count`` routings: x ``[N, H]`` bf16, top-k expert ids ``[N, K]`` of random router
+    logits ``[N, E]`` (bf16) and their weights ``[N, K]`` (softmax, top-k, normalised: what
+    ``route_topk`` makes of the logits)."""
+    xs, idss, ws, lgs = [], [], [], []
     for _ in range(count):
         kx, kr, key = jax.random.split(key, 3)
-        probs = jax.nn.softmax(jax.random.normal(kr, (n, e)), axis=-1)
+        logits = jax.random.normal(kr, (n, e)).astype(jnp.bfloat16)
+        probs = jax.nn.softmax(logits.astype(jnp.float32), axis=-1)
         w, ids = jax.lax.top_k(probs, k)
         xs.append(jax.random.normal(kx, (n, h), jnp.float32).astype(jnp.bfloat16))
         idss.append(ids.astype(jnp.int32))
         ws.append(w / jnp.sum(w, axis=-1, keepdims=True))
-    return xs, idss, ws
+        lgs.append(logits)
+    return xs, idss, ws, lgs
 
 
 def reference(x, ids, w, gu, dn) -> np.ndarray:
@@ -203,19 +229,19 @@ def bench_shape(results: Results, a, name: str, dims, ns, variants) -> None:
     dn = (jax.random.normal(kd, (e, h, i), jnp.float32) * i ** -0.5).astype(jnp.bfloat16)
     expert_bytes = 3 * h * i * 2
     for n in ns:
-        xs, idss, ws = routings(jax.random.fold_in(key, n), n, e, k, h, a.routings)
+        xs, idss, ws, lgs = routings(jax.random.fold_in(key, n), n, e, k, h, a.routings)
         hit = float(np.mean([np.unique(np.asarray(ids)).size for ids in idss]))
         ref = reference(xs[0], idss[0], ws[0], gu, dn)
         flops = 6.0 * h * i * n * k
         for label, fn, share, kind in cases(variants, n, e, k, h, i, a.sweep):
-            inputs = xs
+            inputs, routes = xs, (lgs if kind == "logits" else idss)
             if kind == "h":  # the down kernel alone reads the gate/up kernel's output
                 t = default_few_tiles(n * k, n, h, i)
                 inputs = [few_gate_up(x, ids, gu, t) for x, ids in zip(xs, idss)]
             f = chained(fn)
             try:
-                out = np.asarray(f(inputs, idss, ws, gu, dn)[0], np.float32)
-                sec = wall_seconds(lambda: f(inputs, idss, ws, gu, dn), reps=a.reps)
+                out = np.asarray(f(inputs, routes, ws, gu, dn)[0], np.float32)
+                sec = wall_seconds(lambda: f(inputs, routes, ws, gu, dn), reps=a.reps)
             except Exception as ex:  # noqa: BLE001 - a tiling may not compile; go on
                 if label in ("ref", "xla"):
                     raise
@@ -223,11 +249,12 @@ def bench_shape(results: Results, a, name: str, dims, ns, variants) -> None:
                       f"{str(ex)[:200]}", file=sys.stderr, flush=True)
                 continue
             sec /= a.routings
-            err = None if kind else float(np.abs(out - ref).max() / np.abs(ref).max())
-            io = n * h * 2 * 2 if kind is None else n * h * 2 + n * k * i * 2
+            checked = kind in (None, "logits")
+            err = float(np.abs(out - ref).max() / np.abs(ref).max()) if checked else None
+            io = n * h * 2 * 2 if checked else n * h * 2 + n * k * i * 2
             results.add(op_row("moe", f"{name} E={e} top{k} H={h} I={i} N={n}", label, sec,
                                hit * expert_bytes * share + io, hbm_tbps=a.hbm_tbps,
-                               error=err, reference=None if kind else "xla reference f32",
+                               error=err, reference="xla reference f32" if checked else None,
                                experts_hit=hit, tflops=flops * share / sec / 1e12,
                                of_peak_flops=flops * share / sec / (a.peak_tflops * 1e12)))
 
