@@ -32,6 +32,7 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
+from pallas_kernels.common import check_moe_tiles, pow2_step, widest_tile
 from pallas_kernels.moe.reference import check_moe_shapes
 
 ROWS = 16  # rows of a dot operand: Triton's dot needs >= 16; one real row broadcast
@@ -61,48 +62,23 @@ def few_supported(hidden: int, inter: int) -> bool:
     return hidden % 16 == 0 and inter % 16 == 0
 
 
-def _widest_tile(dim: int, rows: int, lo: int = 16, hi: int = 128) -> int:
-    """Widest power-of-two tile in ``[lo, hi]`` dividing ``dim`` that still gives ``rows *
-    dim / tile >= TARGET_PROGRAMS`` programs (``lo`` when none does)."""
-    best, t = lo, lo
-    while t <= hi:
-        if dim % t == 0 and rows * (dim // t) >= TARGET_PROGRAMS:
-            best = t
-        t *= 2
-    return best
-
-
-def _step(dim: int, width: int, itemsize: int, operands: int) -> int:
-    """Contraction step: ~:data:`STAGE_BYTES` per stage, >= :data:`MIN_STEP`, dividing dim."""
-    t = max(MIN_STEP, STAGE_BYTES // (operands * width * itemsize))
-    t = 1 << (t.bit_length() - 1)
-    while t > 16 and dim % t:
-        t //= 2
-    return min(t, dim)
-
-
 def default_few_tiles(num_pairs: int, down_rows: int, hidden: int, inter: int,
                       itemsize: int = 2) -> FewTiles:
     """Output tiles as wide as :data:`TARGET_PROGRAMS` programs allow (more programs than SMs
     keep enough loads in flight; wider tiles write fewer, longer rows), steps of ~16 KB of
     weights per stage. ``down_rows``: programs' rows of the down grid (P per pair, N with the
     weights fused). First guesses, to be retuned with ``python -m mtp_jax.bench moe --sweep``."""
-    gu_bn = _widest_tile(inter, num_pairs)
-    dn_bh = _widest_tile(hidden, down_rows)
-    return FewTiles(gu_bn, _step(hidden, gu_bn, itemsize, 2), dn_bh,
-                    _step(inter, dn_bh, itemsize, 1))
+    gu_bn = widest_tile(inter, num_pairs, TARGET_PROGRAMS, 16, 128)
+    dn_bh = widest_tile(hidden, down_rows, TARGET_PROGRAMS, 16, 128)
+    step = lambda dim, width, operands: pow2_step(  # ~STAGE_BYTES of weights per stage
+        dim, STAGE_BYTES // (operands * width * itemsize), MIN_STEP, None, 16)
+    return FewTiles(gu_bn, step(hidden, gu_bn, 2), dn_bh, step(inter, dn_bh, 1))
 
 
 def check_few_tiles(tiles: FewTiles, hidden: int, inter: int) -> None:
     """Raises ValueError naming the tile that is not a power of two >= 16 dividing its dim."""
-    for name, t, dim, dim_name in (("gu_bn", tiles.gu_bn, inter, "I"),
-                                   ("gu_bk", tiles.gu_bk, hidden, "H"),
-                                   ("dn_bh", tiles.dn_bh, hidden, "H"),
-                                   ("dn_bk", tiles.dn_bk, inter, "I")):
-        if t < 16 or t & (t - 1) or dim % t:
-            raise ValueError(f"few-pairs MoE tile {name}={t} must be a power of two >= 16 "
-                             f"dividing {dim_name}={dim}; H and I must be multiples of 16 "
-                             "(use backend='xla' otherwise).")
+    check_moe_tiles("few-pairs MoE", tiles, hidden, inter, 16,
+                    "; H and I must be multiples of 16 (use backend='xla' otherwise)")
 
 
 def _dot_t(a, b):

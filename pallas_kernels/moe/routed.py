@@ -35,7 +35,8 @@ import jax.numpy as jnp
 from jax.experimental import pallas as pl
 from jax.experimental.pallas import triton as plgpu
 
-from pallas_kernels.common import interpret_mode, whole
+from pallas_kernels.common import (check_moe_tiles, interpret_mode, pow2_step, whole,
+                                    widest_tile)
 
 F32 = jnp.float32
 MAX_EXPERTS = 1024
@@ -62,46 +63,20 @@ def routed_supported(num_experts: int, hidden: int, inter: int) -> bool:
             and hidden % 8 == 0 and inter % 8 == 0)
 
 
-def _tile(dim: int, rows: int, hi: int) -> int:
-    """Widest power of two in ``[8, hi]`` dividing ``dim`` with ``rows * dim / tile >=``
-    :data:`TARGET_PROGRAMS` programs (8 when none does)."""
-    best, t = 8, 8
-    while t <= hi:
-        if dim % t == 0 and rows * (dim // t) >= TARGET_PROGRAMS:
-            best = t
-        t *= 2
-    return best
-
-
-def _step(dim: int, width: int, itemsize: int) -> int:
-    """Contraction step: about :data:`STAGE_BYTES` per row block, 64 to 512, dividing ``dim``."""
-    t = min(512, max(64, STAGE_BYTES // (width * itemsize)))
-    t = 1 << (t.bit_length() - 1)
-    while t > 8 and dim % t:
-        t //= 2
-    return min(t, dim)
-
-
 def default_routed_tiles(tokens: int, slots: int, hidden: int, inter: int,
                          itemsize: int = 2) -> RoutedTiles:
     """Output tiles as wide as :data:`TARGET_PROGRAMS` programs allow (up to 32 gate/up and 16
     down columns), steps of about :data:`STAGE_BYTES`. First guesses, to be retuned on the GPU
     (``python -m mtp_jax.bench ab`` with ``@pallas_kernels.moe.routed.TARGET_PROGRAMS=...``)."""
-    gu_bn = _tile(inter, tokens * slots, 32)
-    dn_bh = _tile(hidden, tokens, 16)
-    return RoutedTiles(gu_bn, _step(hidden, gu_bn, itemsize), dn_bh,
-                       _step(inter, dn_bh, itemsize))
+    gu_bn = widest_tile(inter, tokens * slots, TARGET_PROGRAMS, 8, 32)
+    dn_bh = widest_tile(hidden, tokens, TARGET_PROGRAMS, 8, 16)
+    step = lambda dim, width: pow2_step(dim, STAGE_BYTES // (width * itemsize), 64, 512, 8)
+    return RoutedTiles(gu_bn, step(hidden, gu_bn), dn_bh, step(inter, dn_bh))
 
 
 def check_routed_tiles(tiles: RoutedTiles, hidden: int, inter: int) -> None:
     """Raises ValueError naming the tile that is not a power of two >= 8 dividing its dim."""
-    for name, t, dim, dim_name in (("gu_bn", tiles.gu_bn, inter, "I"),
-                                   ("gu_bk", tiles.gu_bk, hidden, "H"),
-                                   ("dn_bh", tiles.dn_bh, hidden, "H"),
-                                   ("dn_bk", tiles.dn_bk, inter, "I")):
-        if t < 8 or t & (t - 1) or dim % t:
-            raise ValueError(f"routed MoE tile {name}={t} must be a power of two >= 8 dividing "
-                             f"{dim_name}={dim}.")
+    check_moe_tiles("routed MoE", tiles, hidden, inter, 8)
 
 
 def _probs(logits_ref, n, num_experts: int):
