@@ -9,7 +9,7 @@ import argparse
 import difflib
 import json
 
-__all__ = ["CliParser", "json_object"]
+__all__ = ["CliParser", "add_sampling_flags", "json_object"]
 
 
 def json_object(text: str) -> dict:
@@ -25,6 +25,25 @@ def json_object(text: str) -> dict:
                                          "object; give one such as '{\"enable_thinking\": "
                                          "false}'.")
     return value
+
+
+def add_sampling_flags(p: argparse.ArgumentParser) -> None:
+    """The sampling flags (``SamplingParams``' fields of the same names; the CLI's
+    temperature default is 0, greedy)."""
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0,
+                   help="nucleus sampling mass, in (0, 1]; 1 = off")
+    p.add_argument("--top-k", type=int, default=-1,
+                   help="keep the k most likely tokens; -1 or 0 = off")
+    p.add_argument("--min-p", type=float, default=0.0,
+                   help="keep the tokens at least this fraction as likely as the most likely "
+                        "one, in [0, 1]; 0 = off")
+    p.add_argument("--presence-penalty", type=float, default=0.0,
+                   help="lower the logit of every token already in the output by this, in "
+                        "[-2, 2]; 0 = off")
+    p.add_argument("--frequency-penalty", type=float, default=0.0,
+                   help="lower each token's logit by this times its count in the output, in "
+                        "[-2, 2]; 0 = off")
 
 
 class CliParser(argparse.ArgumentParser):

@@ -20,8 +20,8 @@ __all__ = ["DEFAULT_PROMPT", "FILE_KEYS", "CliPrompts", "read_prompts_file", "de
 
 DEFAULT_PROMPT = "Explain speculative decoding in one paragraph."
 PROMPT_KEYS = ("prompt", "prompt_token_ids")  # a line's prompt: text or ids / ids (vLLM's)
-FILE_KEYS = ("temperature", "top_p", "top_k", "max_tokens", "seed", "stop", "stop_token_ids",
-             "ignore_eos")
+FILE_KEYS = ("temperature", "top_p", "top_k", "min_p", "presence_penalty", "frequency_penalty",
+             "max_tokens", "seed", "stop", "stop_token_ids", "ignore_eos")
 
 
 def decode_line(raw: bytes, path: str, line: int) -> str:

@@ -11,7 +11,7 @@ import sys
 import time
 import warnings
 
-from mtp_jax.cli_parser import CliParser, json_object
+from mtp_jax.cli_parser import CliParser, add_sampling_flags, json_object
 from mtp_jax.cli_prompts import DEFAULT_PROMPT, read_prompts_file
 from mtp_jax.cli_report import finish_programs, print_model_line, print_program_wait
 
@@ -33,11 +33,7 @@ def build_parser() -> argparse.ArgumentParser:
                         "e.g. '{\"enable_thinking\": false}' (vLLM's chat_template_kwargs)")
     p.add_argument("--max-tokens", type=int, default=64,
                    help="output tokens per prompt (default %(default)s)")
-    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
-    p.add_argument("--top-p", type=float, default=1.0,
-                   help="nucleus sampling mass, in (0, 1]; 1 = off")
-    p.add_argument("--top-k", type=int, default=-1,
-                   help="keep the k most likely tokens; -1 or 0 = off")
+    add_sampling_flags(p)
     p.add_argument("--ignore-eos", action="store_true",
                    help="do not stop at the checkpoint's EOS tokens")
     p.add_argument("--stop", action="append", default=None, metavar="TEXT",
@@ -49,7 +45,8 @@ def build_parser() -> argparse.ArgumentParser:
                         "then the stats line")
     prompts.add_argument("--prompts-file", default=None,
                          help="JSONL file, one request per line: {\"prompt\": text or token "
-                              "ids, and optional temperature, top_p, top_k, max_tokens, seed, "
+                              "ids, and optional temperature, top_p, top_k, min_p, "
+                              "presence_penalty, frequency_penalty, max_tokens, seed, "
                               "stop, stop_token_ids, ignore_eos (default: the flags)}; results "
                               "in order; not with --prompt")
     add_engine_flags(p)
@@ -293,7 +290,9 @@ def _read_run(args) -> tuple[list, list[str], list, dict[int, str]]:
                          f"non-negative one such as {args.seed % 2**32} (the same 32 bits).")
     # Requests without their own seed take one from LLM(seed=--seed) and their index.
     defaults = dict(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k,
-                    max_tokens=args.max_tokens, ignore_eos=args.ignore_eos, stop=args.stop)
+                    min_p=args.min_p, presence_penalty=args.presence_penalty,
+                    frequency_penalty=args.frequency_penalty, max_tokens=args.max_tokens,
+                    ignore_eos=args.ignore_eos, stop=args.stop)
     flag_params = _flag_params(defaults)
     if args.prompts_file:
         prompts, fields, lines = read_prompts_file(args.prompts_file, defaults)

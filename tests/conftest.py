@@ -37,11 +37,14 @@ def pytest_configure(config):
     os.environ.setdefault("MTP_JAX_EXECUTABLE_CACHE", "0")
 
     # CPU runs (CI): the suite's time is mostly XLA compiling tiny programs; LLVM at -O0 cuts
-    # about a fifth of it and changes no float result (no fast-math either way). Read when the
-    # backend starts, which nothing has done yet.
+    # about a fifth of it and changes no float result (no fast-math either way), and compiling
+    # each module whole rather than split into parallel parts (pointless on CI's 2 cores, both
+    # busy with a worker each) 3-10% more (two file sets, 2-core machine, session 64). Read
+    # when the backend starts, which nothing has done yet.
     flags = os.environ.get("XLA_FLAGS", "")
     if os.environ.get("JAX_PLATFORMS") == "cpu" and "xla_backend_optimization_level" not in flags:
-        os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0").strip()
+        os.environ["XLA_FLAGS"] = (flags + " --xla_backend_optimization_level=0"
+                                   " --xla_cpu_parallel_codegen_split_count=1").strip()
 
     # Golden comparisons are float32 at 1e-4: keep GPUs from using TF32 for float32 matmuls.
     jax.config.update("jax_default_matmul_precision", "highest")

@@ -19,6 +19,10 @@ padding rows write to):
   before each snapshot's boundary, and ``slot_hidden``: ``[slots, H]`` float32, the one loaded
   with a slot's snapshot: with MTP draft KV and the prefix cache only (``None`` otherwise), so
   that a hit may rewrite the draft row its next token changes (:mod:`mtp_jax.engine.snapshots`).
+* ``output_counts``: ``[slots, V]`` int32, how many times each id is in the slot's output so
+  far (set by the final prefill chunk, added to by each round) for the presence and frequency
+  penalties (:mod:`mtp_jax.sampling.penalties`); only programs of a batch with a penalty read
+  or write it.
 * ``position``: ``[slots]`` int32, the position of each slot's pending token (= tokens in its
   target KV); ``step``: ``[slots]`` int32, tokens the slot's request has generated (the
   random-stream step of its next sampled token). Both are set by the final prefill chunk and
@@ -51,6 +55,7 @@ class Pools:
     step: jax.Array
     snapshot_hidden: jax.Array | None = None
     slot_hidden: jax.Array | None = None
+    output_counts: jax.Array | None = None
 
     @property
     def nbytes(self) -> int:
@@ -85,4 +90,5 @@ def make_pools(cfg: ModelConfig, *, num_pages: int, page_size: int, slots: int, 
                  draft_probs=jnp.zeros(probs_shape, jnp.float32),
                  snapshots=gdn_of(num_snapshots + 1) if num_snapshots else LinearState((), ()),
                  position=jnp.zeros((slots,), jnp.int32), step=jnp.zeros((slots,), jnp.int32),
+                 output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32),
                  **hidden_pools(cfg.hidden_size, slots=slots, mtp=mtp, num_snapshots=num_snapshots))

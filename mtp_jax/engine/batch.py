@@ -114,6 +114,7 @@ class RoundBatch:
 def sampling_rows(reqs: list) -> SamplingTensors:
     """The host sampling rows of ``reqs`` (:class:`~mtp_jax.engine.requests.Request`s; ``None``:
     a greedy padding row, placed last): ``[len(reqs)]`` numpy fields."""
-    rows = [(r.params.temperature, r.params.top_k, r.params.top_p, r.seed)
+    rows = [(r.params.temperature, r.params.top_k, r.params.top_p, r.seed, r.params.min_p,
+             r.params.presence_penalty, r.params.frequency_penalty)
             for r in reqs if r is not None]
     return SamplingTensors.from_params(rows, pad_to=len(reqs), host=True)  # padding at the end

@@ -113,10 +113,11 @@ class DeviceState:
         self.pools = dataclasses.replace(self.pools, kv=fresh.kv, draft_kv=fresh.draft_kv)
 
     def replace_slots(self, slots: int) -> None:
-        """New slot pools (GDN state, pending tokens, draft distributions, positions) of
-        ``slots`` slots; the KV and the snapshots are kept."""
+        """New slot pools (GDN state, pending tokens, draft distributions, positions, output
+        counts) of ``slots`` slots; the KV and the snapshots are kept."""
         fresh = self.shape.make(1, slots, 1 if self.pools.slot_hidden is not None else 0)
         self.pools = dataclasses.replace(self.pools, gdn=fresh.gdn, slot_hidden=fresh.slot_hidden,
                                          next_tokens=fresh.next_tokens,
                                          draft_probs=fresh.draft_probs,
-                                         position=fresh.position, step=fresh.step)
+                                         position=fresh.position, step=fresh.step,
+                                         output_counts=fresh.output_counts)

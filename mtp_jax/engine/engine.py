@@ -250,20 +250,22 @@ class Engine:
     def warmup(self, sampled: bool = True, max_batch: int | None = None,
                max_prompt_len: int | None = None, workers: int | None = None,
                filtering: bool | None = None, lean: bool = False,
-               background: bool = False, greedy: bool = True) -> float:
+               background: bool = False, greedy: bool = True,
+               penalties: bool = False) -> float:
         """Compile every program serving can call (``lean``: only the largest buckets, which
         later calls pad up to; ``background``: on a thread, each call waiting only for its own
         program); :func:`mtp_jax.engine.warmup.warmup`. Returns seconds."""
         return warmup_ops.warmup(self.scheduler, sampled, max_batch, max_prompt_len, workers,
-                                 filtering, lean, background, greedy)
+                                 filtering, lean, background, greedy, penalties)
 
     def warmup_for(self, requests: list[Request], lean: bool = False,
                    background: bool = False) -> float:
         """Compile what serving ``requests`` can call: their prompt-length and batch buckets
         (``lean``: the largest of each, which the calls then pad up to: one prefill and one
         batch bucket compiled), sampling variants (greedy only where a request is greedy, with
-        or without the top-k / top-p filter where one samples) and prefix-cache snapshot
-        variants (:meth:`warmup`, ``background`` included). Returns seconds."""
+        or without the top-k / top-p filter where one samples; with the penalties where one
+        has them) and prefix-cache snapshot variants (:meth:`warmup`, ``background``
+        included). Returns seconds."""
         if not requests:
             return 0.0
         sampled = [r for r in requests if not r.params.greedy]
@@ -274,7 +276,8 @@ class Engine:
                            max_batch=len(requests),
                            max_prompt_len=max(len(r.prompt_ids) for r in requests), lean=lean,
                            background=background,
-                           greedy=any(r.params.greedy for r in requests))
+                           greedy=any(r.params.greedy for r in requests),
+                           penalties=any(r.params.penalizes for r in requests))
 
     def wait_for_programs(self, cancel: bool = False, timeout: float | None = None) -> bool:
         """Wait until no background build (``warmup(background=True)``) runs, at most

@@ -43,6 +43,7 @@ from mtp_jax.engine.variants import PrefillVariant, RoundVariant
 from mtp_jax.models.registry import entry_of
 from mtp_jax.sampling import SALT_RESIDUAL, SALT_SAMPLE, sample
 from mtp_jax.sampling.logprobs import columns_per_token, logprob_columns
+from mtp_jax.sampling.penalties import add_tokens, first_counts, verify_penalties
 from mtp_jax.speculative.accept import accept
 from mtp_jax.speculative.clamp import clamp_drafts
 from mtp_jax.speculative.mtp import mtp_drafts, row_at, store_next_tokens
@@ -123,7 +124,9 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
     chunk's final states at a boundary at its end
     (:func:`~mtp_jax.engine.snapshots.save_prefill_snapshots`). With MTP, a row with
     ``batch.redraft`` first rewrites the draft KV at ``start - 1``
-    (:func:`~mtp_jax.engine.snapshots.redraft_row`).
+    (:func:`~mtp_jax.engine.snapshots.redraft_row`). ``variant.penalties``: a row that ends
+    its prompt sets its slot's output counts to its first token (which no penalty touches:
+    the output is empty before it), and the MTP draft penalises its drafts over them.
 
     Returns ``(next_tokens [B, k+1] int32: the first token and the drafts, pools)``; a
     logprobs variant appends the first token's ``1 + 2 * variant.logprobs`` columns
@@ -155,6 +158,12 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
     pools = dataclasses.replace(pools, kv=kv, gdn=pools.gdn.scatter(batch.slot, view))
     if snapshot:
         pools = save_prefill_snapshots(pools, batch, view, states, hidden)
+    counts = None
+    if variant.penalties:
+        ends = (batch.length > 0) & (batch.start + batch.length == batch.prompt_len)
+        pools = dataclasses.replace(pools, output_counts=first_counts(
+            pools.output_counts, batch.slot, first, ends))
+        counts = pools.output_counts[batch.slot]
     drafts = None
     if variant.mtp:
         pools = redraft_row(model, pools, batch, hidden.dtype)
@@ -164,7 +173,7 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
         limit = batch.page_table.shape[1] * pools.kv.page_size * jnp.ones_like(end)
         drafts, pools = mtp_drafts(model, pools, hidden, next_ids, abatch, last,
                                    batch.step + 1, end, limit, batch.sampling, k, greedy_only,
-                                   kv_only=True)
+                                   kv_only=True, counts=counts)
     pools = store_next_tokens(pools, batch.slot, first, drafts, k)
     pools = dataclasses.replace(
         pools, position=pools.position.at[batch.slot].set(batch.start + batch.length),
@@ -200,7 +209,11 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
     no stale draft. With ``k = 0``
     and no snapshot, a model whose ``gdn_modes`` has ``"decode"`` runs its GDN layers in the
     decode form (new states returned directly, equal to verify + commit of the row), so no
-    commit is traced; other models take the verify + commit path.
+    commit is traced; other models take the verify + commit path. ``variant.penalties``:
+    the logits the acceptance, the sampling and the log-probabilities read are penalised over
+    the slot's output counts and the drafts before each row
+    (:func:`~mtp_jax.sampling.penalties.verify_penalties`), the committed tokens are added to
+    the counts, and the MTP draft penalises its drafts.
     Returns ``(RoundOutput, pools)``.
     """
     k, proposer, snapshot = variant.k, variant.proposer, variant.snapshot
@@ -231,6 +244,9 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
     hidden, kv, rows = model(tokens, abatch, pools.kv, pools.gdn,
                              "decode" if decode else "verify", slots=batch.slot)
     logits = model.logits(hidden)  # [B, k+1, V]
+    if variant.penalties:
+        logits = verify_penalties(logits, pools.output_counts[batch.slot], tokens[:, 1:],
+                                  batch.sampling)
     if k:
         q = pools.draft_probs[batch.slot] if proposer == "mtp" else None
         n, emitted = accept(logits, tokens[:, 1:], q, batch.sampling, step,
@@ -250,13 +266,18 @@ def one_round(graphdef, params, pools: Pools, batch: RoundBatch, variant: RoundV
     gdn = rows if decode else model.commit(pools.gdn, rows, commit_len, slots=batch.slot)
     pools = dataclasses.replace(pools, kv=kv, gdn=gdn)
     bonus = row_at(emitted, n)
+    counts = None
+    if variant.penalties:
+        pools = dataclasses.replace(pools, output_counts=add_tokens(
+            pools.output_counts, batch.slot, emitted, batch.live[:, None] & (emitted >= 0)))
+        counts = pools.output_counts[batch.slot]
     drafts = None
     if proposer == "mtp" and k:
         next_ids = jnp.maximum(emitted, 0)  # x_{c+i+1} for rows i <= n; later rows are rewritten
         live_limit = jnp.where(batch.live, batch.limit, 0)
         drafts, pools = mtp_drafts(model, pools, hidden, next_ids, abatch, n,
                                    step + n + 1, position + n + 1, live_limit,
-                                   batch.sampling, k, greedy_only, filtering)
+                                   batch.sampling, k, greedy_only, filtering, counts=counts)
     if k < pool_k:  # a plain call of a speculative engine (adaptive speculation)
         pools = _plain_round_drafts(model, pools, hidden, emitted, abatch, batch.slot, bonus,
                                     proposer, pool_k)

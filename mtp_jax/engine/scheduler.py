@@ -271,10 +271,12 @@ class Scheduler:
 
     def prefill_variant(self, final: list[Request] = ()) -> PrefillVariant:
         """The prefill variant of a chunk; ``final``: the requests whose prompt it ends (their
-        first token's log-probabilities, when asked for)."""
+        first token's log-probabilities, when asked for; their output counts, when one has
+        a penalty)."""
         return PrefillVariant(k=self.settings.k, mtp=self.settings.proposer == "mtp",
                               logprobs=call_top(final),
-                              greedy_only=PREFILL_GREEDY_ONLY)
+                              greedy_only=PREFILL_GREEDY_ONLY,
+                              penalties=any(r.params.penalizes for r in final))
 
     def finish_prefill(self, req: Request) -> None:
         """After ``req``'s last chunk: insert its prompt into the prefix cache, then release it

@@ -26,12 +26,15 @@ class PrefillVariant:
     k: drafts per round (``speculative_num_steps``; 0 with speculation off); mtp: the MTP draft
     runs over the chunk and drafts ``d_1..d_k``; greedy_only: every row is greedy, so no
     sampling path is traced; logprobs: -1, or the top alternatives whose log-probabilities
-    the first token reports (:mod:`mtp_jax.sampling.logprobs`)."""
+    the first token reports (:mod:`mtp_jax.sampling.logprobs`); penalties: some row whose
+    prompt the chunk ends has a presence or frequency penalty, so the chunk sets its output
+    counts and the MTP draft penalises its drafts (:mod:`mtp_jax.sampling.penalties`)."""
 
     k: int
     mtp: bool
     greedy_only: bool = False
     logprobs: int = -1
+    penalties: bool = False
 
 
 @dataclasses.dataclass(frozen=True)
@@ -44,8 +47,11 @@ class RoundVariant:
     is; ``None``: tested at run time); snapshot: some row crosses a prefix-cache boundary, so
     the snapshot replay is traced; rounds: rounds per call (multi-step scheduling); logprobs:
     -1, or the top alternatives whose log-probabilities every emitted token reports
-    (:class:`~mtp_jax.engine.programs.RoundOutput`; rounds without them compute none).
-    Raises ``ValueError`` for an unknown proposer or ``rounds < 1``."""
+    (:class:`~mtp_jax.engine.programs.RoundOutput`; rounds without them compute none);
+    penalties: some row has a presence or frequency penalty, so the round penalises the
+    logits it reads and counts the tokens it commits (:mod:`mtp_jax.sampling.penalties`;
+    rounds without traces neither). Raises ``ValueError`` for an unknown proposer or
+    ``rounds < 1``."""
 
     k: int
     proposer: str
@@ -54,6 +60,7 @@ class RoundVariant:
     snapshot: bool = False
     rounds: int = 1
     logprobs: int = -1
+    penalties: bool = False
 
     def __post_init__(self):
         if self.proposer not in PROPOSERS:
@@ -69,8 +76,12 @@ def sampling_choice(greedy: Iterable[bool], sampling: SamplingTensors,
     greedy (``greedy``: each request's ``SamplingParams.greedy``), else ``filtering``, whether
     some row filters by top-k / top-p (:meth:`~mtp_jax.sampling.SamplingTensors.filters_any`
     on the batch's host rows), so that the program holds no run-time test of either (the 2B
-    sampled round lost about 0.15 ms to three of them, ``docs/benchmarks.md``, session 21).
-    Returns keywords for ``dataclasses.replace`` of a variant."""
+    sampled round lost about 0.15 ms to three of them, ``docs/benchmarks.md``, session 21),
+    and ``penalties``, whether some row has a penalty
+    (:meth:`~mtp_jax.sampling.SamplingTensors.penalizes_any`). Returns keywords for
+    ``dataclasses.replace`` of a variant."""
+    penalties = sampling.penalizes_any()
     if all(greedy):
-        return {"greedy_only": True, "filtering": None}
-    return {"greedy_only": False, "filtering": sampling.filters_any(vocab_size)}
+        return {"greedy_only": True, "filtering": None, "penalties": penalties}
+    return {"greedy_only": False, "filtering": sampling.filters_any(vocab_size),
+            "penalties": penalties}

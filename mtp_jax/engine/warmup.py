@@ -132,7 +132,8 @@ def warm_buckets(sched: Scheduler, max_batch: int | None = None,
 
 def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,
                  max_prompt_len: int | None = None, filtering: bool | None = None,
-                 lean: bool = False, greedy: bool = True) -> Callable[[], None]:
+                 lean: bool = False, greedy: bool = True,
+                 penalties: bool = False) -> Callable[[], None]:
     """The program calls of :func:`warmup` (same arguments), as a function that makes them
     (each passes the pools on) without building anything ahead."""
     prefill, buckets = warm_buckets(sched, max_batch, max_prompt_len, lean)
@@ -140,13 +141,15 @@ def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None =
     if sampled:
         sampling += [{"greedy_only": False, "filtering": f}
                      for f in ((False, True) if filtering is None else (filtering,))]
+    pens = (False, True) if penalties else (False,)
+    sampling = [{**choice, "penalties": p} for p in pens for choice in sampling]
+    prefill_variants = [dataclasses.replace(sched.prefill_variant(), penalties=p) for p in pens]
     max_pages = sched.book.max_pages_per_req
     st = sched.prefix.snapshot_tokens if sched.prefix is not None else None
 
     def run() -> None:
-        for b, t in prefill:
-            sched.device.prefill(padding_prefill_batch(b, t, max_pages, st),
-                                 sched.prefill_variant())
+        for (b, t), variant in itertools.product(prefill, prefill_variants):
+            sched.device.prefill(padding_prefill_batch(b, t, max_pages, st), variant)
         for choice in sampling:
             for b, variant in itertools.product(buckets, round_variants(sched)):
                 sched.device.round(padding_round_batch(b, variant.k, max_pages),
@@ -157,7 +160,7 @@ def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None =
 def warmup(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,
            max_prompt_len: int | None = None, workers: int | None = None,
            filtering: bool | None = None, lean: bool = False, background: bool = False,
-           greedy: bool = True) -> float:
+           greedy: bool = True, penalties: bool = False) -> float:
     """Compile the programs ``sched`` can call, with rows that write only to the trash page and
     slot, so that no compile happens while requests are served. Returns seconds.
 
@@ -165,9 +168,10 @@ def warmup(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,
     round calls (:func:`round_variants`), in the greedy-only variant (unless ``greedy`` is
     False and ``sampled`` True: no call is all greedy rows) and, with ``sampled``, the sampling
     ones: with the top-k / top-p filter (``filtering`` True), without it (False) or both
-    (None). ``max_batch`` (requests at once) and ``max_prompt_len`` (tokens) limit it
-    to the buckets such a workload can reach; ``lean`` to the largest of them
-    (:func:`warm_buckets`), which every later call of no more rows and tokens pads up to
+    (None); with ``penalties``, each prefill and round variant also with the presence /
+    frequency penalties (:mod:`mtp_jax.sampling.penalties`). ``max_batch`` (requests at
+    once) and ``max_prompt_len`` (tokens) limit it to the buckets such a workload can
+    reach; ``lean`` to the largest of them (:func:`warm_buckets`), which every later call of no more rows and tokens pads up to
     (``Scheduler.ready_batch`` / ``ready_prefill``; a larger call compiles its own bucket), so
     a start-up compiles one prefill shape and one batch bucket; without ``lean`` every call
     runs at its own bucket. Programs missing from memory and from the executable cache are
@@ -182,7 +186,7 @@ def warmup(sched: Scheduler, sampled: bool = True, max_batch: int | None = None,
     t0 = time.perf_counter()
     with pools_guard(sched):  # a failed call may consume the donated pools
         run = warmup_calls(sched, sampled, max_batch, max_prompt_len, filtering, lean,
-                           greedy)
+                           greedy, penalties)
         prefill, buckets = warm_buckets(sched, max_batch, max_prompt_len, lean)
         sched.ready_prefill = set(prefill) if lean else None
         sched.ready_batch = set(buckets) if lean else None

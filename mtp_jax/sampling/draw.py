@@ -117,7 +117,7 @@ def sample(logits: jax.Array, params: SamplingTensors, step: jax.Array, *,
 
     def random_path(_):
         probs = filtered_probs(logits, params.temperature, params.top_k, params.top_p,
-                               filtering=filtering)
+                               params.min_p, filtering=filtering)
         drawn = categorical(row_keys(params.seed, step, salt), probs)
         return jnp.where(greedy, greedy_tok, drawn)
 

@@ -55,7 +55,7 @@ def logprob_columns(logits: jax.Array, tokens: jax.Array, sampling: SamplingTens
     """
     b, r, _ = logits.shape
     lp = filtered_logprobs(logits, sampling.temperature, sampling.top_k, sampling.top_p,
-                           filtering=filtering)  # [B, R, V]
+                           sampling.min_p, filtering=filtering)  # [B, R, V]
     chosen = jnp.take_along_axis(lp, jnp.maximum(tokens, 0)[..., None], axis=-1)  # [B, R, 1]
     bits = lambda a: jax.lax.bitcast_convert_type(a.astype(jnp.float32), jnp.int32)  # noqa: E731
     parts = [bits(chosen)]

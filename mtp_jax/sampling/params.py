@@ -18,10 +18,11 @@ from typing import Sequence
 import numpy as np
 
 __all__ = ["MAX_LOGPROBS", "MAX_TEMPERATURE", "SamplingParams", "is_greedy", "check_temperature", "check_top_k",
-           "check_top_p", "check_seed"]
+           "check_top_p", "check_min_p", "check_penalty", "check_seed", "MAX_PENALTY"]
 
 MAX_TEMPERATURE = float(np.finfo(np.float32).max)  # larger temperatures overflow float32
 MAX_LOGPROBS = 20  # top alternatives per token at most (OpenAI's top_logprobs bound)
+MAX_PENALTY = 2.0  # presence / frequency penalties lie in [-2, 2] (OpenAI's and vLLM's range)
 
 
 def is_greedy(temperature):
@@ -51,6 +52,19 @@ def check_top_p(p) -> None:
         raise ValueError(f"top_p {p!r} must be in (0, 1]; 1 turns it off.")
 
 
+def check_min_p(p) -> None:
+    """Raise ``ValueError`` unless ``p`` is a number in ``[0, 1]``."""
+    if not _is_num(p) or not 0 <= p <= 1:
+        raise ValueError(f"min_p {p!r} must be in [0, 1]; 0 turns it off.")
+
+
+def check_penalty(name: str, v) -> None:
+    """Raise ``ValueError`` unless ``v`` (the field ``name``) is a number in ``[-2, 2]``."""
+    if not _is_num(v) or not -MAX_PENALTY <= v <= MAX_PENALTY:
+        raise ValueError(f"{name} {v!r} must be a number in [-{MAX_PENALTY:g}, "
+                         f"{MAX_PENALTY:g}]; 0 turns it off.")
+
+
 def check_top_k(k) -> None:
     """Raise ``ValueError`` unless ``k`` is an int >= -1 (-1 and 0 turn top-k off)."""
     if not _is_int(k) or k < -1:
@@ -66,10 +80,17 @@ def check_seed(s) -> None:
 @dataclasses.dataclass
 class SamplingParams:
     """Sampling and stopping settings of one request (vLLM's names for the fields it has;
-    vLLM's ``best_of`` and penalties are not supported).
+    vLLM's ``best_of`` and ``repetition_penalty`` are not supported).
 
     temperature: in [0, 3.4e38] (float32's range), 0 = greedy. top_k: -1 (or 0) = off, else
     >= 1 (a top_k at or above the vocabulary size keeps every id). top_p: in (0, 1].
+    min_p: in [0, 1], 0 = off: keeps the ids whose probability is at least ``min_p`` times
+    the most likely one's (:mod:`mtp_jax.sampling.filtering`).
+    presence_penalty, frequency_penalty: in [-2, 2], 0 = off: before temperature and the
+    filters, every id's logit is lowered by ``frequency_penalty * c + presence_penalty * (c >
+    0)``, ``c`` the times the id is in the output so far (not the prompt), as OpenAI and vLLM
+    define them (:mod:`mtp_jax.sampling.penalties`); greedy requests take the argmax of the
+    penalised logits.
     max_tokens: >= 1 output tokens. seed: int or None (then the engine's seed and the request's
     index). stop: strings that end the output (excluded from the text); stop_token_ids: extra
     ids that end it (included; ids outside the checkpoint's vocabulary are refused by
@@ -79,7 +100,7 @@ class SamplingParams:
     logprobs: None (none), or the number of top alternatives (0..:data:`MAX_LOGPROBS`) to
     return with each output token's log-probability (``RequestOutput.logprobs``), from the
     distribution the token is sampled from (:func:`mtp_jax.sampling.filtered_logprobs`:
-    after temperature, top-k and top-p; greedy requests get the model's own
+    after temperature, top-k, top-p and min-p; greedy requests get the model's own
     ``log_softmax(logits)``).
     Raises ``ValueError`` at construction for out-of-range values.
     """
@@ -94,6 +115,9 @@ class SamplingParams:
     ignore_eos: bool = False
     n: int = 1
     logprobs: int | None = None
+    min_p: float = 0.0  # these last, so that positional arguments keep their meaning
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
 
     def __post_init__(self):
         self.validate()
@@ -104,6 +128,9 @@ class SamplingParams:
         check_temperature(self.temperature)
         check_top_p(self.top_p)
         check_top_k(self.top_k)
+        check_min_p(self.min_p)
+        check_penalty("presence_penalty", self.presence_penalty)
+        check_penalty("frequency_penalty", self.frequency_penalty)
         if not _is_int(self.max_tokens) or self.max_tokens < 1:
             raise ValueError(f"max_tokens {self.max_tokens!r} must be an int >= 1 (the most "
                              "tokens to generate, e.g. 128).")
@@ -126,6 +153,11 @@ class SamplingParams:
                                           or not 0 <= self.logprobs <= MAX_LOGPROBS):
             raise ValueError(f"logprobs {self.logprobs!r} must be None or an int in "
                              f"[0, {MAX_LOGPROBS}] (top alternatives per token).")
+
+    @property
+    def penalizes(self) -> bool:
+        """Whether a presence or frequency penalty is on."""
+        return self.presence_penalty != 0 or self.frequency_penalty != 0
 
     @property
     def greedy(self) -> bool:

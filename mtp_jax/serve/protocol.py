@@ -20,11 +20,11 @@ __all__ = ["CompletionBody", "ChatBody", "parse_body", "sampling_params"]
 # OpenAI (and vLLM) fields that need what this server does not have; taken only with the value
 # that asks for nothing (None, or the listed ones).
 UNSUPPORTED = {
-    "presence_penalty": (0,), "frequency_penalty": (0,), "repetition_penalty": (1,),
+    "repetition_penalty": (1,),
     "logit_bias": ({},), "best_of": (1,), "echo": (False,), "suffix": (),
     "tools": ([],), "tool_choice": ("none",), "functions": ([],), "function_call": ("none",),
     "parallel_tool_calls": (), "response_format": ({"type": "text"},), "min_tokens": (0,),
-    "min_p": (0,), "guided_json": (), "guided_regex": (), "guided_choice": (),
+    "guided_json": (), "guided_regex": (), "guided_choice": (),
     "prediction": (), "audio": (), "modalities": (["text"],), "reasoning_effort": (),
     "store": (False,), "metadata": (), "service_level": (), "service_tier": (),
     "web_search_options": (),
@@ -70,6 +70,9 @@ class _Sampling(BaseModel):
     temperature: float = 1.0
     top_p: float = 1.0
     top_k: int = -1
+    min_p: float | None = None  # None (JSON null, as some clients send): off
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
     stop: Union[str, list[str], None] = None
     stop_token_ids: list[int] | None = None
     seed: int | None = None
@@ -190,8 +193,11 @@ def sampling_params(body: _Sampling, max_tokens: int) -> SamplingParams:
     logprobs = logprobs_asked(body)
     try:
         return SamplingParams(temperature=body.temperature, top_p=body.top_p,
-                              top_k=body.top_k, max_tokens=max_tokens, seed=body.seed,
-                              stop=body.stop, stop_token_ids=body.stop_token_ids,
+                              top_k=body.top_k, min_p=body.min_p or 0.0,
+                              presence_penalty=body.presence_penalty or 0.0,
+                              frequency_penalty=body.frequency_penalty or 0.0,
+                              max_tokens=max_tokens,
+                              seed=body.seed, stop=body.stop, stop_token_ids=body.stop_token_ids,
                               ignore_eos=body.ignore_eos, n=body.n, logprobs=logprobs)
     except ValueError as e:
         param = str(e).split(" ", 1)[0]

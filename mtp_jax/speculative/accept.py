@@ -168,7 +168,7 @@ def rejection_accept(target_logits: jax.Array, draft_tokens: jax.Array,
     d_safe = jnp.clip(d, 0, V - 1)
     # [B, k+1, V]; the [B] params broadcast over the k+1 positions of each row.
     p = filtered_probs(target_logits, params.temperature, params.top_k, params.top_p,
-                       filtering=filtering)
+                       params.min_p, filtering=filtering)
     p_d = jnp.take_along_axis(p[:, :k], d_safe[..., None], axis=-1)[..., 0]  # [B, k]
     if draft_probs is None:
         q_d = jnp.ones((B, k), jnp.float32)

@@ -11,7 +11,10 @@ Inside a compiled program (prefill or round), after the target's forward::
                                     step j at position pos + j - 1
 
 Greedy rows draft the argmax; sampled rows draw from the filtered draft distribution q, which
-is stored with the drafts (``Pools.draft_probs``) for the next round's rejection sampling. The
+is stored with the drafts (``Pools.draft_probs``) for the next round's rejection sampling.
+With presence / frequency penalties (``counts``: the output's counts before the first draft)
+each draft step's logits are penalised over the output and the drafts before it
+(:mod:`mtp_jax.sampling.penalties`), as the verify penalises the target's. The
 draft's LM head may be its own (a reduced vocabulary or int8 rows:
 :mod:`mtp_jax.models.draft_head`, hot ids from :mod:`mtp_jax.speculative.draft_vocab`).
 
@@ -29,6 +32,7 @@ from mtp_jax.cache.paged import AttentionBatch
 from mtp_jax.cache.pools import Pools
 from mtp_jax.cache.rows import set_rows
 from mtp_jax.sampling import SALT_DRAFT, categorical, filtered_probs, row_keys
+from mtp_jax.sampling.penalties import draft_penalty
 
 __all__ = ["draft_token", "chain_drafts", "mtp_drafts", "store_next_tokens", "row_at"]
 
@@ -38,7 +42,7 @@ def row_at(x, index):
     return jnp.take_along_axis(x, index.reshape(-1, 1, *([1] * (x.ndim - 2))), axis=1)[:, 0]
 
 
-def draft_token(model, z, sampling, step, j, greedy_only, filtering=None):
+def draft_token(model, z, sampling, step, j, greedy_only, filtering=None, penalty=None):
     """Draft token j (0-based) from MTP hidden ``z [B, H]``: argmax for greedy rows, else a draw
     from the filtered draft distribution q, which is returned for rejection sampling (greedy
     rows' q is never read). With ``greedy_only`` (static; the host picks it when every row is
@@ -54,16 +58,23 @@ def draft_token(model, z, sampling, step, j, greedy_only, filtering=None):
     take ``model.draft_greedy`` (the best re-scored candidate, no pass over all V).
     ``filtering`` (static; the host's :meth:`~mtp_jax.sampling.SamplingTensors.filters_any`):
     whether the filter is traced, with no run-time test (``None``: tested at run time).
+    ``penalty`` (``[B, V]`` float32 or None): lowered from the logits first (taken at the hot
+    ids with a reduced vocabulary); then greedy-only programs score every logit.
     Random stream: ``row_keys(seed, step, SALT_DRAFT + j)``.
     Returns ``(tokens [B] int32, q [B, V] float32)``."""
-    if greedy_only:
-        return (model.draft_greedy(z),
-                jnp.zeros((z.shape[0], model.cfg.vocab_size), jnp.float32))
+    zeros = lambda: jnp.zeros((z.shape[0], model.cfg.vocab_size), jnp.float32)  # noqa: E731
+    if greedy_only and penalty is None:
+        return model.draft_greedy(z), zeros()
     logits, hot = model.draft_logits(z)  # [B, N]; hot [N] int32, None: N = V, column = id
+    if penalty is not None:
+        logits = logits.astype(jnp.float32) - (penalty if hot is None
+                                               else jnp.take(penalty, hot, axis=1))
     to_id = (lambda i: i) if hot is None else (lambda i: jnp.take(hot, i))
     greedy_tok = jnp.argmax(logits, -1).astype(jnp.int32)
+    if greedy_only:
+        return to_id(greedy_tok), zeros()
     q = filtered_probs(logits, sampling.temperature, sampling.top_k, sampling.top_p,
-                       filtering=filtering)
+                       sampling.min_p, filtering=filtering)
     drawn = categorical(row_keys(sampling.seed, step, SALT_DRAFT + j), q)
     if hot is not None:
         q = jnp.zeros((q.shape[0], model.cfg.vocab_size), jnp.float32).at[:, hot].set(
@@ -72,10 +83,11 @@ def draft_token(model, z, sampling, step, j, greedy_only, filtering=None):
 
 
 def chain_drafts(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, step, k,
-                 greedy_only, filtering=None):
+                 greedy_only, filtering=None, counts=None):
     """k-1 chained draft steps from ``z [B, H]`` and draft token ``tok [B]`` (with its ``q [B,
     V]``); step j runs at position ``pos + j - 1`` and writes its draft KV only below ``limit
-    [B]``. Returns ``(drafts [B, k] int32, q [B, k, V] float32, draft_kv)``."""
+    [B]``; ``counts`` (``[B, V]`` int32 or None): the output's counts before ``tok``, for the
+    penalties. Returns ``(drafts [B, k] int32, q [B, k, V] float32, draft_kv)``."""
     toks, qs = [tok], [q]
     for j in range(1, k):
         p = pos + j - 1
@@ -83,7 +95,8 @@ def chain_drafts(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, s
         zj, draft_kv = model.mtp(model.embed_tokens, z[:, None], toks[-1][:, None], batch,
                                  draft_kv, step=j)
         z = zj[:, 0]
-        t, qj = draft_token(model, z, sampling, step, j, greedy_only, filtering)
+        pen = None if counts is None else draft_penalty(counts, toks, sampling)
+        t, qj = draft_token(model, z, sampling, step, j, greedy_only, filtering, pen)
         toks.append(t)
         qs.append(qj)
     return jnp.stack(toks, 1), jnp.stack(qs, 1), draft_kv
@@ -91,7 +104,7 @@ def chain_drafts(model, draft_kv, z, tok, q, pos, page_table, limit, sampling, s
 
 def mtp_drafts(model, pools: Pools, hidden, next_ids, abatch, pick, step, pos, limit,
                sampling, k: int, greedy_only: bool, filtering: bool | None = None,
-               kv_only: bool = False):
+               kv_only: bool = False, counts=None):
     """Draft extend over the rows of ``hidden [B, T, H]`` (row t pairs the hidden at t with
     ``next_ids[:, t]``, at ``abatch``'s positions), then draft ``d_1`` from row ``pick [B]``
     and ``d_2..d_k`` by chained steps at ``pos [B]`` onwards (writes below ``limit [B]``
@@ -99,8 +112,9 @@ def mtp_drafts(model, pools: Pools, hidden, next_ids, abatch, pick, step, pos, l
     whose rows but ``pick`` feed no draft): the extend writes the draft KV of every row
     (``model.mtp.write_kv``, where the family has it: the KV projections only) and runs the
     whole draft step on row ``pick`` alone, saving the draft's attention, MLP and norm over
-    the other rows. Returns ``((drafts [B, k] int32, q [B, k, V] float32), pools with the
-    new draft KV)``."""
+    the other rows. ``counts`` (``[B, V]`` int32 or None): the output's counts before
+    ``d_1``, when the batch has penalties. Returns ``((drafts [B, k] int32, q [B, k, V]
+    float32), pools with the new draft KV)``."""
     write = getattr(model.mtp, "write_kv", None) if kv_only else None
     if write is None:
         z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
@@ -112,10 +126,11 @@ def mtp_drafts(model, pools: Pools, hidden, next_ids, abatch, pick, step, pos, l
         z, draft_kv = model.mtp(model.embed_tokens, row_at(hidden, pick)[:, None],
                                 row_at(next_ids, pick)[:, None], one, draft_kv)
         z_pick = z[:, 0]
-    tok, q = draft_token(model, z_pick, sampling, step, 0, greedy_only, filtering)
+    pen = None if counts is None else draft_penalty(counts, [], sampling)
+    tok, q = draft_token(model, z_pick, sampling, step, 0, greedy_only, filtering, pen)
     drafts, qs, draft_kv = chain_drafts(model, draft_kv, z_pick, tok, q, pos,
                                         abatch.page_table, limit, sampling, step, k,
-                                        greedy_only, filtering)
+                                        greedy_only, filtering, counts)
     return (drafts, qs), dataclasses.replace(pools, draft_kv=draft_kv)
 
 

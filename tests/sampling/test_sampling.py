@@ -308,7 +308,9 @@ def test_sampling_tensors_from_params_and_pytree():
     np.testing.assert_array_equal(st.top_k, [20, -1, -1, -1])
     np.testing.assert_array_equal(st.is_greedy, [False, True, True, True])
     leaves, treedef = jax.tree_util.tree_flatten(st)
-    assert len(leaves) == 4
+    assert len(leaves) == 7  # min_p and the two penalties: off (0) in 4-tuples and padding
+    np.testing.assert_array_equal(st.min_p, 0)
+    np.testing.assert_array_equal(st.presence_penalty, 0)
     back = jax.tree_util.tree_unflatten(treedef, leaves)
     for name in ("temperature", "top_k", "top_p", "seed"):
         np.testing.assert_array_equal(getattr(back, name), getattr(st, name))
@@ -325,7 +327,9 @@ def test_sampling_tensors_from_params_and_pytree():
     ((1.0, -1, 1.5, 0), "top_p"),
     ((1.0, -1, 1.0, -3), "seed"),
     ((1.0, -1, 1.0, 2**32), "seed"),
-    ((1.0, -1, 1.0), "4-tuple"),
+    ((1.0, -1, 1.0), "tuple of 4 to 7 values"),
+    ((1.0, -1, 1.0, 0, 0.0, 0.0, 0.0, 1), "tuple of 4 to 7 values"),
+    (3.0, "tuple of 4 to 7 values"),
 ])
 def test_sampling_tensors_validation(row, match):
     with pytest.raises(ValueError, match=match):

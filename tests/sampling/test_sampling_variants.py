@@ -102,19 +102,27 @@ def test_static_accept_equals_the_run_time_variant():
 
 
 class _Req:
-    def __init__(self, temperature, top_k=-1, top_p=1.0):
-        self.params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p)
+    def __init__(self, temperature, top_k=-1, top_p=1.0, min_p=0.0, presence=0.0):
+        self.params = SamplingParams(temperature=temperature, top_k=top_k, top_p=top_p,
+                                     min_p=min_p, presence_penalty=presence)
 
 
 def test_engine_sampling_variant_from_its_requests():
     v = 1000
     def variant(reqs):
         tensors = SamplingTensors.from_params(
-            [(r.params.temperature, r.params.top_k, r.params.top_p, 0) for r in reqs],
-            pad_to=8, host=True)
+            [(r.params.temperature, r.params.top_k, r.params.top_p, 0, r.params.min_p,
+              r.params.presence_penalty) for r in reqs], pad_to=8, host=True)
         return sampling_choice([r.params.greedy for r in reqs], tensors, v)
-    assert variant([_Req(0.0, 5, 0.5), _Req(0.0)]) == {"greedy_only": True, "filtering": None}
-    assert variant([_Req(0.0, 5, 0.5), _Req(0.7)]) == {"greedy_only": False, "filtering": False}
-    assert variant([_Req(0.7, 1000)]) == {"greedy_only": False, "filtering": False}
+    off = {"penalties": False}
+    assert variant([_Req(0.0, 5, 0.5), _Req(0.0)]) == {"greedy_only": True, "filtering": None,
+                                                       **off}
+    assert variant([_Req(0.0, 5, 0.5), _Req(0.7)]) == {"greedy_only": False, "filtering": False,
+                                                       **off}
+    assert variant([_Req(0.7, 1000)]) == {"greedy_only": False, "filtering": False, **off}
     assert variant([_Req(0.7), _Req(0.6, 20, 0.95)]) == {"greedy_only": False,
-                                                         "filtering": True}
+                                                         "filtering": True, **off}
+    assert variant([_Req(0.7, min_p=0.1)]) == {"greedy_only": False, "filtering": True, **off}
+    assert variant([_Req(0.0), _Req(0.0, presence=-0.5)]) == {"greedy_only": True,
+                                                              "filtering": None,
+                                                              "penalties": True}

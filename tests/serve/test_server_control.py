@@ -52,7 +52,7 @@ def test_api_key(live):
 
 
 @pytest.mark.parametrize("field,value", [("tools", [{"type": "function"}]),
-                                         ("presence_penalty", 0.5), ("logit_bias", {"5": 1}),
+                                         ("repetition_penalty", 1.2), ("logit_bias", {"5": 1}),
                                          ("best_of", 3)])
 def test_unsupported_fields_are_named(live, field, value):
     err = check_error(live.client.post("/v1/completions", json={**GREEDY, field: value}), 400,

@@ -111,4 +111,5 @@ def make_qwen4_pools(cfg, *, num_pages: int, page_size: int, slots: int, k: int,
                  next_tokens=jnp.zeros((slots, k + 1), jnp.int32),
                  draft_probs=jnp.zeros(probs_shape, jnp.float32), snapshots=snapshots,
                  position=jnp.zeros((slots,), jnp.int32), step=jnp.zeros((slots,), jnp.int32),
+                 output_counts=jnp.zeros((slots, cfg.vocab_size), jnp.int32),
                  **hidden_pools(cfg.hc_hidden, slots=slots, mtp=mtp, num_snapshots=num_snapshots))
