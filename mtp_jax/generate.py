@@ -275,8 +275,10 @@ def _as_json(message: str, fields: dict) -> str:
     if field not in fields or not rest.startswith(repr(fields[field])):
         return message
     value = fields[field]
+    ints = ("top_k", "max_tokens", "seed")  # where 3.0 is refused for its decimal point
     kind = (" (a boolean)" if isinstance(value, bool) else
-            " (a number written with a decimal point)" if isinstance(value, float) else "")
+            " (a number written with a decimal point)" if isinstance(value, float)
+            and field in ints else "")
     return f'"{field}": {json.dumps(value)}{kind}{rest[len(repr(value)):]}'
 
 

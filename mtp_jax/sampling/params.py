@@ -55,7 +55,7 @@ def check_top_p(p) -> None:
 def check_min_p(p) -> None:
     """Raise ``ValueError`` unless ``p`` is a number in ``[0, 1]``."""
     if not _is_num(p) or not 0 <= p <= 1:
-        raise ValueError(f"min_p {p!r} must be in [0, 1]; 0 turns it off.")
+        raise ValueError(f"min_p {p!r} must be a number in [0, 1]; 0 turns it off.")
 
 
 def check_penalty(name: str, v) -> None:
@@ -100,8 +100,8 @@ class SamplingParams:
     logprobs: None (none), or the number of top alternatives (0..:data:`MAX_LOGPROBS`) to
     return with each output token's log-probability (``RequestOutput.logprobs``), from the
     distribution the token is sampled from (:func:`mtp_jax.sampling.filtered_logprobs`:
-    after temperature, top-k, top-p and min-p; greedy requests get the model's own
-    ``log_softmax(logits)``).
+    after the penalties, temperature, top-k, top-p and min-p; greedy requests get the
+    ``log_softmax`` of the model's logits after the penalties).
     Raises ``ValueError`` at construction for out-of-range values.
     """
 

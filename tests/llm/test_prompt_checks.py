@@ -290,7 +290,8 @@ def test_file_field_errors_spell_the_value_as_the_json_line_does(words, tmp_path
     f = tmp_path / "reqs.jsonl"
     f.write_text("\n".join(json.dumps(r) for r in [
         {"prompt": "t5", "max_tokens": True}, {"prompt": "t5", "max_tokens": 2.0},
-        {"prompt": "t5", "stop": ["x", ""]}, {"prompt": "t5", "max_tokens": 3}]) + "\n")
+        {"prompt": "t5", "stop": ["x", ""]}, {"prompt": "t5", "max_tokens": 3},
+        {"prompt": "t5", "min_p": 1.5}]) + "\n")
     _, _, params, errors = generate._read_run(generate.build_parser().parse_args(
         ["--model", words, "--prompts-file", str(f)]))
     assert errors == {
@@ -298,7 +299,8 @@ def test_file_field_errors_spell_the_value_as_the_json_line_does(words, tmp_path
            "tokens to generate, e.g. 128).",
         1: f'{f}:2 (request 2): "max_tokens": 2.0 (a number written with a decimal point) must '
            "be an int >= 1 (the most tokens to generate, e.g. 128).",
-        2: f'{f}:3 (request 3): "stop": ["x", ""] must hold non-empty strings.'}
+        2: f'{f}:3 (request 3): "stop": ["x", ""] must hold non-empty strings.',
+        4: f'{f}:5 (request 5): "min_p": 1.5 must be a number in [0, 1]; 0 turns it off.'}
     assert params[3].max_tokens == 3
 
 

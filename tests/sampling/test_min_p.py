@@ -108,7 +108,7 @@ def test_filters_any_and_the_static_flag():
 
 @pytest.mark.parametrize("bad", [-0.1, 1.5, float("nan"), "0.1", True])
 def test_bad_min_p_is_refused_naming_it(bad):
-    with pytest.raises(ValueError, match=r"min_p .* must be in \[0, 1\]"):
+    with pytest.raises(ValueError, match=r"min_p .* must be a number in \[0, 1\]"):
         SamplingParams(min_p=bad)
     with pytest.raises(ValueError, match=r"row 0: min_p"):
         SamplingTensors.from_params([(1.0, -1, 1.0, 0, bad)])
@@ -123,11 +123,11 @@ def test_server_body_and_cli_flags_carry_min_p_and_the_penalties(capsys):
     assert sampling_params(body, 8).min_p == 0.05
     chat = parse_body({"messages": [{"role": "user", "content": "hi"}], "min_p": 0}, ChatBody)
     assert sampling_params(chat, 8).min_p == 0
-    with pytest.raises(APIError, match=r"min_p 1\.5 must be in \[0, 1\]") as e:
+    with pytest.raises(APIError, match=r"min_p 1\.5 must be a number in \[0, 1\]") as e:
         sampling_params(parse_body({"prompt": "hi", "min_p": 1.5}, CompletionBody), 8)
     assert e.value.param == "min_p" and e.value.status == 400
     assert main(["--min-p", "1.5"]) == 2
-    assert "min_p (--min-p) 1.5 must be in [0, 1]" in capsys.readouterr().err
+    assert "min_p (--min-p) 1.5 must be a number in [0, 1]" in capsys.readouterr().err
     body = parse_body({"prompt": "hi", "presence_penalty": 1.5, "frequency_penalty": None},
                       CompletionBody)  # null, as some clients send it: off
     got = sampling_params(body, 8)

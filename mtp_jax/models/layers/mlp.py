@@ -32,7 +32,8 @@ from pallas_kernels.quant import KeptArray, QuantFormat, check_parts
 FOLD_SHARED_EXPERT = 1
 # 1: with the pallas MoE backend, a folded block's few-token calls (decode, verify) route inside
 # two kernels (pallas_kernels.moe.routed) instead of the router kernel, XLA's gather-reduces, the
-# SwiGLU and the weighted sum. Off until the GPU measures it faster.
+# SwiGLU and the weighted sum. Off: on an H100 it made the 35B-A3B decode step (8-layer cut) 16%
+# slower, 990.5 against 851.9 us (docs/benchmarks.md, session 64).
 ROUTED_DECODE = 0
 SHARED_EXPERT_TENSORS = ".mlp.shared_expert."  # checkpoint names of the shared expert's tensors
 
