@@ -71,11 +71,10 @@ def draft_penalty(counts: jax.Array, drafted: list, sampling: SamplingTensors) -
     """The penalty of an MTP draft step: ``counts [B, V]`` int32 (the output before the
     round's first draft) plus the tokens ``drafted`` so far (a list of ``[B]`` int32).
     Returns ``[B, V]`` float32."""
-    if drafted:
-        c = _with_drafts(counts, jnp.stack(drafted, 1), len(drafted) + 1)[:, -1]
-    else:
-        c = counts
-    return penalty(c, sampling)
+    iota = jax.lax.broadcasted_iota(jnp.int32, (1, counts.shape[-1]), 1)
+    for tok in drafted:
+        counts = counts + (tok[:, None] == iota).astype(jnp.int32)
+    return penalty(counts, sampling)
 
 
 def add_tokens(counts: jax.Array, slot: jax.Array, tokens: jax.Array,
