@@ -15,6 +15,11 @@ first N kernels in order with their gaps. Printed as text, kept in the JSON row 
 and written with the trace under ``--trace-dir``. Bytes: what the round must move
 (:func:`mtp_jax.bench.floor.round_bytes`), for the fraction of the HBM floor.
 
+``--phase prefill``: the same figures per prefill call instead, one call over ``--batch``
+prompts of ``--prompt-len`` tokens run again and again (k = 0: MTP off; k > 0: with the MTP
+draft KV over the prompt rows and k drafts), for where speculation's share of a prefill goes;
+no bytes floor (a prefill is bound by FLOPs).
+
 Under the profiler XLA runs a program op by op unless
 ``--xla_enable_command_buffers_during_profiling=true`` is set (a flag of recent jaxlibs; an
 unknown flag aborts start-up, so it is added only after a child process accepted it): the
@@ -42,7 +47,8 @@ from mtp_jax.bench.subcommand import Results, config_of, parser, positive, requi
 from mtp_jax.bench.timing import Trace, is_gpu_line, kernel_lines, lines, load_trace
 from mtp_jax.config import EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
-from mtp_jax.engine.rounds import AUTO_SCHEDULER_STEPS
+from mtp_jax.engine.prefill_batch import ChunkRow, prefill_batch, prefill_bucket
+from mtp_jax.engine.rounds import AUTO_SCHEDULER_STEPS, next_pow2
 from mtp_jax.kernels import OPS, add_backend_flags
 from mtp_jax.models.loader import load_model
 
@@ -57,7 +63,12 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--config", required=True, help="a model config JSON (e.g. configs/*.json)")
     p.add_argument("--k", type=int, nargs="+", default=[0, 3],
                    help="drafts per round; 0 = decode steps (default 0 3)")
-    p.add_argument("--batch", type=positive(int), default=1, help="default 1")
+    p.add_argument("--phase", choices=["round", "prefill"], default="round",
+                   help="round: decode steps and rounds (the default); prefill: one prefill "
+                        "call over --batch prompts of --prompt-len tokens, with k > 0 its MTP "
+                        "draft KV and drafts (figures per call)")
+    p.add_argument("--batch", type=positive(int), default=1,
+                   help="requests (--phase prefill: prompts in the call); default 1")
     p.add_argument("--prompt-len", type=positive(int), default=1024, help="default 1024")
     p.add_argument("--rounds", type=positive(int), default=20,
                    help="program calls timed, then traced (default 20)")
@@ -169,9 +180,62 @@ def flag_accepted(extra: str) -> bool:
     return done.returncode == 0
 
 
+def measure(call, sync, calls: int, per_call: int, trace_dir: str,
+            sequence: int = 0) -> tuple[float, dict]:
+    """``(median untraced wall seconds, analysis)`` of ``calls`` waited-for ``call()``s, then
+    as many traced into ``trace_dir``; each call holds ``per_call`` rounds, and both figures
+    are per round. ``sync()`` waits for the device."""
+    for _ in range(5):
+        call()
+    sync()
+    times = []
+    for _ in range(calls):
+        t0 = time.perf_counter()
+        call()
+        sync()
+        times.append((time.perf_counter() - t0) / per_call)
+    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
+        for _ in range(calls):
+            call()
+        sync()
+    return statistics.median(times), analyse(load_trace(trace_dir), calls * per_call, sequence)
+
+
+def profile_prefill(a, model, cfg, k: int) -> tuple[float, dict, str]:
+    """``(untraced wall seconds per call, per-call analysis, trace folder)`` of one prefill
+    call over ``a.batch`` prompts of ``a.prompt_len`` tokens (every chunk the whole prompt,
+    the call samples the first tokens; with k > 0 the MTP draft KV and ``k`` drafts), the
+    same batch run again and again (it rewrites the same pages and slots). The engine's
+    chunk size and context are the call's padded ``B * T`` (a call's padded tokens stay
+    within its chunk size)."""
+    padded = next_pow2(a.batch) * prefill_bucket(a.prompt_len, a.prompt_len)
+    eng = Engine(model, EngineConfig(max_running_requests=a.batch, max_prefill_batch=a.batch,
+                                     max_model_len=padded + 64, chunked_prefill_size=padded,
+                                     dtype=model.dtype,
+                                     enable_prefix_cache=False),
+                 SpeculativeConfig(algorithm="mtp" if k else "none", num_steps=k or 3,
+                                   adaptive=False))
+    sched = eng.scheduler
+    reqs = requests(a.batch, a.prompt_len, 16, cfg.vocab_size, 0)
+    for r in reqs:
+        sched.add(r)
+        sched.admit(r)
+    rows = [ChunkRow(r, 0, a.prompt_len) for r in reqs]
+    batch = prefill_batch(rows, sched.prefill_shape(len(rows), a.prompt_len), sched.book,
+                          None, sched.settings.k)
+    variant = sched.prefill_variant(reqs)
+    trace_dir = os.path.join(a.trace_dir, f"prefill_k{k}_b{a.batch}")
+    wall, s = measure(lambda: sched.device.prefill(batch, variant),
+                      lambda: jax.block_until_ready(eng.pools), a.rounds, 1, trace_dir,
+                      a.sequence)
+    return wall, s, trace_dir
+
+
 def profile(a, model, cfg, k: int) -> tuple[float, dict, str]:
     """``(untraced wall seconds per round, per-round analysis, trace folder)`` of one k; a
     call runs ``a.num_scheduler_steps`` rounds, so its figures are divided by them."""
+    if a.phase == "prefill":
+        return profile_prefill(a, model, cfg, k)
     steps = a.num_scheduler_steps
     room = a.prompt_len + (2 * a.rounds + 16) * steps * (k + 1) + 64
     eng = Engine(model, EngineConfig(max_running_requests=a.batch, max_model_len=room,
@@ -181,21 +245,11 @@ def profile(a, model, cfg, k: int) -> tuple[float, dict, str]:
                                    adaptive=False))
     reqs = requests(a.batch, a.prompt_len, 10**6, cfg.vocab_size, 0)
     prefill_all(eng, reqs, Ledger(), "warmup", None)
-    for _ in range(5):
-        eng.scheduler.run_round(reqs)
-    jax.block_until_ready(eng.pools)
-    times = []
-    for _ in range(a.rounds):
-        t0 = time.perf_counter()
-        eng.scheduler.run_round(reqs)
-        times.append((time.perf_counter() - t0) / steps)
     trace_dir = os.path.join(a.trace_dir, f"k{k}_b{a.batch}")
-    with jax.profiler.trace(trace_dir, create_perfetto_trace=True):
-        for _ in range(a.rounds):
-            eng.scheduler.run_round(reqs)
-        jax.block_until_ready(eng.pools)
-    return statistics.median(times), analyse(load_trace(trace_dir), a.rounds * steps,
-                                             a.sequence), trace_dir
+    wall, s = measure(lambda: eng.scheduler.run_round(reqs),
+                      lambda: jax.block_until_ready(eng.pools), a.rounds, steps, trace_dir,
+                      a.sequence)
+    return wall, s, trace_dir
 
 
 def bench(a, results: Results) -> None:
@@ -210,20 +264,24 @@ def bench(a, results: Results) -> None:
     texts = []
     for k in a.k:
         wall, s, trace_dir = profile(a, model, cfg, k)
-        texts.append(text_of(f"=== k={k} batch={a.batch} prompt={a.prompt_len} "
-                             f"rounds/call={a.num_scheduler_steps}: median wall "
-                             f"{wall * 1e3:.3f} ms/round (untraced) ===", s))
+        prefill = a.phase == "prefill"
+        unit = "call" if prefill else "round"
+        per = "" if prefill else f"rounds/call={a.num_scheduler_steps}: "
+        texts.append(text_of(f"=== {a.phase} k={k} batch={a.batch} prompt={a.prompt_len} "
+                             f"{per}median wall {wall * 1e3:.3f} ms/{unit} (untraced) ===", s))
         print(texts[-1], flush=True)
         context = a.prompt_len + a.rounds * a.num_scheduler_steps * (k + 1)
-        by = round_bytes(cfg, a.batch, k, context,
-                         4 if a.dtype == "float32" else 2)
-        row = op_row("round" if k else "decode step", f"{shape} B={a.batch} k={k}",
+        nbytes = None if prefill else round_bytes(cfg, a.batch, k, context,
+                                                  4 if a.dtype == "float32" else 2)["total"]
+        op = "prefill call" if prefill else "round" if k else "decode step"
+        row = op_row(op, f"{shape} B={a.batch} k={k}",
                      "op by op" if a.op_by_op else "command buffers", s["busy_us"] / 1e6,
-                     by["total"], hbm_tbps=a.hbm_tbps, timing="device", wall_us=wall * 1e6,
+                     nbytes, hbm_tbps=a.hbm_tbps, timing="device", wall_us=wall * 1e6,
                      kernels=s["kernels"], span_us=s["span_us"], trace=trace_dir)
         row["profile"] = s
         results.add(row)
-    with open(os.path.join(a.trace_dir, f"profile_{shape}_b{a.batch}.txt"), "w") as f:
+    name = f"profile_{shape}_b{a.batch}" + ("_prefill" if a.phase == "prefill" else "")
+    with open(os.path.join(a.trace_dir, name + ".txt"), "w") as f:
         f.write("\n\n".join(texts) + "\n")
 
 

@@ -46,7 +46,7 @@ from mtp_jax.sampling.logprobs import columns_per_token, logprob_columns
 from mtp_jax.sampling.penalties import add_tokens, first_counts, verify_penalties
 from mtp_jax.speculative.accept import accept
 from mtp_jax.speculative.clamp import clamp_drafts
-from mtp_jax.speculative.mtp import mtp_drafts, row_at, store_next_tokens
+from mtp_jax.speculative.mtp import mtp_drafts, row_at, store_next_tokens, write_draft_kv
 
 
 @jax.tree_util.register_dataclass
@@ -94,20 +94,13 @@ def _plain_round_drafts(model, pools: Pools, hidden, emitted, abatch: AttentionB
                         bonus, proposer: str, pool_k: int) -> Pools:
     """After a plain round (k = 0) of an engine whose rounds draft ``pool_k`` tokens: with
     MTP, write the draft's KV of the committed row (its hidden paired with the token just
-    emitted; ``model.mtp.write_kv`` where the family has it, else the whole draft step with
-    its output unused) so that the
+    emitted; :func:`~mtp_jax.speculative.mtp.write_draft_kv`) so that the
     draft attends to every position when drafting resumes; then ``next_tokens[slot] =
     [bonus, -1 x pool_k]``: the drafts are stale, and the next drafting round verifies none
     of them (:func:`one_round`)."""
     if proposer == "mtp":
-        write = getattr(model.mtp, "write_kv", None)
-        if write is not None:  # the KV projections only
-            draft_kv = write(model.embed_tokens, hidden, emitted[:, :1], abatch,
-                             pools.draft_kv)
-        else:  # the whole draft step; XLA drops what the KV does not need
-            _, draft_kv = model.mtp(model.embed_tokens, hidden, emitted[:, :1], abatch,
-                                    pools.draft_kv)
-        pools = dataclasses.replace(pools, draft_kv=draft_kv)
+        pools = dataclasses.replace(pools, draft_kv=write_draft_kv(
+            model, pools.draft_kv, hidden, emitted[:, :1], abatch))
     stale = jnp.full((bonus.shape[0], pool_k), -1, jnp.int32)
     row = jnp.concatenate([bonus[:, None], stale], 1)
     return dataclasses.replace(pools, next_tokens=set_rows(pools.next_tokens, slot, row))
@@ -116,10 +109,11 @@ def _plain_round_drafts(model, pools: Pools, hidden, emitted, abatch: AttentionB
 def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: PrefillVariant):
     """Prefill one chunk per row (the GDN state starts at zero when ``start == 0``, else from
     the slot); sample the first token; with MTP (``variant.mtp``), write the draft KV over the
-    chunk's rows and draft ``d_1..d_k``. Writes ``next_tokens[slot] = [x_T, d_1..d_k]`` (final
-    chunk only matters). ``variant.greedy_only``: every row is greedy, so no sampling path is
-    traced. With prefix-cache snapshots (``batch.snap_at`` has ``S > 0`` columns and the pools
-    hold snapshots), saves the slot states at the boundaries inside the chunk: from the
+    chunk's rows and draft ``d_1..d_k`` (``variant.drafts``; else the drafts are left stale,
+    -1). Writes ``next_tokens[slot] = [x_T, d_1..d_k]`` (final chunk only matters).
+    ``variant.greedy_only``: every row is greedy, so no sampling path is traced. With
+    prefix-cache snapshots (``batch.snap_at`` has ``S > 0`` columns and the pools hold
+    snapshots), saves the slot states at the boundaries inside the chunk: from the
     model's prefill forward at those rows (``ModelEntry.prefill_snapshots``), else the
     chunk's final states at a boundary at its end
     (:func:`~mtp_jax.engine.snapshots.save_prefill_snapshots`). With MTP, a row with
@@ -171,10 +165,15 @@ def prefill(graphdef, params, pools: Pools, batch: PrefillBatch, variant: Prefil
         next_ids = jnp.where(is_final, first[:, None], batch.next_ids)
         end = batch.start + batch.length
         limit = batch.page_table.shape[1] * pools.kv.page_size * jnp.ones_like(end)
-        drafts, pools = mtp_drafts(model, pools, hidden, next_ids, abatch, last,
-                                   batch.step + 1, end, limit, batch.sampling, k, greedy_only,
-                                   kv_only=True, counts=counts)
-    pools = store_next_tokens(pools, batch.slot, first, drafts, k)
+        if variant.drafts:
+            drafts, pools = mtp_drafts(model, pools, hidden, next_ids, abatch, last,
+                                       batch.step + 1, end, limit, batch.sampling, k,
+                                       greedy_only, kv_only=True, counts=counts)
+        else:  # the draft KV over the rows only; the drafts stay stale
+            pools = dataclasses.replace(pools, draft_kv=write_draft_kv(
+                model, pools.draft_kv, hidden, next_ids, abatch))
+    pools = store_next_tokens(pools, batch.slot, first, drafts, k,
+                              fill=-1 if variant.mtp else 0)
     pools = dataclasses.replace(
         pools, position=pools.position.at[batch.slot].set(batch.start + batch.length),
         step=pools.step.at[batch.slot].set(jnp.ones_like(batch.slot)))

@@ -73,6 +73,9 @@ __all__ = ["EngineStats", "LoopSettings", "Scheduler", "MIN_PREFILL_BUCKET",
 # the same tokens (argmax for greedy rows), and its extra draft-filtering work is small next to
 # a prefill, while a greedy-only variant would add one program per prefill bucket to start-up.
 PREFILL_GREEDY_ONLY = False
+# With adaptive speculation, an MTP prefill call drafts only when a request whose prompt it
+# ends will verify the drafts (Scheduler.prefill_drafts); 0 drafts in every call (an A/B).
+PREFILL_SKIPS_DRAFTS = 1
 
 
 @dataclasses.dataclass
@@ -252,8 +255,15 @@ class Scheduler:
             row.req.redraft = False  # the first chunk rewrites the row
         t0 = time.perf_counter()
         final = [row.req for row in rows if row.final]
+        if self.adaptive is not None:
+            for req in final:  # its adaptive state, before its prefill decides on drafts
+                if req.acceptance is None:
+                    req.acceptance = self.adaptive.fresh(req.params.greedy)
         variant = self.prefill_variant(final)
         out = self.device.prefill(batch, variant)
+        if variant.mtp and not variant.drafts:
+            for req in final:  # its drafts are stale: its first round verifies none
+                req.acceptance.drafting = False
         if self.ready_prefill is not None:
             self.ready_prefill.add(shape)  # compiled now if it was not
         host = np.asarray(out) if final else None  # the one read, for the first tokens
@@ -273,10 +283,23 @@ class Scheduler:
         """The prefill variant of a chunk; ``final``: the requests whose prompt it ends (their
         first token's log-probabilities, when asked for; their output counts, when one has
         a penalty)."""
-        return PrefillVariant(k=self.settings.k, mtp=self.settings.proposer == "mtp",
-                              logprobs=call_top(final),
+        mtp = self.settings.proposer == "mtp"
+        return PrefillVariant(k=self.settings.k, mtp=mtp, logprobs=call_top(final),
                               greedy_only=PREFILL_GREEDY_ONLY,
-                              penalties=any(r.params.penalizes for r in final))
+                              penalties=any(r.params.penalizes for r in final),
+                              drafts=mtp and self.prefill_drafts(final))
+
+    def prefill_drafts(self, final: list[Request]) -> bool:
+        """Whether an MTP prefill call drafts ``d_1..d_k`` for the requests whose prompt it
+        ends (``final``, their adaptive states set): always without adaptive speculation;
+        with it, when one of them drafts in its first call
+        (:meth:`~mtp_jax.speculative.adaptive.AdaptivePolicy.drafts_first`). So a call that
+        ends no prompt drafts nothing (the chunk that ends it drafts anew), nor one whose
+        greedy requests start from an estimate that does not pay (random weights, a hard
+        prompt): it writes only the draft KV, and their first rounds verify no draft."""
+        if self.adaptive is None or not PREFILL_SKIPS_DRAFTS:
+            return True
+        return any(self.adaptive.drafts_first(r.acceptance) for r in final)
 
     def finish_prefill(self, req: Request) -> None:
         """After ``req``'s last chunk: insert its prompt into the prefix cache, then release it

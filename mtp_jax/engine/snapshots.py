@@ -26,7 +26,7 @@ from mtp_jax.cache.paged import AttentionBatch
 from mtp_jax.cache.pools import Pools
 from mtp_jax.cache.rows import set_rows
 from mtp_jax.engine.batch import PrefillBatch, RoundBatch
-from mtp_jax.speculative.mtp import row_at
+from mtp_jax.speculative.mtp import row_at, write_draft_kv
 
 __all__ = ["COPY_PAGE", "LOAD_SNAPSHOT", "has_snapshots", "prefill_targets", "redraft_row",
            "save_prefill_snapshots", "save_round_snapshots"]
@@ -111,13 +111,8 @@ def redraft_row(model, pools: Pools, batch: PrefillBatch, dtype) -> Pools:
     h = pools.slot_hidden[batch.slot][:, None, :].astype(dtype)  # [B, 1, H]
     valid = (batch.redraft & (batch.start > 0))[:, None]
     abatch = AttentionBatch(jnp.maximum(batch.start - 1, 0)[:, None], valid, batch.page_table)
-    ids = batch.input_ids[:, :1]
-    write = getattr(model.mtp, "write_kv", None)
-    if write is not None:
-        draft_kv = write(model.embed_tokens, h, ids, abatch, pools.draft_kv)
-    else:
-        _, draft_kv = model.mtp(model.embed_tokens, h, ids, abatch, pools.draft_kv)
-    return dataclasses.replace(pools, draft_kv=draft_kv)
+    return dataclasses.replace(pools, draft_kv=write_draft_kv(
+        model, pools.draft_kv, h, batch.input_ids[:, :1], abatch))
 
 
 def load_snapshot(pools: Pools, snapshot: jax.Array, slot: jax.Array) -> Pools:

@@ -28,13 +28,18 @@ class PrefillVariant:
     sampling path is traced; logprobs: -1, or the top alternatives whose log-probabilities
     the first token reports (:mod:`mtp_jax.sampling.logprobs`); penalties: some row whose
     prompt the chunk ends has a presence or frequency penalty, so the chunk sets its output
-    counts and the MTP draft penalises its drafts (:mod:`mtp_jax.sampling.penalties`)."""
+    counts and the MTP draft penalises its drafts (:mod:`mtp_jax.sampling.penalties`);
+    drafts (with ``mtp``): the chunk drafts ``d_1..d_k``; False: it writes only the draft KV
+    over its rows and leaves the drafts stale (-1: the first round verifies none), for a
+    chunk whose drafts no round would verify
+    (:meth:`~mtp_jax.engine.scheduler.Scheduler.prefill_drafts`)."""
 
     k: int
     mtp: bool
     greedy_only: bool = False
     logprobs: int = -1
     penalties: bool = False
+    drafts: bool = True
 
 
 @dataclasses.dataclass(frozen=True)

@@ -26,7 +26,7 @@ from mtp_jax.engine.batch import RoundBatch
 from mtp_jax.engine.prefill_batch import MIN_PREFILL_BUCKET, padding_prefill_batch, prefill_top
 from mtp_jax.engine.rounds import next_pow2
 from mtp_jax.engine.scheduler import Scheduler
-from mtp_jax.engine.variants import RoundVariant
+from mtp_jax.engine.variants import PrefillVariant, RoundVariant
 from mtp_jax.sampling import SamplingTensors
 from mtp_jax.speculative.adaptive import RequestAcceptance
 
@@ -74,6 +74,17 @@ def round_variants(sched: Scheduler) -> list[RoundVariant]:
     if sched.prefix is None:
         return base
     return base + [dataclasses.replace(v, snapshot=True) for v in base]
+
+
+def prefill_choices(sched: Scheduler) -> list[PrefillVariant]:
+    """The prefill variants ``sched`` calls, before the penalties are set: with MTP and
+    adaptive speculation the one that drafts (a fresh request's first) and the one that does
+    not (:meth:`Scheduler.prefill_drafts`), or only the latter where no call can draft;
+    else the one."""
+    v = sched.prefill_variant()  # what a call that ends no prompt runs
+    if v.drafts or not v.mtp or sched.adaptive.never_drafts:
+        return [v]
+    return [dataclasses.replace(v, drafts=True), v]
 
 
 def padding_round_batch(b: int, k: int, max_pages_per_req: int) -> RoundBatch:
@@ -143,7 +154,8 @@ def warmup_calls(sched: Scheduler, sampled: bool = True, max_batch: int | None =
                      for f in ((False, True) if filtering is None else (filtering,))]
     pens = (False, True) if penalties else (False,)
     sampling = [{**choice, "penalties": p} for p in pens for choice in sampling]
-    prefill_variants = [dataclasses.replace(sched.prefill_variant(), penalties=p) for p in pens]
+    prefill_variants = [dataclasses.replace(v, penalties=p) for p in pens
+                        for v in prefill_choices(sched)]
     max_pages = sched.book.max_pages_per_req
     st = sched.prefix.snapshot_tokens if sched.prefix is not None else None
 

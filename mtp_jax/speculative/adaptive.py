@@ -214,6 +214,18 @@ class AdaptivePolicy:
         share.interval = PROBE_FIRST
         return RequestAcceptance(share.weighted_tokens / share.weight)
 
+    def drafts_first(self, st: RequestAcceptance) -> bool:
+        """Whether a request of fresh state ``st`` drafts in its first call by its own rule,
+        so that its prefill drafts ``d_1..d_k`` for it: its estimate beats ``cost`` (always
+        for a sampled request, which starts optimistic, so its draws depend on its own
+        history only). Not when no call drafts (:attr:`never_drafts`), nor for a greedy
+        request starting from an estimate of the engine's greedy rounds that does not pay:
+        it drafts only in a probe window or beside a drafting request, and then its first
+        round verifies none, as after any plain call. True when adaptation is off."""
+        if not self.enabled or self.k == 0:
+            return True
+        return not self.never_drafts and st.tokens_per_round > self.cost
+
     def plan_call(self, states: list[RequestAcceptance], greedy: list[bool], rounds: int
                   ) -> list[tuple[int, int]]:
         """The drafts each request of the next call verifies, ``(in its first round, in the

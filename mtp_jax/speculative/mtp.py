@@ -34,7 +34,8 @@ from mtp_jax.cache.rows import set_rows
 from mtp_jax.sampling import SALT_DRAFT, categorical, filtered_probs, row_keys
 from mtp_jax.sampling.penalties import draft_penalty
 
-__all__ = ["draft_token", "chain_drafts", "mtp_drafts", "store_next_tokens", "row_at"]
+__all__ = ["draft_token", "chain_drafts", "mtp_drafts", "store_next_tokens", "row_at",
+           "write_draft_kv"]
 
 
 def row_at(x, index):
@@ -115,12 +116,11 @@ def mtp_drafts(model, pools: Pools, hidden, next_ids, abatch, pick, step, pos, l
     the other rows. ``counts`` (``[B, V]`` int32 or None): the output's counts before
     ``d_1``, when the batch has penalties. Returns ``((drafts [B, k] int32, q [B, k, V]
     float32), pools with the new draft KV)``."""
-    write = getattr(model.mtp, "write_kv", None) if kv_only else None
-    if write is None:
+    if not (kv_only and hasattr(model.mtp, "write_kv")):
         z, draft_kv = model.mtp(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
         z_pick = row_at(z, pick)
     else:
-        draft_kv = write(model.embed_tokens, hidden, next_ids, abatch, pools.draft_kv)
+        draft_kv = write_draft_kv(model, pools.draft_kv, hidden, next_ids, abatch)
         one = AttentionBatch(row_at(abatch.positions, pick)[:, None],
                              row_at(abatch.valid, pick)[:, None], abatch.page_table)
         z, draft_kv = model.mtp(model.embed_tokens, row_at(hidden, pick)[:, None],
@@ -134,9 +134,21 @@ def mtp_drafts(model, pools: Pools, hidden, next_ids, abatch, pick, step, pos, l
     return (drafts, qs), dataclasses.replace(pools, draft_kv=draft_kv)
 
 
-def store_next_tokens(pools: Pools, slot, pending, drafts, k: int) -> Pools:
-    """``next_tokens[slot] = [pending, d_1..d_k]`` (zeros in place of drafts when ``drafts`` is
-    None: no proposer, or host drafts that come with the next round's batch) and, with MTP
+def write_draft_kv(model, draft_kv, hidden, ids, abatch: AttentionBatch):
+    """The draft KV with the rows of ``hidden [B, T, H]`` paired with ``ids [B, T]`` written at
+    ``abatch``'s positions, as a draft step writes them: ``model.mtp.write_kv`` where the
+    family has it (the KV projections only), else the whole draft step, its output unused
+    (XLA drops what the KV does not need)."""
+    write = getattr(model.mtp, "write_kv", None)
+    if write is not None:
+        return write(model.embed_tokens, hidden, ids, abatch, draft_kv)
+    return model.mtp(model.embed_tokens, hidden, ids, abatch, draft_kv)[1]
+
+
+def store_next_tokens(pools: Pools, slot, pending, drafts, k: int, fill: int = 0) -> Pools:
+    """``next_tokens[slot] = [pending, d_1..d_k]`` (``fill`` in place of drafts when ``drafts``
+    is None: 0 with no proposer, or host drafts that come with the next round's batch; -1 for
+    stale MTP drafts, which the next round verifies none of) and, with MTP
     drafts ``(tokens [B, k], q [B, k, V])``, ``draft_probs[slot] = q``; rows on the trash slot
     write nothing (:func:`mtp_jax.cache.rows.set_rows`)."""
     row = pending[:, None]
@@ -145,5 +157,5 @@ def store_next_tokens(pools: Pools, slot, pending, drafts, k: int) -> Pools:
         row = jnp.concatenate([row, toks], 1)
         pools = dataclasses.replace(pools, draft_probs=set_rows(pools.draft_probs, slot, qs))
     elif k:
-        row = jnp.concatenate([row, jnp.zeros((row.shape[0], k), jnp.int32)], 1)
+        row = jnp.concatenate([row, jnp.full((row.shape[0], k), fill, jnp.int32)], 1)
     return dataclasses.replace(pools, next_tokens=set_rows(pools.next_tokens, slot, row))

@@ -53,7 +53,8 @@ def greedy_drafts(model, ids, k: int) -> np.ndarray:
 
 
 def expected_rounds(drafts: np.ndarray, sequence, prompt_len: int, k: int,
-                    max_new: int, plan=()) -> list[tuple[int, int, int]]:
+                    max_new: int, plan=(), prefill_drafts: bool = True
+                    ) -> list[tuple[int, int, int]]:
     """The rounds of greedy MTP decoding of ``sequence`` (the plain greedy continuation: prompt
     of ``prompt_len`` tokens then ``max_new`` generated ones), as ``(pending position p, drafts
     verified, drafts accepted)`` per round.
@@ -68,11 +69,13 @@ def expected_rounds(drafts: np.ndarray, sequence, prompt_len: int, k: int,
     ``plan``: the k of the first rounds (one round per call; later rounds draft ``k``), as
     adaptive speculation picks them: a plain round (0) commits one token and leaves the drafts
     stale, so the next drafting round verifies none (it drafts from its committed row); the
-    drafting rounds after that verify as if no round had been plain.
+    drafting rounds after that verify as if no round had been plain. ``prefill_drafts``
+    False: the prefill wrote the draft KV only and drafted nothing, so the first drafting
+    round verifies none, as after a plain round.
     """
     seq, plan = np.asarray(sequence), list(plan)
     end = prompt_len + max_new  # tokens in the finished sequence
-    out, p, fresh = [], prompt_len, True
+    out, p, fresh = [], prompt_len, prefill_drafts
     while p <= end - 2:  # a round emits at least one new token past the pending one
         drafting = (plan.pop(0) if plan else k) > 0
         room = min(k, end - 2 - p) if drafting and fresh else 0
@@ -87,22 +90,28 @@ def expected_rounds(drafts: np.ndarray, sequence, prompt_len: int, k: int,
 class ScriptedAdaptive:
     """A double of the engine's adaptive policy (``engine.scheduler.adaptive``) for one request
     at a time: whether each call drafts comes from ``plan`` (then always ``k``), with the caps
-    as the policy sets them (none in the first round after a call without drafts)."""
+    as the policy sets them from the request's state (none in the first round after a call
+    without drafts, or after a prefill that drafted none: the scheduler marks the state);
+    ``prefill_drafts``: what :meth:`drafts_first` answers, so whether prefills draft."""
 
     enabled = True
+    never_drafts = False
 
-    def __init__(self, plan, k: int):
-        self.ks, self.k, self.drafting = list(plan), k, True
+    def __init__(self, plan, k: int, prefill_drafts: bool = True):
+        self.ks, self.k, self.prefill_drafts = list(plan), k, prefill_drafts
         self.greedy = GreedyShare()  # observed by the scheduler, unused here
 
     def fresh(self, greedy: bool) -> RequestAcceptance:
         return RequestAcceptance.fresh(self.k)
+
+    def drafts_first(self, st) -> bool:
+        return self.prefill_drafts
 
     def plan_call(self, states, greedy, rounds):
         return [self.plan(st, rounds) for st in states]
 
     def plan(self, st, rounds):
         k = self.ks.pop(0) if self.ks else self.k
-        first = k if self.drafting else 0
-        self.drafting = k > 0
+        first = k if st.drafting else 0
+        st.drafting = k > 0
         return first, k

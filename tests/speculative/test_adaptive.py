@@ -7,6 +7,7 @@ choice follows the round cost the drafts must beat; a round that cannot pay is n
 import numpy as np
 import pytest
 
+from mtp_jax.bench.compiles import CompileWatch
 from mtp_jax.config import ConfigError, EngineConfig, SpeculativeConfig
 from mtp_jax.engine.engine import Engine
 from mtp_jax.engine.requests import Request, SamplingParams
@@ -97,6 +98,23 @@ def test_a_round_that_cannot_pay_is_never_drafted_nor_probed():
         drafted = {c for c in sampled if c[1]} | {c for call in greedy for c in call if c[1]}
         assert (not drafted) == never, (cost, drafted)
     assert not AdaptivePolicy(K, K + 1.0, enabled=False).never_drafts
+
+
+def test_a_prefill_drafts_for_requests_that_draft_in_their_first_call():
+    """``drafts_first``: sampled requests (optimistic) and greedy ones with no engine estimate
+    or one that pays, yes; greedy ones starting below the cost, and every request where no
+    call can draft, no; adaptation off, always."""
+    pol = AdaptivePolicy(K, 2.0)
+    assert pol.drafts_first(pol.fresh(False)) and pol.drafts_first(pol.fresh(True))
+    for _ in range(20):
+        pol.greedy.observe(1)
+    assert not pol.drafts_first(pol.fresh(True))
+    assert pol.drafts_first(pol.fresh(False))
+    assert pol.drafts_first(RequestAcceptance(2.5)) and not pol.drafts_first(RequestAcceptance(2.0))
+    never = AdaptivePolicy(K, K + 1.0)
+    assert not never.drafts_first(never.fresh(False))
+    off = AdaptivePolicy(K, K + 1.0, enabled=False)
+    assert off.drafts_first(RequestAcceptance(1.0))
 
 
 def test_round_cost_is_the_byte_ratio_of_the_released_shapes():
@@ -327,3 +345,26 @@ def test_round_cost_needs_adaptation_on():
     for kw in (dict(adaptive=False), dict(algorithm="none", num_steps=0)):
         with pytest.raises(ConfigError, match="--speculative-adaptive-round-cost"):
             SpeculativeConfig(adaptive_round_cost=1.5, **kw).validate()
+
+
+def test_greedy_requests_below_the_cost_prefill_without_drafts(model, prompts, plain):
+    """MTP with the trained head and a round cost its drafts do not beat: the first requests
+    (no engine estimate yet) prefill with drafts, the next ones start from the engine's low
+    greedy estimate and prefill without (the draft KV only), their first rounds verifying no
+    draft; the output is plain decoding's, drafts are still accepted in probe windows, and the
+    warm-up built both prefill variants (no compile while serving)."""
+    eng = _engine(model, "mtp", adaptive_round_cost=K + 0.9)
+    eng.warmup(sampled=False, max_batch=len(prompts), max_prompt_len=max(map(len, prompts)))
+    variants = []
+    prefill = eng.scheduler.device.prefill
+    eng.scheduler.device.prefill = lambda b, v: variants.append(v) or prefill(b, v)
+    with CompileWatch() as w:
+        for half in ("a", "b"):
+            reqs = greedy_requests(prompts, [f"r{i}" for i in range(len(prompts))], MAX_NEW)
+            eng.run(reqs)
+            for r in reqs:
+                assert r.prompt_ids + r.output_ids == plain[r.request_id], (half, r.request_id)
+            assert half == "a" or sum(r.num_accepted_tokens for r in reqs) > 0
+    assert w.compiles == 0
+    finals = [v.drafts for v in variants]
+    assert finals[0] and not finals[-1], finals

@@ -43,21 +43,31 @@ def _request(prompt):
                    params=SamplingParams(temperature=0, max_tokens=MAX_NEW, ignore_eos=True))
 
 
-@pytest.mark.parametrize("seed", [21, 8])
-def test_rounds_after_plain_rounds_accept_as_the_chain_implies(model, seed):
+@pytest.mark.parametrize("seed,prefill_drafts", [(21, True), (8, True), (21, False)])
+def test_rounds_after_plain_rounds_accept_as_the_chain_implies(model, seed, prefill_drafts):
+    """``prefill_drafts`` False: the prefill writes the draft KV over the prompt rows (the
+    last paired with the first token) and drafts nothing (the prefill variant without drafts,
+    Scheduler.prefill_drafts), so the first round verifies none and the later ones accept as
+    the chain implies; a last prompt row left out of the draft KV changes the later drafts."""
     prompt = motif_prompts(1, seed=seed)[0]
     (ref,) = [_request(prompt)]
     _engine(model, "none").run([ref])
     seq = prompt + ref.output_ids
     drafts = greedy_drafts(model, np.asarray(seq, np.int32), K)
     want = [(room, n) for _, room, n in expected_rounds(drafts, seq, len(prompt), K, MAX_NEW,
-                                                         PLAN)]
+                                                         PLAN, prefill_drafts)]
     assert sum(n for _, n in want[4:]) >= 4, "the fixture must accept drafts after plain rounds"
+    assert want[0][0] == (K if prefill_drafts else 0)
     eng = _engine(model, "mtp")
-    eng.scheduler.adaptive = ScriptedAdaptive(PLAN, K)
+    eng.scheduler.adaptive = ScriptedAdaptive(PLAN, K, prefill_drafts)
+    variants = []
+    prefill = eng.scheduler.device.prefill
+    eng.scheduler.device.prefill = lambda b, v: variants.append(v) or prefill(b, v)
     req = _request(prompt)
     seen = run_per_round(eng, [req])["a"]
     assert req.output_ids == ref.output_ids
     got = np.diff([(0, 0)] + seen, axis=0).tolist()
     assert got == [list(w) for w in want]
     assert eng.stats.plain_rounds == PLAN.count(0)
+    # chunks that end no prompt draft nothing; the one that ends it drafts as the policy says
+    assert [v.drafts for v in variants] == [False] * (len(variants) - 1) + [prefill_drafts]

@@ -6,6 +6,7 @@ index keys) equal within float32 rounding, untouched entries unchanged. Float32,
 
 Teeth (each seen to fail, both families): the pick row's step run at the chunk's first
 position instead of the pick's, or fed the first row's hidden; the other rows' KV not written.
+And the prefill program without drafts against the one with them (the last test).
 """
 
 import dataclasses
@@ -18,6 +19,10 @@ import pytest
 from flax import nnx
 
 from mtp_jax.cache.paged import AttentionBatch
+from mtp_jax.config import EngineConfig, SpeculativeConfig
+from mtp_jax.engine.engine import Engine
+from mtp_jax.engine.prefill_batch import ChunkRow, prefill_batch
+from mtp_jax.engine.requests import Request, SamplingParams
 from mtp_jax.models.loader import load_model
 from mtp_jax.models.registry import entry_of
 from mtp_jax.speculative.mtp import mtp_drafts
@@ -68,3 +73,44 @@ def test_kv_only_extend_drafts_and_writes_as_the_whole_step(ckpt):
         live[0] = False  # the trash page takes padding rows in either order
         np.testing.assert_allclose(g[live], w[live], rtol=1e-5, atol=1e-5)
         assert (w[live] != old[live]).any()  # the extend wrote something there
+
+
+@pytest.mark.parametrize("ckpt", ["tiny_trained", "tiny_qwen4_exp"])
+def test_prefill_without_drafts_writes_the_drafting_prefills_draft_kv(ckpt):
+    """The prefill variant without drafts (``PrefillVariant.drafts`` False, for calls whose
+    drafts no round would verify) against the drafting one on the same batch: the same first
+    tokens, the drafts left stale (-1), and the draft KV (for qwen4_exp the index keys too) at
+    every prompt position equal within float32 rounding, the last row paired with the first
+    token. Teeth: that row paired with the chunk's next ids (0 past the prompt) fails."""
+    m = load_model(fixture_path(ckpt), "float32", with_mtp=True)
+    eng = Engine(m, EngineConfig(max_running_requests=2, dtype="float32", page_size=PAGE,
+                                 max_model_len=64, enable_prefix_cache=False,
+                                 chunked_prefill_size=32),
+                 SpeculativeConfig(algorithm="mtp", num_steps=K, adaptive=False))
+    sched, dev = eng.scheduler, eng.scheduler.device
+    rng = np.random.default_rng(3)
+    reqs = [Request(request_id=str(i), index=i, prompt=None, seed=i,
+                    prompt_ids=rng.integers(1, m.cfg.vocab_size, n).tolist(),
+                    params=SamplingParams(temperature=0, max_tokens=8, ignore_eos=True))
+            for i, n in enumerate((13, 7))]
+    for r in reqs:
+        sched.add(r)
+        sched.admit(r)
+    rows = [ChunkRow(r, 0, len(r.prompt_ids)) for r in reqs]
+    batch = prefill_batch(rows, sched.prefill_shape(2, 13), sched.book, None, K)
+    drafting = sched.prefill_variant(reqs)
+    assert drafting.drafts
+    start = jax.tree.map(jnp.copy, dev.pools)
+    outs, kvs = [], []
+    for variant in (drafting, dataclasses.replace(drafting, drafts=False)):
+        dev.pools = jax.tree.map(jnp.copy, start)
+        outs.append(np.asarray(dev.prefill(batch, variant)))
+        kvs.append([np.asarray(a) for a in jax.tree.leaves(dev.pools.draft_kv)])
+    np.testing.assert_array_equal(outs[1][:2, 0], outs[0][:2, 0])
+    assert (outs[0][:2, 1:] >= 0).all() and (outs[1][:2, 1:] == -1).all()
+    for i, r in enumerate(reqs):
+        pos = np.arange(len(r.prompt_ids))
+        pages, offsets = batch.page_table[i, pos // PAGE], pos % PAGE
+        for want, got in zip(*kvs):
+            np.testing.assert_allclose(got[pages, offsets], want[pages, offsets],
+                                       rtol=1e-5, atol=1e-5)
