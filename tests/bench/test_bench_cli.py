@@ -276,10 +276,39 @@ def test_profile_counts_every_round_of_a_call(monkeypatch, tmp_path):
 
     monkeypatch.setattr(pr, "Engine", engine)
     a = Namespace(batch=1, prompt_len=8, rounds=2, num_scheduler_steps=3, sequence=0,
-                  trace_dir=str(tmp_path))
+                  trace_dir=str(tmp_path), phase="round")
     wall, rounds, _ = pr.profile(a, model, model.cfg, 0)
     assert seen["per_call"] == 3 and rounds == 2 * 3  # 2 traced calls of 3 rounds each
     assert len(calls) == 5 + 2 + 2 and wall > 0
+
+
+@pytest.mark.parametrize("k", [0, 3])
+def test_profile_prefill_phase_times_one_batched_prefill_call(monkeypatch, tmp_path, k):
+    """``--phase prefill``: one prefill call over every prompt (their final chunks, so the
+    first tokens and, with k > 0, the MTP drafts), the same call again and again (5 warm-up,
+    then timed and traced ones), analysed per call."""
+    from argparse import Namespace
+
+    import mtp_jax.bench.profile_round as pr
+    from mtp_jax.engine.device import DeviceState
+    from mtp_jax.models.loader import load_model
+    from tests.helpers.paths import fixture_path
+
+    model = load_model(fixture_path("tiny_trained"), "float32", with_mtp=True)
+    seen, calls = {}, []
+    monkeypatch.setattr(pr, "load_trace", lambda d: "trace")
+    monkeypatch.setattr(pr, "analyse", lambda t, rounds, seq: seen.setdefault("calls", rounds))
+    real = DeviceState.prefill
+    monkeypatch.setattr(DeviceState, "prefill", lambda self, batch, variant: calls.append(
+        (batch.input_ids.shape, batch.length.tolist(), variant)) or real(self, batch, variant))
+    a = Namespace(batch=3, prompt_len=20, rounds=2, sequence=0, trace_dir=str(tmp_path),
+                  phase="prefill")
+    wall, per_call, _ = pr.profile(a, model, model.cfg, k)
+    assert seen["calls"] == 2 and wall > 0
+    assert len(calls) == 5 + 2 + 2
+    shape, lengths, variant = calls[0]
+    assert shape == (4, 32) and lengths == [20, 20, 20, 0]  # 3 prompts, a padding row
+    assert variant.mtp == (k > 0) and variant.drafts == (k > 0) and variant.k == k
 
 
 def test_shape_names_of_config_files_and_checkpoint_folders():
