@@ -17,8 +17,9 @@ and written with the trace under ``--trace-dir``. Bytes: what the round must mov
 
 ``--phase prefill``: the same figures per prefill call instead, one call over ``--batch``
 prompts of ``--prompt-len`` tokens run again and again (k = 0: MTP off; k > 0: with the MTP
-draft KV over the prompt rows and k drafts), for where speculation's share of a prefill goes;
-no bytes floor (a prefill is bound by FLOPs).
+draft KV over the prompt rows and k drafts; with ``--prefill-drafts no`` the draft KV
+alone), for where speculation's share of a prefill goes; no bytes floor (a prefill is bound
+by FLOPs).
 
 Under the profiler XLA runs a program op by op unless
 ``--xla_enable_command_buffers_during_profiling=true`` is set (a flag of recent jaxlibs; an
@@ -30,6 +31,7 @@ Needs a CUDA GPU (it is refused elsewhere).
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import os
 import statistics
 import subprocess
@@ -62,11 +64,17 @@ def build_parser() -> argparse.ArgumentParser:
     p = parser("profile", __doc__)
     p.add_argument("--config", required=True, help="a model config JSON (e.g. configs/*.json)")
     p.add_argument("--k", type=int, nargs="+", default=[0, 3],
-                   help="drafts per round; 0 = decode steps (default 0 3)")
+                   help="drafts per round; 0 = decode steps (--phase prefill: 0 = MTP off, "
+                        "k > 0 = the prefill that drafts k; default 0 3)")
     p.add_argument("--phase", choices=["round", "prefill"], default="round",
                    help="round: decode steps and rounds (the default); prefill: one prefill "
                         "call over --batch prompts of --prompt-len tokens, with k > 0 its MTP "
-                        "draft KV and drafts (figures per call)")
+                        "draft KV and drafts (figures per call; --num-scheduler-steps and "
+                        "--hbm-tbps unused)")
+    p.add_argument("--prefill-drafts", choices=["yes", "no"], default="yes",
+                   help="--phase prefill with k > 0: yes (default) times the prefill that "
+                        "drafts k, no the one that writes only the draft KV (what adaptive "
+                        "speculation runs where no round would verify its drafts)")
     p.add_argument("--batch", type=positive(int), default=1,
                    help="requests (--phase prefill: prompts in the call); default 1")
     p.add_argument("--prompt-len", type=positive(int), default=1024, help="default 1024")
@@ -224,7 +232,9 @@ def profile_prefill(a, model, cfg, k: int) -> tuple[float, dict, str]:
     batch = prefill_batch(rows, sched.prefill_shape(len(rows), a.prompt_len), sched.book,
                           None, sched.settings.k)
     variant = sched.prefill_variant(reqs)
-    trace_dir = os.path.join(a.trace_dir, f"prefill_k{k}_b{a.batch}")
+    if k and a.prefill_drafts == "no":
+        variant = dataclasses.replace(variant, drafts=False)
+    trace_dir = os.path.join(a.trace_dir, f"prefill_k{k}_b{a.batch}_{a.prefill_drafts}")
     wall, s = measure(lambda: sched.device.prefill(batch, variant),
                       lambda: jax.block_until_ready(eng.pools), a.rounds, 1, trace_dir,
                       a.sequence)
@@ -267,6 +277,8 @@ def bench(a, results: Results) -> None:
         prefill = a.phase == "prefill"
         unit = "call" if prefill else "round"
         per = "" if prefill else f"rounds/call={a.num_scheduler_steps}: "
+        if prefill and k:
+            per = f"drafts={a.prefill_drafts}: "
         texts.append(text_of(f"=== {a.phase} k={k} batch={a.batch} prompt={a.prompt_len} "
                              f"{per}median wall {wall * 1e3:.3f} ms/{unit} (untraced) ===", s))
         print(texts[-1], flush=True)
@@ -274,7 +286,8 @@ def bench(a, results: Results) -> None:
         nbytes = None if prefill else round_bytes(cfg, a.batch, k, context,
                                                   4 if a.dtype == "float32" else 2)["total"]
         op = "prefill call" if prefill else "round" if k else "decode step"
-        row = op_row(op, f"{shape} B={a.batch} k={k}",
+        case = f"{shape} B={a.batch} k={k}" + (" no drafts" if per == "drafts=no: " else "")
+        row = op_row(op, case,
                      "op by op" if a.op_by_op else "command buffers", s["busy_us"] / 1e6,
                      nbytes, hbm_tbps=a.hbm_tbps, timing="device", wall_us=wall * 1e6,
                      kernels=s["kernels"], span_us=s["span_us"], trace=trace_dir)

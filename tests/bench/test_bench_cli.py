@@ -282,8 +282,8 @@ def test_profile_counts_every_round_of_a_call(monkeypatch, tmp_path):
     assert len(calls) == 5 + 2 + 2 and wall > 0
 
 
-@pytest.mark.parametrize("k", [0, 3])
-def test_profile_prefill_phase_times_one_batched_prefill_call(monkeypatch, tmp_path, k):
+@pytest.mark.parametrize("k,drafts", [(0, "yes"), (3, "yes"), (3, "no")])
+def test_profile_prefill_phase_times_one_batched_prefill_call(monkeypatch, tmp_path, k, drafts):
     """``--phase prefill``: one prefill call over every prompt (their final chunks, so the
     first tokens and, with k > 0, the MTP drafts), the same call again and again (5 warm-up,
     then timed and traced ones), analysed per call."""
@@ -302,13 +302,14 @@ def test_profile_prefill_phase_times_one_batched_prefill_call(monkeypatch, tmp_p
     monkeypatch.setattr(DeviceState, "prefill", lambda self, batch, variant: calls.append(
         (batch.input_ids.shape, batch.length.tolist(), variant)) or real(self, batch, variant))
     a = Namespace(batch=3, prompt_len=20, rounds=2, sequence=0, trace_dir=str(tmp_path),
-                  phase="prefill")
+                  phase="prefill", prefill_drafts=drafts)
     wall, per_call, _ = pr.profile(a, model, model.cfg, k)
     assert seen["calls"] == 2 and wall > 0
     assert len(calls) == 5 + 2 + 2
     shape, lengths, variant = calls[0]
     assert shape == (4, 32) and lengths == [20, 20, 20, 0]  # 3 prompts, a padding row
-    assert variant.mtp == (k > 0) and variant.drafts == (k > 0) and variant.k == k
+    assert variant.mtp == (k > 0) and variant.drafts == (k > 0 and drafts == "yes")
+    assert variant.k == k
 
 
 def test_shape_names_of_config_files_and_checkpoint_folders():
