@@ -304,6 +304,9 @@ def main(argv=None) -> int:
     the backend is created, which nothing before this has done in a fresh process."""
     argv = list(sys.argv[1:] if argv is None else argv)
     args = build_parser().parse_args(argv)
+    if args.prefill_drafts == "no" and args.phase != "prefill":
+        build_parser().error("--prefill-drafts no needs --phase prefill (rounds draft as "
+                             "adaptive speculation is off: every round drafts k).")
     if not args.op_by_op and flag_accepted(CMD_BUFFERS_WHILE_PROFILING):
         os.environ["XLA_FLAGS"] = (os.environ.get("XLA_FLAGS", "") + " "
                                    + CMD_BUFFERS_WHILE_PROFILING).strip()
